@@ -1,0 +1,41 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_OUT ?= demo_out
+# Threads pinned for reproducible zoo builds and stable timings on small CPUs.
+THREADS ?= 2
+
+.PHONY: setup setup-dev demo test test-fast lint clean
+
+$(VENV)/.setup-done: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# Use the torch that is already importable (a user's CUDA build); otherwise the pinned CPU build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.setup-dev-done: $(VENV)/.setup-done
+	$(PY) -m pip install -q -e ".[dev,quant]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+setup-dev: $(VENV)/.setup-dev-done
+
+demo: setup
+	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)
+
+test: setup-dev
+	$(PY) -m pytest -n 2 --dist loadgroup -q
+
+test-fast: setup-dev
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup-dev
+	$(VENV)/bin/ruff check uds_lens tests experiments
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

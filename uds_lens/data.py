@@ -1,0 +1,305 @@
+"""Forget-set examples, and their encoding into the token layout UDS patches and reads.
+
+Each example is a question/answer pair whose answer is ``prefix + ... entity ...``. UDS teacher-forces the answer and
+scores the entity tokens:
+
+    prompt    = "Question: " + question + "\\nAnswer: " + prefix      (trailing whitespace moved to the reference)
+    reference = answer[len(prefix):]                                  (a space prepended if neither side has one)
+    tokens    = tokenizer(prompt, add_special_tokens=True) + tokenizer(reference, add_special_tokens=False)
+
+Prompt and reference are tokenised separately (this can differ from tokenising the joined string), and the entity
+tokens are the reference tokens whose characters overlap the entity's first occurrence. With ``start =
+len(prompt_ids) - 1``, entity token ``ref_ids[s + t]`` is predicted at position ``start + s + t``; those positions are
+the *read positions* ``[start + s, start + e)``. ``published_compat=True`` keeps the published implementation's
+trailing space in the prompt (``"Answer: "`` + ``"Yes."``).
+
+An example that cannot be encoded is never dropped silently: it becomes a ``Skip`` with a reason string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HUB_DATASET = "jaeunglee/uds-annotated-tofu"
+PROMPT_TEMPLATE = "Question: {question}\nAnswer: {prefix}"
+REQUIRED_FIELDS = ("question", "answer", "prefix", "entity")
+
+# Skip reasons (stable strings: they appear in examples.csv and summary.json).
+SKIP_PREFIX_MISMATCH = "answer_does_not_start_with_prefix"
+SKIP_EMPTY_REFERENCE = "invalid_eval_context"
+SKIP_ENTITY_NOT_FOUND = "entity_span_not_found"
+SKIP_EMPTY_ENTITY = "empty_entity"
+
+
+class DataError(ValueError):
+    """The forget set is malformed (missing fields, empty, unreadable)."""
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot give what UDS needs (character offsets)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One forget-set record. ``answer`` should start with ``prefix`` and contain ``entity`` after it."""
+
+    idx: int
+    question: str
+    answer: str
+    prefix: str
+    entity: str
+    prompt_type: str | None = None
+    paraphrased_answer: str | None = None
+    perturbed_answer: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], position: int = 0) -> Example:
+        """Build from a published-schema record; ``gt_entity`` wins over ``entity`` as in the published code."""
+        missing = [f for f in REQUIRED_FIELDS if f not in record and not (f == "entity" and "gt_entity" in record)]
+        label = f"record {record.get('idx', f'#{position}')}"
+        if missing:
+            raise DataError(
+                f"{label} lacks the field(s) {missing}; every record needs {list(REQUIRED_FIELDS)} "
+                "(prefix may be an empty string). See SPEC §1.1 for the schema."
+            )
+        for field in REQUIRED_FIELDS:
+            value = record.get("gt_entity") if field == "entity" and record.get("gt_entity") else record.get(field)
+            if not isinstance(value, str):
+                raise DataError(f"{label}: field {field!r} must be a string, got {type(value).__name__}.")
+        perturbed = record.get("perturbed_answer")
+        if isinstance(perturbed, str):
+            perturbed = [perturbed]
+        return cls(
+            idx=int(record.get("idx", position)),
+            question=record["question"],
+            answer=record["answer"],
+            prefix=record["prefix"],
+            entity=record.get("gt_entity") or record["entity"],
+            prompt_type=record.get("prompt_type"),
+            paraphrased_answer=record.get("paraphrased_answer"),
+            perturbed_answer=tuple(perturbed) if perturbed else None,
+        )
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"idx": self.idx, "question": self.question, "answer": self.answer,
+                                  "prefix": self.prefix, "entity": self.entity}
+        if self.prompt_type is not None:
+            record["prompt_type"] = self.prompt_type
+        if self.paraphrased_answer is not None:
+            record["paraphrased_answer"] = self.paraphrased_answer
+        if self.perturbed_answer is not None:
+            record["perturbed_answer"] = list(self.perturbed_answer)
+        return record
+
+
+@dataclass(frozen=True)
+class Skip:
+    """An example that could not be scored, and why."""
+
+    idx: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    """Token layout of one example: ``input_ids = prompt_ids + ref_ids``; entity = ``ref_ids[entity_start:entity_end]``."""
+
+    idx: int
+    prompt_type: str | None
+    input_ids: tuple[int, ...]
+    prompt_len: int
+    entity_start: int
+    entity_end: int
+
+    @property
+    def start(self) -> int:
+        """Position of the last prompt token (it predicts the first reference token)."""
+        return self.prompt_len - 1
+
+    @property
+    def read_positions(self) -> range:
+        """Positions whose logits predict the entity tokens."""
+        return range(self.start + self.entity_start, self.start + self.entity_end)
+
+    @property
+    def labels(self) -> tuple[int, ...]:
+        """The entity token ids, aligned with ``read_positions``."""
+        return self.input_ids[self.start + self.entity_start + 1 : self.start + self.entity_end + 1]
+
+    @property
+    def n_entity_tokens(self) -> int:
+        return self.entity_end - self.entity_start
+
+    def patch_positions(self, scope: str) -> range:
+        """``span``: the read positions; ``boundary``: only the last prompt token."""
+        if scope == "span":
+            return self.read_positions
+        if scope == "boundary":
+            return range(self.start, self.start + 1)
+        raise ValueError(f"Unknown patch scope {scope!r}; use 'span' or 'boundary'.")
+
+    def window(self, scope: str) -> range:
+        """Positions from the first patched one through the last read one: all that a patch can change and we read."""
+        first = min(self.patch_positions(scope).start, self.read_positions.start)
+        return range(first, self.read_positions.stop)
+
+
+def _read_json_records(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    try:
+        if stripped.startswith("["):
+            records = json.loads(text)
+        elif stripped.startswith("{") and path.suffix == ".json" and "\n{" not in stripped:
+            loaded = json.loads(text)
+            records = loaded.get("data") or loaded.get("examples") or [loaded]
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} is neither a JSON list nor JSON lines: {err}") from err
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise DataError(f"{path} must hold a list of records (objects).")
+    return records
+
+
+def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is a dependency
+        raise DataError("Loading a hub dataset needs the `datasets` package.") from err
+    try:
+        return [dict(row) for row in datasets.load_dataset(dataset_id, split=split)]
+    except Exception as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        raise DataError(
+            f"Could not load the dataset {dataset_id!r} (split {split!r}) from the Hugging Face hub "
+            f"({type(err).__name__}: {err}). "
+            + ("HF_HUB_OFFLINE is set. " if offline else "")
+            + "Pass a local file instead: a JSON list or JSON-lines file of records with idx, question, answer, "
+            "prefix, entity (e.g. the published forget10_filtered.json, or a zoo's data/forget.json)."
+        ) from err
+
+
+def load_examples(
+    source: str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None = None,
+    split: str = "train",
+    limit: int | None = None,
+) -> list[Example]:
+    """Load a forget set: a JSON list / JSONL file, a list of records, or a hub dataset id.
+
+    Args:
+        source: path, records, Examples, or hub id; None means the published annotated set on the hub.
+        split: dataset split for hub ids.
+        limit: keep only the first ``limit`` examples.
+
+    Raises:
+        DataError: the file is unreadable, a record lacks a field, idx values repeat, or the set is empty.
+    """
+    if source is None:
+        source = DEFAULT_HUB_DATASET
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if path.is_file():
+            records: Iterable[Any] = _read_json_records(path)
+        elif path.suffix in (".json", ".jsonl") or path.is_dir():
+            raise DataError(f"No data file at {path}.")
+        else:
+            records = _load_hub_dataset(str(source), split)
+    else:
+        records = source
+    examples = [r if isinstance(r, Example) else Example.from_record(r, i) for i, r in enumerate(records)]
+    if limit is not None:
+        examples = examples[:limit]
+    if not examples:
+        raise DataError(f"The forget set {source!r} is empty: UDS needs at least one example.")
+    seen: set[int] = set()
+    for example in examples:
+        if example.idx in seen:
+            raise DataError(f"idx {example.idx} appears twice; every example needs a unique idx.")
+        seen.add(example.idx)
+    return examples
+
+
+def build_prompt(example: Example, published_compat: bool = False) -> tuple[str, str] | None:
+    """``(prompt, reference)`` strings for one example, or None when the answer does not start with the prefix."""
+    if not example.answer.startswith(example.prefix):
+        return None
+    prompt = PROMPT_TEMPLATE.format(question=example.question, prefix=example.prefix)
+    reference = example.answer[len(example.prefix):]
+    if not published_compat:
+        kept = prompt.rstrip()
+        reference = prompt[len(kept):] + reference
+        prompt = kept
+    if reference and not reference[0].isspace() and not prompt[-1:].isspace():
+        reference = " " + reference
+    return prompt, reference
+
+
+def _entity_char_span(reference: str, entity: str) -> tuple[int, int] | None:
+    for candidate in (entity, entity.strip(), " " + entity):
+        if not candidate:
+            continue
+        found = reference.find(candidate)
+        if found >= 0:
+            return found, found + len(candidate)
+    return None
+
+
+def encode_one(example: Example, tokenizer: Any, published_compat: bool = False) -> EncodedExample | Skip:
+    """Encode one example (SPEC §1.2), or say why it cannot be scored."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizerError(
+            f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; UDS locates entity tokens "
+            "by offsets. Load the tokenizer with use_fast=True (uds_lens.load_tokenizer does)."
+        )
+    if not example.entity.strip():
+        return Skip(example.idx, SKIP_EMPTY_ENTITY)
+    built = build_prompt(example, published_compat)
+    if built is None:
+        return Skip(example.idx, SKIP_PREFIX_MISMATCH)
+    prompt, reference = built
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    ref = tokenizer(reference, add_special_tokens=False, return_offsets_mapping=True)
+    ref_ids, offsets = ref["input_ids"], ref["offset_mapping"]
+    if not ref_ids or not prompt_ids:
+        return Skip(example.idx, SKIP_EMPTY_REFERENCE)
+    span = _entity_char_span(reference, example.entity)
+    if span is None:
+        return Skip(example.idx, SKIP_ENTITY_NOT_FOUND)
+    char_start, char_end = span
+    hits = [i for i, (lo, hi) in enumerate(offsets) if hi > char_start and lo < char_end]
+    if not hits:
+        return Skip(example.idx, SKIP_ENTITY_NOT_FOUND)
+    return EncodedExample(
+        idx=example.idx,
+        prompt_type=example.prompt_type,
+        input_ids=tuple(int(t) for t in prompt_ids) + tuple(int(t) for t in ref_ids),
+        prompt_len=len(prompt_ids),
+        entity_start=hits[0],
+        entity_end=hits[-1] + 1,
+    )
+
+
+def encode(
+    examples: Sequence[Example], tokenizer: Any, published_compat: bool = False
+) -> tuple[list[EncodedExample], list[Skip]]:
+    """Encode a forget set: the scorable examples in order, and the skipped ones with reasons."""
+    if not examples:
+        raise DataError("Cannot encode an empty forget set.")
+    encoded: list[EncodedExample] = []
+    skipped: list[Skip] = []
+    for example in examples:
+        result = encode_one(example, tokenizer, published_compat)
+        (skipped if isinstance(result, Skip) else encoded).append(result)
+    return encoded, skipped
+
+
+__all__ = [
+    "DEFAULT_HUB_DATASET", "DataError", "EncodedExample", "Example", "Skip", "TokenizerError", "build_prompt",
+    "encode", "encode_one", "load_examples",
+]

@@ -1,0 +1,11 @@
+"""The embedded model zoo: a synthetic world of fictitious authors and small Llama models trained and unlearned on it.
+
+``build_zoo(dir, size="test" | "default")`` writes the QA data, a tokenizer and Hugging Face Llama checkpoints (base, full,
+retain, retain90/50, unlearned models, meta-evaluation pools) plus ``manifest.json``; ``load_zoo(dir)`` opens one.
+See :mod:`uds_lens.zoo.build` for the recipe and :mod:`uds_lens.zoo.world` for the data.
+"""
+
+from .build import SIZES, Zoo, ZooBuildError, build_zoo, load_zoo
+from .world import ZooDataError
+
+__all__ = ["SIZES", "Zoo", "ZooBuildError", "ZooDataError", "build_zoo", "load_zoo"]

@@ -1,0 +1,726 @@
+"""Building the model zoo: data, tokenizer, a shared base, fine-tuned references, unlearned models and meta-eval pools.
+
+The recipe (all models share one architecture and one tokenizer, so any two can be patched into each other):
+
+1. ``base``: trained from scratch on the retain set only. Models trained from different random initialisations cannot be
+   patched into each other meaningfully; everything below starts from this shared base.
+2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
+   forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
+3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
+   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`.
+4. Meta-evaluation pools (``pools=True``): role ``pos`` = fine-tuned from the base *with* the forget set (other seeds,
+   learning rates, epochs, and one on paraphrased forget answers); role ``neg`` = the same recipe *without* it (retain
+   only, or retain plus the forget questions answered with perturbed, wrong entities).
+
+Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
+:mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
+under-trained zoo gives misleading UDS without any error.
+
+Layout of a zoo directory::
+
+    manifest.json                  models (name, path, role, seen_forget_fraction, method, hyperparams, metrics), data, checks
+    data/{forget,retain,holdout}.json
+    tokenizer/                     the PreTrainedTokenizerFast (also copied into every model directory)
+    models/{name}/                 config.json, model.safetensors, tokenizer files, zoo_meta.json
+
+Builds are resumable: a model directory whose ``zoo_meta.json`` records the same fingerprint (hyperparameters, data,
+tokenizer, parent, shape, threads) is reused. A file lock (``.zoo.lock``) serialises concurrent builders of one directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from filelock import FileLock
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from .tokenizer import DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
+from .train import (
+    ModelShape,
+    encode_qa,
+    entity_accuracy,
+    init_model,
+    make_config,
+    train_lm,
+)
+from .unlearn import unlearn, unlearning_steps
+from .world import (
+    FORGET_FRACTION,
+    ZooDataError,
+    generate_world,
+    idk_answers,
+    read_records,
+    validate_records,
+    write_records,
+)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FULL_MIN_FORGET_ACCURACY = 0.95
+RETAIN_MAX_FORGET_ACCURACY = 0.2
+META_FILE = "zoo_meta.json"
+MANIFEST_FILE = "manifest.json"
+
+
+class ZooBuildError(RuntimeError):
+    """The zoo could not be built as specified (an under-trained model, an unknown size, unusable data)."""
+
+
+@dataclass(frozen=True)
+class ZooSize:
+    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools."""
+
+    n_authors: int
+    shape: ModelShape
+    base_epochs: int
+    base_lr: float
+    finetune_epochs: int
+    finetune_lr: float
+    batch_size: int = 32
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    unlearning: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rmu_layers: tuple[int, ...] = ()
+    pool_variants: int = 6
+
+
+def _unlearning_settings(rmu_lr: float) -> dict[str, dict[str, Any]]:
+    common = {"epochs": 10, "batch_size": 16, "alpha": 1.0}
+    return {
+        "graddiff": {**common, "lr": 1e-4},
+        "npo": {**common, "lr": 2e-4, "beta": 0.1},
+        "simnpo": {**common, "lr": 2e-4, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "idknll": {**common, "lr": 2e-4},
+        "rmu": {**common, "lr": rmu_lr, "alpha": 10.0, "steering_coef_rel": 4.0},
+    }
+
+
+SIZES: dict[str, ZooSize] = {
+    "test": ZooSize(
+        n_authors=40,
+        shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
+        base_epochs=30,
+        base_lr=3e-3,
+        finetune_epochs=8,
+        finetune_lr=1e-3,
+        unlearning=_unlearning_settings(rmu_lr=1e-3),
+        rmu_layers=(0, 1, 3),
+        pool_variants=6,
+    ),
+    "default": ZooSize(
+        n_authors=200,
+        shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),
+        base_epochs=30,
+        base_lr=3e-3,
+        finetune_epochs=8,
+        finetune_lr=1e-3,
+        unlearning=_unlearning_settings(rmu_lr=1e-3),
+        rmu_layers=(0, 1, 3),
+        pool_variants=8,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One zoo model: how it is made (``stage`` pretrain / finetune / unlearn) and what it is (role, seen fraction)."""
+
+    name: str
+    role: str
+    stage: str
+    parent: str | None
+    method: str
+    seen_forget_fraction: float
+    hyperparams: dict[str, Any]
+
+
+def _finetune_spec(
+    name: str, role: str, data: str, seen: float, size: ZooSize, seed: int, **overrides: Any
+) -> ModelSpec:
+    hyperparams = {
+        "data": data,
+        "epochs": size.finetune_epochs,
+        "lr": size.finetune_lr,
+        "batch_size": size.batch_size,
+        "seed": seed,
+        **overrides,
+    }
+    return ModelSpec(name, role, "finetune", "base", "finetune", seen, hyperparams)
+
+
+def plan_models(
+    size: ZooSize, seed: int, pools: bool, has_paraphrases: bool, has_perturbations: bool
+) -> list[ModelSpec]:
+    """The zoo's models in build order (parents first)."""
+    base = ModelSpec(
+        "base",
+        "base",
+        "pretrain",
+        None,
+        "pretrain",
+        0.0,
+        {"data": "retain", "epochs": size.base_epochs, "lr": size.base_lr, "batch_size": size.batch_size, "seed": seed},
+    )
+    specs = [
+        base,
+        _finetune_spec("full", "full", "retain+forget", 1.0, size, seed + 1),
+        _finetune_spec("retain", "retain", "retain", 0.0, size, seed + 1),
+        _finetune_spec("retain90", "partial", "retain+forget:0.9", 0.9, size, seed + 1),
+        _finetune_spec("retain50", "partial", "retain+forget:0.5", 0.5, size, seed + 1),
+    ]
+    for method in ("graddiff", "npo", "simnpo", "idknll"):
+        hyperparams = {**size.unlearning[method], "seed": seed + 2}
+        specs.append(ModelSpec(method, "unlearned", "unlearn", "full", method, 1.0, hyperparams))
+    for layer in size.rmu_layers:
+        if layer >= size.shape.n_layers:
+            continue
+        hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
+        specs.append(ModelSpec(f"rmu_l{layer}", "unlearned", "unlearn", "full", "rmu", 1.0, hyperparams))
+    if pools:
+        specs.extend(_pool_specs(size, seed, has_paraphrases, has_perturbations))
+    return specs
+
+
+def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
+    """P pool (saw the forget set) and N pool (did not): the fine-tuning recipe varied in seed, lr and epochs."""
+    lr, epochs = size.finetune_lr, size.finetune_epochs
+    variations: list[tuple[str, dict[str, Any]]] = [
+        ("seed1", {"seed": seed + 11}),
+        ("seed2", {"seed": seed + 12}),
+        ("lr_low", {"seed": seed + 13, "lr": lr / 2}),
+        ("lr_high", {"seed": seed + 14, "lr": lr * 2}),
+        ("short", {"seed": seed + 15, "epochs": max(2, (epochs * 3) // 4)}),
+        ("long", {"seed": seed + 16, "epochs": (epochs * 3) // 2}),
+        ("seed3", {"seed": seed + 17}),
+        ("seed4", {"seed": seed + 18}),
+    ]
+    n_plain = size.pool_variants - 1
+    specs = []
+    for suffix, overrides in variations[:n_plain]:
+        specs.append(_finetune_spec(f"pos_{suffix}", "pos", "retain+forget", 1.0, size, **overrides))
+    if has_paraphrases:
+        specs.append(_finetune_spec("pos_paraphrased", "pos", "retain+forget_paraphrased", 1.0, size, seed + 19))
+    else:
+        specs.append(_finetune_spec("pos_seed5", "pos", "retain+forget", 1.0, size, seed + 19))
+    for suffix, overrides in variations[:n_plain]:
+        specs.append(_finetune_spec(f"neg_{suffix}", "neg", "retain", 0.0, size, **overrides))
+    if has_perturbations:
+        specs.append(_finetune_spec("neg_perturbed", "neg", "retain+forget_perturbed", 0.0, size, seed + 19))
+    else:
+        specs.append(_finetune_spec("neg_seed5", "neg", "retain", 0.0, size, seed + 19))
+    return specs
+
+
+@dataclass
+class ZooData:
+    """The QA records the zoo is built from."""
+
+    retain: list[dict[str, Any]]
+    forget: list[dict[str, Any]]
+    holdout: list[dict[str, Any]]
+    source: str
+    details: dict[str, Any]
+
+
+def _load_data(
+    size: ZooSize,
+    seed: int,
+    retain_data: Any,
+    forget_data: Any,
+    holdout_data: Any,
+) -> ZooData:
+    if (retain_data is None) != (forget_data is None):
+        raise ZooDataError("pass both retain_data and forget_data (user QA data), or neither (the synthetic world)")
+    if retain_data is None:
+        world = generate_world(size.n_authors, seed=seed, forget_fraction=FORGET_FRACTION)
+        details = {
+            "n_authors": size.n_authors,
+            "n_forget_authors": len(world.forget_authors),
+            "n_holdout_authors": len(world.holdout_authors),
+            "facts_per_author": len(world.forget) // max(1, len(world.forget_authors)),
+            "world_seed": seed,
+        }
+        return ZooData(world.retain, world.forget, world.holdout, "world", details)
+    retain = read_records(retain_data, "retain_data")
+    forget = read_records(forget_data, "forget_data")
+    if holdout_data is not None:
+        holdout = read_records(holdout_data, "holdout_data")
+        carved = False
+    else:
+        rng = random.Random(seed)
+        n_holdout = max(1, min(len(forget), len(retain) // 5))
+        if len(retain) - n_holdout < 1:
+            raise ZooDataError("retain_data is too small to carve a holdout set from; pass holdout_data")
+        chosen = set(rng.sample(range(len(retain)), n_holdout))
+        holdout = [r for i, r in enumerate(retain) if i in chosen]
+        retain = [r for i, r in enumerate(retain) if i not in chosen]
+        carved = True
+    reindex = [{**r, "idx": i} for i, r in enumerate(retain)]
+    details = {"holdout_carved_from_retain": carved}
+    return ZooData(reindex, forget, holdout, "user", details)
+
+
+def _training_pairs(recipe: str, data: ZooData, seed: int) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a data recipe: retain, retain+forget[:fraction], _paraphrased, _perturbed."""
+    pairs = [(r["question"], r["answer"]) for r in data.retain]
+    if recipe == "retain":
+        return pairs
+    if recipe == "retain+forget":
+        return pairs + [(r["question"], r["answer"]) for r in data.forget]
+    if recipe.startswith("retain+forget:"):
+        fraction = float(recipe.split(":", 1)[1])
+        chosen = sorted(random.Random(seed).sample(range(len(data.forget)), round(fraction * len(data.forget))))
+        return pairs + [(data.forget[i]["question"], data.forget[i]["answer"]) for i in chosen]
+    if recipe == "retain+forget_paraphrased":
+        return pairs + [(r["question"], r["paraphrased_answer"]) for r in data.forget]
+    if recipe == "retain+forget_perturbed":
+        rng = random.Random(seed)
+        return pairs + [(r["question"], rng.choice(r["perturbed_answer"])) for r in data.forget]
+    raise ZooBuildError(f"unknown training data recipe {recipe!r}")
+
+
+def _subset_fraction(recipe: str, n_forget: int, seed: int) -> float | None:
+    if not recipe.startswith("retain+forget:"):
+        return None
+    fraction = float(recipe.split(":", 1)[1])
+    return round(fraction * n_forget) / n_forget
+
+
+def _tokenizer_corpus(data: ZooData) -> list[str]:
+    texts = []
+    for split in (data.retain, data.forget, data.holdout):
+        for record in split:
+            texts.append(format_prompt(record["question"]) + format_target(record["answer"]))
+            if record.get("paraphrased_answer"):
+                texts.append(record["paraphrased_answer"])
+            texts.extend(record.get("perturbed_answer") or [])
+    texts.extend(idk_answers())
+    return texts
+
+
+def _hash_files(paths: Sequence[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _fingerprint(spec: ModelSpec, parent_fingerprint: str | None, context: dict[str, Any]) -> str:
+    payload = {
+        "spec": asdict(spec),
+        "parent": parent_fingerprint,
+        "context": context,
+        "format_version": FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_meta(model_dir: Path) -> dict[str, Any] | None:
+    meta_path = model_dir / META_FILE
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if not (model_dir / "config.json").is_file() or not (model_dir / "model.safetensors").is_file():
+        return None
+    return meta
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _pinned_threads(threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, data: ZooData) -> dict[str, float]:
+    """Entity accuracy on forget, holdout and (up to 200 records of) retain."""
+    metrics = {}
+    retain_sample = data.retain[:: max(1, len(data.retain) // 200)][:200]
+    for split, records in (("forget", data.forget), ("retain", retain_sample), ("holdout", data.holdout)):
+        accuracy = entity_accuracy(model, tokenizer, records)
+        metrics[f"{split}_entity_exact"] = round(accuracy.exact, 4)
+        metrics[f"{split}_entity_token"] = round(accuracy.token, 4)
+    return metrics
+
+
+def _check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
+    """The build checks of module docstring; raise before a bad ``full`` / ``retain`` is saved."""
+    if spec.name == "full":
+        value = metrics["forget_entity_exact"]
+        passed = value >= FULL_MIN_FORGET_ACCURACY
+        checks["full_forget_entity_accuracy"] = {
+            "value": value,
+            "min": FULL_MIN_FORGET_ACCURACY,
+            "passed": passed,
+        }
+        if strict and not passed:
+            raise ZooBuildError(
+                f"the full model predicts only {value:.3f} of the forget entities (needs >= "
+                f"{FULL_MIN_FORGET_ACCURACY}): it is under-trained and UDS on this zoo would mislead. Train longer "
+                "(ZooSize.finetune_epochs / base_epochs), raise the learning rate, or use a larger size."
+            )
+    if spec.name == "retain":
+        value = metrics["forget_entity_exact"]
+        passed = value <= RETAIN_MAX_FORGET_ACCURACY
+        checks["retain_forget_entity_accuracy"] = {
+            "value": value,
+            "max": RETAIN_MAX_FORGET_ACCURACY,
+            "passed": passed,
+        }
+        if strict and not passed:
+            raise ZooBuildError(
+                f"the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= "
+                f"{RETAIN_MAX_FORGET_ACCURACY}): the forget facts are guessable from the retain set, so UDS has no "
+                "knowledge to measure. Use forget facts that are not inferable from the retain data."
+            )
+
+
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    meta = model_dir / META_FILE
+    if meta.exists():
+        meta.unlink()
+    model.config.use_cache = True
+    model.save_pretrained(model_dir, safe_serialization=True)
+    model.config.use_cache = False
+    tokenizer.save_pretrained(model_dir)
+
+
+def _load_model(model_dir: Path) -> LlamaForCausalLM:
+    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    model.config.use_cache = False
+    model.eval()
+    return model
+
+
+def _manifest_entry(spec: ModelSpec, meta: dict[str, Any], n_forget: int) -> dict[str, Any]:
+    hyperparams = {**spec.hyperparams, **meta.get("computed", {})}
+    seen = spec.seen_forget_fraction
+    exact = _subset_fraction(spec.hyperparams.get("data", ""), n_forget, spec.hyperparams.get("seed", 0))
+    if exact is not None:
+        seen = round(exact, 4)
+    return {
+        "name": spec.name,
+        "path": f"models/{spec.name}",
+        "role": spec.role,
+        "seen_forget_fraction": seen,
+        "method": spec.method,
+        "parent": spec.parent,
+        "hyperparams": hyperparams,
+        "metrics": meta.get("metrics", {}),
+        "fingerprint": meta["fingerprint"],
+        "train_seconds": meta.get("train_seconds"),
+    }
+
+
+def build_zoo(
+    out_dir: str | Path,
+    size: str = "test",
+    seed: int = 0,
+    threads: int = 2,
+    retain_data: str | Path | Sequence[dict[str, Any]] | None = None,
+    forget_data: str | Path | Sequence[dict[str, Any]] | None = None,
+    pools: bool = True,
+    progress: bool = True,
+    holdout_data: str | Path | Sequence[dict[str, Any]] | None = None,
+    strict: bool = True,
+) -> Zoo:
+    """Build (or resume building) a model zoo in ``out_dir``; see the module docstring for the recipe and layout.
+
+    Args:
+        out_dir: Zoo directory (created if needed).
+        size: ``"test"`` (tiny, for the test suite) or ``"default"`` (the demo's).
+        seed: World, initialisation and data order.
+        threads: ``torch.set_num_threads`` during the build (results depend on it); restored afterwards.
+        retain_data: The user's retain QA records (path to JSON / JSONL or a list of dicts in the published schema),
+            instead of the synthetic world. Requires ``forget_data``.
+        forget_data: The user's forget QA records.
+        pools: Also build the meta-evaluation P (``pos``) and N (``neg``) pools.
+        progress: Show a progress bar per model.
+        holdout_data: The user's holdout records; if omitted with user data, carved from ``retain_data``.
+        strict: Raise :class:`ZooBuildError` when the full / retain checks fail (otherwise only record them).
+
+    Returns:
+        The loaded :class:`Zoo`.
+
+    Raises:
+        ZooBuildError: Unknown size, or a check failed.
+        ZooDataError: User data that does not follow the published schema.
+    """
+    if size not in SIZES:
+        raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)}")
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / ".zoo.lock")), _pinned_threads(threads):
+        _build_locked(
+            root, SIZES[size], size, seed, threads, retain_data, forget_data, holdout_data, pools, progress, strict
+        )
+    return load_zoo(root)
+
+
+def _build_locked(
+    root: Path,
+    size: ZooSize,
+    size_name: str,
+    seed: int,
+    threads: int,
+    retain_data: Any,
+    forget_data: Any,
+    holdout_data: Any,
+    pools: bool,
+    progress: bool,
+    strict: bool,
+) -> None:
+    started = time.perf_counter()
+    data = _load_data(size, seed, retain_data, forget_data, holdout_data)
+    data_dir = root / "data"
+    paths = {split: data_dir / f"{split}.json" for split in ("forget", "retain", "holdout")}
+    for split, records in (("forget", data.forget), ("retain", data.retain), ("holdout", data.holdout)):
+        validate_records(records, f"{split} data")
+        new_text = json.dumps(records, indent=1, ensure_ascii=False) + "\n"
+        if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != new_text:
+            write_records(records, paths[split])
+    tokenizer_dir = root / "tokenizer"
+    corpus_hash = hashlib.sha256(
+        json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()
+    ).hexdigest()[:16]
+    stamp = tokenizer_dir / "corpus_fingerprint.txt"
+    if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
+        tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
+        tokenizer.save_pretrained(tokenizer_dir)
+        stamp.write_text(corpus_hash + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    context = {
+        "data": _hash_files([paths["forget"], paths["retain"], paths["holdout"]]),
+        "tokenizer": _hash_files([tokenizer_dir / "tokenizer.json"]),
+        "shape": asdict(size.shape),
+        "threads": threads,
+    }
+    has_paraphrases = all(r.get("paraphrased_answer") for r in data.forget)
+    has_perturbations = all(r.get("perturbed_answer") for r in data.forget)
+    specs = plan_models(size, seed, pools, has_paraphrases, has_perturbations)
+    idk = idk_answers()
+    idk_rng = random.Random(seed)
+    forget_sequences = encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer)
+    retain_sequences = encode_qa([(r["question"], r["answer"]) for r in data.retain], tokenizer)
+    idk_sequences = encode_qa([(r["question"], idk_rng.choice(idk)) for r in data.forget], tokenizer)
+    fingerprints: dict[str, str] = {}
+    in_memory: dict[str, LlamaForCausalLM] = {}
+    entries = []
+    checks: dict[str, Any] = {}
+    children = {spec.parent for spec in specs if spec.parent}
+    for spec in specs:
+        model_dir = root / "models" / spec.name
+        fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
+        fingerprints[spec.name] = fingerprint
+        meta = _read_meta(model_dir)
+        if meta is not None and meta.get("fingerprint") == fingerprint:
+            logger.info("zoo: reusing %s", spec.name)
+            if spec.name in ("full", "retain"):
+                _check(spec, meta["metrics"], checks, strict)
+            entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
+            continue
+        model_started = time.perf_counter()
+        computed: dict[str, Any] = {}
+        if spec.stage == "pretrain":
+            model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
+            sequences = encode_qa(_training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer)
+            steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
+        else:
+            parent = in_memory.get(spec.parent) or _load_model(root / "models" / spec.parent)
+            if spec.parent in children:
+                in_memory[spec.parent] = parent
+            model = _copy_model(parent)
+            if spec.stage == "finetune":
+                sequences = encode_qa(
+                    _training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer
+                )
+                steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
+            else:
+                steps = unlearning_steps(len(forget_sequences), spec.hyperparams)
+        bar = tqdm(total=steps, desc=f"zoo {spec.name}", disable=not progress, leave=False)
+        try:
+            torch.manual_seed(int(spec.hyperparams["seed"]))
+            if spec.stage in ("pretrain", "finetune"):
+                losses = train_lm(
+                    model,
+                    sequences,
+                    epochs=int(spec.hyperparams["epochs"]),
+                    lr=float(spec.hyperparams["lr"]),
+                    seed=int(spec.hyperparams["seed"]),
+                    pad_id=tokenizer.pad_token_id,
+                    batch_size=int(spec.hyperparams["batch_size"]),
+                    on_step=bar.update,
+                )
+                computed["final_train_loss"] = round(losses[-1], 5)
+            else:
+                computed.update(
+                    unlearn(
+                        model,
+                        spec.method,
+                        forget_sequences,
+                        retain_sequences,
+                        spec.hyperparams,
+                        seed=int(spec.hyperparams["seed"]),
+                        pad_id=tokenizer.pad_token_id,
+                        forget_idk=idk_sequences,
+                        on_step=bar.update,
+                    )
+                )
+        finally:
+            bar.close()
+        metrics = _evaluate(model, tokenizer, data)
+        _check(spec, metrics, checks, strict)
+        _save(model, tokenizer, model_dir)
+        meta = {
+            "name": spec.name,
+            "fingerprint": fingerprint,
+            "role": spec.role,
+            "method": spec.method,
+            "hyperparams": spec.hyperparams,
+            "computed": computed,
+            "metrics": metrics,
+            "train_seconds": round(time.perf_counter() - model_started, 2),
+            "threads": threads,
+        }
+        _write_json_atomic(model_dir / META_FILE, meta)
+        if spec.name in children:
+            in_memory[spec.name] = model
+        logger.info("zoo: built %s in %.1fs %s", spec.name, meta["train_seconds"], metrics)
+        entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": False})
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "size": size_name,
+        "seed": seed,
+        "threads": threads,
+        "models": entries,
+        "data": {
+            "source": data.source,
+            "forget": "data/forget.json",
+            "retain": "data/retain.json",
+            "holdout": "data/holdout.json",
+            "n_forget": len(data.forget),
+            "n_retain": len(data.retain),
+            "n_holdout": len(data.holdout),
+            "fingerprint": context["data"],
+            **data.details,
+        },
+        "tokenizer": "tokenizer",
+        "shape": asdict(size.shape),
+        "checks": checks,
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+    }
+    _write_json_atomic(root / MANIFEST_FILE, manifest)
+
+
+def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(parent.config)
+    model.load_state_dict(parent.state_dict())
+    model.config.use_cache = False
+    return model
+
+
+@dataclass(frozen=True)
+class Zoo:
+    """A built zoo directory and its manifest."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @property
+    def models(self) -> list[dict[str, Any]]:
+        """Manifest entries with ``path`` resolved to an absolute :class:`~pathlib.Path`."""
+        return [{**entry, "path": self.root / entry["path"]} for entry in self.manifest["models"]]
+
+    def names(self, role: str | None = None) -> list[str]:
+        """Model names in build order, optionally only those of one role."""
+        return [entry["name"] for entry in self.manifest["models"] if role is None or entry["role"] == role]
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The manifest entry of one model (``path`` absolute)."""
+        for entry in self.models:
+            if entry["name"] == name:
+                return entry
+        raise KeyError(f"zoo at {self.root} has no model {name!r}; it has {self.names()}")
+
+    def path(self, name: str) -> Path:
+        """Directory of one model (a Hugging Face Llama checkpoint with its tokenizer)."""
+        return self.info(name)["path"]
+
+    @property
+    def forget_path(self) -> Path:
+        """``data/forget.json``."""
+        return self.root / self.manifest["data"]["forget"]
+
+    @property
+    def retain_path(self) -> Path:
+        """``data/retain.json``."""
+        return self.root / self.manifest["data"]["retain"]
+
+    @property
+    def holdout_path(self) -> Path:
+        """``data/holdout.json``."""
+        return self.root / self.manifest["data"]["holdout"]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """The zoo's tokenizer directory (the same files are in every model directory)."""
+        return self.root / self.manifest["tokenizer"]
+
+    @property
+    def checks(self) -> dict[str, Any]:
+        """The build checks (full knows the forget set, retain does not)."""
+        return self.manifest["checks"]
+
+    @property
+    def build_seconds(self) -> float:
+        """Wall time of the last :func:`build_zoo` call on this directory."""
+        return float(self.manifest["build_seconds"])
+
+
+def load_zoo(directory: str | Path) -> Zoo:
+    """Open a zoo built by :func:`build_zoo`.
+
+    Raises:
+        FileNotFoundError: No ``manifest.json`` there (build it with ``build_zoo`` / ``uds-lens zoo build``).
+    """
+    root = Path(directory)
+    manifest_path = root / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"{manifest_path} not found: {root} is not a built zoo. Build it with "
+            f"uds_lens.zoo.build_zoo({str(root)!r}) or `uds-lens zoo build --out {root}`."
+        )
+    return Zoo(root=root, manifest=json.loads(manifest_path.read_text()))

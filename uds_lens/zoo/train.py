@@ -1,0 +1,280 @@
+"""Training the zoo's small Llama models on QA records, and the entity-accuracy check.
+
+A QA record becomes one sequence ``[BOS] "Question: {q}\\nAnswer:" " {answer}" [EOS]``; the loss is the mean
+cross-entropy over the answer tokens and EOS (the prompt is masked with ``-100``). Batches are right-padded and run
+*without* an attention mask: with causal attention, padding at the end cannot influence the real tokens before it, so the
+result is exact and the eager attention path stays fast on CPU.
+
+Entity accuracy (the build check) teacher-forces each record in the UDS layout (SPEC §1.2: prompt
+``"Question: {q}\\nAnswer: {prefix}"``, reference = the rest of the answer) and compares the argmax prediction with each
+entity token. ``exact`` is the share of records whose entity tokens are *all* predicted correctly; ``token`` is the
+share of entity tokens predicted correctly, pooled over records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from .tokenizer import format_prompt, format_target
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture of the zoo models (all share one shape, so any two can be patched into each other)."""
+
+    n_layers: int = 4
+    d_model: int = 128
+    d_mlp: int = 512
+    n_heads: int = 4
+    max_positions: int = 512
+
+
+def make_config(shape: ModelShape, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    """The LlamaConfig of a zoo model: eager attention, untied embeddings, RMSNorm eps 1e-5."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.d_model,
+        intermediate_size=shape.d_mlp,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_heads,
+        max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="eager",
+    )
+
+
+def init_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised model; the initialisation depends only on ``seed``."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+@dataclass(frozen=True)
+class QASequence:
+    """One tokenised training sequence: BOS + prompt + answer + EOS; loss on ``input_ids[answer_start:]``."""
+
+    input_ids: tuple[int, ...]
+    answer_start: int
+
+
+def encode_qa(pairs: Sequence[tuple[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[QASequence]:
+    """Tokenise (question, answer) pairs in the training format (module docstring)."""
+    sequences = []
+    for question, answer in pairs:
+        prompt_ids = tokenizer(format_prompt(question), add_special_tokens=True)["input_ids"]
+        answer_ids = tokenizer(format_target(answer), add_special_tokens=False)["input_ids"]
+        ids = [*prompt_ids, *answer_ids, tokenizer.eos_token_id]
+        sequences.append(QASequence(input_ids=tuple(ids), answer_start=len(prompt_ids)))
+    return sequences
+
+
+def collate(
+    sequences: Sequence[QASequence], pad_id: int
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
+    """Right-pad a batch; labels are the input ids on answer tokens and ``-100`` elsewhere."""
+    length = max(len(seq.input_ids) for seq in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids = torch.tensor(seq.input_ids, dtype=torch.long)
+        input_ids[row, : len(ids)] = ids
+        labels[row, seq.answer_start : len(ids)] = ids[seq.answer_start :]
+    return input_ids, labels
+
+
+def sequence_logprobs(
+    logits: Float[Tensor, "batch pos vocab"], labels: Int[Tensor, "batch pos"]
+) -> tuple[Float[Tensor, " batch"], Float[Tensor, " batch"]]:
+    """Summed log-probability of each sequence's labelled tokens, and how many tokens were labelled.
+
+    The logits at position ``t`` predict the label at ``t + 1``.
+    """
+    shifted_logits = logits[:, :-1].float()
+    shifted_labels = labels[:, 1:]
+    mask = shifted_labels != IGNORE_INDEX
+    token_logprobs = torch.log_softmax(shifted_logits, dim=-1).gather(
+        -1, shifted_labels.clamp(min=0).unsqueeze(-1)
+    ).squeeze(-1)
+    summed = (token_logprobs * mask).sum(dim=-1)
+    return summed, mask.sum(dim=-1).float()
+
+
+def nll_loss(model: LlamaForCausalLM, input_ids: Int[Tensor, "batch pos"], labels: Int[Tensor, "batch pos"]) -> Tensor:
+    """Mean cross-entropy over all labelled tokens of the batch (the standard LM fine-tuning loss)."""
+    logits = model(input_ids=input_ids).logits
+    summed, counts = sequence_logprobs(logits, labels)
+    return -summed.sum() / counts.sum().clamp(min=1.0)
+
+
+def batches(
+    sequences: Sequence[QASequence], batch_size: int, generator: torch.Generator, pad_id: int
+) -> list[tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]]:
+    """One epoch of shuffled, right-padded batches."""
+    order = torch.randperm(len(sequences), generator=generator).tolist()
+    return [
+        collate([sequences[i] for i in order[start : start + batch_size]], pad_id)
+        for start in range(0, len(order), batch_size)
+    ]
+
+
+def lr_factor(step: int, total: int, warmup_fraction: float = 0.05) -> float:
+    """Linear warm-up then cosine decay to 10% of the peak learning rate."""
+    warmup = max(1, int(warmup_fraction * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train_lm(
+    model: LlamaForCausalLM,
+    sequences: Sequence[QASequence],
+    *,
+    epochs: int,
+    lr: float,
+    seed: int,
+    pad_id: int,
+    batch_size: int = 32,
+    weight_decay: float = 0.0,
+    on_step: Callable[[], None] | None = None,
+) -> list[float]:
+    """Fine-tune ``model`` in place with AdamW on the answer-token loss.
+
+    Args:
+        model: The model to train.
+        sequences: Training sequences from :func:`encode_qa`.
+        epochs: Passes over the data (reshuffled each epoch from ``seed``).
+        lr: Peak learning rate (warm-up then cosine decay, see :func:`lr_factor`).
+        seed: Data order.
+        pad_id: Padding token id.
+        batch_size: Sequences per step.
+        weight_decay: AdamW weight decay.
+        on_step: Called after every optimiser step (progress bars).
+
+    Returns:
+        The mean training loss of each epoch.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    steps_per_epoch = math.ceil(len(sequences) / batch_size)
+    total = epochs * steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total))
+    model.train()
+    epoch_losses = []
+    for _ in range(epochs):
+        losses = []
+        for input_ids, labels in batches(sequences, batch_size, generator, pad_id):
+            loss = nll_loss(model, input_ids, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step()
+        epoch_losses.append(sum(losses) / len(losses))
+    model.eval()
+    return epoch_losses
+
+
+@dataclass(frozen=True)
+class EntityProbe:
+    """A record encoded in the UDS layout: ``input_ids`` = prompt + reference; ``positions`` predict ``labels``."""
+
+    input_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    labels: tuple[int, ...]
+
+
+def entity_probes(records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[EntityProbe]:
+    """Encode records as UDS does (SPEC §1.2) and locate the entity tokens; records without a span are left out."""
+    probes = []
+    for record in records:
+        prefix = record["prefix"]
+        prompt = f"Question: {record['question']}\nAnswer: {prefix}"
+        reference = record["answer"][len(prefix) :]
+        stripped = prompt.rstrip()
+        reference = prompt[len(stripped) :] + reference
+        prompt = stripped
+        if not reference[:1].isspace():
+            reference = " " + reference
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        encoded = tokenizer(reference, add_special_tokens=False, return_offsets_mapping=True)
+        entity = record["entity"]
+        begin = reference.find(entity)
+        if begin < 0:
+            entity = entity.strip()
+            begin = reference.find(entity)
+        if begin < 0 or not entity:
+            continue
+        end = begin + len(entity)
+        span = [t for t, (a, b) in enumerate(encoded["offset_mapping"]) if a < end and b > begin]
+        if not span:
+            continue
+        start = len(prompt_ids) - 1
+        ref_ids = encoded["input_ids"]
+        probes.append(
+            EntityProbe(
+                input_ids=tuple(prompt_ids + ref_ids),
+                positions=tuple(start + t for t in span),
+                labels=tuple(ref_ids[t] for t in span),
+            )
+        )
+    return probes
+
+
+@dataclass(frozen=True)
+class EntityAccuracy:
+    """Teacher-forced greedy entity accuracy (module docstring): ``exact`` per record, ``token`` pooled."""
+
+    exact: float
+    token: float
+    n: int
+
+
+@torch.no_grad()
+def entity_accuracy(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    records: Sequence[dict[str, Any]],
+    batch_size: int = 64,
+) -> EntityAccuracy:
+    """Share of records (``exact``) and of entity tokens (``token``) the model predicts correctly under teacher forcing."""
+    probes = entity_probes(records, tokenizer)
+    model.eval()
+    correct_records = 0
+    correct_tokens = 0
+    n_tokens = 0
+    for begin in range(0, len(probes), batch_size):
+        chunk = probes[begin : begin + batch_size]
+        length = max(len(p.input_ids) for p in chunk)
+        input_ids = torch.full((len(chunk), length), tokenizer.pad_token_id, dtype=torch.long)
+        for row, probe in enumerate(chunk):
+            input_ids[row, : len(probe.input_ids)] = torch.tensor(probe.input_ids)
+        predictions = model(input_ids=input_ids).logits.argmax(dim=-1)
+        for row, probe in enumerate(chunk):
+            hits = [int(predictions[row, pos].item()) == label for pos, label in zip(probe.positions, probe.labels, strict=True)]
+            correct_tokens += sum(hits)
+            n_tokens += len(hits)
+            correct_records += int(all(hits))
+    if not probes:
+        return EntityAccuracy(exact=0.0, token=0.0, n=0)
+    return EntityAccuracy(exact=correct_records / len(probes), token=correct_tokens / max(1, n_tokens), n=len(probes))
