@@ -273,7 +273,7 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
     Raises:
         QuantisationError: bitsandbytes is missing or cannot quantise on this device.
     """
-    from uds_lens.models import load_hf_model
+    from uds_lens.models import ModelLoadError, load_hf_model
 
     try:
         import bitsandbytes  # noqa: F401
@@ -283,6 +283,8 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
         ) from err
     try:
         return load_hf_model(path, device=device, quantization=nf4_config())
+    except ModelLoadError:
+        raise
     except (RuntimeError, ValueError, ImportError) as err:
         raise QuantisationError(
             f"bitsandbytes could not load {path} in NF4 on this machine ({type(err).__name__}: {err}). "

@@ -28,6 +28,7 @@ from uds_lens.tl_compat import (
     HookedTransformerConfig,
     apply_llama3_rope_scaling,
     convert_llama_weights,
+    new_hooked_transformer,
     rope_theta,
 )
 
@@ -195,7 +196,7 @@ def hooked_from_hf(hf_model: Any, dtype: torch.dtype | None = None, device: str 
     dtype = dtype or next(hf_model.parameters()).dtype
     cfg = hooked_config_from_hf(hf_model.config, dtype, device)
     state_dict = convert_llama_weights(hf_model, cfg)
-    model = HookedTransformer(cfg, move_to_device=False)
+    model = new_hooked_transformer(cfg)
     model.load_and_process_state_dict(
         state_dict,
         fold_ln=False,

@@ -117,7 +117,7 @@ class UDSResult:
             examples["uds"] = np.nan
         else:
             examples["status"] = np.where(skipped, "skipped", np.where(examples["uds"].isna(), "no_ke", "scored"))
-        examples["skip_reason"] = examples["skip_reason"].where(skipped, None)
+        examples["skip_reason"] = examples["skip_reason"].where(skipped, "").astype(object)
         settings = dict(self.settings, tau=tau)
         return replace(self, examples=examples[EXAMPLE_COLUMNS].reset_index(drop=True),
                        layers=layers[LAYER_COLUMNS].reset_index(drop=True), settings=settings)
@@ -167,8 +167,8 @@ class UDSResult:
         if self.retain_free:
             out["uds"] = None
             out["d2_summary"] = self.d2_summary
-            out["note"] = ("retain-free mode: no retain model, so d2 is not normalised by d1; these summaries are "
-                           "not comparable with UDS.")
+            out["note"] = ("retain-free mode: no retain model, so d2 is unnormalised (not divided by d1); these "
+                           "summaries are not comparable with UDS.")
         for key in ("full", "retain", "unlearned", "data", "versions", "device", "dtype", "engine", "timings"):
             if key in self.meta:
                 out[key] = self.meta[key]
@@ -203,7 +203,7 @@ class UDSResult:
         src = Path(directory)
         meta = json.loads((src / "meta.json").read_text())
         examples = pd.read_csv(src / "examples.csv", dtype={"prompt_type": object, "skip_reason": object})
-        examples["skip_reason"] = examples["skip_reason"].where(examples["skip_reason"].notna(), None)
+        examples["skip_reason"] = examples["skip_reason"].fillna("").astype(object)
         examples["prompt_type"] = examples["prompt_type"].where(examples["prompt_type"].notna(), None)
         layers = pd.read_csv(src / "layers.csv")
         layers["ke"] = layers["ke"].astype(bool)

@@ -18,7 +18,6 @@ warnings.filterwarnings(
 )
 
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
-from transformer_lens import utils as tl_utils  # noqa: E402
 from transformer_lens.hook_points import HookPoint  # noqa: E402
 from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights  # noqa: E402
 
@@ -34,6 +33,13 @@ try:
     TL_VERSION = _version("transformer-lens")
 except Exception:  # pragma: no cover
     TL_VERSION = "unknown"
+
+
+def new_hooked_transformer(cfg: HookedTransformerConfig) -> HookedTransformer:
+    """``HookedTransformer(cfg)`` on the CPU without its 3.x deprecation warning (the <4 pin is deliberate)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return HookedTransformer(cfg, move_to_device=False)
 
 
 def rope_theta(hf_config: Any, default: float = 10000.0) -> float:
@@ -71,5 +77,5 @@ __all__ = [
     "apply_llama3_rope_scaling",
     "convert_llama_weights",
     "rope_theta",
-    "tl_utils",
+    "new_hooked_transformer",
 ]

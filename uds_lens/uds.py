@@ -70,14 +70,12 @@ def deltas(s_full: Float[Tensor, "example layer"], patched: Float[Tensor, "examp
     return s_full - patched
 
 
-def ke_mask(d1: Float[Tensor, "example layer"], tau: float) -> Bool[Tensor, "example layer"]:
+def ke_mask(d1: Float[Tensor, "*shape"], tau: float) -> Bool[Tensor, "*shape"]:
     """Knowledge-encoding layers: ``d1 > tau`` (strict)."""
     return d1 > tau
 
 
-def layer_erasure_ratio(
-    d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"]
-) -> Float[Tensor, "example layer"]:
+def layer_erasure_ratio(d1: Float[Tensor, "*shape"], d2: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     """``clip(d2 / d1, 0, 1)``; 0 where ``d1 == 0`` (such layers are never KE for ``tau >= 0``)."""
     safe = torch.where(d1 == 0, torch.ones_like(d1), d1)
     return torch.where(d1 == 0, torch.zeros_like(d1), (d2 / safe).clamp(0.0, 1.0))
@@ -475,5 +473,49 @@ def _check_finite(values: Tensor, encoded: Sequence[EncodedExample], what: str) 
 
 __all__ = [
     "DEFAULT_CACHE_DIR", "S1Cache", "StageOne", "UDSAuditor", "UDSConfig", "bootstrap_ci", "deltas", "example_uds",
-    "ke_mask", "layer_erasure_ratio", "model_name", "model_uds", "Skip",
+    "ke_mask", "layer_erasure_ratio", "model_name", "model_uds", "score_models", "Skip",
 ]
+
+
+def score_models(
+    full: Any,
+    retain: Any,
+    unlearned: Sequence[Any] | dict[str, Any],
+    data: Any,
+    out_dir: str | os.PathLike | None = None,
+    config: UDSConfig | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
+
+    A model whose ``out_dir/NAME/summary.json`` already exists with the same settings is loaded, not recomputed,
+    so an interrupted sweep resumes where it stopped.
+    """
+    from uds_lens.results import UDSResult
+
+    config = config or UDSConfig()
+    items = list(unlearned.items()) if isinstance(unlearned, dict) else [(model_name(u), u) for u in unlearned]
+    names = [name for name, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Two unlearned models share a result name ({names}); pass a dict of unique names.")
+    results: dict[str, Any] = {}
+    auditor: UDSAuditor | None = None
+    for name, model in items:
+        target = Path(out_dir) / name if out_dir is not None else None
+        if target is not None and (target / "meta.json").is_file():
+            previous = UDSResult.load(target)
+            if {k: v for k, v in previous.settings.items() if k != "tau"} == {
+                    k: v for k, v in config.to_dict().items() if k != "tau"} and previous.meta.get("unlearned") == \
+                    models.describe(model):
+                results[name] = previous.with_tau(config.tau)
+                logger.info("%s: reusing the saved result in %s", name, target)
+                continue
+        if auditor is None:
+            auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress,
+                                 limit=limit)
+        results[name] = auditor.score(model, name=name)
+        if target is not None:
+            results[name].save(target)
+    return results

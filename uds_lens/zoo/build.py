@@ -115,7 +115,7 @@ SIZES: dict[str, ZooSize] = {
         shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
         base_epochs=30,
         base_lr=3e-3,
-        finetune_epochs=8,
+        finetune_epochs=12,
         finetune_lr=1e-3,
         unlearning=_unlearning_settings(rmu_lr=1e-3),
         rmu_layers=(0, 1, 3),
@@ -442,7 +442,7 @@ def _manifest_entry(spec: ModelSpec, meta: dict[str, Any], n_forget: int) -> dic
 
 def build_zoo(
     out_dir: str | Path,
-    size: str = "test",
+    size: str | ZooSize = "test",
     seed: int = 0,
     threads: int = 2,
     retain_data: str | Path | Sequence[dict[str, Any]] | None = None,
@@ -456,7 +456,7 @@ def build_zoo(
 
     Args:
         out_dir: Zoo directory (created if needed).
-        size: ``"test"`` (tiny, for the test suite) or ``"default"`` (the demo's).
+        size: ``"test"`` (tiny, for the test suite), ``"default"`` (the demo's), or a custom :class:`ZooSize`.
         seed: World, initialisation and data order.
         threads: ``torch.set_num_threads`` during the build (results depend on it); restored afterwards.
         retain_data: The user's retain QA records (path to JSON / JSONL or a list of dicts in the published schema),
@@ -474,13 +474,17 @@ def build_zoo(
         ZooBuildError: Unknown size, or a check failed.
         ZooDataError: User data that does not follow the published schema.
     """
-    if size not in SIZES:
-        raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)}")
+    if isinstance(size, ZooSize):
+        size_spec, size_name = size, "custom"
+    elif size in SIZES:
+        size_spec, size_name = SIZES[size], size
+    else:
+        raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)} or pass a ZooSize")
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / ".zoo.lock")), _pinned_threads(threads):
         _build_locked(
-            root, SIZES[size], size, seed, threads, retain_data, forget_data, holdout_data, pools, progress, strict
+            root, size_spec, size_name, seed, threads, retain_data, forget_data, holdout_data, pools, progress, strict
         )
     return load_zoo(root)
 

@@ -32,7 +32,8 @@ from .train import IGNORE_INDEX, QASequence, collate, nll_loss, sequence_logprob
 
 METHODS: tuple[str, ...] = ("graddiff", "npo", "simnpo", "idknll", "rmu")
 
-Batch = tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]
+# Each loss takes several batches of different shapes, so the axes are named but not bound across arguments.
+Batch = tuple[Int[Tensor, "_batch _pos"], Int[Tensor, "_batch _pos"]]
 
 
 def graddiff_loss(model: LlamaForCausalLM, forget: Batch, retain: Batch, alpha: float) -> Tensor:

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random Llama checkpoints (core tests) and the trained test zoo (built once per run)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_forget_set, make_llama, make_tokenizer  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TEST_ZOO_DIR = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test")).expanduser()
+
+
+class Tiny:
+    """Paths of the tiny checkpoints: full, retain (full + noise), unlearned (full + less noise), other-vocab."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tokenizer = root / "tokenizer"
+        make_tokenizer(self.tokenizer)
+        self.full = make_llama(root / "full", self.tokenizer, seed=0)
+        self.retain = make_llama(root / "retain", self.tokenizer, seed=1, base=self.full, noise=0.3)
+        self.unlearned = make_llama(root / "unlearned", self.tokenizer, seed=2, base=self.full, noise=0.15)
+        self.data = make_forget_set(root / "forget.json")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    return Tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def test_zoo():
+    """The trained test-size zoo, built once and reused (also across runs, while its fingerprints match)."""
+    from uds_lens.zoo import build_zoo
+
+    return build_zoo(TEST_ZOO_DIR, size="test", progress=False)

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+
+from uds_lens.data import (
+    SKIP_ENTITY_NOT_FOUND,
+    SKIP_PREFIX_MISMATCH,
+    DataError,
+    Example,
+    TokenizerError,
+    build_prompt,
+    encode,
+    load_examples,
+)
+from uds_lens.models import load_tokenizer
+
+
+def ex(**kw):
+    base = dict(idx=0, question="Where was Hsiao born?", answer="Hsiao was born in Paris.", prefix="Hsiao was born in",
+                entity="Paris")
+    base.update(kw)
+    return Example(**base)
+
+
+def test_prompt_moves_trailing_space_to_reference():
+    prompt, reference = build_prompt(ex(answer="Yes.", prefix="", entity="Yes"))
+    assert prompt.endswith("Answer:") and reference == " Yes."
+    prompt, reference = build_prompt(ex())
+    assert prompt == "Question: Where was Hsiao born?\nAnswer: Hsiao was born in" and reference == " Paris."
+
+
+def test_published_compat_keeps_the_space():
+    prompt, reference = build_prompt(ex(answer="Yes.", prefix="", entity="Yes"), published_compat=True)
+    assert prompt.endswith("Answer: ") and reference == "Yes."
+
+
+def test_encoding_layout_predicts_entity_tokens(tiny):
+    tok = load_tokenizer(tiny.tokenizer)
+    encoded, skipped = encode([ex(), ex(idx=1, answer="Yes.", prefix="", entity="Yes")], tok)
+    assert not skipped
+    for e in encoded:
+        prompt, reference = build_prompt(ex() if e.idx == 0 else ex(answer="Yes.", prefix="", entity="Yes"))
+        assert list(e.input_ids[: e.prompt_len]) == tok(prompt)["input_ids"]
+        assert e.input_ids[0] == tok.bos_token_id and e.input_ids.count(tok.bos_token_id) == 1
+        entity_text = tok.decode(list(e.labels))
+        assert ("Paris" if e.idx == 0 else "Yes") in entity_text
+        # label at read position p is the token at p + 1
+        for p, label in zip(e.read_positions, e.labels):
+            assert e.input_ids[p + 1] == label
+
+
+def test_skips_have_reasons(tiny):
+    tok = load_tokenizer(tiny.tokenizer)
+    encoded, skipped = encode([ex(entity="Berlin"), ex(idx=1, prefix="Someone else"), ex(idx=2)], tok)
+    assert [e.idx for e in encoded] == [2]
+    assert {(s.idx, s.reason) for s in skipped} == {(0, SKIP_ENTITY_NOT_FOUND), (1, SKIP_PREFIX_MISMATCH)}
+
+
+def test_slow_tokenizer_is_refused():
+    class Slow:
+        is_fast = False
+
+    with pytest.raises(TokenizerError, match="use_fast"):
+        encode([ex()], Slow())
+
+
+def test_loading_json_list_and_jsonl(tmp_path):
+    records = [ex(idx=i).to_record() for i in range(3)]
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    assert load_examples(tmp_path / "a.json") == load_examples(tmp_path / "b.jsonl")
+    assert len(load_examples(tmp_path / "a.json", limit=2)) == 2
+
+
+def test_bad_data_errors(tmp_path):
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(DataError, match="empty"):
+        load_examples(tmp_path / "empty.json")
+    (tmp_path / "missing.json").write_text(json.dumps([{"idx": 7, "question": "q", "answer": "a"}]))
+    with pytest.raises(DataError, match="record 7.*prefix"):
+        load_examples(tmp_path / "missing.json")
+    (tmp_path / "dup.json").write_text(json.dumps([ex().to_record(), ex().to_record()]))
+    with pytest.raises(DataError, match="twice"):
+        load_examples(tmp_path / "dup.json")
+
+
+def test_hub_dataset_offline_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="local file"):
+        load_examples("someone/not-a-local-dataset")

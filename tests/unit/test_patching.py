@@ -1,0 +1,88 @@
+"""The fast engine against the naive oracle (SPEC §1.6), on every site, scope and compat mode."""
+
+import pytest
+import torch
+
+from uds_lens.data import encode, load_examples
+from uds_lens.models import load_hf_model, load_model, load_tokenizer
+from uds_lens.patching import (
+    SITES,
+    baseline_scores,
+    clean_run,
+    naive_patched_scores,
+    pad_batch,
+    patched_scores,
+    source_activations,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    tok = load_tokenizer(tiny.tokenizer)
+    return {
+        "tok": tok,
+        "full": load_model(tiny.full),
+        "source": load_model(tiny.retain),
+        "examples": load_examples(tiny.data),
+    }
+
+
+@pytest.mark.parametrize("site", SITES)
+@pytest.mark.parametrize("scope", ["span", "boundary"])
+@pytest.mark.parametrize("compat", [False, True])
+def test_fast_equals_naive(setup, site, scope, compat):
+    encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
+    batch = pad_batch(encoded, setup["tok"].pad_token_id, scope)
+    layers = list(range(setup["full"].cfg.n_layers))
+    acts = source_activations(setup["source"], batch.tokens, site, layers, published_compat=compat)
+    naive = patched_scores(setup["full"], batch, acts, site, layers, engine="naive")
+    fast = patched_scores(setup["full"], batch, acts, site, layers, engine="fast")
+    assert torch.allclose(naive, fast, atol=1e-5, rtol=0)
+    clean = clean_run(setup["full"], batch, site)
+    # The patch changes something (the test is not vacuous) ...
+    assert (naive - clean.scores[:, None]).abs().max() > 1e-3
+    # ... and the fast baseline equals the clean score up to float noise.
+    base = baseline_scores(setup["full"], batch, clean, site, layers, "fast")
+    assert torch.allclose(base, clean.scores[:, None].expand_as(base), atol=1e-5)
+
+
+def test_subset_of_layers_and_padding_invariance(setup):
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    full, src = setup["full"], setup["source"]
+    layers = [2, 0]
+    together = pad_batch(encoded, setup["tok"].pad_token_id)
+    acts = source_activations(src, together.tokens, "resid_post", layers)
+    joint = patched_scores(full, together, acts, "resid_post", layers)
+    for row, example in enumerate(encoded):
+        alone = pad_batch([example], setup["tok"].pad_token_id)
+        single = patched_scores(full, alone, source_activations(src, alone.tokens, "resid_post", layers),
+                                "resid_post", layers)
+        assert torch.allclose(single[0], joint[row], atol=1e-5)
+
+
+def test_naive_hooks_are_removed_after_an_error(setup):
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    batch = pad_batch(encoded, setup["tok"].pad_token_id)
+    bad_acts = torch.zeros(1, batch.size, batch.tokens.shape[1] + 5, 3)  # wrong d_model
+    with pytest.raises(Exception):
+        naive_patched_scores(setup["full"], batch, bad_acts, "resid_post", [0])
+    assert all(not hp.fwd_hooks for hp in setup["full"].hook_dict.values())
+
+
+@pytest.mark.parametrize("site", ["resid_post", "attn_out", "mlp_out", "resid_mid", "resid_pre"])
+def test_hugging_face_source_matches_hooked_source(tiny, setup, site):
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    batch = pad_batch(encoded, setup["tok"].pad_token_id)
+    layers = [0, 1, 2]
+    hooked = source_activations(setup["source"], batch.tokens, site, layers)
+    hf = source_activations(load_hf_model(tiny.retain), batch.tokens, site, layers)
+    assert torch.allclose(hooked, hf, atol=1e-3, rtol=1e-4), (hooked - hf).abs().max()
+
+
+def test_compat_last_layer_uses_source_final_norm(tiny, setup):
+    encoded, _ = encode(setup["examples"], setup["tok"], published_compat=True)
+    batch = pad_batch(encoded, setup["tok"].pad_token_id)
+    last = setup["full"].cfg.n_layers - 1
+    hooked = source_activations(setup["source"], batch.tokens, "resid_post", [last], published_compat=True)
+    hf_out = load_hf_model(tiny.retain)(batch.tokens, output_hidden_states=True)
+    assert torch.allclose(hooked[0], hf_out.hidden_states[last + 1], atol=1e-4)

@@ -1,0 +1,166 @@
+"""UDS invariants (SPEC §1.6), the score formula, retain-free mode and the S1 cache (SPEC §1.7)."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from uds_lens import UDSAuditor, UDSConfig, UDSResult
+from uds_lens.data import load_examples
+from uds_lens.models import ModelMismatchError, load_model
+from uds_lens.uds import S1Cache, example_uds, layer_erasure_ratio
+
+
+def test_formula_by_hand():
+    d1 = torch.tensor([[0.5, 0.04, 1.0, 0.2], [0.01, 0.02, 0.0, -0.3]])
+    d2 = torch.tensor([[0.25, 9.0, 2.0, -0.1], [0.5, 0.5, 0.5, 0.5]])
+    uds = example_uds(d1, d2, tau=0.05)
+    # KE = {0, 2, 3}: (0.5*0.5 + 1.0*1 + 0.2*0) / (0.5 + 1.0 + 0.2)
+    assert uds[0].item() == pytest.approx((0.25 + 1.0) / 1.7)
+    assert torch.isnan(uds[1])
+    assert layer_erasure_ratio(torch.tensor([[0.0]]), torch.tensor([[1.0]])).item() == 0.0
+    # strict >: a layer exactly at tau is not KE
+    assert torch.isnan(example_uds(torch.tensor([[0.05]]), torch.tensor([[0.05]]), tau=0.05))[0]
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    return {name: load_model(getattr(tiny, name)) for name in ("full", "retain", "unlearned")}
+
+
+@pytest.mark.parametrize("compat", [False, True])
+@pytest.mark.parametrize("engine", ["fast", "naive"])
+def test_invariants(tiny, models, compat, engine):
+    auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(published_compat=compat, engine=engine),
+                         tokenizer=__import__("uds_lens").load_tokenizer(tiny.tokenizer), cache_dir=False,
+                         progress=False)
+    same_as_retain = auditor.score(models["retain"])
+    scored = same_as_retain.examples.dropna(subset=["uds"])
+    assert len(scored) >= 2
+    assert np.allclose(scored["uds"], 1.0)
+    assert np.allclose(same_as_retain.layers["d1"], same_as_retain.layers["d2"], atol=1e-6)
+    same_as_full = auditor.score(models["full"])
+    last = models["full"].cfg.n_layers - 1
+    below_last = same_as_full.layers[same_as_full.layers["layer"] < last]
+    assert (below_last["d2"].abs() <= 1e-6).all()
+    if compat:  # the published last-layer quirk: the source's final norm applied twice
+        assert same_as_full.layers.loc[same_as_full.layers["layer"] == last, "d2"].abs().max() > 1e-3
+    else:
+        assert (same_as_full.layers["d2"] == 0).all() and same_as_full.uds == 0.0
+    real = auditor.score(models["unlearned"])
+    assert 0.0 < real.uds < 1.0
+
+
+def test_fast_and_naive_agree_on_every_delta(tiny, models):
+    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    results = {}
+    for engine in ("fast", "naive"):
+        auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(engine=engine), tokenizer=tok,
+                             cache_dir=False, progress=False)
+        results[engine] = auditor.score(models["unlearned"]).layers
+    assert np.allclose(results["fast"]["d1"], results["naive"]["d1"], atol=1e-5)
+    assert np.allclose(results["fast"]["d2"], results["naive"]["d2"], atol=1e-5)
+
+
+def test_permutation_and_batch_size_invariance(tiny, models):
+    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    examples = load_examples(tiny.data)
+    reference = None
+    for order, batch_size in ((examples, 1), (examples[::-1], 4), (examples[2:] + examples[:2], 3)):
+        auditor = UDSAuditor(models["full"], models["retain"], list(order), UDSConfig(batch_size=batch_size),
+                             tokenizer=tok, cache_dir=False, progress=False)
+        layers = auditor.score(models["unlearned"]).layers.sort_values(["idx", "layer"]).reset_index(drop=True)
+        if reference is None:
+            reference = layers
+        assert np.allclose(layers[["d1", "d2"]], reference[["d1", "d2"]], atol=1e-5)
+
+
+def test_retain_free_mode(tiny, models):
+    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    auditor = UDSAuditor(models["full"], None, tiny.data, tokenizer=tok, cache_dir=False, progress=False)
+    result = auditor.score(models["unlearned"])
+    summary = result.summary
+    assert summary["uds"] is None and summary["retain_free"] and "unnormalised" in summary["note"]
+    assert result.layers["d1"].isna().all() and result.layers["d2"].notna().all()
+    assert summary["d2_summary"]["mean_d2"] == pytest.approx(result.layers["d2"].mean())
+
+
+def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    first = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False)
+    r1 = first.score(tiny.unlearned)
+    assert not r1.summary["timings"]["s1_cached"]
+    second = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False)
+    r2 = second.score(tiny.unlearned)
+    assert r2.summary["timings"]["s1_cached"]
+    assert np.allclose(r1.layers["d1"], r2.layers["d1"])
+    # tau is applied after the cache: another tau still hits it
+    third = UDSAuditor(tiny.full, tiny.retain, tiny.data, UDSConfig(tau=0.2), cache_dir=cache, progress=False)
+    r3 = third.score(tiny.unlearned)
+    assert r3.summary["timings"]["s1_cached"]
+    assert r3.examples["n_ke"].sum() <= r1.examples["n_ke"].sum()
+    __import__("pandas").testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
+    # same path, different weights: a miss
+    changed = tmp_path / "retain"
+    shutil.copytree(tiny.retain, changed)
+    import sys
+
+    sys.path.insert(0, str(tiny.root.parent))
+    from tiny_models import make_llama
+
+    make_llama(changed, tiny.tokenizer, seed=9, base=tiny.retain, noise=0.01)
+    r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+    assert not r4.summary["timings"]["s1_cached"]
+    # a corrupt cache file is rebuilt with a warning
+    for file in cache.glob("s1_*.pt"):
+        file.write_bytes(b"not a torch file")
+    with pytest.warns(UserWarning, match="recomputing"):
+        r5 = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+    assert not r5.summary["timings"]["s1_cached"]
+    assert np.allclose(r5.layers["d1"], r1.layers["d1"])
+    assert any(S1Cache(cache).directory.glob("s1_*.pt"))
+
+
+def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
+    result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(tiny.unlearned)
+    result.save(tmp_path / "out")
+    loaded = UDSResult.load(tmp_path / "out")
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(loaded.examples, result.examples, check_dtype=False)
+    assert np.allclose(loaded.layers[["d1", "d2", "ler"]].fillna(-9), result.layers[["d1", "d2", "ler"]].fillna(-9))
+    assert loaded.uds == pytest.approx(result.uds)
+    import json
+
+    ou = json.loads((tmp_path / "out" / "uds_eval.json").read_text())
+    assert ou["uds"]["agg_value"] == pytest.approx(result.uds)
+    assert set(ou["uds"]["value_by_index"]) == {str(i) for i in result.examples.dropna(subset=["uds"])["idx"]}
+    low, high = result.summary["ci95"]
+    assert low <= result.uds <= high
+
+
+def test_skipped_examples_are_counted(tiny, tmp_path):
+    import json
+
+    records = json.loads(tiny.data.read_text())
+    records.append({"idx": 50, "question": "q?", "answer": "Nothing here.", "prefix": "Nothing", "entity": "Berlin"})
+    records.append({"idx": 51, "question": "q?", "answer": "Other text.", "prefix": "Mismatch", "entity": "text"})
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    result = UDSAuditor(tiny.full, tiny.retain, path, cache_dir=False, progress=False).score(tiny.unlearned)
+    skipped = result.examples[result.examples["status"] == "skipped"].set_index("idx")["skip_reason"].to_dict()
+    assert skipped == {50: "entity_span_not_found", 51: "answer_does_not_start_with_prefix"}
+    assert result.summary["n_skipped"] == 2
+
+
+def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(tiny.root.parent))
+    from tiny_models import make_llama
+
+    other = make_llama(tmp_path / "other", tiny.tokenizer, seed=4, d_model=48)
+    auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
+    with pytest.raises(ModelMismatchError, match="d_model"):
+        auditor.score(other)

@@ -1,0 +1,198 @@
+"""The ``uds-lens`` command line: a thin layer over the library (each command is one public function call)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
+                  no_args_is_help=True, add_completion=False)
+zoo_app = typer.Typer(help="The embedded default: a synthetic fictitious-author world and a trained Llama zoo.",
+                      no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
+
+
+def _fmt(value: object, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) if rows else len(c) for c in columns}
+    typer.echo("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        typer.echo("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+
+@app.command()
+def score(
+    full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
+    retain: Optional[str] = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
+    unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several."),
+    data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
+    out: Path = typer.Option(..., help="Output directory; one sub-directory per unlearned model."),
+    tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
+    scope: str = typer.Option("span", help="Patch scope: span | boundary."),
+    site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    batch_size: Optional[int] = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    limit: Optional[int] = typer.Option(None, help="Score only the first N examples."),
+    published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
+    cache_dir: Optional[Path] = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
+    no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
+    engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files."""
+    from uds_lens.uds import UDSConfig, score_models
+
+    _setup_logging(verbose)
+    if retain is None and not no_retain:
+        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
+    config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
+                       batch_size=batch_size, dtype=dtype, device=device, engine=engine)
+    results = score_models(full, None if no_retain else retain, unlearned, data, out_dir=out, config=config,
+                           cache_dir=cache_dir, limit=limit)
+    rows = []
+    for name, result in results.items():
+        s = result.summary
+        rows.append({"model": name, "uds": s["uds"], "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
+                     "scored": s["n_scored"], "no_ke": s["n_no_ke"], "skipped": s["n_skipped"],
+                     "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
+                     "s2_s": s["timings"].get("s2_seconds")})
+    columns = ["model", "uds", "ci95", "scored", "no_ke", "skipped", "s2_s"]
+    if no_retain:
+        columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
+        typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
+    _print_table(rows, columns)
+    typer.echo(f"results in {out}")
+
+
+@zoo_app.command("build")
+def zoo_build(
+    out: Path = typer.Option(..., help="Zoo directory (resumable: valid models are reused)."),
+    size: str = typer.Option("test", help="test | default."),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
+    retain_data: Optional[Path] = typer.Option(None, help="Your own retain QA set (published schema)."),
+    forget_data: Optional[Path] = typer.Option(None, help="Your own forget QA set (published schema)."),
+    pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
+) -> None:
+    """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
+    from uds_lens.zoo import build_zoo
+
+    zoo = build_zoo(out, size=size, seed=seed, threads=threads, retain_data=retain_data, forget_data=forget_data,
+                    pools=pools)
+    _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
+    typer.echo(f"zoo in {out}")
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("demo_out"), help="Where results and report.html go."),
+    zoo_dir: Optional[Path] = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
+    size: str = typer.Option("default", help="Zoo size: test | default."),
+    threads: int = typer.Option(2),
+) -> None:
+    """Build or reuse the zoo, score every zoo model with UDS, print the table, write report.html."""
+    from uds_lens.demo import run_demo
+
+    _setup_logging(False)
+    table = run_demo(out, zoo_dir=zoo_dir, size=size, threads=threads)
+    rows = table.assign(ci95=[f"[{_fmt(lo)}, {_fmt(hi)}]" for lo, hi in zip(table.ci_low, table.ci_high)])
+    _print_table(rows.to_dict("records"), ["model", "role", "seen_forget_fraction", "uds", "ci95", "n_scored",
+                                           "n_no_ke", "n_skipped"])
+    typer.echo(f"report: {out / 'report.html'}")
+
+
+@app.command()
+def diagnose(
+    full: str = typer.Option(...),
+    retain: str = typer.Option(...),
+    unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option."),
+    data: str = typer.Option(...),
+    out: Path = typer.Option(...),
+    methods: Optional[list[str]] = typer.Option(None, help="Subset of methods (default: all)."),
+    sites: Optional[list[str]] = typer.Option(None, help="Component-patching sites (default resid_post)."),
+    tau: float = typer.Option(0.05),
+    dtype: Optional[str] = typer.Option(None),
+    device: Optional[str] = typer.Option(None),
+    tuned_lens_steps: int = typer.Option(200, help="Training steps of the tuned lens translators."),
+) -> None:
+    """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
+    from uds_lens.diagnose import METHODS, diagnose as run_diagnose
+    from uds_lens.uds import model_name
+
+    table = run_diagnose(full, retain, {model_name(u): u for u in unlearned}, data, out,
+                         methods=tuple(methods) if methods else METHODS,
+                         sites=tuple(sites) if sites else ("resid_post",), tau=tau, dtype=dtype, device=device,
+                         tuned_lens_steps=tuned_lens_steps, progress=True)
+    typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    typer.echo(f"results in {out}")
+
+
+@app.command()
+def report(
+    results_dir: Path = typer.Argument(..., help="Directory written by `score`, `diagnose` or `demo`."),
+    out: Optional[Path] = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
+) -> None:
+    """One self-contained HTML page (Plotly figures + tables) from saved results."""
+    from uds_lens.report import write_report
+
+    typer.echo(str(write_report(results_dir, out)))
+
+
+@app.command()
+def evaluate(
+    zoo: Path = typer.Option(..., help="Zoo directory (manifest.json)."),
+    out: Path = typer.Option(...),
+    max_new_tokens: int = typer.Option(200),
+    batch_size: int = typer.Option(16),
+) -> None:
+    """Every metric (output-level, MIA, UDS, white-box) for every zoo model: OUT/metrics.csv (resumable)."""
+    from uds_lens.meta_eval import evaluate_zoo
+    from uds_lens.scorers import zoo_scorers
+
+    uds_fn, white_box = zoo_scorers(zoo)
+    table = evaluate_zoo(zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size,
+                         max_new_tokens=max_new_tokens)
+    typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
+
+
+@app.command("meta-eval")
+def meta_eval(
+    zoo: Path = typer.Option(..., help="Zoo directory with P/N pools (uds-lens zoo build --pools)."),
+    out: Path = typer.Option(...),
+    max_new_tokens: int = typer.Option(200),
+    batch_size: int = typer.Option(16),
+) -> None:
+    """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
+    from uds_lens.meta_eval import run_meta_eval
+    from uds_lens.scorers import zoo_scorers
+
+    uds_fn, white_box = zoo_scorers(zoo)
+    table = run_meta_eval(zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size,
+                          max_new_tokens=max_new_tokens)
+    typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    typer.echo(json.dumps({"meta_eval": str(out / "meta_eval.csv")}))
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
