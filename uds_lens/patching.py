@@ -344,42 +344,54 @@ def _rotate(attn: Any, x: Float[Tensor, "run window head d_head"], positions: In
     return torch.cat([x_rot * cos + attn.rotate_every_two(x_rot) * sin, x_pass], dim=-1)
 
 
+def _expand_kv(attn: Any, x: Tensor) -> Tensor:
+    """Repeat grouped key/value heads up to the query heads (no-op without GQA)."""
+    repeats = attn.cfg.n_heads // x.shape[-2]
+    return x if repeats == 1 else torch.repeat_interleave(x, repeats, dim=-2)
+
+
 def _window_attention(
     block: Any,
-    resid: Float[Tensor, "run window d_model"],
-    positions: Int[Tensor, "run window"],
-    prefix_keys: Float[Tensor, "run prefix kv_head d_head"],
-    prefix_values: Float[Tensor, "run prefix kv_head d_head"],
-    mask: Bool[Tensor, "run window key"],
-) -> Float[Tensor, "run window d_model"]:
+    resid: Float[Tensor, "group batch window d_model"],
+    positions: Int[Tensor, "batch window"],
+    prefix_keys: Float[Tensor, "batch prefix kv_head d_head"],
+    prefix_values: Float[Tensor, "batch prefix kv_head d_head"],
+    prefix_ok: Bool[Tensor, "batch prefix"],
+    causal: Bool[Tensor, "window window"],
+) -> Float[Tensor, "group batch window d_model"]:
+    """Attention of the window positions of ``group`` runs per example over the clean prefix and the window itself.
+
+    The prefix keys/values are shared by every run of an example, so they are broadcast over the group axis rather
+    than copied per run.
+    """
     attn = block.attn
-    normed = block.ln1(resid)
+    groups, n_batch, width, _ = resid.shape
+    flat = einops.rearrange(resid, "group batch window d -> (group batch) window d")
+    normed = block.ln1(flat)
     q, k, v = attn.calculate_qkv_matrices(normed, normed, normed)
-    q, k = _rotate(attn, q, positions), _rotate(attn, k, positions)
-    keys = torch.cat([prefix_keys.to(k.dtype), k], dim=1)
-    values = torch.cat([prefix_values.to(v.dtype), v], dim=1)
-    scores = attn.calculate_attention_scores(q, keys)
-    scores = torch.where(mask[:, None], scores, attn.IGNORE.to(scores.dtype))
-    pattern = F.softmax(scores, dim=-1).to(values.dtype)
-    z = attn.calculate_z_scores(values, pattern)
+    run_positions = positions.repeat(groups, 1)
+    q, k = _rotate(attn, q, run_positions), _rotate(attn, k, run_positions)
+    split = "(group batch) window head d_head -> group batch window head d_head"
+    q = einops.rearrange(q, split, group=groups)
+    k = einops.rearrange(_expand_kv(attn, k), split, group=groups)
+    v = einops.rearrange(_expand_kv(attn, v), split, group=groups)
+    prefix_k = _expand_kv(attn, prefix_keys.to(k.dtype))
+    prefix_v = _expand_kv(attn, prefix_values.to(v.dtype))
+    scores_prefix = torch.einsum("gbwhd,bphd->gbhwp", q, prefix_k) / attn.attn_scale
+    scores_window = torch.einsum("gbwhd,gbvhd->gbhwv", q, k) / attn.attn_scale
+    ignore = attn.IGNORE.to(scores_window.dtype)
+    scores_prefix = torch.where(prefix_ok[None, :, None, None, :], scores_prefix, ignore)
+    scores_window = torch.where(causal, scores_window, ignore)
+    pattern = F.softmax(torch.cat([scores_prefix, scores_window], dim=-1), dim=-1).to(v.dtype)
+    prefix_len = prefix_k.shape[1]
+    z = torch.einsum("gbhwp,bphd->gbwhd", pattern[..., :prefix_len], prefix_v)
+    z = z + torch.einsum("gbhwv,gbvhd->gbwhd", pattern[..., prefix_len:], v)
     w_out = einops.rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
-    return F.linear(einops.rearrange(z, "run window head d_head -> run window (head d_head)"), w_out, attn.b_O)
+    return F.linear(einops.rearrange(z, "g b w head d_head -> g b w (head d_head)"), w_out, attn.b_O)
 
 
-def _mlp_half(block: Any, resid_mid: Float[Tensor, "run window d_model"]) -> Float[Tensor, "run window d_model"]:
+def _mlp_half(block: Any, resid_mid: Float[Tensor, "*runs d_model"]) -> Float[Tensor, "*runs d_model"]:
     return resid_mid + block.apply_mlp(block.ln2(resid_mid))
-
-
-def _window_block(
-    block: Any,
-    resid: Float[Tensor, "run window d_model"],
-    positions: Int[Tensor, "run window"],
-    prefix_keys: Tensor,
-    prefix_values: Tensor,
-    mask: Bool[Tensor, "run window key"],
-) -> Float[Tensor, "run window d_model"]:
-    resid_mid = resid + _window_attention(block, resid, positions, prefix_keys, prefix_values, mask)
-    return _mlp_half(block, resid_mid)
 
 
 def fast_patched_scores(
@@ -393,85 +405,69 @@ def fast_patched_scores(
 ) -> Float[Tensor, "batch layer"]:
     """Patched scores for every (example, layer), recomputing only the window of each run.
 
-    Run ``(b, l)`` starts from the clean window activations of example ``b`` with the patch applied at layer ``l``,
-    then goes through blocks ``> l`` (``>= l`` for ``resid_pre``) with the clean prefix keys/values.
+    Run ``(l, b)`` starts from the clean window activations of example ``b`` with the patch applied at layer ``l``,
+    then goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the clean prefix keys/values. Runs
+    are grouped by layer (``group`` axis, latest start first), so the runs active at a block are a tail of groups.
     """
     if clean.site != site or not clean.keys:
         raise ValueError("The clean run was made for another site or without keys/values; rebuild it.")
     layers = list(layers)
-    n_batch, n_layers = batch.size, full.cfg.n_layers
+    n_layers = full.cfg.n_layers
     window_pos, window_valid = _window_index(batch)
-    patch_window = batch.patch_mask.gather(1, window_pos) & window_valid
+    patch_window = (batch.patch_mask.gather(1, window_pos) & window_valid)[None, :, :, None]
     prefix_len = int(batch.window_start.max())
     width = batch.max_window
 
-    # Runs, latest first block first, so the runs active at any block are a contiguous tail.
     def first_block(layer: int) -> int:
         return layer if site == "resid_pre" else layer + 1
 
     order = sorted(range(len(layers)), key=lambda i: -first_block(layers[i]))
-    run_layer = torch.tensor([layers[i] for i in order for _ in range(n_batch)], device=batch.tokens.device)
-    run_example = torch.arange(n_batch, device=batch.tokens.device).repeat(len(layers))
-    run_first = torch.tensor([first_block(layers[i]) for i in order for _ in range(n_batch)])
-
+    group_layers = [layers[i] for i in order]
+    group_index = torch.tensor(group_layers, device=batch.tokens.device)
     source_window = torch.stack([_gather_window(acts[i], window_pos) for i in order])
-    source_window = einops.rearrange(source_window, "layer batch window d -> (layer batch) window d")
-    patched_here = patch_window[run_example][..., None]
 
-    def patched(name: str) -> Tensor:
-        clean_window = clean.window_acts[name][run_layer, run_example]
-        return torch.where(patched_here, source_window.to(clean_window.dtype), clean_window)
+    def clean_window(name: str) -> Float[Tensor, "group batch window d_model"]:
+        return clean.window_acts[name][group_index]
+
+    def patched(name: str) -> Float[Tensor, "group batch window d_model"]:
+        values = clean_window(name)
+        return torch.where(patch_window, source_window.to(values.dtype), values)
 
     with torch.no_grad():
         if site in ("resid_post", "resid_pre"):
             resid = patched(site)
         elif site == "mlp_out":
-            resid = clean.window_acts["resid_mid"][run_layer, run_example] + patched("mlp_out")
+            resid = clean_window("resid_mid") + patched("mlp_out")
         else:
-            if site == "resid_mid":
-                resid_mid = patched("resid_mid")
-            else:
-                resid_mid = clean.window_acts["resid_pre"][run_layer, run_example] + patched("attn_out")
-            resid = torch.empty_like(resid_mid)
-            for layer in sorted(set(layers)):
-                rows = run_layer == layer
-                resid[rows] = _mlp_half(full.blocks[layer], resid_mid[rows])
+            resid_mid = patched("resid_mid") if site == "resid_mid" else clean_window("resid_pre") + patched("attn_out")
+            resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[g]) for g, layer in enumerate(group_layers)])
 
-        positions = window_pos[run_example]
-        offsets = torch.arange(width, device=positions.device)
-        prefix_ok = torch.arange(prefix_len, device=positions.device)[None, :] < batch.window_start[:, None]
-        causal = offsets[None, :, None] >= offsets[None, None, :]
-        mask = torch.cat(
-            [prefix_ok[run_example][:, None, :].expand(-1, width, -1), causal.expand(len(run_example), -1, -1)],
-            dim=-1,
-        )
-        for block_index in range(int(run_first.min()), n_layers):
-            active = torch.nonzero(run_first <= block_index)[:, 0]
-            if active.numel() == 0:
-                continue
-            start = int(active[0])
-            prefix_examples = run_example[start:]
-            resid[start:] = _window_block(
-                full.blocks[block_index],
-                resid[start:],
-                positions[start:],
-                clean.keys[block_index][prefix_examples, :prefix_len],
-                clean.values[block_index][prefix_examples, :prefix_len],
-                mask[start:],
+        prefix_ok = torch.arange(prefix_len, device=window_pos.device)[None, :] < batch.window_start[:, None]
+        offsets = torch.arange(width, device=window_pos.device)
+        causal = offsets[:, None] >= offsets[None, :]
+        starts = [first_block(layer) for layer in group_layers]
+        for block_index in range(min(starts), n_layers):
+            first_active = next(g for g, start in enumerate(starts) if start <= block_index)
+            block = full.blocks[block_index]
+            active = resid[first_active:]
+            active = active + _window_attention(
+                block, active, window_pos, clean.keys[block_index][:, :prefix_len],
+                clean.values[block_index][:, :prefix_len], prefix_ok, causal,
             )
+            resid = torch.cat([resid[:first_active], _mlp_half(block, active)])
 
-        # Read out only the positions that predict entity tokens.
+        # Read out only the positions that predict entity tokens: [group, entity, d_model].
         read_offset = batch.read_pos - batch.window_start[batch.read_batch]
-        run_of_example_layer = torch.arange(len(run_example), device=resid.device).reshape(len(layers), n_batch)
-        read_runs = run_of_example_layer[:, batch.read_batch]  # [layer, entity]
-        read_resid = resid[read_runs.reshape(-1), read_offset.repeat(len(layers))]
-        logits = full.unembed(full.ln_final(read_resid[None]))[0]
-        segment = read_runs.reshape(-1)
-        scores = mean_entity_logprob(logits, batch.read_label.repeat(len(layers)), segment, len(run_example), upcast)
-    # scores are indexed by run; runs are (sorted layer position, example)
-    by_run = scores.reshape(len(layers), n_batch)
-    result = torch.empty(n_batch, len(layers), dtype=scores.dtype, device=scores.device)
-    result[:, order] = by_run.T
+        read_resid = resid[:, batch.read_batch, read_offset]
+        logits = full.unembed(full.ln_final(read_resid))
+        groups = len(group_layers)
+        segment = (torch.arange(groups, device=logits.device)[:, None] * batch.size + batch.read_batch[None, :])
+        scores = mean_entity_logprob(
+            einops.rearrange(logits, "group entity vocab -> (group entity) vocab"),
+            batch.read_label.repeat(groups), segment.reshape(-1), groups * batch.size, upcast,
+        ).reshape(groups, batch.size)
+    result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
+    result[:, order] = scores.T
     return result
 
 
