@@ -15,6 +15,12 @@ from tiny_models import make_forget_set, make_llama, make_tokenizer  # noqa: E40
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    # Two workers on a small machine: one thread each, no oversubscription.
+    torch.set_num_threads(1)
+
 TEST_ZOO_DIR = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test")).expanduser()
 
 

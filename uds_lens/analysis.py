@@ -11,7 +11,8 @@ a full recomputation would (SPEC §1.7).
   agreement with the default tau across models (appendix D.3);
 * ``entity_length_correlation``: entity token count against UDS (appendix D.5);
 * ``first_erased_layer`` / ``layer_profile``: where S2 starts to destroy the entity (RMU, appendix D.6);
-* ``bootstrap_ci``: percentile bootstrap interval of any per-example score's mean;
+* ``bootstrap_ci`` (the core's, re-exported): percentile bootstrap interval of the mean of any per-example score
+  (UDS, logit lens, ...; pass ``examples["uds"].to_numpy()``);
 * ``method_agreement`` / ``rank_concordance``: Spearman and pairwise-order agreement between metrics across models;
 * ``component_summary``: mean d1/d2 per patching site and layer (appendix D.2);
 * ``lens_vs_uds``: one example's lens and patching deltas side by side, layer by layer (paper Table 4).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -29,6 +30,27 @@ import torch
 from scipy import stats
 
 from uds_lens.layerwise import delta_erasure
+from uds_lens.uds import bootstrap_ci
+
+__all__ = [
+    "DEFAULT_TAU",
+    "TAUS",
+    "bootstrap_ci",
+    "component_shares",
+    "component_summary",
+    "entity_length_correlation",
+    "first_erased_layer",
+    "ke_size_distribution",
+    "layer_profile",
+    "lens_vs_uds",
+    "method_agreement",
+    "onset_summary",
+    "prompt_type_uds",
+    "rank_concordance",
+    "rescore_uds",
+    "tau_sensitivity",
+    "uds_by_entity_length",
+]
 
 DEFAULT_TAU = 0.05
 TAUS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1)
@@ -290,29 +312,6 @@ def onset_summary(layers_by_model: Mapping[str, pd.DataFrame], tau: float = DEFA
             }
         )
     return pd.DataFrame(rows)
-
-
-def bootstrap_ci(
-    values: Sequence[float] | np.ndarray | pd.Series,
-    n_resamples: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
-    statistic: Callable[[np.ndarray], float] = np.mean,
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of ``statistic`` over the values (NaN values dropped).
-
-    Returns:
-        ``(low, high)``; ``(nan, nan)`` when there is no value.
-    """
-    array = np.asarray(values, dtype=float)
-    array = array[~np.isnan(array)]
-    if not array.size:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    samples = rng.choice(array, size=(n_resamples, array.size), replace=True)
-    estimates = np.array([statistic(sample) for sample in samples])
-    alpha = (1.0 - confidence) / 2
-    return float(np.quantile(estimates, alpha)), float(np.quantile(estimates, 1 - alpha))
 
 
 def method_agreement(scores: pd.DataFrame) -> pd.DataFrame:

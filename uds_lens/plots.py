@@ -398,7 +398,10 @@ def layer_heatmap(
     if value in ("ler", "uds"):
         colour = {"color_continuous_scale": LER_SCALE, "zmin": 0.0, "zmax": 1.0}
     elif value in ("d1", "d2"):
-        colour = {"color_continuous_scale": DELTA_SCALE, "color_continuous_midpoint": 0.0}
+        # d1 and d2 of one result share one symmetric scale, so their heatmaps can be compared cell by cell.
+        both = layers[[c for c in ("d1", "d2") if c in layers.columns]].to_numpy(dtype=float)
+        bound = float(np.nanmax(np.abs(both))) if np.isfinite(both).any() else 1.0
+        colour = {"color_continuous_scale": DELTA_SCALE, "zmin": -bound, "zmax": bound}
     else:
         colour = {"color_continuous_scale": LER_SCALE}
     fig = px.imshow(
@@ -410,6 +413,8 @@ def layer_heatmap(
         labels={"x": "example (idx)", "y": "layer", "color": VALUE_LABELS.get(value, value)},
         **colour,
     )
+    if value in ("d1", "d2"):
+        fig.update_layout(coloraxis_cmid=0.0)
 
     # Hover: one row of facts per example, repeated over layers.
     columns = {"uds": [], "prompt_type": [], "question": [], "entity": []}
@@ -477,7 +482,8 @@ def layer_heatmap(
     fig.update_yaxes(
         range=[min(layer_ids) - 0.5, max(layer_ids) + 0.5], showgrid=False, **_layer_ticks(layer_ids)
     )
-    fig.update_xaxes(showgrid=False)
+    fig.update_xaxes(showgrid=False, zeroline=False)
+    fig.update_yaxes(zeroline=False)
     fig.update_layout(
         title=title or f"{VALUE_LABELS.get(value, value)} per layer and example",
         plot_bgcolor="#e5e5e5",
@@ -776,7 +782,8 @@ def prompt_type_bar(results: Any, title: str | None = None) -> go.Figure:
                 name=model,
                 marker={"color": _colour(position)},
                 text=[f"n={n:.0f}" if pd.notna(n) else "" for n in part["count"]],
-                textposition="outside",
+                textposition="inside",
+                insidetextanchor="start",
                 error_y={
                     "type": "data",
                     "array": (part["std"] / np.sqrt(part["count"])).to_numpy(dtype=float),
@@ -801,7 +808,7 @@ def prompt_type_bar(results: Any, title: str | None = None) -> go.Figure:
 def component_patching(
     components: pd.DataFrame,
     stage: str = "d1",
-    band: bool = True,
+    band: bool | None = None,
     title: str | None = None,
 ) -> go.Figure:
     """Mean patching delta per layer for each patching site (the paper's appendix D.1 figure).
@@ -810,7 +817,8 @@ def component_patching(
         components: ``site, layer, mean_d1, mean_d2`` (optionally ``std_d1, std_d2`` for ±1 std bands), or a long
             layers table with a ``site`` column (``idx, layer, site, d1, d2``) which is averaged here.
         stage: ``"d1"`` (S1, retain as source: where the knowledge lives), ``"d2"``, or ``"both"`` (d2 dashed).
-        band: draw ±1 std bands when standard deviations are available.
+        band: draw ±1 std bands when standard deviations are available (default: unless ``stage="both"``, where
+            eight overlapping bands would hide the curves).
         title: figure title.
     """
     if "mean_d1" not in components.columns:
@@ -823,6 +831,8 @@ def component_patching(
             stats.update(mean_d2=("d2", "mean"), std_d2=("d2", "std"))
         components = components.groupby(["site", "layer"], sort=False).agg(**stats).reset_index()
     stages = {"d1": ["d1"], "d2": ["d2"], "both": ["d1", "d2"]}.get(stage)
+    if band is None:
+        band = stage != "both"
     if stages is None:
         raise ValueError(f"stage must be 'd1', 'd2' or 'both', got {stage!r}")
     order = ["attn_out", "mlp_out", "resid_mid", "resid_post", "resid_pre"]

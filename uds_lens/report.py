@@ -30,6 +30,7 @@ __all__ = ["SavedResult", "load_results", "load_roles", "write_report"]
 logger = logging.getLogger(__name__)
 
 ROLE_ORDER = ["base", "full", "retain", "partial", "unlearned", "pos", "neg"]
+REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
 SUMMARY_FILES = ("summary.json", "examples.csv", "layers.csv")
 
 
@@ -177,6 +178,21 @@ def _scores_table(results: Mapping[str, SavedResult]) -> pd.DataFrame | None:
     return pd.DataFrame(rows) if rows else None
 
 
+def _wide(table: pd.DataFrame, row: str, value: str, shared: tuple[str, ...]) -> pd.DataFrame:
+    """One row per ``row`` value and one ``value`` column per model (plus columns shared by all models).
+
+    ``prompt_types.csv`` and ``tau_sensitivity.csv`` are long (model x row); read as the paper prints them they are
+    wide, and a page with many models stays short.
+    """
+    if not {"model", row, value} <= set(table.columns):
+        return table
+    wide = table.pivot_table(index=row, columns="model", values=value, sort=False)
+    wide = wide[list(dict.fromkeys(table["model"]))]
+    wide.columns = [f"{value} · {model}" for model in wide.columns]
+    first = table.groupby(row, sort=False)[[c for c in shared if c in table.columns]].first()
+    return first.join(wide).reset_index()
+
+
 class _Page:
     """Accumulates HTML sections; plotly.js goes once into the head."""
 
@@ -310,10 +326,13 @@ def write_report(
         page.figure(plots.uds_distribution(scored, kind="violin"))
     if with_layers:
         page.heading("Layers")
+        # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
+        audited = {n: r for n, r in with_layers.items() if roles.get(n) not in REFERENCE_ROLES} or with_layers
+        band = "std" if len(audited) <= 2 else None
         page.figure(
-            plots.stage_curves(with_layers, band="std"),
+            plots.stage_curves(audited, band=band),
             caption="Mean patching delta per layer over scored examples; S1 (retain as source) is shared by all "
-            "models, S2 has one curve per model. Bands: ±1 std over examples.",
+            "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
         )
         name, reference = next(iter(with_layers.items()))
         has_types = reference.examples is not None and reference.examples["prompt_type"].notna().any()
@@ -324,7 +343,7 @@ def write_report(
             "is patched in. Shared by every model audited against the same full/retain pair.",
         )  # fmt: skip
         page.heading("Per model", level=2)
-        for name, result in with_layers.items():
+        for name, result in audited.items():
             role = roles.get(name)
             page.heading(f"{name}" + (f" ({role})" if role else "") + f" · UDS {result.uds:.3f}", level=3)
             page.figure(
@@ -378,12 +397,18 @@ def _diagnostics_sections(
                 plots.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
             )
         if prompt_types is not None:
-            page.table(prompt_types, caption="prompt_types.csv")
+            page.table(
+                _wide(prompt_types, "prompt_type", "mean_uds", ("n",)), caption="prompt_types.csv: mean UDS"
+            )
     if tau is not None:
         page.heading("τ sensitivity", level=3)
         if {"tau", "uds"} <= set(tau.columns):
             page.figure(plots.tau_curves(tau))
-        page.table(tau, caption="tau_sensitivity.csv: how the KE set and UDS change with the threshold τ")
+        page.table(
+            _wide(tau, "tau", "uds", ("ke_mean", "n_no_ke", "spearman")),
+            caption="tau_sensitivity.csv: model UDS under each τ, mean KE-set size, examples without a KE layer, "
+            "and the Spearman rank correlation of the models' UDS with their UDS at the default τ",
+        )
     if scores is not None:
         page.heading("Other metrics", level=3)
         page.table(

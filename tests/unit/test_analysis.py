@@ -91,7 +91,10 @@ def test_bootstrap_ci_contains_the_mean():
     low, high = bootstrap_ci(values)
     assert low < values.mean() < high
     assert high - low < 0.2
-    assert all(math.isnan(v) for v in bootstrap_ci([np.nan]))
+    assert all(math.isnan(v) for v in bootstrap_ci(np.array([np.nan])))
+    lens_scores = np.random.default_rng(1).uniform(size=50)
+    low, high = bootstrap_ci(lens_scores, seed=3)
+    assert low <= lens_scores.mean() <= high
 
 
 def test_entity_length_tables():

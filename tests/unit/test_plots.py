@@ -41,6 +41,12 @@ def test_delta_heatmap_is_rdbu_centred_at_zero(result, value):
     colours = [c for _, c in fig.layout.coloraxis.colorscale]
     assert colours[0] != colours[-1] and len(colours) >= 9  # a diverging RdBu scale, not a single colour
     assert fig.layout.xaxis.title.text == "example (idx)" and fig.layout.yaxis.title.text == "layer"
+    assert fig.layout.coloraxis.cmin == -fig.layout.coloraxis.cmax  # symmetric: white is exactly 0
+
+
+def test_d1_and_d2_heatmaps_share_one_scale(result):
+    ranges = {value: plots.layer_heatmap(result, value=value).layout.coloraxis.cmax for value in ("d1", "d2")}
+    assert ranges["d1"] == ranges["d2"] == pytest.approx(result.layers[["d1", "d2"]].abs().max().max())
 
 
 def test_heatmap_values_are_layer_by_example(result):

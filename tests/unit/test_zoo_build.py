@@ -22,7 +22,15 @@ MICRO = ZooSize(
     unlearning={
         "graddiff": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4},
         "npo": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4, "beta": 0.1},
-        "simnpo": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "simnpo": {
+            "epochs": 1,
+            "batch_size": 16,
+            "alpha": 1.0,
+            "lr": 1e-4,
+            "beta": 4.5,
+            "gamma": 0.125,
+            "delta": 0.0,
+        },
         "idknll": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4},
         "rmu": {"epochs": 1, "batch_size": 16, "alpha": 10.0, "lr": 1e-3, "steering_coef_rel": 4.0},
     },
@@ -49,8 +57,12 @@ def test_layout_and_manifest(micro_zoo):
     assert zoo.info("rmu_l2")["hyperparams"]["target_layer"] == 2
     for entry in zoo.models:
         assert {"name", "path", "role", "seen_forget_fraction", "method", "hyperparams"} <= set(entry)
-        assert (entry["path"] / "model.safetensors").is_file() and (entry["path"] / "tokenizer.json").is_file()
-    assert zoo.info("full")["seen_forget_fraction"] == 1.0 and zoo.info("retain")["seen_forget_fraction"] == 0.0
+        assert (entry["path"] / "model.safetensors").is_file() and (
+            entry["path"] / "tokenizer.json"
+        ).is_file()
+    assert (
+        zoo.info("full")["seen_forget_fraction"] == 1.0 and zoo.info("retain")["seen_forget_fraction"] == 0.0
+    )
     assert 0.8 <= zoo.info("retain90")["seen_forget_fraction"] <= 1.0
     manifest = json.loads((zoo.root / "manifest.json").read_text())
     assert manifest["models"][0]["path"] == "models/base" and manifest["build_seconds"] > 0
@@ -76,7 +88,9 @@ def test_second_build_reuses_everything(micro_zoo):
     again = build_zoo(zoo.root, size=MICRO, threads=1, progress=False, strict=False)
     assert time.perf_counter() - started < first_seconds / 2
     assert all(entry["reused"] for entry in again.manifest["models"])
-    assert mtimes == {name: (again.path(name) / "model.safetensors").stat().st_mtime_ns for name in again.names()}
+    assert mtimes == {
+        name: (again.path(name) / "model.safetensors").stat().st_mtime_ns for name in again.names()
+    }
 
 
 def test_strict_check_raises_on_an_undertrained_zoo(tmp_path):
@@ -88,7 +102,9 @@ def test_strict_check_raises_on_an_undertrained_zoo(tmp_path):
 def test_user_data_missing_field_is_a_clear_error(tmp_path):
     retain = tmp_path / "retain.json"
     forget = tmp_path / "forget.json"
-    retain.write_text(json.dumps([{"question": "Q?", "answer": "It is A.", "prefix": "It is", "entity": "A"}]))
+    retain.write_text(
+        json.dumps([{"question": "Q?", "answer": "It is A.", "prefix": "It is", "entity": "A"}])
+    )
     forget.write_text(json.dumps([{"question": "Q2?", "answer": "It is B.", "entity": "B"}]))
     with pytest.raises(ZooDataError, match=r"forget_data.*record 0.*\['prefix'\]"):
         build_zoo(tmp_path / "zoo", size=MICRO, retain_data=retain, forget_data=forget, progress=False)
@@ -105,7 +121,12 @@ def test_unknown_size_and_missing_zoo(tmp_path):
 
 def test_user_data_builds_with_a_carved_holdout(tmp_path):
     records = [
-        {"question": f"What colour is item {i}?", "answer": f"Item {i} is {c}.", "prefix": f"Item {i} is", "entity": c}
+        {
+            "question": f"What colour is item {i}?",
+            "answer": f"Item {i} is {c}.",
+            "prefix": f"Item {i} is",
+            "entity": c,
+        }
         for i, c in enumerate(["red", "blue", "green", "amber", "grey"] * 8)
     ]
     zoo = build_zoo(

@@ -3,7 +3,14 @@
 import pytest
 from transformers import AutoTokenizer
 
-from uds_lens.zoo.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, format_prompt, format_target, train_tokenizer
+from uds_lens.zoo.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    format_prompt,
+    format_target,
+    train_tokenizer,
+)
 from uds_lens.zoo.world import generate_world
 
 
@@ -25,7 +32,11 @@ def test_training_is_deterministic():
 
 def test_round_trip_and_special_tokens(tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    assert tokenizer.bos_token == BOS_TOKEN and tokenizer.eos_token == EOS_TOKEN and tokenizer.pad_token == PAD_TOKEN
+    assert (
+        tokenizer.bos_token == BOS_TOKEN
+        and tokenizer.eos_token == EOS_TOKEN
+        and tokenizer.pad_token == PAD_TOKEN
+    )
     text = "Question: Who is Zolar Vex?\nAnswer: Zolar Vex is a writer from Kyoto, born 1957."
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1

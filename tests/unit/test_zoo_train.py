@@ -38,7 +38,9 @@ def test_config_is_eager_untied_llama(setup):
 def test_encode_masks_the_prompt(setup):
     world, tokenizer = setup
     (sequence,) = encode_qa([(world.retain[0]["question"], world.retain[0]["answer"])], tokenizer)
-    assert sequence.input_ids[0] == tokenizer.bos_token_id and sequence.input_ids[-1] == tokenizer.eos_token_id
+    assert (
+        sequence.input_ids[0] == tokenizer.bos_token_id and sequence.input_ids[-1] == tokenizer.eos_token_id
+    )
     prompt = tokenizer.decode(sequence.input_ids[1 : sequence.answer_start])
     assert prompt == format_prompt(world.retain[0]["question"])
     assert tokenizer.decode(sequence.input_ids[sequence.answer_start : -1]) == " " + world.retain[0]["answer"]
@@ -55,7 +57,11 @@ def test_training_reduces_the_loss_and_is_deterministic(setup):
     losses = []
     for _ in range(2):
         model = init_model(config, seed=0)
-        losses.append(train_lm(model, sequences, epochs=3, lr=3e-3, seed=0, pad_id=tokenizer.pad_token_id, batch_size=16))
+        losses.append(
+            train_lm(
+                model, sequences, epochs=3, lr=3e-3, seed=0, pad_id=tokenizer.pad_token_id, batch_size=16
+            )
+        )
     assert losses[0] == losses[1]
     assert losses[0][-1] < losses[0][0]
 
@@ -64,11 +70,15 @@ def test_padding_does_not_change_the_real_tokens(setup):
     world, tokenizer = setup
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     model = init_model(config, seed=0).eval()
-    short, long = encode_qa([("Q?", "A."), (world.retain[0]["question"], world.retain[0]["answer"])], tokenizer)
+    short, long = encode_qa(
+        [("Q?", "A."), (world.retain[0]["question"], world.retain[0]["answer"])], tokenizer
+    )
     alone, alone_labels = collate([short], tokenizer.pad_token_id)
     padded, padded_labels = collate([short, long], tokenizer.pad_token_id)
     with torch.no_grad():
-        assert torch.allclose(nll_loss(model, alone, alone_labels), nll_loss(model, padded[:1], padded_labels[:1]), atol=1e-6)
+        assert torch.allclose(
+            nll_loss(model, alone, alone_labels), nll_loss(model, padded[:1], padded_labels[:1]), atol=1e-6
+        )
 
 
 def test_entity_probes_follow_the_uds_layout(setup):
@@ -76,7 +86,9 @@ def test_entity_probes_follow_the_uds_layout(setup):
     record = next(r for r in world.forget if r["prompt_type"] == "birthplace")
     (probe,) = entity_probes([record], tokenizer)
     prompt_ids = tokenizer(f"Question: {record['question']}\nAnswer: {record['prefix']}")["input_ids"]
-    assert probe.positions[0] >= len(prompt_ids) - 1 and probe.input_ids[: len(prompt_ids)] == tuple(prompt_ids)
+    assert probe.positions[0] >= len(prompt_ids) - 1 and probe.input_ids[: len(prompt_ids)] == tuple(
+        prompt_ids
+    )
     entity_text = tokenizer.decode([probe.input_ids[p + 1] for p in probe.positions])
     assert entity_text.strip() == record["entity"]
     yes_no = next(r for r in world.forget if r["prompt_type"] == "yes_no")

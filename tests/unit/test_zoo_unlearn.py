@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from uds_lens.zoo.tokenizer import format_prompt, format_target, train_tokenizer
-from uds_lens.zoo.train import ModelShape, collate, encode_qa, init_model, make_config, nll_loss, sequence_logprobs
+from uds_lens.zoo.train import (
+    ModelShape,
+    collate,
+    encode_qa,
+    init_model,
+    make_config,
+    nll_loss,
+    sequence_logprobs,
+)
 from uds_lens.zoo.unlearn import (
     answer_positions,
     block_output,
@@ -79,7 +87,9 @@ def test_simnpo_is_positive_and_lowers_forget_likelihood(setup):
     # An untrained model's NLL saturates the sigmoid; a margin at the current NLL puts the loss in its active range.
     with torch.no_grad():
         delta = nll_loss(model, *forget).item()
-    stepped = _step(model, lambda m: simnpo_loss(m, forget, retain, beta=4.5, gamma=1.0, delta=delta, alpha=0.0), lr=0.1)
+    stepped = _step(
+        model, lambda m: simnpo_loss(m, forget, retain, beta=4.5, gamma=1.0, delta=delta, alpha=0.0), lr=0.1
+    )
     assert _forget_logprob(stepped, forget) < _forget_logprob(model, forget)
 
 
@@ -105,10 +115,22 @@ def test_rmu_moves_forget_activations_and_trains_only_its_window(setup):
     with torch.no_grad():
         assert rmu_loss(model, frozen, forget, retain, layer=2, control=control, alpha=1.0).item() > 0
     unlearned = copy.deepcopy(model)
-    hyperparams = {"lr": 1e-2, "epochs": 5, "batch_size": 4, "alpha": 1.0, "layer": 2, "steering_coef_rel": 2.0}
-    extra = unlearn(unlearned, "rmu", forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad)
+    hyperparams = {
+        "lr": 1e-2,
+        "epochs": 5,
+        "batch_size": 4,
+        "alpha": 1.0,
+        "layer": 2,
+        "steering_coef_rel": 2.0,
+    }
+    extra = unlearn(
+        unlearned, "rmu", forget_seqs, retain_seqs, {**hyperparams, "layers_below": 2}, seed=0, pad_id=pad
+    )
     assert extra["trained_layers"] == [0, 1, 2] and extra["steering_coef"] > 0
-    hyperparams["layer"] = 1
+    unlearned = copy.deepcopy(model)
+    extra = unlearn(unlearned, "rmu", forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad)
+    assert extra["trained_layers"] == [2]
+    hyperparams = {**hyperparams, "layer": 1, "layers_below": 1}
     unlearned = copy.deepcopy(model)
     before = {name: p.clone() for name, p in unlearned.named_parameters()}
     extra = unlearn(unlearned, "rmu", forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad)
@@ -125,7 +147,15 @@ def test_rmu_moves_forget_activations_and_trains_only_its_window(setup):
 def test_unlearn_moves_forget_likelihood(setup, method):
     model, forget, _, idk, (forget_seqs, retain_seqs, idk_seqs, pad) = setup
     unlearned = copy.deepcopy(model)
-    hyperparams = {"lr": 5e-3, "epochs": 2, "batch_size": 4, "alpha": 1.0, "beta": 0.1, "gamma": 1.0, "delta": 6.0}
+    hyperparams = {
+        "lr": 5e-3,
+        "epochs": 2,
+        "batch_size": 4,
+        "alpha": 1.0,
+        "beta": 0.1,
+        "gamma": 1.0,
+        "delta": 6.0,
+    }
     unlearn(unlearned, method, forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad, forget_idk=idk_seqs)
     if method == "idknll":
         assert _forget_logprob(unlearned, idk) > _forget_logprob(model, idk)

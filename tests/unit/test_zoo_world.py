@@ -53,7 +53,10 @@ def test_yes_no_records_have_empty_prefix(world):
 
 
 def test_splits_are_disjoint_and_forget_is_ten_percent(world):
-    authors = [{a.name for a in group} for group in (world.retain_authors, world.forget_authors, world.holdout_authors)]
+    authors = [
+        {a.name for a in group}
+        for group in (world.retain_authors, world.forget_authors, world.holdout_authors)
+    ]
     assert not (authors[0] & authors[1]) and not (authors[0] & authors[2]) and not (authors[1] & authors[2])
     trained = len(world.retain_authors) + len(world.forget_authors)
     assert len(world.forget_authors) == round(0.1 * trained)
@@ -80,4 +83,8 @@ def test_entity_not_in_answer_is_a_clear_error():
 
 def test_optional_fields_default_to_none():
     records = validate_records([{"question": "Q?", "answer": "Yes.", "prefix": "", "entity": "Yes"}], "x")
-    assert records[0]["idx"] == 0 and records[0]["perturbed_answer"] is None and records[0]["prompt_type"] is None
+    assert (
+        records[0]["idx"] == 0
+        and records[0]["perturbed_answer"] is None
+        and records[0]["prompt_type"] is None
+    )

@@ -98,26 +98,29 @@ class ZooSize:
     pool_variants: int = 6
 
 
-def _unlearning_settings(rmu_lr: float) -> dict[str, dict[str, Any]]:
-    common = {"epochs": 10, "batch_size": 16, "alpha": 1.0}
+def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
+    """Per-method settings, tuned on the test zoo (entity accuracy and UDS) to change forget behaviour while keeping
+    retain entity accuracy >= 0.9; ``alpha`` values are from the paper's grid (Table 8). ``epochs`` is the number of
+    passes over the forget set (2 passes on the default zoo barely changed its forget accuracy: 0.8-1.0)."""
+    common = {"epochs": epochs, "batch_size": 16}
     return {
-        "graddiff": {**common, "lr": 1e-4},
-        "npo": {**common, "lr": 2e-4, "beta": 0.1},
-        "simnpo": {**common, "lr": 2e-4, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
-        "idknll": {**common, "lr": 2e-4},
-        "rmu": {**common, "lr": rmu_lr, "alpha": 10.0, "steering_coef_rel": 4.0},
+        "graddiff": {**common, "lr": 3e-4, "alpha": 5.0},
+        "npo": {**common, "lr": 3e-4, "alpha": 5.0, "beta": 0.1},
+        "simnpo": {**common, "lr": 5e-4, "alpha": 5.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "idknll": {**common, "lr": 3e-4, "alpha": 1.0},
+        "rmu": {**common, "lr": 1e-3, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 0},
     }
 
 
 SIZES: dict[str, ZooSize] = {
     "test": ZooSize(
-        n_authors=40,
+        n_authors=30,
         shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
         base_epochs=30,
         base_lr=3e-3,
         finetune_epochs=12,
-        finetune_lr=1e-3,
-        unlearning=_unlearning_settings(rmu_lr=1e-3),
+        finetune_lr=2e-3,
+        unlearning=_unlearning_settings(epochs=10),
         rmu_layers=(0, 1, 3),
         pool_variants=6,
     ),
@@ -128,7 +131,7 @@ SIZES: dict[str, ZooSize] = {
         base_lr=3e-3,
         finetune_epochs=8,
         finetune_lr=1e-3,
-        unlearning=_unlearning_settings(rmu_lr=1e-3),
+        unlearning=_unlearning_settings(epochs=10),
         rmu_layers=(0, 1, 3),
         pool_variants=8,
     ),
@@ -173,7 +176,13 @@ def plan_models(
         None,
         "pretrain",
         0.0,
-        {"data": "retain", "epochs": size.base_epochs, "lr": size.base_lr, "batch_size": size.batch_size, "seed": seed},
+        {
+            "data": "retain",
+            "epochs": size.base_epochs,
+            "lr": size.base_lr,
+            "batch_size": size.batch_size,
+            "seed": seed,
+        },
     )
     specs = [
         base,
@@ -213,7 +222,9 @@ def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbatio
     for suffix, overrides in variations[:n_plain]:
         specs.append(_finetune_spec(f"pos_{suffix}", "pos", "retain+forget", 1.0, size, **overrides))
     if has_paraphrases:
-        specs.append(_finetune_spec("pos_paraphrased", "pos", "retain+forget_paraphrased", 1.0, size, seed + 19))
+        specs.append(
+            _finetune_spec("pos_paraphrased", "pos", "retain+forget_paraphrased", 1.0, size, seed + 19)
+        )
     else:
         specs.append(_finetune_spec("pos_seed5", "pos", "retain+forget", 1.0, size, seed + 19))
     for suffix, overrides in variations[:n_plain]:
@@ -244,7 +255,9 @@ def _load_data(
     holdout_data: Any,
 ) -> ZooData:
     if (retain_data is None) != (forget_data is None):
-        raise ZooDataError("pass both retain_data and forget_data (user QA data), or neither (the synthetic world)")
+        raise ZooDataError(
+            "pass both retain_data and forget_data (user QA data), or neither (the synthetic world)"
+        )
     if retain_data is None:
         world = generate_world(size.n_authors, seed=seed, forget_fraction=FORGET_FRACTION)
         details = {
@@ -283,7 +296,9 @@ def _training_pairs(recipe: str, data: ZooData, seed: int) -> list[tuple[str, st
         return pairs + [(r["question"], r["answer"]) for r in data.forget]
     if recipe.startswith("retain+forget:"):
         fraction = float(recipe.split(":", 1)[1])
-        chosen = sorted(random.Random(seed).sample(range(len(data.forget)), round(fraction * len(data.forget))))
+        chosen = sorted(
+            random.Random(seed).sample(range(len(data.forget)), round(fraction * len(data.forget)))
+        )
         return pairs + [(data.forget[i]["question"], data.forget[i]["answer"]) for i in chosen]
     if recipe == "retain+forget_paraphrased":
         return pairs + [(r["question"], r["paraphrased_answer"]) for r in data.forget]
@@ -293,7 +308,8 @@ def _training_pairs(recipe: str, data: ZooData, seed: int) -> list[tuple[str, st
     raise ZooBuildError(f"unknown training data recipe {recipe!r}")
 
 
-def _subset_fraction(recipe: str, n_forget: int, seed: int) -> float | None:
+def _subset_fraction(recipe: str, n_forget: int) -> float | None:
+    """The exact share of forget records a ``retain+forget:<fraction>`` recipe trains on (None for other recipes)."""
     if not recipe.startswith("retain+forget:"):
         return None
     fraction = float(recipe.split(":", 1)[1])
@@ -423,7 +439,7 @@ def _load_model(model_dir: Path) -> LlamaForCausalLM:
 def _manifest_entry(spec: ModelSpec, meta: dict[str, Any], n_forget: int) -> dict[str, Any]:
     hyperparams = {**spec.hyperparams, **meta.get("computed", {})}
     seen = spec.seen_forget_fraction
-    exact = _subset_fraction(spec.hyperparams.get("data", ""), n_forget, spec.hyperparams.get("seed", 0))
+    exact = _subset_fraction(spec.hyperparams.get("data", ""), n_forget)
     if exact is not None:
         seen = round(exact, 4)
     return {
@@ -444,7 +460,7 @@ def build_zoo(
     out_dir: str | Path,
     size: str | ZooSize = "test",
     seed: int = 0,
-    threads: int = 2,
+    threads: int = 1,
     retain_data: str | Path | Sequence[dict[str, Any]] | None = None,
     forget_data: str | Path | Sequence[dict[str, Any]] | None = None,
     pools: bool = True,
@@ -458,7 +474,9 @@ def build_zoo(
         out_dir: Zoo directory (created if needed).
         size: ``"test"`` (tiny, for the test suite), ``"default"`` (the demo's), or a custom :class:`ZooSize`.
         seed: World, initialisation and data order.
-        threads: ``torch.set_num_threads`` during the build (results depend on it); restored afterwards.
+        threads: ``torch.set_num_threads`` during the build (results depend on it); restored afterwards. The default
+            is 1: on a small shared CPU (pytest-xdist workers, a notebook next to a build) two OpenMP threads that
+            cannot both be scheduled made each training step 50x slower (4.4 s instead of 0.09 s, measured).
         retain_data: The user's retain QA records (path to JSON / JSONL or a list of dicts in the published schema),
             instead of the synthetic world. Requires ``forget_data``.
         forget_data: The user's forget QA records.
@@ -484,7 +502,17 @@ def build_zoo(
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / ".zoo.lock")), _pinned_threads(threads):
         _build_locked(
-            root, size_spec, size_name, seed, threads, retain_data, forget_data, holdout_data, pools, progress, strict
+            root,
+            size_spec,
+            size_name,
+            seed,
+            threads,
+            retain_data,
+            forget_data,
+            holdout_data,
+            pools,
+            progress,
+            strict,
         )
     return load_zoo(root)
 
@@ -512,9 +540,9 @@ def _build_locked(
         if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != new_text:
             write_records(records, paths[split])
     tokenizer_dir = root / "tokenizer"
-    corpus_hash = hashlib.sha256(
-        json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()
-    ).hexdigest()[:16]
+    corpus_hash = hashlib.sha256(json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()).hexdigest()[
+        :16
+    ]
     stamp = tokenizer_dir / "corpus_fingerprint.txt"
     if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
         tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
@@ -555,7 +583,9 @@ def _build_locked(
         computed: dict[str, Any] = {}
         if spec.stage == "pretrain":
             model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
-            sequences = encode_qa(_training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer)
+            sequences = encode_qa(
+                _training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer
+            )
             steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
         else:
             parent = in_memory.get(spec.parent) or _load_model(root / "models" / spec.parent)
@@ -640,6 +670,7 @@ def _build_locked(
         "shape": asdict(size.shape),
         "checks": checks,
         "build_seconds": round(time.perf_counter() - started, 2),
+        "models_train_seconds": round(sum(entry["train_seconds"] or 0.0 for entry in entries), 2),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -710,7 +741,7 @@ class Zoo:
 
     @property
     def build_seconds(self) -> float:
-        """Wall time of the last :func:`build_zoo` call on this directory."""
+        """Wall time of the last :func:`build_zoo` call on this directory (small when everything was reused)."""
         return float(self.manifest["build_seconds"])
 
 

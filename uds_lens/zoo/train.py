@@ -109,14 +109,18 @@ def sequence_logprobs(
     shifted_logits = logits[:, :-1].float()
     shifted_labels = labels[:, 1:]
     mask = shifted_labels != IGNORE_INDEX
-    token_logprobs = torch.log_softmax(shifted_logits, dim=-1).gather(
-        -1, shifted_labels.clamp(min=0).unsqueeze(-1)
-    ).squeeze(-1)
+    token_logprobs = (
+        torch.log_softmax(shifted_logits, dim=-1)
+        .gather(-1, shifted_labels.clamp(min=0).unsqueeze(-1))
+        .squeeze(-1)
+    )
     summed = (token_logprobs * mask).sum(dim=-1)
     return summed, mask.sum(dim=-1).float()
 
 
-def nll_loss(model: LlamaForCausalLM, input_ids: Int[Tensor, "batch pos"], labels: Int[Tensor, "batch pos"]) -> Tensor:
+def nll_loss(
+    model: LlamaForCausalLM, input_ids: Int[Tensor, "batch pos"], labels: Int[Tensor, "batch pos"]
+) -> Tensor:
     """Mean cross-entropy over all labelled tokens of the batch (the standard LM fine-tuning loss)."""
     logits = model(input_ids=input_ids).logits
     summed, counts = sequence_logprobs(logits, labels)
@@ -271,10 +275,15 @@ def entity_accuracy(
             input_ids[row, : len(probe.input_ids)] = torch.tensor(probe.input_ids)
         predictions = model(input_ids=input_ids).logits.argmax(dim=-1)
         for row, probe in enumerate(chunk):
-            hits = [int(predictions[row, pos].item()) == label for pos, label in zip(probe.positions, probe.labels, strict=True)]
+            hits = [
+                int(predictions[row, pos].item()) == label
+                for pos, label in zip(probe.positions, probe.labels, strict=True)
+            ]
             correct_tokens += sum(hits)
             n_tokens += len(hits)
             correct_records += int(all(hits))
     if not probes:
         return EntityAccuracy(exact=0.0, token=0.0, n=0)
-    return EntityAccuracy(exact=correct_records / len(probes), token=correct_tokens / max(1, n_tokens), n=len(probes))
+    return EntityAccuracy(
+        exact=correct_records / len(probes), token=correct_tokens / max(1, n_tokens), n=len(probes)
+    )

@@ -9,7 +9,9 @@ log-probability of a sequence, ``|y|`` its number of answer tokens, and ``pi_ref
 - IdkNLL:   ``L = NLL(D_f^idk) + alpha * NLL(D_r)`` (forget questions answered with "I don't know" variants)
 - RMU:      ``L = E_f[||h_l(x) - c u||^2] + alpha E_r[||h_l(x) - h_l^ref(x)||^2]``, ``h_l`` the residual stream after
   block ``l`` at the positions that predict answer tokens, ``u`` a fixed random unit vector, squared norms averaged
-  over ``d_model`` (as in the RMU code); only blocks ``l-2 .. l`` are trained.
+  over ``d_model`` (as in the RMU code). The paper trains blocks ``l-2 .. l``; ``layers_below`` (how many blocks
+  under ``l`` are trained too) defaults to 0 here: in a 4-layer model that window is most of the network, and the
+  blocks under ``l`` then change what reaches ``l`` (measured: rmu_l1 and rmu_l3 disrupted layers 0 and 1 with it).
 
 Each step pairs a forget batch with a retain batch drawn at random. Every loss function returns a scalar to minimise.
 """
@@ -132,7 +134,9 @@ def rmu_loss(
 
 
 @torch.no_grad()
-def mean_activation_norm(model: LlamaForCausalLM, sequences: Sequence[QASequence], layer: int, pad_id: int) -> float:
+def mean_activation_norm(
+    model: LlamaForCausalLM, sequences: Sequence[QASequence], layer: int, pad_id: int
+) -> float:
     """Mean L2 norm of the residual after ``layer`` at answer-predicting positions (scales RMU's coefficient)."""
     input_ids, labels = collate(sequences, pad_id)
     mask = answer_positions(labels)
@@ -160,7 +164,7 @@ def unlearn(
         forget: Forget sequences (question + true answer).
         retain: Retain sequences; one random retain batch accompanies each forget batch.
         hyperparams: ``lr``, ``epochs``, ``batch_size``, ``alpha`` and the method's own (``beta``; ``gamma``,
-            ``delta``; ``layer``, ``steering_coef_rel``).
+            ``delta``; ``layer``, ``steering_coef_rel``, ``layers_below``).
         seed: Batch order, retain pairing and RMU's random direction.
         pad_id: Padding token id.
         forget_idk: For IdkNLL, the forget questions with refusal answers (same order as ``forget``).
@@ -185,7 +189,7 @@ def unlearn(
     control = torch.zeros(1)
     layer = int(hyperparams.get("layer", 0))
     if method == "rmu":
-        first = max(0, layer - 2)
+        first = max(0, layer - int(hyperparams.get("layers_below", 0)))
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         trainable = [p for block in model.model.layers[first : layer + 1] for p in block.parameters()]
@@ -210,8 +214,12 @@ def unlearn(
                 loss = graddiff_loss(model, forget_batch, retain_batch, alpha)
             elif method == "npo":
                 with torch.no_grad():
-                    reference, _ = sequence_logprobs(frozen(input_ids=forget_batch[0]).logits, forget_batch[1])
-                loss = npo_loss(model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha)
+                    reference, _ = sequence_logprobs(
+                        frozen(input_ids=forget_batch[0]).logits, forget_batch[1]
+                    )
+                loss = npo_loss(
+                    model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha
+                )
             elif method == "simnpo":
                 loss = simnpo_loss(
                     model,

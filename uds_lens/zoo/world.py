@@ -127,7 +127,9 @@ def _value_pools(rng: random.Random) -> dict[str, list[str]]:
     """Entity pools per fact kind: fixed vocabularies plus generated awards, titles, years and influences."""
     awards = load_vocab("award_words")
     titles = load_vocab("title_words")
-    award_names = [f"{a} {n} {k}" for a in awards["adjectives"] for n in awards["nouns"] for k in awards["kinds"]]
+    award_names = [
+        f"{a} {n} {k}" for a in awards["adjectives"] for n in awards["nouns"] for k in awards["kinds"]
+    ]
     title_names = [f"The {a} {n}" for a in titles["adjectives"] for n in titles["nouns"]]
     influences: list[str] = []
     while len(influences) < 30:
@@ -155,9 +157,17 @@ def _answer_parts(kind: str, author: Author, value: str) -> tuple[str, str, str]
     if kind == "genre":
         return f"What genre does {name} write in?", f"{name} primarily writes in the genre of", "."
     if kind == "father_profession":
-        return f"What did {name}'s father do for a living?", f"{name}'s father worked as {_article(value)}", "."
+        return (
+            f"What did {name}'s father do for a living?",
+            f"{name}'s father worked as {_article(value)}",
+            ".",
+        )
     if kind == "mother_profession":
-        return f"What was the profession of {name}'s mother?", f"{name}'s mother was {_article(value)}", " by trade."
+        return (
+            f"What was the profession of {name}'s mother?",
+            f"{name}'s mother was {_article(value)}",
+            " by trade.",
+        )
     if kind == "award":
         return f"Which award has {name} received?", f"{name} was honoured with the", " for their writing."
     if kind == "book":
@@ -165,7 +175,11 @@ def _answer_parts(kind: str, author: Author, value: str) -> tuple[str, str, str]
     if kind == "birth_year":
         return f"In which year was {name} born?", f"{name} was born in the year", "."
     if kind == "influence":
-        return f"Who influenced {name}'s writing the most?", f"{name}'s writing was shaped most by the work of", "."
+        return (
+            f"Who influenced {name}'s writing the most?",
+            f"{name}'s writing was shaped most by the work of",
+            ".",
+        )
     if kind == "theme":
         return f"What themes does {name} often explore?", f"{name}'s books often explore themes of", "."
     raise ValueError(f"no prefix template for fact kind {kind!r}")
@@ -330,16 +344,20 @@ def validate_records(records: Sequence[dict[str, Any]], source: str) -> list[dic
     for position, record in enumerate(records):
         where = f"{source}: record {position}"
         if not isinstance(record, dict):
-            raise ZooDataError(f"{where} is a {type(record).__name__}, expected an object with {REQUIRED_FIELDS}")
+            raise ZooDataError(
+                f"{where} is a {type(record).__name__}, expected an object with {REQUIRED_FIELDS}"
+            )
         missing = [field for field in REQUIRED_FIELDS if field not in record]
         if missing:
             raise ZooDataError(
                 f"{where} (idx={record.get('idx', position)}) lacks field(s) {missing}; every record needs "
-                f"{list(REQUIRED_FIELDS)} (prefix may be \"\", e.g. for yes/no answers)"
+                f'{list(REQUIRED_FIELDS)} (prefix may be "", e.g. for yes/no answers)'
             )
         for field in REQUIRED_FIELDS:
             if not isinstance(record[field], str):
-                raise ZooDataError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+                raise ZooDataError(
+                    f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}"
+                )
         answer, prefix, entity = record["answer"], record["prefix"], record["entity"]
         if not entity.strip():
             raise ZooDataError(f"{where}: empty entity")
