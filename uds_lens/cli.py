@@ -89,13 +89,14 @@ def zoo_build(
     threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
     retain_data: Optional[Path] = typer.Option(None, help="Your own retain QA set (published schema)."),
     forget_data: Optional[Path] = typer.Option(None, help="Your own forget QA set (published schema)."),
+    holdout_data: Optional[Path] = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
     from uds_lens.zoo import build_zoo
 
     zoo = build_zoo(out, size=size, seed=seed, threads=threads, retain_data=retain_data, forget_data=forget_data,
-                    pools=pools)
+                    holdout_data=holdout_data, pools=pools)
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")
 
@@ -131,6 +132,7 @@ def diagnose(
     dtype: Optional[str] = typer.Option(None),
     device: Optional[str] = typer.Option(None),
     tuned_lens_steps: int = typer.Option(200, help="Training steps of the tuned lens translators."),
+    calibration: Optional[str] = typer.Option(None, help="QA set the tuned lens trains on (e.g. the retain set)."),
 ) -> None:
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
     from uds_lens.diagnose import METHODS, diagnose as run_diagnose
@@ -139,7 +141,7 @@ def diagnose(
     table = run_diagnose(full, retain, {model_name(u): u for u in unlearned}, data, out,
                          methods=tuple(methods) if methods else METHODS,
                          sites=tuple(sites) if sites else ("resid_post",), tau=tau, dtype=dtype, device=device,
-                         tuned_lens_steps=tuned_lens_steps, progress=True)
+                         tuned_lens_steps=tuned_lens_steps, calibration=calibration, progress=True)
     typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
     typer.echo(f"results in {out}")
 

@@ -85,11 +85,18 @@ class PatchBatch:
         return PatchBatch(**moved)
 
 
-def pad_batch(examples: Sequence[EncodedExample], pad_id: int, scope: str = "span") -> PatchBatch:
-    """Right-pad encoded examples into a ``PatchBatch`` (sequences cut after the last read position)."""
+def pad_batch(
+    examples: Sequence[EncodedExample], pad_id: int, scope: str = "span", cut: bool = True
+) -> PatchBatch:
+    """Right-pad encoded examples into a ``PatchBatch``.
+
+    With ``cut`` (the fast engine), sequences end at the last read position: nothing after it can change a read
+    logit. ``cut=False`` keeps the whole prompt + reference, as the published implementation (and so the naive
+    engine) runs it; the numbers are the same either way.
+    """
     if scope not in SCOPES:
         raise ValueError(f"Unknown patch scope {scope!r}; use one of {SCOPES}.")
-    lengths = [ex.read_positions.stop for ex in examples]
+    lengths = [ex.read_positions.stop if cut else len(ex.input_ids) for ex in examples]
     tokens = torch.full((len(examples), max(lengths)), pad_id, dtype=torch.long)
     patch_mask = torch.zeros(tokens.shape, dtype=torch.bool)
     read_batch, read_pos, read_label, window_start, window_len = [], [], [], [], []
@@ -454,7 +461,7 @@ def fast_patched_scores(
                 block, active, window_pos, clean.keys[block_index][:, :prefix_len],
                 clean.values[block_index][:, :prefix_len], prefix_ok, causal,
             )
-            resid = torch.cat([resid[:first_active], _mlp_half(block, active)])
+            resid[first_active:] = _mlp_half(block, active)
 
         # Read out only the positions that predict entity tokens: [group, entity, d_model].
         read_offset = batch.read_pos - batch.window_start[batch.read_batch]
@@ -520,6 +527,34 @@ def baseline_scores(
     return fast_patched_scores(full, batch, clean, acts, site, layers, upcast)
 
 
+def plan_batches(
+    examples: Sequence[EncodedExample], scope: str, batch_size: int, max_waste: float = 0.25, min_batch: int = 8
+) -> list[list[int]]:
+    """Group example indices into batches of similar window and sequence lengths (deterministic).
+
+    The fast engine's cost is the padded window size times the number of runs, so examples are sorted by window
+    length and a batch of at least ``min_batch`` examples is closed early when padding would waste more than
+    ``max_waste`` of its window tokens (smaller batches would cost more in per-batch overhead than they save).
+    """
+    order = sorted(range(len(examples)),
+                   key=lambda i: (len(examples[i].window(scope)), examples[i].read_positions.stop, i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        window = len(examples[index].window(scope))
+        if current:
+            padded = (len(current) + 1) * window
+            used = window + sum(len(examples[i].window(scope)) for i in current)
+            wasteful = len(current) >= min_batch and padded > (1 + max_waste) * used
+            if len(current) >= batch_size or wasteful:
+                batches.append(current)
+                current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
 def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: int, engine: str) -> int:
     """Rough peak memory of one example in a batch, used to choose batch sizes from a memory budget."""
     cfg = model.cfg
@@ -572,6 +607,6 @@ def choose_batch_size(
 
 __all__ = [
     "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "baseline_scores", "choose_batch_size", "clean_run",
-    "estimate_bytes_per_example", "fast_patched_scores", "hook_name", "mean_entity_logprob", "naive_patched_scores",
+    "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob", "naive_patched_scores",
     "pad_batch", "patched_scores", "source_activations",
 ]

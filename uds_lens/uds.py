@@ -51,6 +51,7 @@ from uds_lens.patching import (
     clean_run,
     pad_batch,
     patched_scores,
+    plan_batches,
     source_activations,
 )
 from uds_lens.tl_compat import HookedTransformer
@@ -340,12 +341,11 @@ class UDSAuditor:
             return []
         size = self.config.batch_size or choose_batch_size(
             self.full, self.encoded, self.config.patch_scope, self.config.engine)
-        order = sorted(range(len(self.encoded)), key=lambda i: (len(self.encoded[i].input_ids), i))
-        return [order[i : i + size] for i in range(0, len(order), size)]
+        return plan_batches(self.encoded, self.config.patch_scope, size)
 
     def _batch(self, members: list[int]) -> PatchBatch:
-        return pad_batch([self.encoded[i] for i in members], self.pad_id, self.config.patch_scope).to(
-            self.full.cfg.device)
+        return pad_batch([self.encoded[i] for i in members], self.pad_id, self.config.patch_scope,
+                         cut=self.config.engine == "fast").to(self.full.cfg.device)
 
     def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
         if number not in self._clean:
