@@ -27,11 +27,11 @@ from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
 from uds_lens.patching import (
     baseline_scores,
-    plan_batches,
     choose_batch_size,
     clean_run,
     pad_batch,
     patched_scores,
+    plan_batches,
     source_activations,
 )
 

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -39,19 +38,19 @@ def _setup_logging(verbose: bool) -> None:
 @app.command()
 def score(
     full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
-    retain: Optional[str] = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
+    retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
     unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several."),
     data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
     out: Path = typer.Option(..., help="Output directory; one sub-directory per unlearned model."),
     tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
     scope: str = typer.Option("span", help="Patch scope: span | boundary."),
     site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
-    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    batch_size: Optional[int] = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
-    limit: Optional[int] = typer.Option(None, help="Score only the first N examples."),
+    dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
+    device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    batch_size: int | None = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    limit: int | None = typer.Option(None, help="Score only the first N examples."),
     published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
-    cache_dir: Optional[Path] = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
+    cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
     no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
     engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
@@ -87,9 +86,9 @@ def zoo_build(
     size: str = typer.Option("test", help="test | default."),
     seed: int = typer.Option(0),
     threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
-    retain_data: Optional[Path] = typer.Option(None, help="Your own retain QA set (published schema)."),
-    forget_data: Optional[Path] = typer.Option(None, help="Your own forget QA set (published schema)."),
-    holdout_data: Optional[Path] = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
+    retain_data: Path | None = typer.Option(None, help="Your own retain QA set (published schema)."),
+    forget_data: Path | None = typer.Option(None, help="Your own forget QA set (published schema)."),
+    holdout_data: Path | None = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
@@ -104,7 +103,7 @@ def zoo_build(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("demo_out"), help="Where results and report.html go."),
-    zoo_dir: Optional[Path] = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
+    zoo_dir: Path | None = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
     size: str = typer.Option("default", help="Zoo size: test | default."),
     threads: int = typer.Option(2),
 ) -> None:
@@ -126,16 +125,17 @@ def diagnose(
     unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option."),
     data: str = typer.Option(...),
     out: Path = typer.Option(...),
-    methods: Optional[list[str]] = typer.Option(None, help="Subset of methods (default: all)."),
-    sites: Optional[list[str]] = typer.Option(None, help="Component-patching sites (default resid_post)."),
+    methods: list[str] | None = typer.Option(None, help="Subset of methods (default: all)."),
+    sites: list[str] | None = typer.Option(None, help="Component-patching sites (default resid_post)."),
     tau: float = typer.Option(0.05),
-    dtype: Optional[str] = typer.Option(None),
-    device: Optional[str] = typer.Option(None),
+    dtype: str | None = typer.Option(None),
+    device: str | None = typer.Option(None),
     tuned_lens_steps: int = typer.Option(200, help="Training steps of the tuned lens translators."),
-    calibration: Optional[str] = typer.Option(None, help="QA set the tuned lens trains on (e.g. the retain set)."),
+    calibration: str | None = typer.Option(None, help="QA set the tuned lens trains on (e.g. the retain set)."),
 ) -> None:
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
-    from uds_lens.diagnose import METHODS, diagnose as run_diagnose
+    from uds_lens.diagnose import METHODS
+    from uds_lens.diagnose import diagnose as run_diagnose
     from uds_lens.uds import model_name
 
     table = run_diagnose(full, retain, {model_name(u): u for u in unlearned}, data, out,
@@ -149,7 +149,7 @@ def diagnose(
 @app.command()
 def report(
     results_dir: Path = typer.Argument(..., help="Directory written by `score`, `diagnose` or `demo`."),
-    out: Optional[Path] = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
+    out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
 ) -> None:
     """One self-contained HTML page (Plotly figures + tables) from saved results."""
     from uds_lens.report import write_report
