@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from uds_lens.models import hooked_from_hf
+from uds_lens.tl_compat import HookedTransformer
 from uds_lens.uds import UDSAuditor
 
 logger = logging.getLogger(__name__)
@@ -58,9 +60,13 @@ class ZooScorers:
                            "fisher_fractions": (FISHER_FRACTION,)}
                 self._reference = _Reference(self.auditor, WHITE_BOX, None, options)
             loaded = self.auditor._load(model, "unlearned")
-            if _is_quantised(loaded):
-                # Fisher needs gradients: as in the published pipeline, it is taken after dequantisation.
-                loaded = copy.deepcopy(loaded).dequantize()
+            if not isinstance(loaded, HookedTransformer):
+                if _is_quantised(loaded):
+                    # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the
+                    # white-box scores of a quantised model are taken on its dequantised (4-bit-rounded) weights.
+                    loaded = copy.deepcopy(loaded).dequantize()
+                full_cfg = self.auditor.full.cfg
+                loaded = hooked_from_hf(loaded, dtype=full_cfg.dtype, device=str(full_cfg.device))
             scores, _ = self._reference.observational(loaded)
             self._scores[key] = {
                 "logit_lens": scores.get("logit_lens"),
