@@ -240,12 +240,12 @@ class CleanRun:
     """What the fast engine reuses from the full model's clean forward on one batch.
 
     ``keys``/``values`` hold the rotated keys and values of every block at every position (only positions before an
-    example's window are read); the ``window_*`` tensors hold clean activations at window positions.
+    example's window are read); ``window_acts`` holds clean activations at window positions (the site's own among
+    them, which is all the fast baseline needs). The naive engine keeps only the scores.
     """
 
     site: str
     scores: Float[Tensor, " batch"]
-    site_acts: Float[Tensor, "layer batch pos d_model"]
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     window_acts: dict[str, Float[Tensor, "layer batch window d_model"]] = field(default_factory=dict)
@@ -276,9 +276,9 @@ def _window_sites(site: str) -> tuple[str, ...]:
 def clean_run(
     full: HookedTransformer, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True
 ) -> CleanRun:
-    """One clean forward of the target: S0 scores, the site's activations, and (fast engine) keys/values."""
+    """One clean forward of the target: S0 scores and (fast engine) keys/values and window activations."""
     n_layers = full.cfg.n_layers
-    wanted = {hook_name(site, layer) for layer in range(n_layers)}
+    wanted: set[str] = set()
     if keep_kv:
         wanted |= {f"blocks.{layer}.attn.hook_rot_k" for layer in range(n_layers)}
         wanted |= {f"blocks.{layer}.attn.hook_v" for layer in range(n_layers)}
@@ -289,11 +289,7 @@ def clean_run(
             logits[batch.read_batch, batch.read_pos], batch.read_label, batch.read_batch, batch.size, upcast
         )
         del logits
-        run = CleanRun(
-            site=site,
-            scores=scores,
-            site_acts=torch.stack([cache[hook_name(site, layer)] for layer in range(n_layers)]),
-        )
+        run = CleanRun(site=site, scores=scores)
         if keep_kv:
             run.keys = [cache[f"blocks.{layer}.attn.hook_rot_k"] for layer in range(n_layers)]
             run.values = [cache[f"blocks.{layer}.attn.hook_v"] for layer in range(n_layers)]
@@ -405,12 +401,14 @@ def fast_patched_scores(
     full: HookedTransformer,
     batch: PatchBatch,
     clean: CleanRun,
-    acts: Float[Tensor, "layer batch pos d_model"],
+    acts: Float[Tensor, "layer batch pos d_model"] | None,
     site: str,
     layers: Sequence[int],
     upcast: bool = True,
 ) -> Float[Tensor, "batch layer"]:
     """Patched scores for every (example, layer), recomputing only the window of each run.
+
+    ``acts=None`` writes the clean activations back (the engine's own unpatched baseline).
 
     Run ``(l, b)`` starts from the clean window activations of example ``b`` with the patch applied at layer ``l``,
     then goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the clean prefix keys/values. Runs
@@ -431,13 +429,15 @@ def fast_patched_scores(
     order = sorted(range(len(layers)), key=lambda i: -first_block(layers[i]))
     group_layers = [layers[i] for i in order]
     group_index = torch.tensor(group_layers, device=batch.tokens.device)
-    source_window = torch.stack([_gather_window(acts[i], window_pos) for i in order])
+    source_window = None if acts is None else torch.stack([_gather_window(acts[i], window_pos) for i in order])
 
     def clean_window(name: str) -> Float[Tensor, "group batch window d_model"]:
         return clean.window_acts[name][group_index]
 
     def patched(name: str) -> Float[Tensor, "group batch window d_model"]:
         values = clean_window(name)
+        if source_window is None:
+            return values
         return torch.where(patch_window, source_window.to(values.dtype), values)
 
     with torch.no_grad():
@@ -523,8 +523,7 @@ def baseline_scores(
     """
     if engine == "naive":
         return clean.scores[:, None].expand(-1, len(layers)).clone()
-    acts = clean.site_acts[list(layers)]
-    return fast_patched_scores(full, batch, clean, acts, site, layers, upcast)
+    return fast_patched_scores(full, batch, clean, None, site, layers, upcast)
 
 
 def plan_batches(
