@@ -539,16 +539,16 @@ def plan_batches(
                    key=lambda i: (len(examples[i].window(scope)), examples[i].read_positions.stop, i))
     batches: list[list[int]] = []
     current: list[int] = []
+    used = 0  # window tokens of the examples in ``current``
     for index in order:
         window = len(examples[index].window(scope))
         if current:
-            padded = (len(current) + 1) * window
-            used = window + sum(len(examples[i].window(scope)) for i in current)
-            wasteful = len(current) >= min_batch and padded > (1 + max_waste) * used
+            wasteful = len(current) >= min_batch and (len(current) + 1) * window > (1 + max_waste) * (used + window)
             if len(current) >= batch_size or wasteful:
                 batches.append(current)
-                current = []
+                current, used = [], 0
         current.append(index)
+        used += window
     if current:
         batches.append(current)
     return batches
