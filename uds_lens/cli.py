@@ -90,12 +90,13 @@ def zoo_build(
     forget_data: Path | None = typer.Option(None, help="Your own forget QA set (published schema)."),
     holdout_data: Path | None = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
+    overwrite: bool = typer.Option(False, help="Replace a zoo in OUT built from other data or another shape."),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
     from uds_lens.zoo import build_zoo
 
     zoo = build_zoo(out, size=size, seed=seed, threads=threads, retain_data=retain_data, forget_data=forget_data,
-                    holdout_data=holdout_data, pools=pools)
+                    holdout_data=holdout_data, pools=pools, overwrite=overwrite)
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")
 
@@ -192,8 +193,26 @@ def meta_eval(
     typer.echo(json.dumps({"meta_eval": str(out / "meta_eval.csv")}))
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
+    from uds_lens.data import DataError, TokenizerError
+    from uds_lens.meta_eval import QuantisationError
+    from uds_lens.models import ModelLoadError, ModelMismatchError
+    from uds_lens.zoo import ZooBuildError, ZooDataError
+
+    return (DataError, TokenizerError, ModelLoadError, ModelMismatchError, ZooBuildError, ZooDataError,
+            QuantisationError, FileNotFoundError)
+
+
+def main() -> None:
+    """The console entry point: runs the app; a user error exits 2 with its message (no traceback)."""
+    try:
+        app()
+    except Exception as error:
+        if not isinstance(error, _user_errors()):
+            raise
+        typer.echo(f"error: {error}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

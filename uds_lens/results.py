@@ -130,9 +130,15 @@ class UDSResult:
 
     @property
     def uds(self) -> float:
-        """Model UDS: plain mean of the defined per-example scores (NaN if none is defined)."""
+        """Model UDS: plain mean of the defined per-example scores.
+
+        With no defined score it is NaN, or 0.0 under ``published_compat`` (what the published code reports); the
+        counts in :attr:`summary` say that nothing was scored either way.
+        """
         values = self.examples["uds"].dropna()
-        return float(values.mean()) if len(values) else float("nan")
+        if len(values):
+            return float(values.mean())
+        return 0.0 if self.settings.get("published_compat") and not self.retain_free else float("nan")
 
     @property
     def ci95(self) -> tuple[float, float]:

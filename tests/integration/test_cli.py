@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens.cli import app
+from uds_lens.cli import app, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,3 +62,16 @@ def test_tofu_experiment_fails_clearly_offline():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "open-unlearning/tofu_Llama-3.2-1B-Instruct_full" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
+
+
+def test_console_entry_point_prints_user_errors_without_a_traceback(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "data.json"
+    data.write_text("[]")
+    monkeypatch.setattr(sys, "argv", ["uds-lens", "score", "--full", str(tmp_path / "no_such_model"), "--no-retain",
+                                      "--unlearned", str(tmp_path / "no_such_model"), "--data", str(data),
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err

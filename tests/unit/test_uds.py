@@ -86,6 +86,18 @@ def test_retain_free_mode(tiny, models):
     assert summary["d2_summary"]["mean_d2"] == pytest.approx(result.layers["d2"].mean())
 
 
+def test_nothing_scored_is_nan_or_the_published_zero(tiny, models):
+    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    for compat, expected in ((False, None), (True, 0.0)):
+        auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(published_compat=compat),
+                             tokenizer=tok, cache_dir=False, progress=False)
+        result = auditor.score(models["unlearned"])
+        assert result.summary["n_scored"] > 0 and 0.0 < result.uds
+        nothing = result.with_tau(1e9)
+        assert nothing.summary["n_scored"] == 0 and nothing.summary["n_no_ke"] == len(nothing.examples)
+        assert nothing.summary["uds"] == expected
+
+
 def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     cache = tmp_path / "cache"
     first = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False)

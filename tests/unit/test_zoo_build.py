@@ -93,6 +93,19 @@ def test_second_build_reuses_everything(micro_zoo):
     }
 
 
+def test_a_build_of_other_data_refuses_to_replace_a_zoo(micro_zoo):
+    zoo, _ = micro_zoo
+    before = {path.name: path.read_bytes() for path in (zoo.root / "data").iterdir()}
+    manifest = (zoo.root / "manifest.json").read_bytes()
+    with pytest.raises(ZooBuildError, match=r"seed 0.*differ.*seed 1.*overwrite=True"):
+        build_zoo(zoo.root, size=MICRO, seed=1, threads=1, progress=False, strict=False)
+    other_shape = ZooSize(**{**MICRO.__dict__, "shape": ModelShape(2, 32, 64, 2, 128)})
+    with pytest.raises(ZooBuildError, match="model shape"):
+        build_zoo(zoo.root, size=other_shape, threads=1, progress=False, strict=False)
+    assert {path.name: path.read_bytes() for path in (zoo.root / "data").iterdir()} == before
+    assert (zoo.root / "manifest.json").read_bytes() == manifest
+
+
 def test_strict_check_raises_on_an_undertrained_zoo(tmp_path):
     tiny = ZooSize(**{**MICRO.__dict__, "base_epochs": 1, "finetune_epochs": 1, "pool_variants": 1})
     with pytest.raises(ZooBuildError, match="forget entities"):

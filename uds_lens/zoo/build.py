@@ -467,6 +467,7 @@ def build_zoo(
     progress: bool = True,
     holdout_data: str | Path | Sequence[dict[str, Any]] | None = None,
     strict: bool = True,
+    overwrite: bool = False,
 ) -> Zoo:
     """Build (or resume building) a model zoo in ``out_dir``; see the module docstring for the recipe and layout.
 
@@ -484,12 +485,14 @@ def build_zoo(
         progress: Show a progress bar per model.
         holdout_data: The user's holdout records; if omitted with user data, carved from ``retain_data``.
         strict: Raise :class:`ZooBuildError` when the full / retain checks fail (otherwise only record them).
+        overwrite: Allow replacing a zoo in ``out_dir`` that was built from other data or another model shape (by
+            default that is refused, so a typo in ``size`` or ``seed`` cannot wipe a built zoo).
 
     Returns:
         The loaded :class:`Zoo`.
 
     Raises:
-        ZooBuildError: Unknown size, or a check failed.
+        ZooBuildError: Unknown size, a check failed, or ``out_dir`` holds another zoo and ``overwrite`` is False.
         ZooDataError: User data that does not follow the published schema.
     """
     if isinstance(size, ZooSize):
@@ -513,6 +516,7 @@ def build_zoo(
             pools,
             progress,
             strict,
+            overwrite,
         )
     return load_zoo(root)
 
@@ -529,15 +533,20 @@ def _build_locked(
     pools: bool,
     progress: bool,
     strict: bool,
+    overwrite: bool,
 ) -> None:
     started = time.perf_counter()
     data = _load_data(size, seed, retain_data, forget_data, holdout_data)
     data_dir = root / "data"
     paths = {split: data_dir / f"{split}.json" for split in ("forget", "retain", "holdout")}
+    texts = {}
     for split, records in (("forget", data.forget), ("retain", data.retain), ("holdout", data.holdout)):
         validate_records(records, f"{split} data")
-        new_text = json.dumps(records, indent=1, ensure_ascii=False) + "\n"
-        if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != new_text:
+        texts[split] = json.dumps(records, indent=1, ensure_ascii=False) + "\n"
+    if not overwrite:
+        _refuse_to_replace(root, paths, texts, size, size_name, seed)
+    for split, records in (("forget", data.forget), ("retain", data.retain), ("holdout", data.holdout)):
+        if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != texts[split]:
             write_records(records, paths[split])
     tokenizer_dir = root / "tokenizer"
     corpus_hash = hashlib.sha256(json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()).hexdigest()[
@@ -678,6 +687,25 @@ def _build_locked(
         },
     }
     _write_json_atomic(root / MANIFEST_FILE, manifest)
+
+
+def _refuse_to_replace(
+    root: Path, paths: dict[str, Path], texts: dict[str, str], size: ZooSize, size_name: str, seed: int
+) -> None:
+    """Raise before anything is written when ``root`` already holds a zoo of other data or another model shape."""
+    differ = [f"{split} data" for split, path in paths.items()
+              if path.is_file() and path.read_text(encoding="utf-8") != texts[split]]
+    manifest_path = root / MANIFEST_FILE
+    old: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if old and old.get("shape") != asdict(size.shape):
+        differ.append("model shape")
+    if differ:
+        built = f"size {old.get('size')!r}, seed {old.get('seed')}" if old else "an unfinished build"
+        raise ZooBuildError(
+            f"{root} already holds a zoo ({built}) whose {', '.join(differ)} differ from this build's (size "
+            f"{size_name!r}, seed {seed}); building here would replace its data and retrain every model. Build into "
+            "a new directory, or pass overwrite=True (`uds-lens zoo build --overwrite`) to replace it."
+        )
 
 
 def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
