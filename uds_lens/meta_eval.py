@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 EPS = 1e-10
 UTILITY_THRESHOLD = 0.8
 UTILITY_COLUMN = "model_utility"
+# the meta-evaluation reads utility only through the utility filter on the unlearned models (relative to full)
+UTILITY_ROLES = ("full", "retain", "unlearned")
 
 
 @dataclass(frozen=True)
@@ -521,6 +523,7 @@ def evaluate_zoo(
     zoo_dir: str | os.PathLike, out_dir: str | os.PathLike, *, uds_fn: ScoreFn | None = None,
     white_box_fns: Mapping[str, ScoreFn] | None = None, roles: Sequence[str] | None = None, batch_size: int = 16,
     max_new_tokens: int = 200, progress: bool = True, resume: bool = True,
+    utility_roles: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """Every metric for every zoo model: ``OUT/metrics.csv`` (one row per model) and ``OUT/models/NAME/metrics.json``.
 
@@ -534,6 +537,8 @@ def evaluate_zoo(
         max_new_tokens: generation budget.
         progress: tqdm bars.
         resume: reuse per-model caches (a crashed run restarts at the first unfinished model).
+        utility_roles: compute model utility (on the whole retain set, most of a model's cost) only for models with
+            these roles (default: all); full and retain always get it. The others' utility columns are NaN.
 
     Returns:
         The ``metrics.csv`` table (index = model name; ``role``, metrics, ``s_mia_*``, ``privacy``, ``utility_rel``).
@@ -557,8 +562,11 @@ def evaluate_zoo(
     fns = _score_fns(uds_fn, white_box_fns)
     rows = {}
     for name in tqdm(names, desc="models", disable=not progress):
-        rows[name] = {"role": zoo.role(name), **_score_model(
-            zoo.path(name), out / "models" / name / "metrics.json", tokenizer, forget, holdout, retain_records, fns,
+        role = zoo.role(name)
+        wants_utility = utility_roles is None or role in utility_roles or name in ("full", "retain")
+        rows[name] = {"role": role, **_score_model(
+            zoo.path(name), out / "models" / name / "metrics.json", tokenizer, forget, holdout,
+            retain_records if wants_utility else None, fns,
             batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress, resume=resume,
         )}
     table = pd.DataFrame.from_dict(rows, orient="index")
@@ -617,7 +625,8 @@ def run_meta_eval(
     zoo = read_zoo(zoo_dir)
     out = Path(out_dir)
     metrics_df = evaluate_zoo(zoo_dir, out, uds_fn=uds_fn, white_box_fns=white_box_fns, roles=META_ROLES,
-                              batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress, resume=resume)
+                              batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress, resume=resume,
+                              utility_roles=UTILITY_ROLES)
     tokenizer = load_tokenizer(zoo.path("full"))
     forget = read_records(zoo.forget_path)
     holdout = read_records(zoo.holdout_path)

@@ -198,6 +198,10 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     assert set(metrics.index) == set(read_zoo(zoo).names(["full", "retain", "unlearned", "pos", "neg"]))
     assert set(METRIC_KEYS) <= set(metrics.columns)
     assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)
+    # utility (the whole retain set) only where the utility filter reads it
+    has_utility = metrics["model_utility"].notna()
+    assert has_utility[metrics["role"].isin(["full", "retain", "unlearned"])].all()
+    assert not has_utility[metrics["role"].isin(["pos", "neg"])].any()
     assert table.set_index("metric").at["uds", "faithfulness"] == pytest.approx(1.0)
     assert (table["n_models_r"] <= 2).all() and (out / "metrics_quant.csv").is_file()
     assert (out / "models" / "retain" / "relearn" / "model" / "config.json").is_file()
