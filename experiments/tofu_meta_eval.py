@@ -13,10 +13,10 @@ What it does:
    (one hub id per line in ``--unlearned``; the paper's 150 come from the authors' alias registry, which is not
    reproduced here; without the file a small sample of five published models is used);
 3. runs ``uds_lens.meta_eval.run_meta_eval``: output metrics for every model, NF4 and relearning attacks, and
-   ``OUT/meta_eval.csv``. UDS comes from ``UDSAuditor`` when ``--uds-data`` (forget examples with prefix/entity,
-   e.g. the published ``forget10_filtered.json``) is given; logit lens / CKA / Fisher rows stay NaN until their scorers
-   are passed as ``white_box_fns``.
-4. prints the table next to the paper's published values.
+   ``OUT/meta_eval.csv``. UDS, logit lens, CKA and masked Fisher come from ``uds_lens.scorers.ModelScorers`` (against
+   full / retain90) when ``--uds-data`` (forget examples with prefix/entity, e.g. the published
+   ``forget10_filtered.json``) is given; without it those four rows stay NaN.
+4. prints the table next to the paper's Table 3 (``meta_eval.compare_with_paper``; also in ``OUT/meta_eval_vs_paper.csv``).
 
 Offline (``HF_HUB_OFFLINE=1`` or no network) it stops at once, naming the hub id it could not reach.
 """
@@ -29,8 +29,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-
-import pandas as pd
+from typing import Any
 
 HUB = "open-unlearning"
 ARCH = "Llama-3.2-1B-Instruct"
@@ -48,17 +47,6 @@ SAMPLE_UNLEARNED = (
     f"{HUB}/unlearn_tofu_{ARCH}_forget10_IdkNLL_lr1e-05_a1_ep5",
 )
 # Paper Table 3: faithfulness, Q, R (robustness = HM(Q, R), overall = HM(faithfulness, robustness)).
-PUBLISHED = {
-    "es": (0.891, 0.970, 0.770), "em": (0.817, 0.984, 0.605), "prob": (0.816, 0.924, 0.642),
-    "paraprob": (0.707, 0.853, 0.899), "truth_ratio": (0.947, 0.996, 0.234), "rouge": (0.722, 0.934, 0.203),
-    "para_rouge": (0.832, 0.951, 0.064), "jailbreak_rouge": (0.757, 0.971, 0.183),
-    "mia_loss": (0.902, 0.935, 0.519), "mia_zlib": (0.867, 0.938, 0.487), "mia_min_k": (0.907, 0.923, 0.532),
-    "mia_min_kpp": (0.816, 0.883, 0.431), "s_mia_loss": (0.891, 0.719, 0.663), "s_mia_zlib": (0.870, 0.704, 0.745),
-    "s_mia_min_k": (0.891, 0.710, 0.697), "s_mia_min_kpp": (0.799, 0.643, 0.566), "cka": (0.648, 0.997, 0.013),
-    "fisher_masked": (0.712, 0.583, 0.946), "logit_lens": (0.927, 0.959, 0.812), "uds": (0.971, 0.968, 0.900),
-}
-
-
 def pool_ids(prefix: str, sources: tuple[str, ...]) -> list[str]:
     return [f"{HUB}/{prefix}_tofu_{ARCH}_{source}_lr{lr}e-05_wd0.01_epoch{epochs}"
             for source in sources for lr in range(1, 6) for epochs in (5, 10)]
@@ -112,14 +100,17 @@ def write_manifest(out: Path, unlearned: list[str], data: dict[str, str]) -> Pat
     return zoo
 
 
-def uds_scorer(uds_data: Path | None, batch_size: int):
+def scorers(uds_data: Path | None, batch_size: int) -> tuple[Any, dict[str, Any]]:
+    """``(uds_fn, white_box_fns)`` against the TOFU full / retain90 pair on ``uds_data`` (all NaN rows without it)."""
     if uds_data is None:
-        logging.warning("no --uds-data: the UDS row stays NaN")
-        return None
-    from uds_lens import UDSAuditor, UDSConfig
+        logging.warning("no --uds-data: the UDS, logit lens, CKA and Fisher rows stay NaN")
+        return None, {}
+    from uds_lens.scorers import ModelScorers
+    from uds_lens.uds import UDSConfig
 
-    auditor = UDSAuditor(FULL_ID, RETAIN_ID, str(uds_data), config=UDSConfig(batch_size=batch_size))
-    return lambda model: auditor.score(model).uds
+    model_scorers = ModelScorers(FULL_ID, RETAIN_ID, str(uds_data), config=UDSConfig(batch_size=batch_size),
+                                 cache_dir=None, progress=True, batch_size=batch_size)
+    return model_scorers.uds, model_scorers.white_box_fns()
 
 
 def main() -> None:
@@ -133,17 +124,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
 
     check_hub(FULL_ID)
-    from uds_lens.meta_eval import run_meta_eval
+    from uds_lens.meta_eval import compare_with_paper, run_meta_eval
 
     unlearned = ([line.strip() for line in args.unlearned.read_text().splitlines() if line.strip()]
                  if args.unlearned else list(SAMPLE_UNLEARNED))
     zoo = write_manifest(args.out, unlearned, write_data(args.out))
-    table = run_meta_eval(zoo, args.out, uds_fn=uds_scorer(args.uds_data, args.batch_size), white_box_fns={},
-                          batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    published = pd.DataFrame.from_dict(PUBLISHED, orient="index", columns=["paper_faithfulness", "paper_q", "paper_r"])
-    comparison = table.set_index("metric").join(published)
-    comparison.to_csv(args.out / "meta_eval_vs_paper.csv")
-    sys.stdout.write(comparison.round(3).to_string() + "\n")
+    uds_fn, white_box_fns = scorers(args.uds_data, args.batch_size)
+    table = run_meta_eval(zoo, args.out, uds_fn=uds_fn, white_box_fns=white_box_fns, batch_size=args.batch_size,
+                          max_new_tokens=args.max_new_tokens)
+    sys.stdout.write(compare_with_paper(table).round(3).to_string() + "\n")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def make_tokenizer(directory: Path, vocab_size: int = 300):
 
 def make_llama(directory: Path, tokenizer_dir: Path, seed: int, n_layers: int = 3, d_model: int = 32,
                n_heads: int = 4, n_kv_heads: int = 2, vocab_size: int = 300, random_norms: bool = True,
-               base: Path | None = None, noise: float = 0.0) -> Path:
+               base: Path | None = None, noise: float = 0.0, d_mlp: int | None = None) -> Path:
     """A random Llama (or ``base`` plus Gaussian noise) with non-unit RMSNorm weights, saved with its tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +53,7 @@ def make_llama(directory: Path, tokenizer_dir: Path, seed: int, n_layers: int = 
             for parameter in model.parameters():
                 parameter.add_(noise * torch.randn_like(parameter))
     else:
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=2 * d_model + 8,
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_mlp or 2 * d_model + 8,
                              num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
                              max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
                              bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="eager")

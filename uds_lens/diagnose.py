@@ -65,7 +65,7 @@ def _load(model: Any, dtype: str | None, device: str | None) -> Any:
     return model
 
 
-class _Reference:
+class References:
     """What the full and retain models contribute once, reused for every unlearned model."""
 
     def __init__(
@@ -262,7 +262,7 @@ def diagnose(
         "probe_folds": probe_folds,
         "fisher_fractions": tuple(fisher_fractions),
     }
-    reference = _Reference(main, methods, calibration, options)
+    reference = References(main, methods, calibration, options)
     all_scores: dict[str, dict[str, float | None]] = {}
     examples_by_model: dict[str, pd.DataFrame] = {}
     layers_by_model: dict[str, pd.DataFrame] = {}

@@ -1,9 +1,10 @@
-"""Model-level scorers of a zoo for the meta-evaluation: UDS and the white-box baselines as ``fn(model) -> float``.
+"""Model-level scorers for the meta-evaluation: UDS and the white-box baselines as ``fn(model) -> float``.
 
 ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` take each metric as a callable on a checkpoint path (or an in-memory
-NF4 Hugging Face model, for the quantisation attack). ``ZooScorers`` builds them over one zoo: S1 for UDS and the full
-and retain references of the logit lens, CKA and masked Fisher are computed once, and each model's white-box scores
-are computed together, once. Every score is oriented as its method defines it (1 = erased like retain).
+NF4 Hugging Face model, for the quantisation attack). ``ModelScorers`` builds them for one full/retain pair and one
+forget set (``ModelScorers.from_zoo`` for a zoo, the constructor for real checkpoints): S1 for UDS and the full and
+retain references of the logit lens, CKA and masked Fisher are computed once, and each model's white-box scores are
+computed together, once. Every score is oriented as its method defines it (1 = erased like retain).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from uds_lens.models import hooked_from_hf
 from uds_lens.tl_compat import HookedTransformer
-from uds_lens.uds import UDSAuditor
+from uds_lens.uds import UDSAuditor, UDSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +31,35 @@ def _is_quantised(model: Any) -> bool:
                                                                   "quantization_config", None))
 
 
-class ZooScorers:
-    """UDS, logit lens, CKA and masked Fisher for any model of a zoo's architecture, against its full/retain pair."""
+class ModelScorers:
+    """UDS, logit lens, CKA and masked Fisher of any model of the full model's architecture, against full/retain.
 
-    def __init__(self, zoo_dir: str | os.PathLike, progress: bool = False, batch_size: int = 8) -> None:
-        from uds_lens.zoo import load_zoo
+    Args:
+        full / retain: checkpoint paths, hub ids or loaded models (as :class:`~uds_lens.uds.UDSAuditor` takes them).
+        data: the forget examples with ``prefix`` / ``entity`` (UDS and the white-box methods read the same tokens).
+        config: the UDS settings (default :class:`~uds_lens.uds.UDSConfig`).
+        cache_dir: the S1 cache (``False`` for none).
+        progress: tqdm bars while scoring.
+        batch_size: examples per batch for the hidden-state collection of the white-box methods.
+    """
 
-        self.zoo = load_zoo(zoo_dir)
+    def __init__(self, full: Any, retain: Any, data: Any, *, config: UDSConfig | None = None,
+                 cache_dir: str | os.PathLike | bool | None = None, progress: bool = False,
+                 batch_size: int = 8) -> None:
         self.progress = progress
         self.batch_size = batch_size
-        self.auditor = UDSAuditor(self.zoo.path("full"), self.zoo.path("retain"), self.zoo.forget_path,
-                                  cache_dir=Path(self.zoo.root) / ".s1_cache", progress=progress)
+        self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
         self._reference: Any = None
         self._scores: dict[Any, dict[str, float | None]] = {}
+
+    @classmethod
+    def from_zoo(cls, zoo_dir: str | os.PathLike, progress: bool = False, batch_size: int = 8) -> ModelScorers:
+        """Scorers against a zoo's full and retain models on its forget set (S1 cached in ``ZOO/.s1_cache``)."""
+        from uds_lens.zoo import load_zoo
+
+        zoo = load_zoo(zoo_dir)
+        return cls(zoo.path("full"), zoo.path("retain"), zoo.forget_path, cache_dir=Path(zoo.root) / ".s1_cache",
+                   progress=progress, batch_size=batch_size)
 
     def _key(self, model: Any) -> Any:
         return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
@@ -53,13 +70,13 @@ class ZooScorers:
     def _white_box(self, model: Any) -> dict[str, float | None]:
         key = self._key(model)
         if key not in self._scores:
-            from uds_lens.diagnose import _Reference
+            from uds_lens.diagnose import References
 
             if self._reference is None:
                 options = {"batch_size": self.batch_size, "tuned_lens_steps": 0, "probe_folds": 1,
                            "fisher_fractions": (FISHER_FRACTION,)}
-                self._reference = _Reference(self.auditor, WHITE_BOX, None, options)
-            loaded = self.auditor._load(model, "unlearned")
+                self._reference = References(self.auditor, WHITE_BOX, None, options)
+            loaded = self.auditor.load(model)
             if not isinstance(loaded, HookedTransformer):
                 if _is_quantised(loaded):
                     # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the
@@ -88,8 +105,8 @@ class ZooScorers:
 
 def zoo_scorers(zoo_dir: str | os.PathLike, progress: bool = False) -> tuple[Callable[[Any], float], dict]:
     """``(uds_fn, white_box_fns)`` for ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` on a zoo."""
-    scorers = ZooScorers(zoo_dir, progress=progress)
+    scorers = ModelScorers.from_zoo(zoo_dir, progress=progress)
     return scorers.uds, scorers.white_box_fns()
 
 
-__all__ = ["ZooScorers", "zoo_scorers"]
+__all__ = ["ModelScorers", "zoo_scorers"]

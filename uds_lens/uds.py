@@ -322,6 +322,11 @@ class UDSAuditor:
 
     # -- loading -----------------------------------------------------------------------------------------------
 
+    def load(self, model: Any, role: str = "unlearned") -> Any:
+        """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
+        HookedTransformer or Hugging Face model is returned as is."""
+        return self._load(model, role)
+
     def _load(self, model: Any, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)):
             return models.load_model(model, dtype=self.config.dtype, device=self.device)
