@@ -183,14 +183,16 @@ def meta_eval(
     batch_size: int = typer.Option(16),
 ) -> None:
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
-    from uds_lens.meta_eval import run_meta_eval
+    from uds_lens.meta_eval import compare_with_paper, run_meta_eval
     from uds_lens.scorers import zoo_scorers
 
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size,
                           max_new_tokens=max_new_tokens)
-    typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
-    typer.echo(json.dumps({"meta_eval": str(out / "meta_eval.csv")}))
+    typer.echo("this pool next to the paper's Table 3 (Llama-3.2-1B, TOFU forget10):")
+    typer.echo(compare_with_paper(table).to_string(float_format=lambda v: f"{v:.3f}"))
+    typer.echo(json.dumps({"meta_eval": str(out / "meta_eval.csv"),
+                           "vs_paper": str(out / "meta_eval_vs_paper.csv")}))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

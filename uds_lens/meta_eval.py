@@ -28,7 +28,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 EPS = 1e-10
 UTILITY_THRESHOLD = 0.8
 UTILITY_COLUMN = "model_utility"
+# The models whose robustness is measured: the unlearned models, and a zoo's extra hyperparameter sweep of them.
+ROBUSTNESS_ROLES = ("unlearned", "sweep")
 # the meta-evaluation reads utility only through the utility filter on the unlearned models (relative to full)
-UTILITY_ROLES = ("full", "retain", "unlearned")
+UTILITY_ROLES = ("full", "retain", *ROBUSTNESS_ROLES)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,32 @@ WHITE_BOX_KEYS = ("logit_lens", "cka", "fisher_masked")
 # Model-level metric values of a pool: a list or a 1-D array.
 Scores = Sequence[float] | np.ndarray
 META_EVAL_COLUMNS = ["metric", "faithfulness", "q", "r", "robustness", "overall", "n_models_q", "n_models_r"]
+
+
+# The paper's Table 3 (Llama-3.2-1B, TOFU forget10, 30 + 30 pool models, 150 unlearned models):
+# metric -> (overall, faithfulness, robustness, q, r).
+PAPER_TABLE3: dict[str, tuple[float, float, float, float, float]] = {
+    "es": (0.875, 0.891, 0.859, 0.970, 0.770),
+    "em": (0.782, 0.817, 0.750, 0.984, 0.605),
+    "prob": (0.786, 0.816, 0.757, 0.924, 0.642),
+    "paraprob": (0.782, 0.707, 0.875, 0.853, 0.899),
+    "truth_ratio": (0.542, 0.947, 0.379, 0.996, 0.234),
+    "rouge": (0.456, 0.722, 0.333, 0.934, 0.203),
+    "para_rouge": (0.209, 0.832, 0.119, 0.951, 0.064),
+    "jailbreak_rouge": (0.438, 0.757, 0.308, 0.971, 0.183),
+    "mia_loss": (0.767, 0.902, 0.668, 0.935, 0.519),
+    "mia_zlib": (0.737, 0.867, 0.641, 0.938, 0.487),
+    "mia_min_k": (0.774, 0.907, 0.675, 0.923, 0.532),
+    "mia_min_kpp": (0.677, 0.816, 0.579, 0.883, 0.431),
+    "s_mia_loss": (0.778, 0.891, 0.690, 0.719, 0.663),
+    "s_mia_zlib": (0.790, 0.870, 0.724, 0.704, 0.745),
+    "s_mia_min_k": (0.786, 0.891, 0.704, 0.710, 0.697),
+    "s_mia_min_kpp": (0.686, 0.799, 0.602, 0.643, 0.566),
+    "cka": (0.051, 0.648, 0.026, 0.997, 0.013),
+    "fisher_masked": (0.716, 0.712, 0.721, 0.583, 0.946),
+    "logit_lens": (0.902, 0.927, 0.879, 0.959, 0.812),
+    "uds": (0.951, 0.971, 0.932, 0.968, 0.900),
+}
 
 
 class QuantisationError(RuntimeError):
@@ -181,7 +209,7 @@ def robustness_table(
         metrics_df: one row per model (index = name), one column per metric, plus ``role`` and ``model_utility``.
         pools: ``{"pos": [...], "neg": [...]}`` model names of the P and N pools.
         quant_df / relearn_df: metric values after the attack (index = model name; relearn must hold ``retain``).
-        unlearned: the models whose robustness is measured (default: role ``unlearned``).
+        unlearned: the models whose robustness is measured (default: roles ``unlearned`` and ``sweep``).
         retain: the retain model's name (the relearning reference).
         full: the full model's name (the utility reference).
         utility_threshold: minimum utility relative to full.
@@ -189,7 +217,7 @@ def robustness_table(
         metrics: the catalogue.
     """
     if unlearned is None:
-        unlearned = list(metrics_df.index[metrics_df["role"] == "unlearned"]) if "role" in metrics_df else []
+        unlearned = list(metrics_df.index[metrics_df["role"].isin(ROBUSTNESS_ROLES)]) if "role" in metrics_df else []
     useful = utility_filter(metrics_df, full=full, threshold=utility_threshold)
     rows = []
     for spec in metrics:
@@ -258,6 +286,19 @@ def meta_evaluate(
     return pd.DataFrame(rows, columns=META_EVAL_COLUMNS)
 
 
+def compare_with_paper(table: pd.DataFrame) -> pd.DataFrame:
+    """A meta-evaluation table next to the paper's Table 3: ``faithfulness, paper_faithfulness, q, paper_q, ...``,
+    one row per metric (index), with each metric's rank by ``overall`` here and in the paper."""
+    paper = pd.DataFrame.from_dict(
+        PAPER_TABLE3, orient="index", columns=["paper_overall", "paper_faithfulness", "paper_robustness", "paper_q",
+                                               "paper_r"])
+    joined = table.set_index("metric").join(paper)
+    joined["rank"] = joined["overall"].rank(ascending=False, method="min")
+    joined["paper_rank"] = joined["paper_overall"].rank(ascending=False, method="min")
+    columns = [c for name in ("overall", "faithfulness", "robustness", "q", "r", "rank") for c in (name, f"paper_{name}")]
+    return joined[columns + ["n_models_q", "n_models_r"]]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Attacks
 
@@ -284,7 +325,7 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
             f"NF4 quantisation of {path} needs bitsandbytes (pip install 'uds_lens[quant]'): {err}"
         ) from err
     try:
-        return load_hf_model(path, device=device, quantization=nf4_config())
+        model = load_hf_model(path, device=device, quantization=nf4_config())
     except ModelLoadError:
         raise
     except (RuntimeError, ValueError, ImportError) as err:
@@ -292,6 +333,30 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
             f"bitsandbytes could not load {path} in NF4 on this machine ({type(err).__name__}: {err}). "
             "bitsandbytes >= 0.45 runs NF4 on CPU and CUDA; check its installation with `python -m bitsandbytes`."
         ) from err
+    _check_cpu_nf4_shapes(model, path)
+    return model
+
+
+def _check_cpu_nf4_shapes(model: Any, path: Any) -> None:
+    """Refuse layer widths that bitsandbytes' CPU NF4 kernel cannot run, before a forward fails deep inside it.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks each 4-bit weight for its CPU kernel, which needs ``in_features``
+    to be a multiple of the quantisation block size (64) and ``out_features`` a multiple of 32; the check is made on
+    every CPU so results do not depend on the instruction set. Real Llama widths always pass.
+    """
+    if next(model.parameters()).device.type != "cpu":
+        return
+    for name, module in model.named_modules():
+        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if quant_state is None:
+            continue
+        block = int(getattr(quant_state, "blocksize", 64))
+        if module.in_features % block or module.out_features % 32:
+            raise QuantisationError(
+                f"{path}: layer {name} is {module.in_features} -> {module.out_features} wide; NF4 on CPU needs input "
+                f"widths that are multiples of {block} and output widths that are multiples of 32. Quantise on a "
+                "CUDA device, or use a model with such widths."
+            )
 
 
 RELEARN_MARKER = "relearn.json"
@@ -299,8 +364,10 @@ RELEARN_MARKER = "relearn.json"
 
 def _relearn_settings(path: Any, n_records: int, epochs: int, lr: float, batch_size: int, grad_accum: int,
                       seed: int, weight_decay: float) -> dict[str, Any]:
-    return {"source": str(path), "n_records": n_records, "epochs": epochs, "lr": lr, "batch_size": batch_size,
-            "grad_accum": grad_accum, "seed": seed, "weight_decay": weight_decay}
+    from uds_lens.models import checkpoint_stamp
+
+    return {"source": str(path), "source_files": checkpoint_stamp(path), "n_records": n_records, "epochs": epochs,
+            "lr": lr, "batch_size": batch_size, "grad_accum": grad_accum, "seed": seed, "weight_decay": weight_decay}
 
 
 def relearn(
@@ -381,18 +448,20 @@ def relearn(
 # Running it on a zoo
 
 ScoreFn = Callable[[Any], float]
-META_ROLES = ("full", "retain", "unlearned", "pos", "neg")
+META_ROLES = ("full", "retain", *ROBUSTNESS_ROLES, "pos", "neg")
 
 
 @dataclass(frozen=True)
 class ZooLayout:
-    """What the meta-evaluation needs from a zoo manifest: models (name, path, role) and the three data files."""
+    """What the meta-evaluation needs from a zoo manifest: models (name, path, role), the three data files, and the
+    zoo's own relearning settings (``relearn`` keyword arguments; empty for the published ones)."""
 
     root: Path
     models: tuple[dict[str, Any], ...]
     forget_path: Path
     holdout_path: Path
     retain_path: Path
+    relearn: dict[str, Any] = field(default_factory=dict)
 
     def names(self, roles: Sequence[str] | None = None) -> list[str]:
         return [m["name"] for m in self.models if roles is None or m.get("role") in roles]
@@ -431,7 +500,7 @@ def read_zoo(zoo_dir: str | os.PathLike) -> ZooLayout:
         models.append({**model, "path": str(local) if local.exists() or path.is_absolute() else str(model["path"])})
     data = manifest.get("data", {})
     return ZooLayout(root, tuple(models), _data_path(root, data, "forget"), _data_path(root, data, "holdout"),
-                     _data_path(root, data, "retain"))
+                     _data_path(root, data, "retain"), dict(manifest.get("relearn", {})))
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -443,6 +512,13 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     return list(json.loads(text))
+
+
+def _references_stamp(zoo: ZooLayout) -> str:
+    """The identity of the full and retain checkpoints every cached score is anchored to."""
+    from uds_lens.models import checkpoint_stamp
+
+    return " ".join(checkpoint_stamp(zoo.path(name)) for name in ("full", "retain"))
 
 
 def _read_json(path: Path) -> Any:
@@ -459,13 +535,25 @@ def _write_json(path: Path, payload: Any) -> None:
 def _score_model(
     model_or_path: Any, cache_file: Path, tokenizer: Any, forget: Sequence[Any], holdout: Sequence[Any],
     retain_records: Sequence[Any] | None, score_fns: Mapping[str, ScoreFn], *, batch_size: int, max_new_tokens: int,
-    progress: bool, resume: bool,
+    progress: bool, resume: bool, references: str,
 ) -> dict[str, float]:
-    """Output metrics (cached in ``cache_file``) plus the white-box scores (cached next to them, one at a time)."""
-    from uds_lens.metrics.evaluate import report_model
+    """Output metrics (cached in ``cache_file``) plus the white-box scores (cached next to them, one at a time).
 
+    The cache is reused only for the same settings, the same checkpoint files (:func:`models.checkpoint_stamp`: a
+    retrained model or a new chat template invalidates it) and the same ``references`` (the full/retain models the
+    scores are anchored to).
+    """
+    from uds_lens.metrics.evaluate import report_model
+    from uds_lens.models import checkpoint_stamp
+
+    if isinstance(model_or_path, _Deferred):
+        model_stamp = model_or_path.stamp
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        model_stamp = checkpoint_stamp(model_or_path)
+    else:
+        model_stamp = f"in-memory {type(model_or_path).__name__}"
     settings = {"max_new_tokens": max_new_tokens, "n_forget": len(forget), "n_holdout": len(holdout),
-                "n_retain": len(retain_records or [])}
+                "n_retain": len(retain_records or []), "model": model_stamp, "references": references}
     cached = _read_json(cache_file) if resume and cache_file.is_file() else None
     if cached is not None and cached.get("settings") != settings:
         logger.info("%s was computed with other settings (%s); recomputing", cache_file, cached.get("settings"))
@@ -490,9 +578,10 @@ def _score_model(
 
 @dataclass(frozen=True)
 class _Deferred:
-    """A model that is only built (e.g. quantised) when a cache misses."""
+    """A model that is only built (e.g. quantised) when a cache misses; ``stamp`` identifies it for the cache."""
 
     load: Callable[[], Any]
+    stamp: str
 
 
 def _finish_table(table: pd.DataFrame, retain_aucs: Mapping[str, float] | None, full_utility: float | None) -> pd.DataFrame:
@@ -560,6 +649,7 @@ def evaluate_zoo(
     holdout = read_records(zoo.holdout_path)
     retain_records = read_records(zoo.retain_path)
     fns = _score_fns(uds_fn, white_box_fns)
+    references = _references_stamp(zoo)
     rows = {}
     for name in tqdm(names, desc="models", disable=not progress):
         role = zoo.role(name)
@@ -568,6 +658,7 @@ def evaluate_zoo(
             zoo.path(name), out / "models" / name / "metrics.json", tokenizer, forget, holdout,
             retain_records if wants_utility else None, fns,
             batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress, resume=resume,
+            references=references,
         )}
     table = pd.DataFrame.from_dict(rows, orient="index")
     retain_aucs = {a: float(table.at["retain", a]) for a in ATTACKS}
@@ -583,17 +674,20 @@ def _attacked_table(
     holdout: Sequence[Any], fns: Mapping[str, ScoreFn], retain_aucs: Mapping[str, float], *, batch_size: int,
     max_new_tokens: int, progress: bool, resume: bool, relearn_kwargs: Mapping[str, Any],
 ) -> pd.DataFrame:
+    from uds_lens.models import checkpoint_stamp
+
     rows = {}
     for name in tqdm(names, desc=attack, disable=not progress):
         model_dir = out / "models" / name / attack
         if attack == "quant":
-            source: Any = _Deferred(functools.partial(quantise_nf4, zoo.path(name)))
+            source: Any = _Deferred(functools.partial(quantise_nf4, zoo.path(name)),
+                                    f"nf4 {checkpoint_stamp(zoo.path(name))}")
         else:
             source = str(relearn(zoo.path(name), forget, tokenizer, model_dir / "model", progress=progress,
                                  **relearn_kwargs))
         rows[name] = _score_model(
             source, model_dir / "metrics.json", tokenizer, forget, holdout, None, fns, batch_size=batch_size,
-            max_new_tokens=max_new_tokens, progress=progress, resume=resume,
+            max_new_tokens=max_new_tokens, progress=progress, resume=resume, references=_references_stamp(zoo),
         )
     table = _finish_table(pd.DataFrame.from_dict(rows, orient="index"), retain_aucs, None)
     table.index.name = "model"
@@ -609,12 +703,15 @@ def run_meta_eval(
 ) -> pd.DataFrame:
     """The whole meta-evaluation on a zoo: metrics, NF4 and relearning attacks, and ``OUT/meta_eval.csv``.
 
-    Models with roles full, retain, unlearned, pos and neg are scored (``OUT/metrics.csv``); the unlearned models are
-    quantised (``OUT/metrics_quant.csv``), the unlearned models and retain are relearned
+    Models with roles full, retain, unlearned, sweep, pos and neg are scored (``OUT/metrics.csv``); the unlearned
+    and sweep models are quantised (``OUT/metrics_quant.csv``), they and retain are relearned
     (``OUT/metrics_relearn.csv``, checkpoints under ``OUT/models/NAME/relearn/model``). The quantised models reach
     ``uds_fn`` / ``white_box_fns`` as in-memory Hugging Face NF4 models, everything else as checkpoint paths.
+    Relearning uses the zoo manifest's ``relearn`` settings where it has them (a built zoo scales the learning rate
+    to its own fine-tuning), then ``relearn_kwargs``, then the published attack's defaults (:func:`relearn`).
     ``OUT/robustness.csv`` holds the per-model Q and R; ``OUT/meta_eval.csv`` the 20-row table
-    (rows whose metric has no function are NaN). Every stage is cached per model, so ``resume`` restarts where a
+    (rows whose metric has no function are NaN), and ``OUT/meta_eval_vs_paper.csv`` the same next to the paper's
+    Table 3 (:func:`compare_with_paper`). Every stage is cached per model, so ``resume`` restarts where a
     crashed run stopped.
 
     Returns:
@@ -632,9 +729,9 @@ def run_meta_eval(
     holdout = read_records(zoo.holdout_path)
     fns = _score_fns(uds_fn, white_box_fns)
     retain_aucs = {a: float(metrics_df.at["retain", a]) for a in ATTACKS}
-    unlearned = zoo.names(["unlearned"])
+    unlearned = zoo.names(ROBUSTNESS_ROLES)
     kwargs = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, progress=progress, resume=resume,
-                  relearn_kwargs=dict(relearn_kwargs or {}))
+                  relearn_kwargs={**zoo.relearn, **(relearn_kwargs or {})})
     quant_df = _attacked_table(zoo, unlearned, "quant", out, tokenizer, forget, holdout, fns, retain_aucs, **kwargs)
     relearn_df = _attacked_table(zoo, [*unlearned, "retain"], "relearn", out, tokenizer, forget, holdout, fns,
                                  retain_aucs, **kwargs)
@@ -643,4 +740,5 @@ def run_meta_eval(
     robustness_table(metrics_df, pools, quant_df, relearn_df, **common).to_csv(out / "robustness.csv", index=False)
     table = meta_evaluate(metrics_df, pools, quant_df, relearn_df, **common)
     table.to_csv(out / "meta_eval.csv", index=False)
+    compare_with_paper(table).to_csv(out / "meta_eval_vs_paper.csv")
     return table

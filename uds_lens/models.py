@@ -348,6 +348,19 @@ def weight_files_digest(path: str | os.PathLike) -> str | None:
     return digest.hexdigest()[:24]
 
 
+def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
+    """A cheap identity of a checkpoint for result caches: a local directory's files (name, size, modification time:
+    retrained weights or a new chat template change it), or a hub id as itself."""
+    root = Path(path_or_id).expanduser()
+    if not root.is_dir():
+        return str(path_or_id)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.iterdir() if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return digest.hexdigest()[:24]
+
+
 def describe(path_or_model: Any) -> str:
     if isinstance(path_or_model, (str, os.PathLike)):
         return str(path_or_model)
@@ -357,6 +370,7 @@ def describe(path_or_model: Any) -> str:
 
 __all__ = [
     "ArchitectureSignature", "ModelLoadError", "ModelMismatchError", "check_compatible", "check_supported",
+    "checkpoint_stamp",
     "config_summary", "default_device", "default_dtype", "describe", "hooked_config_from_hf", "hooked_from_hf",
     "load_hf_config", "load_hf_model", "load_model", "load_tokenizer", "model_fingerprint", "resolve_dtype",
     "verify_parity", "weight_files_digest"

@@ -19,6 +19,7 @@ from uds_lens.meta_eval import (  # noqa: E402
     META_EVAL_COLUMNS,
     METRIC_KEYS,
     METRICS,
+    compare_with_paper,
     faithfulness_auc,
     faithfulness_threshold,
     harmonic_mean,
@@ -106,6 +107,22 @@ def test_meta_evaluate_table_shape_and_values() -> None:
     assert row.at["prob", "q"] < 0.8 and row.at["prob", "r"] < 0.3
     assert row.at["prob", "robustness"] == pytest.approx(harmonic_mean([row.at["prob", "q"], row.at["prob", "r"]]))
     assert np.isnan(row.at["cka", "faithfulness"]) and row.at["cka", "n_models_q"] == 0
+
+
+def test_comparison_with_the_paper_lines_up_each_metric() -> None:
+    frame, pools, quant, relearn = _synthetic_frames()
+    table = meta_evaluate(frame, pools, quant, relearn)
+    comparison = compare_with_paper(table)
+    assert list(comparison.index) == list(METRIC_KEYS)
+    assert comparison.at["uds", "paper_faithfulness"] == 0.971 and comparison.at["cka", "paper_r"] == 0.013
+    assert comparison.at["uds", "faithfulness"] == table.set_index("metric").at["uds", "faithfulness"]
+    assert comparison.at["uds", "paper_rank"] == 1 and comparison.at["para_rouge", "paper_rank"] == 19
+    assert comparison.at["uds", "rank"] == 1  # the only metric here with an overall score besides prob
+    # each paper row is internally consistent: overall = HM(faithfulness, robustness), robustness = HM(q, r)
+    for metric, row in comparison.iterrows():
+        assert harmonic_mean([row.paper_q, row.paper_r]) == pytest.approx(row.paper_robustness, abs=2e-3), metric
+        assert harmonic_mean([row.paper_faithfulness, row.paper_robustness]) == pytest.approx(
+            row.paper_overall, abs=2e-3), metric
 
 
 def test_filters_drop_low_utility_and_not_unlearned_models() -> None:
@@ -209,3 +226,8 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     again = run_meta_eval(zoo, out, **kwargs)
     assert len(calls) == n_calls  # everything came from the per-model caches
     pd.testing.assert_frame_equal(again, table)
+    # a retrained pool model (new weight files at the same path) is scored again; nothing else is
+    weights = Path(read_zoo(zoo).path(read_zoo(zoo).names(["pos"])[0])) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())
+    run_meta_eval(zoo, out, **kwargs)
+    assert sorted(calls[n_calls:]) == sorted(["uds", "logit_lens", "cka", "fisher_masked"])
