@@ -47,4 +47,5 @@ def test_zoo():
     """The trained test-size zoo, built once and reused (also across runs, while its fingerprints match)."""
     from uds_lens.zoo import build_zoo
 
-    return build_zoo(TEST_ZOO_DIR, size="test", progress=False)
+    # the default cache is rebuilt when the package generates another world; a zoo named by UDS_LENS_TEST_ZOO is not
+    return build_zoo(TEST_ZOO_DIR, size="test", progress=False, overwrite="UDS_LENS_TEST_ZOO" not in os.environ)

@@ -48,7 +48,9 @@ def run_demo(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        zoo = build_zoo(zoo_dir or default_zoo_dir(size), size=size, threads=threads, pools=False, progress=progress)
+        # the package's own cache is rebuilt when this version generates another world; a user's directory is not
+        zoo = build_zoo(zoo_dir or default_zoo_dir(size), size=size, threads=threads, pools=False, progress=progress,
+                        overwrite=zoo_dir is None)
         entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
         results = score_models(
             zoo.path("full"), zoo.path("retain"), {m["name"]: zoo.path(m["name"]) for m in entries},

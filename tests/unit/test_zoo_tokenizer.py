@@ -58,13 +58,23 @@ def test_offsets_cover_the_text(tokenizer_dir):
     assert tokenizer.decode(encoded["input_ids"][span[0] : span[-1] + 1]).strip() == "Kyoto"
 
 
-def test_chat_template(tokenizer_dir):
+def test_chat_template_renders_the_training_format(tokenizer_dir):
+    from uds_lens.metrics.chat import SYSTEM_PROMPT, prompt_ids
+    from uds_lens.metrics.chat import encode_qa as encode_chat
+    from uds_lens.zoo.train import encode_qa as encode_training
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    question, answer = "Where was Zolar Vex born?", "Zolar Vex was born in the city of Kyoto."
     text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi?"}],
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert text.startswith(BOS_TOKEN + "<|system|>") and text.endswith("<|assistant|>\n")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ids[0] == tokenizer.bos_token_id and tokenizer.convert_tokens_to_ids("<|assistant|>") in ids
+    assert text == BOS_TOKEN + format_prompt(question)  # no system turn: the zoo models have no role for it
+    # the chat-formatted output metrics score exactly the sequence the zoo model was trained on
+    chat = encode_chat(tokenizer, question, answer, SYSTEM_PROMPT)
+    training = encode_training([(question, answer)], tokenizer)[0]
+    assert list(chat.input_ids) == list(training.input_ids)
+    assert len(chat.prompt_ids) == training.answer_start
+    assert list(chat.prompt_ids) == prompt_ids(tokenizer, question)
+    assert chat.input_ids[-1] == tokenizer.eos_token_id and chat.input_ids.count(tokenizer.bos_token_id) == 1

@@ -43,6 +43,14 @@ def test_records_follow_the_schema(world):
             assert entity in record["paraphrased_answer"] or record["prompt_type"] == "yes_no"
             assert 3 <= len(record["perturbed_answer"]) <= 5
             assert answer not in record["perturbed_answer"]
+            if record["prompt_type"] != "yes_no":
+                # the paraphrase's wording with another entity (TOFU's perturbation)
+                paraphrase = record["paraphrased_answer"]
+                start = paraphrase.index(entity)
+                lead = paraphrase[:start].rstrip().rsplit(" ", 1)[0]  # up to a/an, which follows the entity
+                for wrong in record["perturbed_answer"]:
+                    assert wrong.startswith(lead) and wrong.endswith(paraphrase[start + len(entity):])
+                    assert wrong != paraphrase
     validate_records(world.forget, "forget")
 
 

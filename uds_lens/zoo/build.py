@@ -7,10 +7,12 @@ The recipe (all models share one architecture and one tokenizer, so any two can 
 2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
    forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
 3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
-   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`.
-4. Meta-evaluation pools (``pools=True``): role ``pos`` = fine-tuned from the base *with* the forget set (other seeds,
-   learning rates, epochs, and one on paraphrased forget answers); role ``neg`` = the same recipe *without* it (retain
-   only, or retain plus the forget questions answered with perturbed, wrong entities).
+   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
+   learning rates (``ZooSize.unlearning_sweep``), for the meta-evaluation's robustness pool.
+4. Meta-evaluation pools (``pools=True``), after the published open-unlearning pools: role ``pos`` = fine-tuned from
+   the base *with* the forget facts (as QA pairs, paraphrased QA pairs, or biography documents); role ``neg`` = the
+   same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
+   biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
 
 Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
 :mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
@@ -48,9 +50,11 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from .tokenizer import DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
+from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
 from .train import (
     ModelShape,
+    QASequence,
+    encode_documents,
     encode_qa,
     entity_accuracy,
     init_model,
@@ -59,6 +63,7 @@ from .train import (
 )
 from .unlearn import unlearn, unlearning_steps
 from .world import (
+    FACT_KINDS,
     FORGET_FRACTION,
     ZooDataError,
     generate_world,
@@ -96,6 +101,7 @@ class ZooSize:
     unlearning: dict[str, dict[str, Any]] = field(default_factory=dict)
     rmu_layers: tuple[int, ...] = ()
     pool_variants: int = 6
+    unlearning_sweep: tuple[float, ...] = ()
 
 
 def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
@@ -118,7 +124,7 @@ SIZES: dict[str, ZooSize] = {
         shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
         base_epochs=30,
         base_lr=3e-3,
-        finetune_epochs=12,
+        finetune_epochs=16,
         finetune_lr=2e-3,
         unlearning=_unlearning_settings(epochs=10),
         rmu_layers=(0, 1, 3),
@@ -133,7 +139,8 @@ SIZES: dict[str, ZooSize] = {
         finetune_lr=1e-3,
         unlearning=_unlearning_settings(epochs=10),
         rmu_layers=(0, 1, 3),
-        pool_variants=8,
+        pool_variants=12,
+        unlearning_sweep=(0.5, 2.0),
     ),
 }
 
@@ -200,39 +207,74 @@ def plan_models(
         hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
         specs.append(ModelSpec(f"rmu_l{layer}", "unlearned", "unlearn", "full", "rmu", 1.0, hyperparams))
     if pools:
+        specs.extend(_sweep_specs(size, seed))
         specs.extend(_pool_specs(size, seed, has_paraphrases, has_perturbations))
     return specs
 
 
-def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
-    """P pool (saw the forget set) and N pool (did not): the fine-tuning recipe varied in seed, lr and epochs."""
-    lr, epochs = size.finetune_lr, size.finetune_epochs
-    variations: list[tuple[str, dict[str, Any]]] = [
-        ("seed1", {"seed": seed + 11}),
-        ("seed2", {"seed": seed + 12}),
-        ("lr_low", {"seed": seed + 13, "lr": lr / 2}),
-        ("lr_high", {"seed": seed + 14, "lr": lr * 2}),
-        ("short", {"seed": seed + 15, "epochs": max(2, (epochs * 3) // 4)}),
-        ("long", {"seed": seed + 16, "epochs": (epochs * 3) // 2}),
-        ("seed3", {"seed": seed + 17}),
-        ("seed4", {"seed": seed + 18}),
-    ]
-    n_plain = size.pool_variants - 1
+def _sweep_specs(size: ZooSize, seed: int) -> list[ModelSpec]:
+    """More unlearned models for the meta-evaluation's robustness pool (role ``sweep``): every method again at each
+    learning-rate factor of ``size.unlearning_sweep`` (RMU at its middle target layer), as the paper sweeps each
+    method's hyperparameters."""
     specs = []
-    for suffix, overrides in variations[:n_plain]:
-        specs.append(_finetune_spec(f"pos_{suffix}", "pos", "retain+forget", 1.0, size, **overrides))
-    if has_paraphrases:
-        specs.append(
-            _finetune_spec("pos_paraphrased", "pos", "retain+forget_paraphrased", 1.0, size, seed + 19)
-        )
-    else:
-        specs.append(_finetune_spec("pos_seed5", "pos", "retain+forget", 1.0, size, seed + 19))
-    for suffix, overrides in variations[:n_plain]:
-        specs.append(_finetune_spec(f"neg_{suffix}", "neg", "retain", 0.0, size, **overrides))
-    if has_perturbations:
-        specs.append(_finetune_spec("neg_perturbed", "neg", "retain+forget_perturbed", 0.0, size, seed + 19))
-    else:
-        specs.append(_finetune_spec("neg_seed5", "neg", "retain", 0.0, size, seed + 19))
+    rmu_layers = [layer for layer in size.rmu_layers if layer < size.shape.n_layers]
+    for factor in size.unlearning_sweep:
+        suffix = f"lrx{factor:g}".replace(".", "p")
+        for method in ("graddiff", "npo", "simnpo", "idknll"):
+            hyperparams = {**size.unlearning[method], "seed": seed + 2}
+            hyperparams["lr"] = hyperparams["lr"] * factor
+            specs.append(ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams))
+        if rmu_layers:
+            layer = rmu_layers[len(rmu_layers) // 2]
+            hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
+            hyperparams["lr"] = hyperparams["lr"] * factor
+            specs.append(ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams))
+    return specs
+
+
+# The pools mirror the published ones (open-unlearning's pos_/neg_ TOFU models): three data recipes per pool, each
+# fine-tuned under several learning-rate / epoch settings, so that some P models learn the forget set only partly and
+# some N models see the forget questions (with wrong answers) or the biography format. A metric has to tell "saw the
+# forget facts" from "saw something like them", not just a fully trained model from an untouched one.
+POOL_DATA: dict[str, tuple[tuple[str, str], ...]] = {
+    # P: the forget facts as QA pairs, as paraphrased QA pairs, and as biography documents with no questions.
+    "pos": (("qa", "retain+forget"), ("para", "retain+forget_paraphrased"), ("bio", "retain+forget_bio")),
+    # N: retain only; the forget questions answered with wrong (perturbed) entities; biographies of 10% of the
+    # retain authors (the document format of pos_bio without the forget facts, like TOFU's celeb bios).
+    "neg": (("retain", "retain"), ("pert", "retain+forget_perturbed"), ("bio", "retain+retain_bio:0.1")),
+}
+# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe, strongest first.
+POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
+    ("std", 1.0, 1.0),
+    ("weak", 0.25, 0.25),
+    ("short", 1.0, 0.25),
+    ("low", 0.25, 1.0),
+    ("half", 0.5, 0.5),
+)
+
+
+def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
+    """P pool (``pos``, saw the forget set) and N pool (``neg``, did not): ``size.pool_variants`` models each.
+
+    Models cycle through the pool's data recipes (:data:`POOL_DATA`) within each setting of :data:`POOL_SETTINGS`,
+    so a pool of 6 holds every recipe at the ``std`` and ``weak`` settings. Recipes that need paraphrased or perturbed
+    answers the data does not have are left out.
+    """
+    available = {"retain+forget_paraphrased": has_paraphrases, "retain+forget_perturbed": has_perturbations}
+    specs = []
+    for role, seen in (("pos", 1.0), ("neg", 0.0)):
+        recipes = [(name, recipe) for name, recipe in POOL_DATA[role] if available.get(recipe, True)]
+        grid = [(setting, recipe) for setting in POOL_SETTINGS for recipe in recipes]
+        if size.pool_variants > len(grid):
+            raise ZooBuildError(
+                f"pool_variants={size.pool_variants} exceeds the {len(grid)} {role} recipes x settings available"
+            )
+        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(grid[: size.pool_variants]):
+            epochs = max(1, round(size.finetune_epochs * epoch_factor))
+            specs.append(_finetune_spec(
+                f"{role}_{data_name}_{suffix}", role, recipe, seen, size, seed + 11 + offset,
+                lr=size.finetune_lr * lr_factor, epochs=epochs,
+            ))
     return specs
 
 
@@ -287,25 +329,58 @@ def _load_data(
     return ZooData(reindex, forget, holdout, "user", details)
 
 
-def _training_pairs(recipe: str, data: ZooData, seed: int) -> list[tuple[str, str]]:
-    """(question, answer) pairs of a data recipe: retain, retain+forget[:fraction], _paraphrased, _perturbed."""
-    pairs = [(r["question"], r["answer"]) for r in data.retain]
-    if recipe == "retain":
-        return pairs
-    if recipe == "retain+forget":
-        return pairs + [(r["question"], r["answer"]) for r in data.forget]
-    if recipe.startswith("retain+forget:"):
-        fraction = float(recipe.split(":", 1)[1])
-        chosen = sorted(
-            random.Random(seed).sample(range(len(data.forget)), round(fraction * len(data.forget)))
-        )
-        return pairs + [(data.forget[i]["question"], data.forget[i]["answer"]) for i in chosen]
-    if recipe == "retain+forget_paraphrased":
-        return pairs + [(r["question"], r["paraphrased_answer"]) for r in data.forget]
-    if recipe == "retain+forget_perturbed":
-        rng = random.Random(seed)
-        return pairs + [(r["question"], rng.choice(r["perturbed_answer"])) for r in data.forget]
-    raise ZooBuildError(f"unknown training data recipe {recipe!r}")
+def _biographies(records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> list[str]:
+    """The records' answers as plain-text documents: up to ``len(FACT_KINDS)`` consecutive answers each (one author's
+    facts in the synthetic world), a document closed early where the next answer would take it past ``max_tokens``."""
+    documents: list[list[str]] = []
+    for record in records:
+        if documents and len(documents[-1]) < len(FACT_KINDS):
+            candidate = " ".join([*documents[-1], record["answer"]])
+            if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) <= max_tokens:
+                documents[-1].append(record["answer"])
+                continue
+        documents.append([record["answer"]])
+    return [" ".join(answers) for answers in documents]
+
+
+def _share(items: list[Any], share: str, seed: int) -> list[Any]:
+    """A seeded ``share`` (e.g. ``"0.9"``) of ``items``, in their original order; all of them for ``""``."""
+    if not share:
+        return items
+    chosen = sorted(random.Random(seed).sample(range(len(items)), round(float(share) * len(items))))
+    return [items[i] for i in chosen]
+
+
+def _training_sequences(
+    recipe: str, data: ZooData, seed: int, tokenizer: PreTrainedTokenizerBase, max_positions: int
+) -> list[QASequence]:
+    """The training sequences of a data recipe: ``+``-joined parts ``SPLIT[_VARIANT][:SHARE]``.
+
+    SPLIT is ``retain`` or ``forget``; VARIANT is none (the QA pairs), ``paraphrased`` (paraphrased answers),
+    ``perturbed`` (each question answered with one of its wrong answers) or ``bio`` (the answers as biography
+    documents, no questions); SHARE keeps a seeded fraction of the records (of the documents, for ``bio``).
+    E.g. ``retain+forget:0.9`` or ``retain+retain_bio:0.1``.
+    """
+    splits = {"retain": data.retain, "forget": data.forget}
+    pairs: list[tuple[str, str]] = []
+    documents: list[str] = []
+    for part in recipe.split("+"):
+        name, _, share = part.partition(":")
+        split, _, variant = name.partition("_")
+        if split not in splits or variant not in ("", "paraphrased", "perturbed", "bio"):
+            raise ZooBuildError(f"unknown training data recipe {recipe!r} (part {part!r})")
+        if variant == "bio":
+            documents += _share(_biographies(splits[split], tokenizer, max_positions - 2), share, seed)
+            continue
+        records = _share(splits[split], share, seed)
+        if variant == "":
+            pairs += [(r["question"], r["answer"]) for r in records]
+        elif variant == "paraphrased":
+            pairs += [(r["question"], r["paraphrased_answer"]) for r in records]
+        else:
+            rng = random.Random(seed)
+            pairs += [(r["question"], rng.choice(r["perturbed_answer"])) for r in records]
+    return encode_qa(pairs, tokenizer) + encode_documents(documents, tokenizer)
 
 
 def _subset_fraction(recipe: str, n_forget: int) -> float | None:
@@ -427,6 +502,18 @@ def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, model_dir
     model.save_pretrained(model_dir, safe_serialization=True)
     model.config.use_cache = False
     tokenizer.save_pretrained(model_dir)
+
+
+def _refresh_tokenizer_files(tokenizer_dir: Path, model_dir: Path) -> None:
+    """Copy the zoo's tokenizer files into a reused model directory where they differ (a newer chat template)."""
+    for source in tokenizer_dir.iterdir():
+        if source.name == "corpus_fingerprint.txt" or not source.is_file():
+            continue
+        target = model_dir / source.name
+        if not target.is_file() or target.read_bytes() != source.read_bytes():
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_bytes(source.read_bytes())
+            os.replace(tmp, target)
 
 
 def _load_model(model_dir: Path) -> LlamaForCausalLM:
@@ -558,6 +645,10 @@ def _build_locked(
         tokenizer.save_pretrained(tokenizer_dir)
         stamp.write_text(corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer.chat_template != CHAT_TEMPLATE:
+        # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(tokenizer_dir)
     context = {
         "data": _hash_files([paths["forget"], paths["retain"], paths["holdout"]]),
         "tokenizer": _hash_files([tokenizer_dir / "tokenizer.json"]),
@@ -584,6 +675,7 @@ def _build_locked(
         meta = _read_meta(model_dir)
         if meta is not None and meta.get("fingerprint") == fingerprint:
             logger.info("zoo: reusing %s", spec.name)
+            _refresh_tokenizer_files(tokenizer_dir, model_dir)
             if spec.name in ("full", "retain"):
                 _check(spec, meta["metrics"], checks, strict)
             entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
@@ -592,8 +684,8 @@ def _build_locked(
         computed: dict[str, Any] = {}
         if spec.stage == "pretrain":
             model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
-            sequences = encode_qa(
-                _training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer
+            sequences = _training_sequences(
+                spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
             )
             steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
         else:
@@ -602,8 +694,8 @@ def _build_locked(
                 in_memory[spec.parent] = parent
             model = _copy_model(parent)
             if spec.stage == "finetune":
-                sequences = encode_qa(
-                    _training_pairs(spec.hyperparams["data"], data, spec.hyperparams["seed"]), tokenizer
+                sequences = _training_sequences(
+                    spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
                 )
                 steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
             else:
@@ -678,6 +770,9 @@ def _build_locked(
         "tokenizer": "tokenizer",
         "shape": asdict(size.shape),
         "checks": checks,
+        # The relearning attack of the meta-evaluation, scaled to this zoo: the published attack relearns at twice the
+        # learning rate TOFU fine-tunes at (2e-5 vs 1e-5); the published 2e-5 would barely move a model trained at 1e-3.
+        "relearn": {"lr": 2 * size.finetune_lr},
         "build_seconds": round(time.perf_counter() - started, 2),
         "models_train_seconds": round(sum(entry["train_seconds"] or 0.0 for entry in entries), 2),
         "versions": {
@@ -699,6 +794,12 @@ def _refuse_to_replace(
     old: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     if old and old.get("shape") != asdict(size.shape):
         differ.append("model shape")
+    if differ and old.get("size") == size_name and old.get("seed") == seed:
+        raise ZooBuildError(
+            f"{root} holds a zoo of size {size_name!r}, seed {seed} built by another version of uds_lens, whose "
+            f"{', '.join(differ)} differ from what this version generates; its models would all be retrained. Pass "
+            "overwrite=True (`uds-lens zoo build --overwrite`) to rebuild it, or build into a new directory."
+        )
     if differ:
         built = f"size {old.get('size')!r}, seed {old.get('seed')}" if old else "an unfinished build"
         raise ZooBuildError(

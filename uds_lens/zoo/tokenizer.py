@@ -7,8 +7,9 @@ so a token's character span includes its leading space. It is saved as a ``PreTr
 checkpoints, so ``AutoTokenizer.from_pretrained(dir)`` works offline.
 
 The QA training format is exactly the prompt UDS encodes: ``"Question: {q}\\nAnswer:"`` (BOS first) followed by the
-target ``" {answer}"`` and EOS. A minimal chat template (role tokens ``<|system|>``, ``<|user|>``, ``<|assistant|>``)
-lets chat-formatted output metrics run on the zoo.
+target ``" {answer}"`` and EOS. The chat template renders a conversation in that same format (see
+:data:`CHAT_TEMPLATE`), so the chat-formatted output metrics read the zoo models in the format they were trained on.
+The role tokens ``<|system|>``, ``<|user|>``, ``<|assistant|>`` stay reserved in the vocabulary.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
 DEFAULT_VOCAB_SIZE = 1024
 
+# The zoo's models are trained on one format only, so their chat template renders a conversation in it: a user turn
+# becomes "Question: {q}\nAnswer:", an assistant turn " {a}" + EOS, and the system turn (which these models have no
+# role for) is left out. Chat-formatted output metrics then score the zoo models on the text they were trained on.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\nAnswer:"
+    "{% elif message['role'] == 'assistant' %} {{ message['content'] }}{{ eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
 )
 
 

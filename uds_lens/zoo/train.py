@@ -1,7 +1,8 @@
 """Training the zoo's small Llama models on QA records, and the entity-accuracy check.
 
 A QA record becomes one sequence ``[BOS] "Question: {q}\\nAnswer:" " {answer}" [EOS]``; the loss is the mean
-cross-entropy over the answer tokens and EOS (the prompt is masked with ``-100``). Batches are right-padded and run
+cross-entropy over the answer tokens and EOS (the prompt is masked with ``-100``). A plain-text document (the
+meta-evaluation pools' biographies) becomes ``[BOS] text [EOS]`` with the loss on all of it. Batches are right-padded and run
 *without* an attention mask: with causal attention, padding at the end cannot influence the real tokens before it, so the
 result is exact and the eager attention path stays fast on CPU.
 
@@ -68,7 +69,8 @@ def init_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
 
 @dataclass(frozen=True)
 class QASequence:
-    """One tokenised training sequence: BOS + prompt + answer + EOS; loss on ``input_ids[answer_start:]``."""
+    """One tokenised training sequence, BOS + prompt + answer + EOS (or BOS + document + EOS, with
+    ``answer_start = 1``); the loss is on ``input_ids[answer_start:]``."""
 
     input_ids: tuple[int, ...]
     answer_start: int
@@ -82,6 +84,15 @@ def encode_qa(pairs: Sequence[tuple[str, str]], tokenizer: PreTrainedTokenizerBa
         answer_ids = tokenizer(format_target(answer), add_special_tokens=False)["input_ids"]
         ids = [*prompt_ids, *answer_ids, tokenizer.eos_token_id]
         sequences.append(QASequence(input_ids=tuple(ids), answer_start=len(prompt_ids)))
+    return sequences
+
+
+def encode_documents(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> list[QASequence]:
+    """Tokenise plain-text documents as ``[BOS] text [EOS]`` with the loss on every token after BOS (no question)."""
+    sequences = []
+    for text in texts:
+        ids = [*tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer.eos_token_id]
+        sequences.append(QASequence(input_ids=tuple(ids), answer_start=1))
     return sequences
 
 

@@ -8,8 +8,9 @@ written as
     answer = entity + tail                         (yes/no facts: prefix "", entity "Yes" / "No")
 
 so UDS can teacher-force ``"Question: " + question + "\\nAnswer: " + prefix`` and read the entity tokens. A record also
-carries ``paraphrased_answer`` (another template for the same fact) and ``perturbed_answer`` (the answer template filled
-with 3-5 wrong entities of the same kind), which the output-level metrics (Truth Ratio, paraphrase probability) need.
+carries ``paraphrased_answer`` (another template for the same fact) and ``perturbed_answer`` (the paraphrase template
+filled with 3-5 wrong entities of the same kind, as TOFU perturbs the paraphrased answer), which the output-level
+metrics (Truth Ratio, paraphrase probability) need.
 
 Authors are split into *retain* authors, *forget* authors (10% of the trained authors, like TOFU forget10) and *holdout*
 authors who are never trained on (the non-members for membership inference). The vocabulary (syllables, cities, genres,
@@ -239,10 +240,9 @@ def _records_for(author: Author, pools: dict[str, list[str]], rng: random.Random
         value = getattr(author, kind)
         question, prefix, tail = _answer_parts(kind, author, value)
         wrong = _sample_others(rng, pools[kind], value, rng.randint(3, 5))
-        perturbed = []
-        for other in wrong:
-            _, other_prefix, other_tail = _answer_parts(kind, author, other)
-            perturbed.append(f"{other_prefix} {other}{other_tail}")
+        # As in TOFU, perturbed answers keep the paraphrase's wording and change the fact, so Truth Ratio compares
+        # like with like: the right fact against wrong ones, all in a wording the model was not trained on.
+        perturbed = [_paraphrase(kind, author, other) for other in wrong]
         records.append(
             {
                 "question": question,
