@@ -61,3 +61,24 @@ def test_left_padding_gives_batch_size_independent_generations(tmp_path) -> None
     single = generate_greedy(model, tokenizer, prompts, batch_size=1, max_new_tokens=6)
     batched = generate_greedy(model, tokenizer, prompts, batch_size=5, max_new_tokens=6)
     assert single == batched
+
+
+def test_generation_reuses_keys_and_values_even_when_the_checkpoint_says_not_to(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "m", tokenizer=tokenizer)).eval()
+    model.generation_config.use_cache = False  # as a checkpoint saved from a training loop often says
+    model.generation_config.eos_token_id = None
+    widths: list[int] = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    prompt = prompt_ids(tokenizer, "Where was Ana born?")
+    cached = generate_greedy(model, tokenizer, [prompt], batch_size=1, max_new_tokens=8)
+    assert widths[0] == len(prompt) and set(widths[1:]) == {1}  # one new token per step after the prompt
+    # and the greedy text is what full re-runs give
+    full = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, use_cache=False,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    cut = full[0, len(prompt):].tolist()
+    cut = cut[: cut.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in cut else cut
+    assert cached == [tokenizer.decode(cut, skip_special_tokens=True).strip()]

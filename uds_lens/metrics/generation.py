@@ -73,10 +73,12 @@ def generate_greedy(
             n = len(prompts[i])
             input_ids[r, width - n :] = torch.tensor(list(prompts[i]))
             attention_mask[r, width - n :] = 1
+        # use_cache explicitly: a checkpoint saved from training often carries use_cache=False in its generation
+        # config, which makes every step re-run the whole sequence (10x slower at 200 new tokens, measured)
         output = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
             max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=sorted(stops),
-            temperature=None, top_p=None, top_k=None,
+            temperature=None, top_p=None, top_k=None, use_cache=True,
         )
         for r, i in enumerate(rows):
             new_tokens = output[r, width:].tolist()
