@@ -333,30 +333,22 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
             f"bitsandbytes could not load {path} in NF4 on this machine ({type(err).__name__}: {err}). "
             "bitsandbytes >= 0.45 runs NF4 on CPU and CUDA; check its installation with `python -m bitsandbytes`."
         ) from err
-    _check_cpu_nf4_shapes(model, path)
+    _keep_standard_nf4_layout(model)
     return model
 
 
-def _check_cpu_nf4_shapes(model: Any, path: Any) -> None:
-    """Refuse layer widths that bitsandbytes' CPU NF4 kernel cannot run, before a forward fails deep inside it.
+def _keep_standard_nf4_layout(model: Any) -> None:
+    """Run NF4 on CPU through bitsandbytes' generic dequantise-and-matmul path, never its AVX512-BF16 kernel.
 
-    On CPUs with AVX512-BF16, bitsandbytes repacks each 4-bit weight for its CPU kernel, which needs ``in_features``
-    to be a multiple of the quantisation block size (64) and ``out_features`` a multiple of 32; the check is made on
-    every CPU so results do not depend on the instruction set. Real Llama widths always pass.
+    On a CPU with AVX512-BF16, bitsandbytes (>= 0.48) repacks each 4-bit weight in place for that kernel at the first
+    forward pass. The repacked weight no longer dequantises correctly, so a model measured once (its output metrics,
+    its UDS) would afterwards give garbage white-box scores (which read its dequantised weights); the kernel also
+    needs widths that are multiples of 64 and computes differently from the generic path, so numbers would depend on
+    the instruction set. Only CPU forwards are affected; on CUDA the flag is never read.
     """
-    if next(model.parameters()).device.type != "cpu":
-        return
-    for name, module in model.named_modules():
-        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if quant_state is None:
-            continue
-        block = int(getattr(quant_state, "blocksize", 64))
-        if module.in_features % block or module.out_features % 32:
-            raise QuantisationError(
-                f"{path}: layer {name} is {module.in_features} -> {module.out_features} wide; NF4 on CPU needs input "
-                f"widths that are multiples of {block} and output widths that are multiples of 32. Quantise on a "
-                "CUDA device, or use a model with such widths."
-            )
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 RELEARN_MARKER = "relearn.json"
@@ -681,7 +673,7 @@ def _attacked_table(
         model_dir = out / "models" / name / attack
         if attack == "quant":
             source: Any = _Deferred(functools.partial(quantise_nf4, zoo.path(name)),
-                                    f"nf4 {checkpoint_stamp(zoo.path(name))}")
+                                    f"nf4, standard layout {checkpoint_stamp(zoo.path(name))}")
         else:
             source = str(relearn(zoo.path(name), forget, tokenizer, model_dir / "model", progress=progress,
                                  **relearn_kwargs))

@@ -3,9 +3,8 @@
 import math
 
 import pytest
-from tiny_models import make_llama
 
-from uds_lens.meta_eval import QuantisationError, quantise_nf4
+from uds_lens.meta_eval import quantise_nf4
 from uds_lens.scorers import WHITE_BOX, ModelScorers
 
 
@@ -35,27 +34,35 @@ def test_each_model_is_scored_once(scorers, tiny, monkeypatch):
     assert math.isfinite(fns["fisher_masked"](tiny.unlearned)) or math.isnan(fns["fisher_masked"](tiny.unlearned))
 
 
-@pytest.fixture(scope="module")
-def wide(tiny, tmp_path_factory):
-    """A full/retain pair whose widths bitsandbytes' CPU NF4 kernel accepts (multiples of 64)."""
-    root = tmp_path_factory.mktemp("wide")
-    full = make_llama(root / "full", tiny.tokenizer, seed=0, d_model=64, d_mlp=128)
-    retain = make_llama(root / "retain", tiny.tokenizer, seed=1, base=full, noise=0.3)
-    return full, retain
-
-
-def test_a_quantised_source_is_scored_on_its_dequantised_weights(wide, tiny):
-    full, retain = wide
-    scorers = ModelScorers(full, retain, tiny.data, cache_dir=False)
-    quantised = quantise_nf4(full, device="cpu")
+def test_a_quantised_source_is_scored_on_its_dequantised_weights(scorers, tiny):
+    quantised = quantise_nf4(tiny.full, device="cpu")
+    # run the quantised model first (as the meta-evaluation's output metrics and UDS do), then the white-box scores:
+    # the forward passes must not leave weights that dequantise to something else
     uds = scorers.uds(quantised)
-    # NF4 rounding moves the source a little away from full: a small UDS, not 0 and far from retain's 1
-    assert 0.0 < uds < 0.5
+    assert 0.0 < uds < 0.5  # NF4 rounding moves full a little towards nothing in particular, far from retain's 1
     lens = scorers.white_box_fns()["logit_lens"]
-    assert lens(full) == pytest.approx(0.0, abs=1e-4)
-    assert math.isfinite(lens(quantised)) and lens(quantised) > 1e-6
+    assert lens(tiny.full) == pytest.approx(0.0, abs=1e-4)
+    assert 1e-6 < lens(quantised) < 0.5
+    assert lens(quantised) != pytest.approx(lens(tiny.retain), abs=0.3)
 
 
-def test_nf4_refuses_cpu_widths_its_kernel_cannot_run(tiny):
-    with pytest.raises(QuantisationError, match="multiples of 64"):
-        quantise_nf4(tiny.full, device="cpu")
+def test_nf4_weights_are_the_rounded_originals_after_a_forward_pass(tiny):
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quantised = quantise_nf4(tiny.full, device="cpu")
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        quantised(ids)
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    original = AutoModelForCausalLM.from_pretrained(tiny.full).state_dict()
+    dequantised = copy.deepcopy(quantised).dequantize().state_dict()
+    for name, weight in original.items():
+        if name.endswith("proj.weight"):
+            rounded = dequantize_4bit(*quantize_4bit(weight, blocksize=64, quant_type="nf4")).float()
+            got = dequantised[name].float()
+            assert float((rounded - weight).norm() / weight.norm()) > 0.01, name  # NF4 does round
+            assert float((got - rounded).norm() / weight.norm()) < 0.02, name  # to exactly that, not a repacked layout
