@@ -150,8 +150,9 @@ def train_on_records(
 def make_tiny_zoo(root: str | Path, n_pool: int = 2, steps: int = 40) -> Path:
     """A miniature zoo directory (``manifest.json`` + forget/holdout/retain JSON + tiny checkpoints) for run tests.
 
-    Roles: ``full`` (forget + retain), ``retain`` (retain only), ``unlearned`` (full fine-tuned on retain only, a
-    stand-in for an unlearning method), ``pos`` (forget + retain, other seeds) and ``neg`` (retain only, other seeds).
+    Roles: ``full`` (forget + retain), ``retain`` (retain only), ``unlearned`` and ``sweep`` (full fine-tuned on
+    retain only, a stand-in for an unlearning method and its sweep), ``pos`` (forget + retain, other seeds) and ``neg``
+    (retain only, other seeds).
     """
     import json
 
@@ -170,8 +171,8 @@ def make_tiny_zoo(root: str | Path, n_pool: int = 2, steps: int = 40) -> Path:
 
     full = add("full", "full", base, forget + retain, 0)
     add("retain", "retain", base, retain, 0)
-    for i in range(2):
-        add(f"unlearned{i}", "unlearned", full, retain, 10 + i, n_steps=5 + 5 * i)
+    for i, role in enumerate(("unlearned", "sweep")):
+        add(f"unlearned{i}", role, full, retain, 10 + i, n_steps=5 + 5 * i)
     for i in range(n_pool):
         # Pool members differ in their number of steps (full-batch training ignores the seed).
         add(f"pos{i}", "pos", base, forget + retain, 20 + i, n_steps=steps + 10 * (i + 1))

@@ -22,9 +22,17 @@ def test_meta_eval_writes_all_rows(test_zoo, tmp_path):
     assert set(table["metric"]) == {spec.key for spec in METRICS}
     uds = table.set_index("metric").loc["uds"]
     assert 0.5 < uds["faithfulness"] <= 1.0
+    assert table["faithfulness"].notna().all()  # every metric is measured on both pools
     metrics = pd.read_csv(out / "metrics.csv", index_col=0)
     assert {"uds", "logit_lens", "cka", "fisher_masked"} <= set(metrics.columns)
     assert metrics["uds"].notna().all()
+    # the chat-formatted output metrics read the zoo models in the format they were trained on
+    assert metrics.at["full", "rouge"] > 0.9 and metrics.at["full", "prob"] > 0.8
+    assert metrics.at["retain", "prob"] < 0.3 and metrics.at["full", "model_utility"] > 0.3
+    # the pools carry the signal: models that saw the forget facts keep more of them by UDS
+    pools = metrics.groupby("role")["uds"].mean()
+    assert pools["pos"] + 0.2 < pools["neg"]
+    assert (out / "meta_eval_vs_paper.csv").is_file()
     # resumable: a second run reuses every finished model and gives the same table
     again = CliRunner().invoke(app, ["meta-eval", "--zoo", str(test_zoo.root), "--out", str(out),
                                      "--max-new-tokens", "24"])

@@ -212,16 +212,19 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     assert list(pd.read_csv(out / "meta_eval.csv")["metric"]) == list(METRIC_KEYS)
     assert list(table.columns) == META_EVAL_COLUMNS
     metrics = pd.read_csv(out / "metrics.csv", index_col="model")
-    assert set(metrics.index) == set(read_zoo(zoo).names(["full", "retain", "unlearned", "pos", "neg"]))
+    assert set(metrics.index) == set(read_zoo(zoo).names(["full", "retain", "unlearned", "sweep", "pos", "neg"]))
     assert set(METRIC_KEYS) <= set(metrics.columns)
     assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)
     # utility (the whole retain set) only where the utility filter reads it
     has_utility = metrics["model_utility"].notna()
-    assert has_utility[metrics["role"].isin(["full", "retain", "unlearned"])].all()
+    assert has_utility[metrics["role"].isin(["full", "retain", "unlearned", "sweep"])].all()
     assert not has_utility[metrics["role"].isin(["pos", "neg"])].any()
     assert table.set_index("metric").at["uds", "faithfulness"] == pytest.approx(1.0)
     assert (table["n_models_r"] <= 2).all() and (out / "metrics_quant.csv").is_file()
     assert (out / "models" / "retain" / "relearn" / "model" / "config.json").is_file()
+    # the sweep model is attacked like the unlearned one
+    assert set(pd.read_csv(out / "metrics_quant.csv", index_col="model").index) == {"unlearned0", "unlearned1"}
+    assert (out / "models" / "unlearned1" / "relearn" / "model" / "config.json").is_file()
     n_calls = len(calls)
     again = run_meta_eval(zoo, out, **kwargs)
     assert len(calls) == n_calls  # everything came from the per-model caches
