@@ -26,6 +26,14 @@ def default_zoo_dir(size: str) -> Path:
     return Path(os.environ.get("UDS_LENS_ZOO", f"~/.cache/uds_lens/zoo-{size}")).expanduser()
 
 
+def _has_pools(zoo_dir: Path) -> bool:
+    """Whether a built zoo lists meta-evaluation pools (the demo keeps them listed; it does not need them)."""
+    manifest = zoo_dir / "manifest.json"
+    if not manifest.is_file():
+        return False
+    return any(m.get("role") in ("pos", "neg", "sweep") for m in json.loads(manifest.read_text()).get("models", []))
+
+
 def run_demo(
     out_dir: str | os.PathLike = "demo_out",
     zoo_dir: str | os.PathLike | None = None,
@@ -49,7 +57,8 @@ def run_demo(
     torch.set_num_threads(threads)
     try:
         # the package's own cache is rebuilt when this version generates another world; a user's directory is not
-        zoo = build_zoo(zoo_dir or default_zoo_dir(size), size=size, threads=threads, pools=False, progress=progress,
+        root = Path(zoo_dir) if zoo_dir is not None else default_zoo_dir(size)
+        zoo = build_zoo(root, size=size, threads=threads, pools=_has_pools(root), progress=progress,
                         overwrite=zoo_dir is None)
         entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
         results = score_models(
