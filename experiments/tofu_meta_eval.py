@@ -46,7 +46,8 @@ SAMPLE_UNLEARNED = (
     f"{HUB}/unlearn_tofu_{ARCH}_forget10_RMU_lr1e-05_l5_s10_ep10",
     f"{HUB}/unlearn_tofu_{ARCH}_forget10_IdkNLL_lr1e-05_a1_ep5",
 )
-# Paper Table 3: faithfulness, Q, R (robustness = HM(Q, R), overall = HM(faithfulness, robustness)).
+
+
 def pool_ids(prefix: str, sources: tuple[str, ...]) -> list[str]:
     return [f"{HUB}/{prefix}_tofu_{ARCH}_{source}_lr{lr}e-05_wd0.01_epoch{epochs}"
             for source in sources for lr in range(1, 6) for epochs in (5, 10)]

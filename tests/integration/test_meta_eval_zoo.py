@@ -1,5 +1,7 @@
 """`uds-lens evaluate` / `meta-eval` on the test zoo: every metric, the paper's 20 rows, resumable."""
 
+import json
+
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -38,3 +40,23 @@ def test_meta_eval_writes_all_rows(test_zoo, tmp_path):
                                      "--max-new-tokens", "24"])
     assert again.exit_code == 0, again.output
     pd.testing.assert_frame_equal(pd.read_csv(out / "meta_eval.csv"), table)
+
+
+@pytest.mark.slow
+def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
+    from helpers_tiny import make_tiny_zoo
+
+    zoo = make_tiny_zoo(tmp_path / "zoo", n_pool=1, steps=20)
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(app, ["evaluate", "--zoo", str(zoo), "--out", str(out), "--max-new-tokens", "4",
+                                      "--batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    metrics = pd.read_csv(out / "metrics.csv", index_col="model")
+    names = [m["name"] for m in json.loads((zoo / "manifest.json").read_text())["models"]]
+    assert sorted(metrics.index) == sorted(names)
+    assert {spec.key for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(metrics.columns)
+    assert metrics.at["full", "uds"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics.at["retain", "uds"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)
+    saved = json.loads((out / "models" / "full" / "metrics.json").read_text())
+    assert set(saved["json"]["prob"]) == {"agg_value", "value_by_index"}  # the open-unlearning shape
