@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens.cli import app
-from uds_lens.meta_eval import METRICS
+from uds_lens.meta_eval import METRICS, read_zoo
 
 COLUMNS = ["metric", "faithfulness", "q", "r", "robustness", "overall", "n_models_q", "n_models_r"]
 
@@ -52,8 +52,7 @@ def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
                                       "--batch-size", "8"])
     assert result.exit_code == 0, result.output
     metrics = pd.read_csv(out / "metrics.csv", index_col="model")
-    names = [m["name"] for m in json.loads((zoo / "manifest.json").read_text())["models"]]
-    assert sorted(metrics.index) == sorted(names)
+    assert sorted(metrics.index) == sorted(read_zoo(zoo).names())
     assert {spec.key for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(metrics.columns)
     assert metrics.at["full", "uds"] == pytest.approx(0.0, abs=1e-6)
     assert metrics.at["retain", "uds"] == pytest.approx(1.0, abs=1e-6)
