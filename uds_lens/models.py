@@ -1,24 +1,40 @@
 """Load Llama checkpoints as TransformerLens ``HookedTransformer`` models, without touching the network.
 
 A UDS audit patches activations between three checkpoints of one architecture, so loading is strict: each
-checkpoint is read from a local Hugging Face directory (``config.json`` + weights) or a hub id, its config must be a
-Llama config, and two models are only accepted together when their architecture and vocabulary match.
+checkpoint is read from a local Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
+holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
+config must be a Llama config, and two models are only accepted together when their architecture and vocabulary
+match. A string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any
+hub request.
 
-The HookedTransformer config is derived from the directory's ``config.json`` (no lookup in TransformerLens's table of
-official model names, which would need the hub), and the weights are converted with TransformerLens's Llama
-converter *without* folding or centring, so ``blocks.{l}.hook_resid_post`` equals Hugging Face's
-``hidden_states[l + 1]`` (``verify_parity`` checks it).
+The HookedTransformer config is derived from the checkpoint's config (no lookup in TransformerLens's table of
+official model names, which would need the hub), and the weights are converted *without* folding or centring, so
+``blocks.{l}.hook_resid_post`` equals Hugging Face's ``hidden_states[l + 1]`` (``verify_parity`` checks it).
+
+Memory: a 1B model is ~5 GB in fp32, so conversion never holds two copies. The weights are converted one tensor at
+a time into the HookedTransformer's parameters, which are *views* in Hugging Face's layout (``W_Q`` is
+``q_proj.weight`` reshaped, ``W_in`` is ``up_proj.weight.T``): no copy is made when the dtype already matches, and
+TransformerLens's ``F.linear(x, W.T.contiguous())`` then costs no copy per forward either. A directory of
+``.safetensors`` files is streamed tensor by tensor with plain reads (a memory map would count the whole file as
+resident); other sources go through a Hugging Face model whose tensors are released as they are converted. Tied
+embeddings stay tied (``W_U`` is a view of ``W_E``).
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import json
 import logging
 import os
+import re
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import einops
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -27,7 +43,6 @@ from uds_lens.tl_compat import (
     HookedTransformer,
     HookedTransformerConfig,
     apply_llama3_rope_scaling,
-    convert_llama_weights,
     new_hooked_transformer,
     rope_theta,
 )
@@ -68,8 +83,89 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
     return names[dtype]
 
 
+# A hub repository id is "owner/name" (letters, digits, "-", "_", "."; at most 96 characters per part).
+_HUB_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """Where a checkpoint lives, resolved once: ``kind`` is ``"directory"`` (a Hugging Face directory), ``"gguf"``
+    (``location`` is the ``.gguf`` file) or ``"hub"`` (``location`` is the hub id)."""
+
+    kind: str
+    location: str
+
+    @property
+    def local(self) -> bool:
+        return self.kind != "hub"
+
+    def from_pretrained_args(self) -> tuple[str, dict[str, Any]]:
+        """First argument and extra keyword arguments of a ``transformers`` ``from_pretrained`` call."""
+        if self.kind == "gguf":
+            path = Path(self.location)
+            return str(path.parent), {"gguf_file": path.name}
+        return self.location, {"local_files_only": self.local}
+
+
+def _looks_like_path(text: str) -> bool:
+    """A string the user meant as a local path: absolute, relative with ./ or ~, with backslashes, a file name with
+    a checkpoint suffix, or one whose first component exists here (``zoo/ful`` when ``zoo/`` is a directory)."""
+    if text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1:
+        return True
+    if text.endswith((".gguf", ".safetensors", ".bin", ".json")):
+        return True
+    return "/" in text and Path(text.split("/", 1)[0]).expanduser().is_dir()
+
+
+def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> CheckpointSource:
+    """Classify a checkpoint argument without touching the network, failing at once on what cannot be one.
+
+    Args:
+        path_or_id: a directory, a ``.gguf`` file, or a hub id.
+        weights: a directory must hold a model (``config.json`` or one ``.gguf``); ``False`` accepts any
+            directory (a tokenizer-only one).
+
+    Raises:
+        ModelLoadError: a path that does not exist, a directory that is neither a Hugging Face checkpoint nor holds
+            exactly one ``.gguf`` file, a file that is not ``.gguf``, or a string that is not a plausible hub id.
+    """
+    text = os.fspath(path_or_id)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return CheckpointSource("gguf", str(path))
+        raise ModelLoadError(
+            f"{text} is a file but not a .gguf checkpoint. Pass a Hugging Face checkpoint directory (config.json + "
+            "weights), a .gguf file, or a hub id (owner/name).")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return CheckpointSource("directory", str(path))
+        ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+        if len(ggufs) == 1:
+            return CheckpointSource("gguf", str(path / ggufs[0]))
+        if ggufs:
+            raise ModelLoadError(
+                f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path.")
+        if not weights:
+            return CheckpointSource("directory", str(path))
+        raise ModelLoadError(
+            f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint.")
+    if isinstance(path_or_id, os.PathLike) or _looks_like_path(text):
+        raise ModelLoadError(
+            f"No such checkpoint: {text} does not exist (resolved to {path.absolute()}). Check the path; it was not "
+            "looked up on the Hugging Face hub.")
+    if not _HUB_ID.match(text) or ".." in text or "--" in text:
+        raise ModelLoadError(
+            f"{text!r} is neither an existing directory or .gguf file nor a plausible Hugging Face hub id "
+            "(owner/name). Pass a local checkpoint directory, a .gguf file, or a hub id such as "
+            "'meta-llama/Llama-3.2-1B'.")
+    return CheckpointSource("hub", text)
+
+
 def is_local(path_or_id: str | os.PathLike) -> bool:
-    return Path(path_or_id).expanduser().is_dir()
+    """True for an existing local checkpoint: a directory or a ``.gguf`` file."""
+    path = Path(path_or_id).expanduser()
+    return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
 def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
@@ -84,19 +180,48 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
     )
 
 
+def _load_error(source: CheckpointSource, what: str, err: Exception) -> ModelLoadError:
+    if source.kind == "hub":
+        return _hub_error(source.location, err)
+    return ModelLoadError(f"Could not read the {what} of {source.location}: {type(err).__name__}: {err}")
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """The ``general.architecture`` field of a GGUF file (e.g. ``"llama"``), read with the ``gguf`` package."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise ModelLoadError(
+            f"Reading {path} needs the `gguf` package: pip install 'uds_lens[gguf]' (or pip install gguf).") from err
+    try:
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+    except Exception as err:  # a truncated or foreign file: name it instead of a parser traceback
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}).") from err
+    if field is None:
+        raise ModelLoadError(f"{path} has no general.architecture field: not a model GGUF file.")
+    return str(field.contents())
+
+
+def _check_gguf(source: CheckpointSource) -> None:
+    architecture = gguf_architecture(source.location)
+    if architecture != "llama":
+        raise ModelLoadError(
+            f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports Llama "
+            "checkpoints (general.architecture = 'llama'). Use a Llama-family model.")
+
+
 def load_hf_config(path_or_id: str | os.PathLike) -> Any:
-    """The Hugging Face config of a checkpoint, offline for local directories."""
+    """The Hugging Face config of a checkpoint (directory, ``.gguf`` or hub id), offline for local sources."""
     from transformers import AutoConfig
 
-    source = str(Path(path_or_id).expanduser()) if is_local(path_or_id) else str(path_or_id)
-    if is_local(path_or_id) and not (Path(source) / "config.json").is_file():
-        raise ModelLoadError(f"{source} is a directory but has no config.json: not a Hugging Face checkpoint.")
+    source = resolve_source(path_or_id)
+    if source.kind == "gguf":
+        _check_gguf(source)
+    first, kwargs = source.from_pretrained_args()
     try:
-        return AutoConfig.from_pretrained(source, local_files_only=is_local(path_or_id))
-    except OSError as err:
-        if is_local(path_or_id):
-            raise ModelLoadError(f"Could not read the config in {source}: {err}") from err
-        raise _hub_error(source, err) from err
+        return AutoConfig.from_pretrained(first, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error(source, "config", err) from err
 
 
 def check_supported(hf_config: Any, name: str) -> None:
@@ -159,10 +284,10 @@ def load_hf_model(
     device: str | None = None,
     quantization: Any = None,
 ) -> Any:
-    """A Hugging Face ``LlamaForCausalLM`` in eval mode (local directories are read offline).
+    """A Hugging Face ``LlamaForCausalLM`` in eval mode (local sources are read offline).
 
     Args:
-        path_or_id: local checkpoint directory or hub id.
+        path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one) or hub id.
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
@@ -171,45 +296,184 @@ def load_hf_model(
 
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
+    source = resolve_source(path_or_id)
     hf_config = load_hf_config(path_or_id)
-    name = str(path_or_id)
-    check_supported(hf_config, name)
-    local = is_local(path_or_id)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": local}
+    check_supported(hf_config, str(path_or_id))
+    first, kwargs = source.from_pretrained_args()
+    kwargs["dtype"] = torch_dtype
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(Path(path_or_id).expanduser()) if local else name, **kwargs)
-    except OSError as err:
-        if local:
-            raise ModelLoadError(f"Could not load the weights in {name}: {err}") from err
-        raise _hub_error(name, err) from err
+        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error(source, "weights", err) from err
     if quantization is None:
         model.to(device)
     return model.eval()
 
 
-def hooked_from_hf(hf_model: Any, dtype: torch.dtype | None = None, device: str | None = None) -> HookedTransformer:
-    """Wrap an in-memory Hugging Face Llama as a HookedTransformer (weights converted, no folding/centring)."""
-    check_supported(hf_model.config, type(hf_model).__name__)
-    device = device or str(next(hf_model.parameters()).device)
-    dtype = dtype or next(hf_model.parameters()).dtype
-    cfg = hooked_config_from_hf(hf_model.config, dtype, device)
-    state_dict = convert_llama_weights(hf_model, cfg)
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face Llama tensors -> HookedTransformer parameters, one tensor at a time
+
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _hooked_views(name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied: bool) -> list[tuple[str, Tensor]]:
+    """The HookedTransformer parameters one Hugging Face Llama tensor becomes, as views of it (no copy).
+
+    Returns an empty list for tensors with no parameter (rotary ``inv_freq`` buffers of old checkpoints, and
+    ``lm_head.weight`` of a tied model, whose ``W_U`` is a view of the embedding instead).
+    """
+    kv = "_" if cfg.n_key_value_heads is not None else ""
+    n_kv = cfg.n_key_value_heads or cfg.n_heads
+    if name == "model.embed_tokens.weight":
+        views = [("embed.W_E", tensor)]
+        if tied:
+            views.append(("unembed.W_U", tensor.T))
+        return views
+    if name == "lm_head.weight":
+        return [] if tied else [("unembed.W_U", tensor.T)]
+    if name == "model.norm.weight":
+        return [("ln_final.w", tensor)]
+    match = _LAYER_TENSOR.match(name)
+    if match is None:
+        return []
+    layer, rest = int(match.group(1)), match.group(2)
+    block = f"blocks.{layer}"
+    # Hugging Face stores projections as [out, in] with heads outermost on the "out" side.
+    table: dict[str, tuple[str, Any]] = {
+        "input_layernorm.weight": ("ln1.w", lambda t: t),
+        "post_attention_layernorm.weight": ("ln2.w", lambda t: t),
+        "self_attn.q_proj.weight": ("attn.W_Q", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=cfg.n_heads)),
+        "self_attn.k_proj.weight": (f"attn.{kv}W_K", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv)),
+        "self_attn.v_proj.weight": (f"attn.{kv}W_V", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv)),
+        "self_attn.o_proj.weight": ("attn.W_O", lambda t: einops.rearrange(t, "m (n h) -> n h m", n=cfg.n_heads)),
+        "self_attn.q_proj.bias": ("attn.b_Q", lambda t: einops.rearrange(t, "(n h) -> n h", n=cfg.n_heads)),
+        "self_attn.k_proj.bias": (f"attn.{kv}b_K", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
+        "self_attn.v_proj.bias": (f"attn.{kv}b_V", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
+        "self_attn.o_proj.bias": ("attn.b_O", lambda t: t),
+        "mlp.up_proj.weight": ("mlp.W_in", lambda t: t.T),
+        "mlp.gate_proj.weight": ("mlp.W_gate", lambda t: t.T),
+        "mlp.down_proj.weight": ("mlp.W_out", lambda t: t.T),
+        "mlp.up_proj.bias": ("mlp.b_in", lambda t: t),
+        "mlp.down_proj.bias": ("mlp.b_out", lambda t: t),
+    }
+    if rest.endswith("rotary_emb.inv_freq"):
+        return []
+    if rest not in table:
+        raise ModelLoadError(f"Unexpected Llama tensor {name!r}: uds_lens does not know where it goes in "
+                             "TransformerLens (a Llama variant with extra parameters?).")
+    target, view = table[rest]
+    return [(f"{block}.{target}", view(tensor))]
+
+
+def _assemble_hooked(
+    hf_config: Any,
+    tensors: Iterable[tuple[str, Tensor]],
+    dtype: torch.dtype,
+    device: str,
+    name: str,
+    share: bool,
+) -> HookedTransformer:
+    """A HookedTransformer whose parameters are filled from ``(hf_name, tensor)`` pairs as they arrive.
+
+    The model is built without initialising its weights: untouched pages of its ``torch.empty`` parameters are
+    never resident, and each is replaced by a view of the converted tensor, so memory grows by one tensor at a
+    time. With ``share=False`` a tensor already in ``dtype``/``device`` is copied (the caller keeps using its model).
+    """
+    check_supported(hf_config, name)
+    cfg = hooked_config_from_hf(hf_config, dtype, device)
+    cfg.init_weights = False
+    # Tied embeddings: W_U becomes a view of W_E instead of a second copy of the vocabulary matrix.
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     model = new_hooked_transformer(cfg)
-    model.load_and_process_state_dict(
-        state_dict,
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
-    # nn.Module.to: TransformerLens's own .to prints, and cfg.device/dtype are already set.
-    torch.nn.Module.to(model, device=device, dtype=dtype)
+    expected = {key: value.shape for key, value in model.named_parameters()}
+    filled: set[str] = set()
+    for hf_name, tensor in tensors:
+        converted = tensor.detach().to(device=device, dtype=dtype)
+        if not share and converted.data_ptr() == tensor.data_ptr():
+            converted = converted.clone()
+        for hooked_name, view in _hooked_views(hf_name, converted, cfg, tied):
+            if hooked_name not in expected or tuple(view.shape) != tuple(expected[hooked_name]):
+                raise ModelLoadError(
+                    f"{name}: tensor {hf_name} {tuple(tensor.shape)} does not fit {hooked_name} "
+                    f"{tuple(expected.get(hooked_name, ()))}; its config.json does not describe its weights.")
+            module_name, attribute = hooked_name.rsplit(".", 1)
+            setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(view, requires_grad=False))
+            filled.add(hooked_name)
+        del tensor, converted
+    missing = [key for key in expected if key not in filled]
+    for key in missing:
+        if key.rsplit(".", 1)[1].lstrip("_").startswith("b_"):  # Llama has no biases: TransformerLens's are zeros
+            module_name, attribute = key.rsplit(".", 1)
+            zeros = torch.zeros(expected[key], dtype=dtype, device=device)
+            setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(zeros, requires_grad=False))
+    unfilled = [key for key in missing if not key.rsplit(".", 1)[1].lstrip("_").startswith("b_")]
+    if unfilled:
+        raise ModelLoadError(f"{name} has no weights for {unfilled[:6]}{'...' if len(unfilled) > 6 else ''}: "
+                             "the checkpoint is incomplete or not a Llama causal LM.")
+    # nn.Module.to moves the buffers (rotary tables); TransformerLens's own .to prints, and cfg is already set.
+    torch.nn.Module.to(model, device=device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of one ``.safetensors`` file, one at a time, read with plain file reads.
+
+    ``safetensors.safe_open`` memory-maps the file, and every page it touches counts as resident until the map is
+    closed: streaming a 5 GB file through it would look like (and, under memory pressure, be) a second copy of
+    the model. The format is a little-endian u64 header length, a JSON header of ``{name: {dtype, shape,
+    data_offsets}}``, then the raw bytes.
+    """
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+        base = 8 + header_len
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+        for tensor_name, entry in entries:
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ModelLoadError(f"{path}: tensor {tensor_name} has dtype {entry['dtype']}, which uds_lens "
+                                     "cannot read; save the checkpoint in fp32, fp16 or bf16.")
+            begin, end = entry["data_offsets"]
+            buffer = torch.empty(end - begin, dtype=torch.uint8)
+            handle.seek(base + begin)
+            if handle.readinto(memoryview(buffer.numpy())) != end - begin:
+                raise ModelLoadError(f"{path} is truncated (tensor {tensor_name}); re-save or re-download it.")
+            yield tensor_name, buffer.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
+
+
+def _consume_state(hf_model: Any) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of a Hugging Face model that nobody else holds, each released once it is handed out."""
+    state = hf_model.state_dict()
+    hf_model.to("meta")  # the state dict's tensors now hold the only references to the weights
+    gc.collect()
+    for key in list(state):
+        yield key, state.pop(key)
+
+
+def hooked_from_hf(hf_model: Any, dtype: torch.dtype | None = None, device: str | None = None) -> HookedTransformer:
+    """Wrap an in-memory Hugging Face Llama as a HookedTransformer (weights converted, no folding/centring).
+
+    ``hf_model`` is left intact: its weights are copied (converted one tensor at a time).
+    """
+    check_supported(hf_model.config, type(hf_model).__name__)
+    device = device or str(next(hf_model.parameters()).device)
+    dtype = dtype or next(hf_model.parameters()).dtype
+    return _assemble_hooked(hf_model.config, hf_model.state_dict().items(), dtype, device,
+                            type(hf_model).__name__, share=False)
 
 
 def load_model(
@@ -217,36 +481,75 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
 ) -> HookedTransformer:
-    """Load a Llama checkpoint as a HookedTransformer.
+    """Load a Llama checkpoint (directory, ``.gguf`` file, or hub id) as a HookedTransformer.
 
-    The weights are loaded into a Hugging Face model on the CPU, converted, and the Hugging Face copy is dropped.
-    The model remembers where it came from (``model.uds_source``) so results can name it and the S1 cache can
-    fingerprint its weight files.
+    A directory of ``.safetensors`` files is streamed tensor by tensor into the model (peak memory: the model plus
+    its largest tensor). A ``.gguf`` file, ``.bin`` weights or a hub id are loaded into a Hugging Face model on the
+    CPU whose tensors are handed over one at a time (no second copy when the dtype matches). The model remembers
+    where it came from (``model.uds_source``) so results can name it.
     """
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
-    model = hooked_from_hf(hf_model, dtype=torch_dtype, device=device)
-    del hf_model
+    source = resolve_source(path_or_id)
+    name = str(path_or_id)
+    files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
+    if files:
+        hf_config = load_hf_config(path_or_id)
+        tensors = (item for file in files for item in iter_safetensors(file))
+        model = _assemble_hooked(hf_config, tensors, torch_dtype, device, name, share=True)
+    else:
+        hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
+        hf_config = hf_model.config
+        model = _assemble_hooked(hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True)
+        del hf_model
+    gc.collect()
     model.uds_source = str(path_or_id)
     return model
 
 
 def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
-    """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities)."""
+    """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities).
+
+    For a ``.gguf`` file, ``transformers`` rebuilds the tokenizer from the file's vocabulary (slow: seconds);
+    ``gguf_to_hf`` saves it once as a regular directory.
+    """
     from transformers import AutoTokenizer
 
-    local = is_local(path_or_id)
-    source = str(Path(path_or_id).expanduser()) if local else str(path_or_id)
+    source = resolve_source(path_or_id, weights=False)
+    first, kwargs = source.from_pretrained_args()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local, use_fast=True)
-    except OSError as err:
-        if local:
-            raise ModelLoadError(f"Could not load a tokenizer from {source}: {err}") from err
-        raise _hub_error(source, err) from err
+        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _load_error(source, "tokenizer", err) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Save a Llama ``.gguf`` checkpoint as a Hugging Face directory (fp32 safetensors + tokenizer), once.
+
+    Loading a GGUF dequantises every tensor and rebuilds the tokenizer from the file (a minute for a 135M model on
+    two CPU cores); the directory loads in seconds and streams tensor by tensor. Written to a temporary sibling and
+    renamed, so an interrupted conversion never leaves a half directory behind.
+    """
+    source = resolve_source(gguf_path)
+    if source.kind != "gguf":
+        raise ModelLoadError(f"{gguf_path} is not a .gguf file (nor a directory holding exactly one).")
+    out = Path(out_dir).expanduser()
+    hf_model = load_hf_model(source.location, dtype=torch.float32, device="cpu")
+    tokenizer = load_tokenizer(source.location)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    del hf_model
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -288,15 +591,23 @@ def check_compatible(target: Any, source: Any, target_name: str = "full", source
 
 
 def model_fingerprint(model: Any) -> str:
-    """A digest of every weight's bytes (not the path): any change to any weight changes it."""
+    """A digest of every weight's bytes (not the path): any change to any weight changes it.
+
+    Each tensor is hashed in its logical (row-major) order, in slices of at most 16M elements, so neither a
+    transposed parameter view nor a GPU tensor is ever copied whole.
+    """
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if not torch.is_tensor(tensor):
             continue
-        flat = tensor.detach().reshape(-1).contiguous().cpu()
         digest.update(name.encode())
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        if tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.detach().reshape(1, -1)
+        rows = max(1, (1 << 24) // flat.shape[1])
+        for chunk in flat.split(rows, dim=0):
+            digest.update(chunk.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:24]
 
 
@@ -334,9 +645,12 @@ def config_summary(model: HookedTransformer) -> dict[str, Any]:
 def weight_files_digest(path: str | os.PathLike) -> str | None:
     """Hash of a local checkpoint's weight files (size + content), or None for non-local sources."""
     root = Path(path).expanduser()
-    if not root.is_dir():
+    if root.is_file() and root.suffix.lower() == ".gguf":
+        files = [root]
+    elif not root.is_dir():
         return None
-    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
+    else:
+        files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file())
     if not files:
         return None
     digest = hashlib.sha256()
@@ -350,12 +664,16 @@ def weight_files_digest(path: str | os.PathLike) -> str | None:
 
 def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
     """A cheap identity of a checkpoint for result caches: a local directory's files (name, size, modification time:
-    retrained weights or a new chat template change it), or a hub id as itself."""
+    retrained weights or a new chat template change it), a ``.gguf`` file's own, or a hub id as itself."""
     root = Path(path_or_id).expanduser()
-    if not root.is_dir():
+    if root.is_file():
+        files = [root]
+    elif not root.is_dir():
         return str(path_or_id)
+    else:
+        files = sorted(p for p in root.iterdir() if p.is_file())
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.iterdir() if p.is_file()):
+    for file in files:
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     return digest.hexdigest()[:24]
@@ -369,8 +687,9 @@ def describe(path_or_model: Any) -> str:
 
 
 __all__ = [
-    "ArchitectureSignature", "ModelLoadError", "ModelMismatchError", "check_compatible", "check_supported",
-    "checkpoint_stamp",
+    "ArchitectureSignature", "CheckpointSource", "ModelLoadError", "ModelMismatchError", "check_compatible",
+    "check_supported", "checkpoint_stamp", "gguf_architecture", "gguf_to_hf", "is_local", "iter_safetensors",
+    "resolve_source",
     "config_summary", "default_device", "default_dtype", "describe", "hooked_config_from_hf", "hooked_from_hf",
     "load_hf_config", "load_hf_model", "load_model", "load_tokenizer", "model_fingerprint", "resolve_dtype",
     "verify_parity", "weight_files_digest"

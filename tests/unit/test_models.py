@@ -57,3 +57,111 @@ def test_mismatched_vocab_and_architecture(tiny, tmp_path):
     deeper = make_llama(tmp_path / "d", tiny.tokenizer, seed=3, n_layers=4)
     with pytest.raises(ModelMismatchError, match="architecture"):
         check_compatible(load_model(tiny.full), load_model(deeper))
+
+
+def test_streamed_conversion_matches_transformer_lens_converter(tiny):
+    """Each parameter equals TransformerLens's own Llama conversion, and the fingerprint does not depend on the
+    parameters' memory layout (the S1 cache keys stay valid)."""
+    from uds_lens.models import model_fingerprint
+    from uds_lens.tl_compat import convert_llama_weights, new_hooked_transformer
+
+    streamed = load_model(tiny.full, device="cpu")
+    hf = load_hf_model(tiny.full, device="cpu")
+    reference = new_hooked_transformer(streamed.cfg)
+    reference.load_and_process_state_dict(
+        convert_llama_weights(hf, streamed.cfg), fold_ln=False, center_writing_weights=False, center_unembed=False,
+        fold_value_biases=False, refactor_factored_attn_matrices=False)
+    ours = dict(streamed.named_parameters())
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
+    assert model_fingerprint(streamed) == model_fingerprint(reference)
+    # Hugging Face layout: TransformerLens's F.linear(x, W.T.contiguous()) is then free, and no copy was made.
+    block = streamed.blocks[0]
+    assert block.mlp.W_in.T.is_contiguous() and block.mlp.W_out.T.is_contiguous()
+    assert streamed.unembed.W_U.T.is_contiguous()
+    noisy = load_model(tiny.retain, device="cpu")
+    assert model_fingerprint(noisy) != model_fingerprint(streamed)
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path, tiny):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(tiny.tokenizer).save_pretrained(tmp_path / "tied")
+    hooked = load_model(tmp_path / "tied", device="cpu")
+    assert hooked.unembed.W_U.data_ptr() == hooked.embed.W_E.data_ptr()
+    tokens = torch.tensor([[0, 5, 17, 33, 2, 90]])
+    assert verify_parity(hooked, hf, tokens)["logits"] < 1e-4
+
+
+def test_bin_weights_go_through_hugging_face(tiny, tmp_path):
+    """A checkpoint without safetensors is loaded through a Hugging Face model (its tensors handed over)."""
+    hf = load_hf_model(tiny.full, device="cpu")
+    (tmp_path / "bin").mkdir()
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    hf.config.save_pretrained(tmp_path / "bin")
+    hooked = load_model(tmp_path / "bin", device="cpu")
+    assert verify_parity(hooked, hf, torch.tensor([[0, 5, 17, 33]]))["logits"] < 1e-4
+
+
+def test_iter_safetensors_reads_what_safetensors_wrote(tmp_path):
+    from safetensors.torch import save_file
+
+    from uds_lens.models import iter_safetensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4, dtype=torch.int64)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    read = dict(iter_safetensors(tmp_path / "x.safetensors"))
+    assert read.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert read[key].dtype == value.dtype and torch.equal(read[key], value)
+
+
+@pytest.mark.parametrize("spec", ["./no/such/dir", "zoo-typo/full/", "~/missing-ckpt", "model.gguf", "full",
+                                  "zoo:npo", "a//b", "owner/na me"])
+def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
+    """Mistyped paths and implausible hub ids fail before any hub request (which retries for tens of seconds)."""
+    import time
+
+    import huggingface_hub
+
+    from uds_lens.models import resolve_source
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was contacted")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="(does not exist|plausible Hugging Face hub id)"):
+        load_model(spec)
+    assert time.perf_counter() - started < 2.0
+    assert resolve_source("meta-llama/Llama-3.2-1B").kind == "hub"
+
+
+def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
+    import gguf
+
+    from uds_lens.models import resolve_source
+
+    other = tmp_path / "one" / "qwen.gguf"
+    other.parent.mkdir()
+    writer = gguf.GGUFWriter(str(other), "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert resolve_source(other.parent).location == str(other)  # a directory holding exactly one .gguf
+    with pytest.raises(ModelLoadError, match="architecture 'qwen2'.*Llama"):
+        load_model(other.parent)
+    (other.parent / "second.gguf").write_bytes(other.read_bytes())
+    with pytest.raises(ModelLoadError, match="2 .gguf files"):
+        load_model(other.parent)
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(tiny.full / "config.json")
