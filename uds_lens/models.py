@@ -541,9 +541,20 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     tokenizer = load_tokenizer(source.location)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(tmp)
+    # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
+    # config without the GGUF quantisation entry are a plain fp32 checkpoint.
+    from safetensors.torch import save_file
+
+    config = hf_model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {key: value.contiguous() for key, value in hf_model.state_dict().items()
+             if not (tied and key == "lm_head.weight")}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    del hf_model
+    del hf_model, state
     if out.exists():
         import shutil
 
@@ -569,7 +580,11 @@ class ArchitectureSignature:
         if isinstance(model, HookedTransformer):
             c = model.cfg
             return cls(c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads, c.d_head, c.d_mlp, c.d_vocab)
-        c = model.config
+        return cls.of_config(model.config)
+
+    @classmethod
+    def of_config(cls, c: Any) -> ArchitectureSignature:
+        """The signature a Hugging Face Llama config describes (no weights needed)."""
         n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,

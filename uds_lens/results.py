@@ -175,7 +175,8 @@ class UDSResult:
             out["d2_summary"] = self.d2_summary
             out["note"] = ("retain-free mode: no retain model, so d2 is unnormalised (not divided by d1); these "
                            "summaries are not comparable with UDS.")
-        for key in ("full", "retain", "unlearned", "data", "versions", "device", "dtype", "engine", "timings"):
+        for key in ("full", "retain", "unlearned", "data", "versions", "device", "dtype", "log_softmax_dtype",
+                    "engine", "timings"):
             if key in self.meta:
                 out[key] = self.meta[key]
         out.setdefault("timings", {})

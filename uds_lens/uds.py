@@ -27,7 +27,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,6 +338,12 @@ class UDSAuditor:
     def upcast(self) -> bool:
         return not self.config.published_compat
 
+    @property
+    def log_softmax_dtype(self) -> str:
+        """The dtype entity log-probs are computed in: fp32 by default (SPEC §1.2.6), the model's own dtype in
+        published-compat mode (as the published code does); recorded in every result's metadata."""
+        return "float32" if self.upcast else str(self.full.cfg.dtype).replace("torch.", "")
+
     # -- batching ----------------------------------------------------------------------------------------------
 
     def _make_batches(self) -> list[list[int]]:
@@ -347,6 +353,36 @@ class UDSAuditor:
         size = self.config.batch_size or choose_batch_size(
             self.full, self.encoded, self.config.patch_scope, self.config.engine)
         return plan_batches(self.encoded, self.config.patch_scope, size)
+
+    def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
+        """``work(number, members)`` for every example batch; an out-of-memory error halves that batch and retries.
+
+        The halves replace the batch in the plan, so later stages and models start from the size that fitted. The
+        clean runs are keyed by batch number, which the split shifts, so they are dropped and recomputed. On a CPU
+        with overcommit the kernel may kill the process instead of raising: there the memory-budgeted batch size
+        (``choose_batch_size``) is the protection.
+        """
+        number = 0
+        with tqdm(total=len(self.encoded), desc=desc, unit="example", disable=not self.progress) as bar:
+            while number < len(self._batches):
+                members = self._batches[number]
+                try:
+                    work(number, members)
+                except Exception as err:
+                    if not is_out_of_memory(err) or len(members) == 1:
+                        raise
+                    error_name = type(err).__name__
+                else:
+                    bar.update(len(members))
+                    number += 1
+                    continue
+                # Outside the except block: the failed attempt's frames (and their tensors) are released by now.
+                half = len(members) // 2
+                logger.warning("Out of memory on a batch of %d examples (%s); retrying as %d + %d.",
+                               len(members), error_name, half, len(members) - half)
+                self._batches[number:number + 1] = [members[:half], members[half:]]
+                self._clean.clear()
+                release_memory(self.full.cfg.device)
 
     def _batch(self, members: list[int]) -> PatchBatch:
         return pad_batch([self.encoded[i] for i in members], self.pad_id, self.config.patch_scope,
@@ -400,8 +436,8 @@ class UDSAuditor:
         s_full = torch.full((n,), float("nan"))
         baseline = torch.full((n, n_layers), float("nan"))
         s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
-        for number, members in enumerate(tqdm(self._batches, desc="S1 (retain -> full)", unit="batch",
-                                              disable=not self.progress)):
+
+        def stage_one_batch(number: int, members: list[int]) -> None:
             batch = self._batch(members)
             clean = self._clean_run(number, batch)
             s_full[members] = clean.scores.float().cpu()
@@ -409,6 +445,8 @@ class UDSAuditor:
                                                 self.config.engine, self.upcast).float().cpu()
             if s1 is not None:
                 s1[members] = self._source_scores(self.retain, batch, number).float().cpu()
+
+        self._each_batch("S1 (retain -> full)", stage_one_batch)
         stage = StageOne(idx=[e.idx for e in self.encoded], s_full=s_full, baseline=baseline, s1=s1,
                          seconds=time.perf_counter() - started)
         _check_finite(stage.s_full, self.encoded, "the full model's clean score")
@@ -432,10 +470,11 @@ class UDSAuditor:
         stage = self.stage1
         started = time.perf_counter()
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
-        for number, members in enumerate(tqdm(self._batches, desc=f"S2 ({model_name(unlearned)} -> full)",
-                                              unit="batch", disable=not self.progress)):
-            batch = self._batch(members)
-            s2[members] = self._source_scores(source, batch, number).float().cpu()
+
+        def stage_two_batch(number: int, members: list[int]) -> None:
+            s2[members] = self._source_scores(source, self._batch(members), number).float().cpu()
+
+        self._each_batch(f"S2 ({model_name(unlearned)} -> full)", stage_two_batch)
         _check_finite(s2, self.encoded, f"the patched scores of {source_label}")
         s2_seconds = time.perf_counter() - started
         timings = {"s1_seconds": stage.seconds, "s2_seconds": s2_seconds, "s1_cached": stage.cached,
@@ -454,7 +493,7 @@ class UDSAuditor:
             meta={
                 "full": self.full_name, "retain": self.retain_name, "unlearned": source_label, "data": self.data_name,
                 "versions": _versions(), "device": str(self.full.cfg.device), "dtype": str(self.full.cfg.dtype),
-                "engine": self.config.engine, "timings": timings,
+                "log_softmax_dtype": self.log_softmax_dtype, "engine": self.config.engine, "timings": timings,
                 "prompt_types": {e.idx: e.prompt_type for e in self.examples},
             },
         )
@@ -463,6 +502,23 @@ class UDSAuditor:
         """Score several models; S1 and the clean runs are shared. Returns ``{name: UDSResult}``."""
         items = unlearned.items() if isinstance(unlearned, dict) else ((model_name(u), u) for u in unlearned)
         return {name: self.score(model, name=name) for name, model in items}
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """An allocation failure: CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"."""
+    if isinstance(err, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
+
+
+def release_memory(device: str | torch.device) -> None:
+    """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _check_finite(values: Tensor, encoded: Sequence[EncodedExample], what: str) -> None:

@@ -176,3 +176,38 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
     auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
     with pytest.raises(ModelMismatchError, match="d_model"):
         auditor.score(other)
+
+
+def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
+    """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
+    and the smaller batches are kept for the next model."""
+    import uds_lens.uds as uds_module
+
+    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    config = UDSConfig(batch_size=8)
+    reference = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
+                           progress=False).score(models["unlearned"])
+    real_patched = uds_module.patched_scores
+    sizes = []
+
+    def small_memory(full, batch, *args, **kwargs):
+        sizes.append(batch.size)
+        if batch.size > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_patched(full, batch, *args, **kwargs)
+
+    monkeypatch.setattr(uds_module, "patched_scores", small_memory)
+    auditor = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
+                         progress=False)
+    assert max(len(b) for b in auditor._batches) > 2
+    result = auditor.score(models["unlearned"])
+    assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor._batches)
+    assert np.allclose(result.layers["d1"], reference.layers["d1"], atol=1e-6)
+    assert np.allclose(result.layers["d2"], reference.layers["d2"], atol=1e-6)
+    sizes.clear()
+    auditor.score(models["retain"])
+    assert max(sizes) <= 2  # the next model starts from the size that fitted
+    monkeypatch.setattr(uds_module, "patched_scores",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
+        auditor.score(models["full"])

@@ -1,0 +1,328 @@
+"""Memory and time of a UDS audit at real scale: random Llama checkpoints of real shapes, loaded as a user's would be.
+
+For each config it writes three random checkpoints of the shape to disk (full; retain = full + noise; one
+unlearned = full + other noise), streamed tensor by tensor so writing them never holds a model, then runs the
+auditor exactly as a user does (``UDSAuditor(full_dir, retain_dir, records)`` with the S1 cache on, so the weights
+are fingerprinted, then ``auditor.score(unlearned_dir)``) on ``--examples`` synthetic question/answer records, and
+prints one line per config:
+
+    config dtype device shape | weights held (full + retain + unlearned) | peak RSS (CPU) or peak allocated (CUDA)
+    | peak / weights | peak while loading full / its weights | s/example S1, S2 | S2 / floor
+
+Peak resident memory is the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before
+each phase), so short spikes count. The floor of one unlearned model is one forward of the source on the examples
+plus ``sum_i T_i * L(L-1)/2`` token-block evaluations of the target (``T_i`` = patched window tokens), costed
+from a measured forward (DESIGN.md, "Speed is part of correctness").
+
+    python experiments/bench_scale.py --shape llama32_1b --dtype float32 --examples 20      # CPU, ~5 GB a model
+    python experiments/bench_scale.py --shape llama32_1b --dtype bfloat16 --examples 367 --device cuda
+    python experiments/bench_scale.py --shape llama31_8b --dtype bfloat16 --examples 367 --device cuda
+
+Run anything over 4 GB under ``flock /tmp/bigmem.lock`` on a shared machine. Checkpoints are cached under
+``--workdir`` (default ``~/.cache/uds_lens/bench_scale``) and reused; ``--clean`` deletes them afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_mlp: int
+    vocab: int
+    tied: bool
+    rope_theta: float = 500000.0
+
+
+SHAPES = {
+    "tiny": Shape(2, 64, 4, 2, 128, 2048, True),
+    "smollm2_135m": Shape(30, 576, 9, 3, 1536, 49152, True, 100000.0),
+    "llama32_1b": Shape(16, 2048, 32, 8, 8192, 128256, True),
+    "llama32_3b": Shape(28, 3072, 24, 8, 8192, 128256, True),
+    "llama31_8b": Shape(32, 4096, 32, 8, 14336, 128256, False),
+}
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Hugging Face Llama tensor names and shapes, in file order."""
+    head = shape.d_model // shape.n_heads
+    out = [("model.embed_tokens.weight", (shape.vocab, shape.d_model))]
+    for layer in range(shape.n_layers):
+        prefix = f"model.layers.{layer}."
+        out += [
+            (prefix + "input_layernorm.weight", (shape.d_model,)),
+            (prefix + "self_attn.q_proj.weight", (shape.n_heads * head, shape.d_model)),
+            (prefix + "self_attn.k_proj.weight", (shape.n_kv_heads * head, shape.d_model)),
+            (prefix + "self_attn.v_proj.weight", (shape.n_kv_heads * head, shape.d_model)),
+            (prefix + "self_attn.o_proj.weight", (shape.d_model, shape.n_heads * head)),
+            (prefix + "post_attention_layernorm.weight", (shape.d_model,)),
+            (prefix + "mlp.gate_proj.weight", (shape.d_mlp, shape.d_model)),
+            (prefix + "mlp.up_proj.weight", (shape.d_mlp, shape.d_model)),
+            (prefix + "mlp.down_proj.weight", (shape.d_model, shape.d_mlp)),
+        ]
+    out.append(("model.norm.weight", (shape.d_model,)))
+    if not shape.tied:
+        out.append(("lm_head.weight", (shape.vocab, shape.d_model)))
+    return out
+
+
+def random_tensor(name: str, size: tuple[int, ...], index: int, variant: int, dtype: torch.dtype) -> torch.Tensor:
+    """A weight of the random base model, plus variant-specific noise (variant 0 = the base itself).
+
+    Seeded per tensor, so each checkpoint is written one tensor at a time without holding any other model.
+    """
+    base = torch.Generator().manual_seed(1000 + index)
+    if name.endswith("norm.weight"):
+        value = 1.0 + 0.3 * torch.randn(size, generator=base)
+    else:
+        value = torch.randn(size, generator=base) * (1.0 / size[-1] ** 0.5)
+    if variant:
+        noise = torch.Generator().manual_seed(100000 * variant + index)
+        value += 0.3 * value.std() * torch.randn(size, generator=noise)
+    return value.to(dtype)
+
+
+def write_checkpoint(directory: Path, shape: Shape, variant: int, dtype: torch.dtype, tokenizer_dir: Path) -> None:
+    """A Hugging Face Llama directory whose safetensors file is written tensor by tensor (header first)."""
+    if (directory / "model.safetensors").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header, offset = {}, 0
+    for name, size in tensor_shapes(shape):
+        length = itemsize * int(torch.Size(size).numel())
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(size), "data_offsets": [offset, offset + length]}
+        offset += length
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    partial = directory / "model.safetensors.partial"
+    with open(partial, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for index, (name, size) in enumerate(tensor_shapes(shape)):
+            value = random_tensor(name, size, index, variant, dtype)
+            handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
+            del value
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.d_model,
+        "intermediate_size": shape.d_mlp, "num_hidden_layers": shape.n_layers, "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads, "vocab_size": shape.vocab, "tie_word_embeddings": shape.tied,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
+        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": str(dtype).replace("torch.", ""),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, directory / file.name)
+    os.replace(partial, directory / "model.safetensors")
+
+
+WORDS = ("author born city river stone light night father mother doctor teacher baker pilot farmer novel book "
+         "titled prize fiction poetry mystery award garden winter summer ocean mountain letter island harbor").split()
+
+
+def make_tokenizer(directory: Path) -> None:
+    """A small byte-level BPE (its ids fit any vocabulary); words split into 1-3 tokens, like rare names do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if (directory / "tokenizer.json").is_file():
+        return
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([" ".join(random.Random(i).sample(WORDS, 12)) for i in range(200)], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.token_to_id("<bos>"))])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<eos>").save_pretrained(directory)
+
+
+def make_records(n: int, seed: int = 0) -> list[dict]:
+    """Forget-set records with TOFU-like lengths: ~12-word questions, answers of ~20 words, 1-4 word entities."""
+    rng = random.Random(seed)
+    records = []
+    for idx in range(n):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 16))).capitalize() + "?"
+        prefix = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize()
+        entity = " ".join(rng.choice(WORDS).capitalize() for _ in range(rng.randint(1, 4)))
+        tail = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
+        records.append({"idx": idx, "question": question, "answer": f"{prefix} {entity} {tail}.", "prefix": prefix,
+                        "entity": entity})
+    return records
+
+
+class HighWater:
+    """Peak memory of a phase: ``VmHWM`` after resetting it (CPU), or CUDA's peak allocated bytes."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> HighWater:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass  # no reset: the phase's peak is then the process's peak so far (an upper bound)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated()
+            return
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                self.bytes = int(line.split()[1]) * 1024
+                return
+        self.bytes = psutil.Process().memory_info().rss
+
+
+def weight_bytes(*models: torch.nn.Module) -> int:
+    """Bytes of the distinct parameter storages (a tied W_U viewing W_E counts once)."""
+    seen, total = set(), 0
+    for model in models:
+        for parameter in model.parameters():
+            storage = parameter.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def floor_seconds(auditor, source) -> float:
+    """One source forward of every example plus sum_i T_i * L(L-1)/2 token-block evaluations of the target."""
+    from uds_lens.patching import pad_batch
+
+    batch = pad_batch(auditor.encoded, auditor.pad_id).to(auditor.full.cfg.device)
+    n_layers = auditor.full.cfg.n_layers
+    with torch.no_grad():
+        sync(auditor.full.cfg.device)
+        started = time.perf_counter()
+        source(batch.tokens, return_type=None)
+        sync(auditor.full.cfg.device)
+        forward = time.perf_counter() - started
+    per_token_block = forward / (batch.tokens.numel() * n_layers)
+    windows = sum(len(example.window(auditor.config.patch_scope)) for example in auditor.encoded)
+    return forward + windows * n_layers * (n_layers - 1) / 2 * per_token_block
+
+
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
+    """The three checkpoints of a config on disk (written once, then reused)."""
+    shape = SHAPES[shape_name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    root = workdir / f"{shape_name}-{dtype_name}"
+    make_tokenizer(workdir / "tokenizer")
+    paths = {}
+    for variant, role in enumerate(("full", "retain", "unlearned")):
+        paths[role] = root / role
+        write_checkpoint(paths[role], shape, variant, dtype, workdir / "tokenizer")
+    return paths
+
+
+def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir: Path, engine: str) -> dict:
+    from uds_lens import UDSAuditor, UDSConfig
+    from uds_lens.models import load_model
+    from uds_lens.uds import model_name
+
+    shape = SHAPES[shape_name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    paths = prepare(shape_name, dtype_name, workdir)
+    records = make_records(n_examples)
+    base_rss = psutil.Process().memory_info().rss
+
+    with HighWater(device) as load_peak:
+        full = load_model(paths["full"], dtype=dtype, device=device)
+    full_bytes = weight_bytes(full)
+    with HighWater(device) as s1_peak:
+        auditor = UDSAuditor(full, paths["retain"], records, UDSConfig(dtype=dtype_name, device=device, engine=engine),
+                             tokenizer=__import__("uds_lens").load_tokenizer(paths["full"]),
+                             cache_dir=workdir / "s1_cache", progress=False)
+        # the fingerprints are part of S1's cache key: force a fresh S1 so its time is measured every run
+        for stale in (workdir / "s1_cache").glob("s1_*.pt"):
+            stale.unlink()
+        stage1 = auditor.stage1
+    with HighWater(device) as s2_peak:
+        unlearned = auditor.load(paths["unlearned"])
+        started = time.perf_counter()
+        result = auditor.score(unlearned, name=model_name(paths["unlearned"]))
+        s2_seconds = time.perf_counter() - started
+        held = weight_bytes(auditor.full, auditor.retain, unlearned)
+    floor = floor_seconds(auditor, unlearned)
+    n = max(1, len(auditor.encoded))
+    line = {
+        "config": f"{shape_name}/{dtype_name}/{device}/{engine}",
+        "shape": asdict(shape),
+        "examples": len(auditor.encoded),
+        "weights_held_gb": held / 2**30,
+        "peak_gb": max(s1_peak.bytes, s2_peak.bytes) / 2**30,
+        "peak_over_weights": max(s1_peak.bytes, s2_peak.bytes) / held,
+        "peak_above_start_over_weights": (max(s1_peak.bytes, s2_peak.bytes)
+                                          - (base_rss if device != "cuda" else 0)) / held,
+        "process_before_models_gb": base_rss / 2**30,
+        "load_peak_over_full_weights": (load_peak.bytes - (base_rss if device != "cuda" else 0)) / full_bytes,
+        "s1_s_per_example": stage1.seconds / n,
+        "s2_s_per_example": s2_seconds / n,
+        "s2_over_floor": s2_seconds / floor,
+        "batches": len(auditor._batches),
+        "log_softmax_dtype": result.summary.get("log_softmax_dtype"),
+        "uds": result.uds,
+    }
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeat for several (default tiny)")
+    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--examples", type=int, default=20)
+    parser.add_argument("--engine", default="fast", choices=["fast", "naive"])
+    parser.add_argument("--workdir", type=Path, default=Path("~/.cache/uds_lens/bench_scale").expanduser())
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--clean", action="store_true", help="delete the written checkpoints afterwards")
+    parser.add_argument("--prepare-only", action="store_true", help="only write the checkpoints (little memory)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for shape in args.shape or ["tiny"]:
+        for dtype in args.dtype or ["float32"]:
+            if args.prepare_only:
+                print(json.dumps({str(k): str(v) for k, v in prepare(shape, dtype, args.workdir).items()}))
+                continue
+            line = run(shape, dtype, args.device, args.examples, args.workdir, args.engine)
+            print(json.dumps(line), flush=True)
+            if args.clean:
+                shutil.rmtree(args.workdir / f"{shape}-{dtype}", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
