@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 
 import typer
@@ -206,8 +208,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             QuantisationError, FileNotFoundError)
 
 
+def _quiet_model_loading(argv: list[str]) -> None:
+    """Hide Hugging Face's per-model "Loading weights" bars unless ``--verbose``; uds_lens's own tqdm bars stay.
+
+    huggingface_hub reads the variable when it is first imported, which the commands do lazily, after this.
+    """
+    if "--verbose" not in argv and "-v" not in argv:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main() -> None:
     """The console entry point: runs the app; a user error exits 2 with its message (no traceback)."""
+    _quiet_model_loading(sys.argv[1:])
     try:
         app()
     except Exception as error:

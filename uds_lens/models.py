@@ -84,9 +84,51 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
     )
 
 
+ZOO_PREFIX = "zoo:"
+
+
+def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
+    """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
+
+    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``~/.cache/uds_lens/zoo-default``,
+    ``zoo-test``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")`` or
+    ``load_zoo(dir).model("npo")``.
+    """
+    text = str(path_or_id)
+    if not text.startswith(ZOO_PREFIX):
+        return path_or_id
+    name = text[len(ZOO_PREFIX):]
+    cache = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
+    if "/" in name:
+        size, name = name.split("/", 1)
+        roots = [cache / f"zoo-{size}"]
+    else:
+        roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+        roots += [cache / "zoo-default", cache / "zoo-test"]
+    seen = []
+    for root in roots:
+        manifest = root / "manifest.json"
+        if not manifest.is_file():
+            continue
+        import json
+
+        entries = {m["name"]: m["path"] for m in json.loads(manifest.read_text()).get("models", [])}
+        seen.append(f"{root}: {sorted(entries)}")
+        if name in entries:
+            return str(root / entries[name])
+    raise ModelLoadError(
+        f"{text!r} names no model of a built zoo ("
+        + ("; ".join(seen) if seen else f"no zoo found in {[str(r) for r in roots]}")
+        + "). Build one with `uds-lens zoo build --out DIR --size test` (and set UDS_LENS_ZOO=DIR), or pass a "
+        "checkpoint directory."
+    )
+
+
 def load_hf_config(path_or_id: str | os.PathLike) -> Any:
     """The Hugging Face config of a checkpoint, offline for local directories."""
     from transformers import AutoConfig
+
+    path_or_id = resolve_zoo_name(path_or_id)
 
     source = str(Path(path_or_id).expanduser()) if is_local(path_or_id) else str(path_or_id)
     if is_local(path_or_id) and not (Path(source) / "config.json").is_file():
@@ -169,6 +211,7 @@ def load_hf_model(
     """
     from transformers import AutoModelForCausalLM
 
+    path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     hf_config = load_hf_config(path_or_id)
@@ -223,6 +266,7 @@ def load_model(
     The model remembers where it came from (``model.uds_source``) so results can name it and the S1 cache can
     fingerprint its weight files.
     """
+    path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
@@ -236,6 +280,7 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities)."""
     from transformers import AutoTokenizer
 
+    path_or_id = resolve_zoo_name(path_or_id)
     local = is_local(path_or_id)
     source = str(Path(path_or_id).expanduser()) if local else str(path_or_id)
     try:
@@ -373,5 +418,6 @@ __all__ = [
     "checkpoint_stamp",
     "config_summary", "default_device", "default_dtype", "describe", "hooked_config_from_hf", "hooked_from_hf",
     "load_hf_config", "load_hf_model", "load_model", "load_tokenizer", "model_fingerprint", "resolve_dtype",
+    "resolve_zoo_name",
     "verify_parity", "weight_files_digest"
 ]

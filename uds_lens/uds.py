@@ -250,6 +250,8 @@ def _versions() -> dict[str, str]:
 def model_name(source: Any) -> str:
     """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
     described = models.describe(source)
+    if described.startswith(models.ZOO_PREFIX):
+        return described[len(models.ZOO_PREFIX):].rsplit("/", 1)[-1]
     path = Path(described).expanduser()
     if path.is_dir():
         return path.resolve().name
@@ -319,6 +321,8 @@ class UDSAuditor:
         self._batches = self._make_batches()
         self._clean: dict[int, CleanRun] = {}
         self._stage1: StageOne | None = None
+        self.sources: dict[str, Any] = {}
+        self.component_cache: dict[tuple, Any] = {}
 
     # -- loading -----------------------------------------------------------------------------------------------
 
@@ -327,8 +331,28 @@ class UDSAuditor:
         HookedTransformer or Hugging Face model is returned as is."""
         return self._load(model, role)
 
+    def load_source(self, model: Any, role: str = "unlearned") -> Any:
+        """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
+
+        Args:
+            model: a checkpoint directory, hub id, zoo name (``"zoo:npo"``), or an already loaded model (returned
+                as is).
+            role: how error messages name it.
+
+        Returns:
+            The HookedTransformer (also in ``auditor.sources[path]``).
+        """
+        if not isinstance(model, (str, os.PathLike)):
+            return self._load(model, role)
+        key = str(model)
+        if key not in self.sources:
+            self.sources[key] = self._load(model, role)
+        return self.sources[key]
+
     def _load(self, model: Any, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)):
+            if str(model) in getattr(self, "sources", {}):
+                return self.sources[str(model)]
             return models.load_model(model, dtype=self.config.dtype, device=self.device)
         if isinstance(model, HookedTransformer) or hasattr(model, "config"):
             return model
@@ -428,6 +452,7 @@ class UDSAuditor:
 
         source_label = models.describe(unlearned)
         source = self._load(unlearned, "unlearned")
+        self.last_source = source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
         models.check_compatible(self.full, source, "full", source_label)
         stage = self.stage1
         started = time.perf_counter()
@@ -458,6 +483,94 @@ class UDSAuditor:
                 "prompt_types": {e.idx: e.prompt_type for e in self.examples},
             },
         )
+
+    # -- hooks of your own ------------------------------------------------------------------------------------
+
+    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
+        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
+        if idxs is None:
+            return list(self.encoded)
+        by_idx = {e.idx: e for e in self.encoded}
+        skipped = {s.idx: s.reason for s in self.skipped}
+        out = []
+        for idx in idxs:
+            if idx in by_idx:
+                out.append(by_idx[idx])
+            elif idx in skipped:
+                raise KeyError(f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch.")
+            else:
+                raise KeyError(f"No example with idx {idx} in {self.data_name}; scored idx are "
+                               f"{[e.idx for e in self.encoded][:20]}...")
+        return out
+
+    def example(self, idx: int) -> Any:
+        """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
+
+        ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
+        through ``to_tokens``), ``read_positions``/``labels`` are where the entity tokens are predicted and which
+        they are, ``patch_positions`` what UDS patches under this auditor's scope.
+        """
+        from uds_lens.components import ExampleInputs
+        from uds_lens.data import build_prompt
+
+        encoded = self.select([idx])[0]
+        record = next(e for e in self.examples if e.idx == idx)
+        prompt, reference = build_prompt(record, self.config.published_compat) or ("", "")
+        device = self.full.cfg.device
+        return ExampleInputs(
+            idx=idx, question=record.question, entity=record.entity, prompt=prompt, reference=reference,
+            tokens=torch.tensor([encoded.input_ids], device=device),
+            str_tokens=[self.tokenizer.decode([token]) for token in encoded.input_ids],
+            read_positions=torch.tensor(list(encoded.read_positions), device=device),
+            labels=torch.tensor(encoded.labels, device=device),
+            patch_positions=torch.tensor(list(encoded.patch_positions(self.config.patch_scope)), device=device),
+        )
+
+    def tokens(self, idxs: int | Sequence[int]) -> Tensor:
+        """``[batch, pos]`` right-padded tokens of these examples (the layout :meth:`metric` reads)."""
+        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
+        return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(self.full.cfg.device)
+
+    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Any:
+        """A tensor-valued patching metric for logits of :meth:`tokens` ``(idxs)``: the mean entity log-prob.
+
+        Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
+        ``get_act_patch_*`` (they call ``.item()`` on it, so it must return a tensor, never a float).
+
+        Example:
+            >>> ex, metric = auditor.example(3), auditor.metric(3)
+            >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
+        """
+        from uds_lens.components import entity_metric
+
+        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
+        batch = pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False)
+        return entity_metric(batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example,
+                             upcast=self.upcast)
+
+    def run_with_cache(self, idxs: int | Sequence[int], model: Any = None, names_filter: Any = None) -> Any:
+        """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
+        target = self.full if model is None else self.load_source(model)
+        with torch.no_grad():
+            return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
+
+    def patch_heads(self, unlearned: Any, **kwargs: Any) -> Any:
+        """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
+        from uds_lens.components import patch_heads
+
+        return patch_heads(self, unlearned, **kwargs)
+
+    def patch_tokens(self, unlearned: Any, **kwargs: Any) -> Any:
+        """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
+        from uds_lens.components import patch_tokens
+
+        return patch_tokens(self, unlearned, **kwargs)
+
+    def patch_positions(self, unlearned: Any, **kwargs: Any) -> Any:
+        """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
+        from uds_lens.components import patch_positions
+
+        return patch_positions(self, unlearned, **kwargs)
 
     def score_many(self, unlearned: dict[str, Any] | Sequence[Any]) -> dict[str, Any]:
         """Score several models; S1 and the clean runs are shared. Returns ``{name: UDSResult}``."""
