@@ -38,13 +38,18 @@ _EXPORTS = {
     "ComponentResult": "uds_lens.components",
     "patch_heads": "uds_lens.components",
     "patch_positions": "uds_lens.components",
+    "patch_tokens": "uds_lens.components",
     "load_zoo": "uds_lens.zoo",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ComponentResult", "EncodedExample", "Example", "Skip", "UDSAuditor", "UDSConfig", "UDSResult", "bootstrap_ci",
+    "encode", "example_uds", "load_examples", "load_hf_model", "load_model", "load_tokenizer", "load_zoo",
+    "model_uds", "patch_heads", "patch_positions", "patch_tokens", "verify_parity",
+]
 
 if TYPE_CHECKING:  # static analysers see the eager imports
-    from uds_lens.components import ComponentResult, patch_heads, patch_positions
+    from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
     from uds_lens.models import load_hf_model, load_model, load_tokenizer, verify_parity
     from uds_lens.results import UDSResult

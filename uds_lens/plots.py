@@ -1,8 +1,8 @@
 """Plotly figures for UDS results: layers x examples, stages, models, components, lenses, meta-evaluation.
 
-UDS is read per example and per layer. For example ``i`` and layer ``l``, ``d1[l] = s_full - s_S1[l]`` is the drop in the
+UDS is read per example and per layer. For example ``i`` and layer ``l``, ``d1[l] = s0 - s_S1[l]`` is the drop in the
 full model's mean entity log-prob when the retain model's residual is patched in at layer ``l`` (Stage 1, how much
-forget-set knowledge layer ``l`` carries), and ``d2[l] = s_full - s_S2[l]`` the same drop with the unlearned model as the
+forget-set knowledge layer ``l`` carries), and ``d2[l] = s0 - s_S2[l]`` the same drop with the unlearned model as the
 source (Stage 2, how much of it is gone). Layers with ``d1 > tau`` are knowledge-encoding (KE) layers, the layer erasure
 ratio there is ``LER = clip(d2 / d1, 0, 1)``, and ``UDS_i = sum_KE d1 * LER / sum_KE d1`` (0 = the knowledge is fully
 recoverable, as in ``full``; 1 = erased as deeply as in ``retain``). The symbols are defined once in ``uds.py``.
@@ -13,7 +13,7 @@ none of them shows it. The tables they read:
 
 - examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (extra columns such as ``question`` and
   ``entity`` are used for hover text when present);
-- layers (long): ``idx, layer, site, s_full, s1_score, s2_score, d1, d2, ke, ler``;
+- layers (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``;
 - components: ``site, layer, mean_d1, mean_d2`` (optionally ``std_d1, std_d2``);
 - lens layers: ``idx, layer, d1, d2, ler`` (the logit lens in the same shape as UDS);
 - meta-evaluation metrics: ``model, pool`` and one column per metric (or long ``model, pool, metric, value``);
@@ -75,7 +75,8 @@ VALUE_LABELS = {
     "ler": "LER",
     "s1_score": "S1 score",
     "s2_score": "S2 score",
-    "s_full": "full score",
+    "s0": "S0 (clean full)",
+    "baseline_score": "baseline (unpatched)",
 }
 
 
@@ -303,7 +304,8 @@ def _hover_frame(examples: pd.DataFrame | None, data: Any) -> pd.DataFrame | Non
             )
         if "idx" in records.columns:
             records = records.set_index("idx")
-            if parts:
+            if parts:  # texts passed explicitly win over those the result carries
+                parts[0] = parts[0][[c for c in parts[0].columns if c not in records.columns or c == "uds"]]
                 records = records[[c for c in records.columns if c not in parts[0].columns]]
             parts.append(records)
     if not parts:
@@ -598,9 +600,9 @@ def stage_curves(
             )
         )
     first = next(iter(frames.values()))
-    if quantity == "score" and "s_full" in first.columns:
+    if quantity == "score" and "s0" in first.columns:
         fig.add_hline(
-            y=float(first.groupby("idx")["s_full"].first().mean()),
+            y=float(first.groupby("idx")["s0"].first().mean()),
             line={"color": "black", "dash": "dot"},
             annotation_text="clean full",
         )

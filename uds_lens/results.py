@@ -3,8 +3,14 @@
 ``UDSResult`` holds the per-example, per-layer scores of one unlearned model and turns them into the tables users
 ``groupby`` and plot:
 
-* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status (scored|no_ke|skipped), skip_reason``;
-* ``layers`` (long): ``idx, layer, site, s_full, s1_score, s2_score, d1, d2, ke, ler``;
+* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status (scored|no_ke|skipped), skip_reason,
+  question, entity``;
+* ``layers`` (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``. ``s0`` is the
+  clean full model's score (S0, one value per example); ``baseline_score`` is the unpatched score as the engine
+  computes it at that layer (S0 itself for the naive engine; the fast engine's own recomputation, equal to S0 up to
+  float noise), which ``d1 = baseline_score - s1_score`` and ``d2 = baseline_score - s2_score`` subtract from, so a
+  source identical to full gives exactly 0. ``ler`` is NaN outside KE layers (there ``d2 / d1`` is not a ratio of
+  knowledge, only of noise);
 * ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings.
 
 ``save(dir)`` writes ``summary.json``, ``examples.csv``, ``layers.csv`` (and ``layers.parquet`` when pyarrow is
@@ -28,8 +34,11 @@ import torch
 
 from uds_lens.data import EncodedExample, Skip
 
-EXAMPLE_COLUMNS = ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status", "skip_reason"]
-LAYER_COLUMNS = ["idx", "layer", "site", "s_full", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+EXAMPLE_COLUMNS = ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status", "skip_reason", "question",
+                   "entity"]
+LAYER_COLUMNS = ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+# Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
+_OLD_COLUMNS = {"s_full": "baseline_score"}
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -70,20 +79,24 @@ class UDSResult:
             "idx": idx.astype(int),
             "layer": np.tile(np.asarray(layers, dtype=int), n),
             "site": config.site,
-            "s_full": base,
+            "s0": np.repeat(s_full.numpy(), n_layers),
+            "baseline_score": base,
             "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
             "s2_score": s2_flat,
             "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
             "d2": base - s2_flat,
         })
+        meta = dict(meta)
         prompt_types = meta.pop("prompt_types", {})
+        texts = meta.pop("texts", {})
         info = pd.DataFrame(
             [{"idx": e.idx, "prompt_type": e.prompt_type, "n_entity_tokens": e.n_entity_tokens} for e in encoded]
             + [{"idx": s.idx, "prompt_type": prompt_types.get(s.idx), "n_entity_tokens": 0, "skip_reason": s.reason}
                for s in skipped],
             columns=["idx", "prompt_type", "n_entity_tokens", "skip_reason"],
         )
-        meta = dict(meta)
+        info["question"] = [texts.get(i, {}).get("question") for i in info["idx"]]
+        info["entity"] = [texts.get(i, {}).get("entity") for i in info["idx"]]
         meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s_full.tolist())}
         settings = config.to_dict()
         result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)
@@ -101,8 +114,9 @@ class UDSResult:
             d2 = torch.tensor(layers["d2"].to_numpy(dtype=float))
             from uds_lens.uds import ke_mask, layer_erasure_ratio
 
-            layers["ke"] = ke_mask(d1, tau).numpy()
-            layers["ler"] = layer_erasure_ratio(d1, d2).numpy()
+            ke = ke_mask(d1, tau)
+            layers["ke"] = ke.numpy()
+            layers["ler"] = torch.where(ke, layer_erasure_ratio(d1, d2), torch.full_like(d1, float("nan"))).numpy()
         weighted = layers.assign(w=np.where(layers["ke"], layers["d1"], 0.0))
         weighted["wl"] = weighted["w"] * weighted["ler"].fillna(0.0)
         grouped = weighted.groupby("idx", sort=False).agg(n_ke=("ke", "sum"), w=("w", "sum"), wl=("wl", "sum"))
@@ -208,11 +222,18 @@ class UDSResult:
     def load(cls, directory: str | Path) -> UDSResult:
         src = Path(directory)
         meta = json.loads((src / "meta.json").read_text())
-        examples = pd.read_csv(src / "examples.csv", dtype={"prompt_type": object, "skip_reason": object})
+        examples = pd.read_csv(src / "examples.csv", dtype={"prompt_type": object, "skip_reason": object,
+                                                             "question": object, "entity": object})
         examples["skip_reason"] = examples["skip_reason"].fillna("").astype(object)
         examples["prompt_type"] = examples["prompt_type"].where(examples["prompt_type"].notna(), None)
-        layers = pd.read_csv(src / "layers.csv")
+        layers = pd.read_csv(src / "layers.csv").rename(columns=_OLD_COLUMNS)
         layers["ke"] = layers["ke"].astype(bool)
+        if "s0" not in layers:
+            s0 = {int(k): v for k, v in meta.get("meta", {}).get("s0", {}).items()}
+            layers.insert(3, "s0", layers["idx"].map(s0).astype(float))
+        for column in ("question", "entity"):
+            if column not in examples:
+                examples[column] = None
         return cls(name=meta["name"], examples=examples[EXAMPLE_COLUMNS], layers=layers[LAYER_COLUMNS],
                    settings=meta["settings"], meta=meta.get("meta", {}))
 

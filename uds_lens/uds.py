@@ -481,6 +481,7 @@ class UDSAuditor:
                 "versions": _versions(), "device": str(self.full.cfg.device), "dtype": str(self.full.cfg.dtype),
                 "engine": self.config.engine, "timings": timings,
                 "prompt_types": {e.idx: e.prompt_type for e in self.examples},
+                "texts": {e.idx: {"question": e.question, "entity": e.entity} for e in self.examples},
             },
         )
 

@@ -32,10 +32,12 @@ def test_score_writes_every_file(tiny, tmp_path):
             assert key in summary["timings"]
         examples = pd.read_csv(out / name / "examples.csv")
         assert list(examples.columns) == ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status",
-                                          "skip_reason"]
+                                          "skip_reason", "question", "entity"]
         layers = pd.read_csv(out / name / "layers.csv")
-        assert list(layers.columns) == ["idx", "layer", "site", "s_full", "s1_score", "s2_score", "d1", "d2", "ke",
-                                        "ler"]
+        assert list(layers.columns) == ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1",
+                                        "d2", "ke", "ler"]
+        assert layers.groupby("idx")["s0"].nunique().eq(1).all()  # S0: one constant per example
+        assert layers.loc[~layers["ke"], "ler"].isna().all() and layers.loc[layers["ke"], "ler"].notna().all()
         ou = json.loads((out / name / "uds_eval.json").read_text())
         assert ou["uds"]["agg_value"] == pytest.approx(summary["uds"])
     assert json.loads((out / "full" / "summary.json").read_text())["uds"] == 0.0

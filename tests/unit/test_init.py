@@ -20,7 +20,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_import_writes_nothing_and_loads_no_heavy_dependency():
-    probe = _run("import sys, uds_lens; print(','.join(m for m in %r if m in sys.modules))" % (HEAVY,))
+    probe = _run(f"import sys, uds_lens; print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     assert probe.returncode == 0, probe.stderr
     assert probe.stderr == "", f"`import uds_lens` wrote to stderr: {probe.stderr!r}"
     assert probe.stdout.strip() == "", f"`import uds_lens` imported {probe.stdout.strip()}"
@@ -32,7 +32,7 @@ def test_cli_help_imports_no_model_library():
         "sys.argv = ['uds-lens', '--help']\n"
         "from uds_lens import cli\n"
         "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
-        "print('LOADED:' + ','.join(m for m in %r if m in sys.modules))" % (HEAVY,)
+        f"print('LOADED:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
     assert probe.returncode == 0, probe.stderr
     assert "score" in probe.stdout and "report" in probe.stdout  # the help text itself
