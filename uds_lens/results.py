@@ -237,6 +237,24 @@ class UDSResult:
         return cls(name=meta["name"], examples=examples[EXAMPLE_COLUMNS], layers=layers[LAYER_COLUMNS],
                    settings=meta["settings"], meta=meta.get("meta", {}))
 
+    # -- one example -------------------------------------------------------------------------------------------
+
+    def example(self, idx: int) -> ExampleView:
+        """One example: its row of ``examples`` (question, entity, UDS, status), its ``layers`` rows, its figure.
+
+        Example:
+            >>> view = result.example(3)
+            >>> view.uds, view.entity, view.layers[["layer", "d1", "d2", "ke", "ler"]]
+            >>> view.figure()         # d1/d2 per layer, KE layers shaded, UDS in the title
+        """
+        rows = self.examples[self.examples["idx"] == idx]
+        if rows.empty:
+            raise KeyError(f"{self.name}: no example with idx {idx}; idx run from {self.examples['idx'].min()} to "
+                           f"{self.examples['idx'].max()}.")
+        return ExampleView(idx=idx, examples=rows.reset_index(drop=True),
+                           layers=self.layers[self.layers["idx"] == idx].reset_index(drop=True),
+                           settings=dict(self.settings))
+
     # -- tensors back ------------------------------------------------------------------------------------------
 
     def matrix(self, column: str) -> pd.DataFrame:
@@ -249,6 +267,43 @@ class UDSResult:
                 f"skipped={s['n_skipped']})")
 
 
+@dataclass(frozen=True)
+class ExampleView:
+    """One example of a ``UDSResult``: ``examples`` (one row), ``layers`` (its rows), ``settings``; ``figure()``."""
+
+    idx: int
+    examples: pd.DataFrame
+    layers: pd.DataFrame
+    settings: dict[str, Any]
+
+    def _get(self, column: str) -> Any:
+        value = self.examples[column].iloc[0] if column in self.examples else None
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+    @property
+    def uds(self) -> float:
+        value = self._get("uds")
+        return math.nan if value is None else float(value)
+
+    @property
+    def question(self) -> str | None:
+        return self._get("question")
+
+    @property
+    def entity(self) -> str | None:
+        return self._get("entity")
+
+    @property
+    def status(self) -> str | None:
+        return self._get("status")
+
+    def figure(self, title: str | None = None) -> Any:
+        """``plots.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
+        from uds_lens import plots
+
+        return plots.example_curves(self, self.idx, title=title)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, (np.integer,)):
         return int(value)
@@ -259,4 +314,4 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["EXAMPLE_COLUMNS", "LAYER_COLUMNS", "UDSResult"]
+__all__ = ["EXAMPLE_COLUMNS", "ExampleView", "LAYER_COLUMNS", "UDSResult"]

@@ -181,6 +181,12 @@ def test_token_scores_average_back_to_the_span_scores(tiny, unlearned):
         assert torch.isnan(tokens.d1[short[0], :, -1]).all()
     frame = tokens.frame()
     assert len(frame) == int(tokens.valid.sum()) * len(tokens.layers)
+    # the span result's one-example view carries the texts, and its figure names the UDS
+    view = span.example(1)
+    assert view.entity == "Hsiao Yun Hwa" and view.question.startswith("What is the full name")
+    assert len(view.layers) == auditor.full.cfg.n_layers and (view.layers["s0"] == view.layers["s0"].iloc[0]).all()
+    uds_text = "undefined" if view.uds != view.uds else f"{view.uds:.3f}"
+    assert uds_text in view.figure().layout.title.text
     assert frame["label"].str.len().gt(0).all()
 
 
