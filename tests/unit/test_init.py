@@ -49,3 +49,13 @@ def test_public_names_resolve_lazily_and_unknown_names_fail():
         assert getattr(uds_lens, name) is not None
     with pytest.raises(AttributeError, match="no_such_name"):
         uds_lens.no_such_name  # noqa: B018
+
+
+def test_cli_hides_hugging_face_loading_bars_unless_verbose(monkeypatch):
+    from uds_lens.cli import _quiet_model_loading
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    _quiet_model_loading(["score", "--verbose"])
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    _quiet_model_loading(["score", "--full", "F"])
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
