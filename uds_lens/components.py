@@ -272,9 +272,9 @@ class ComponentResult:
 # Runs
 
 
-def _source_cache(source: HookedTransformer, tokens: Tensor, names: set[str], use_attn_result: bool = False
-                  ) -> dict[str, Tensor]:
-    """Activations of ``source`` at ``names`` (one forward, no gradients)."""
+def _source_cache(source: HookedTransformer, tokens: Tensor, names: set[str], use_attn_result: bool = False,
+                  device: str | torch.device | None = None) -> dict[str, Tensor]:
+    """Activations of ``source`` at ``names`` (one forward, no gradients), on ``device`` (the target's)."""
     previous = source.cfg.use_attn_result
     source.cfg.use_attn_result = previous or use_attn_result
     try:
@@ -282,7 +282,7 @@ def _source_cache(source: HookedTransformer, tokens: Tensor, names: set[str], us
             _, cache = source.run_with_cache(tokens.to(source.cfg.device), names_filter=lambda name: name in names)
     finally:
         source.cfg.use_attn_result = previous
-    return {name: cache[name] for name in names}
+    return {name: cache[name].to(device or tokens.device) for name in names}
 
 
 def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Tensor, " entity"]:
@@ -384,7 +384,7 @@ def _heads_fast(runner: _Runner, source: HookedTransformer, hook: str, layers: l
                 z_full = full_cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
                 z_source = source_cache[f"blocks.{layer}.attn.hook_z"][:, :, head].to(z_full.dtype)
                 w_full = full.blocks[layer].attn.W_O[head]
-                w_source = w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full.dtype)
+                w_source = w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full)
                 change = (einops.einsum(z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model")
                           - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model"))
                 acts.append(full_cache[hook_name("attn_out", layer)] + change)

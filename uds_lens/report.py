@@ -351,7 +351,7 @@ def write_report(
         page.figure(
             plots.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
                                 title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
-            caption="Where the forget-set knowledge lives: red cells lose log-prob when the retain model's residual "
+            caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
             "is patched in. Shared by every model audited against the same full/retain pair.",
         )  # fmt: skip
         page.heading("Per model", level=2)
