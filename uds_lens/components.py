@@ -138,7 +138,8 @@ class ComponentResult:
         s1 / s2: ``[example, layer, component]`` patched scores with retain / the unlearned model as source.
         valid: ``[example, component]`` False where a component does not exist for an example (an example with
             fewer entity tokens or patched positions than the longest); its cells are NaN.
-        labels: the components' names per example (``"L3H2"``-style heads are ``head`` numbers; tokens as text).
+        labels: per example, each component's name: the head number, or the token's text (``axis="token"``: the
+            entity token read; ``axis="position"``: the token at the patched position).
         tau: KE threshold.
         engine: ``fast`` or ``naive``.
     """
@@ -337,6 +338,14 @@ def _resolve_hook(hook: str) -> str:
     if hook in SITES:
         return f"hook_{hook}"
     return hook.split(".", 2)[-1] if hook.startswith("blocks.") else hook
+
+
+def _check_hook(full: HookedTransformer, point: str, layers: Sequence[int]) -> None:
+    missing = [f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict]
+    if missing:
+        known = sorted({name.split(".", 2)[-1] for name in full.hook_dict if name.startswith("blocks.0.")})
+        raise ValueError(f"The full model has no hook point {missing[0]!r}; hook names inside a block are {known} "
+                         f"(or a UDS site: {SITES}).")
 
 
 @dataclass
@@ -611,6 +620,7 @@ def patch_tokens(
     progress = auditor.progress if progress is None else progress
     runner = _Runner(auditor, idxs, batch_size)
     point = _resolve_hook(site)
+    _check_hook(auditor.full, point, layers)
 
     def compute(source: HookedTransformer) -> _StageScores:
         return _components_naive(runner, source, point, layers, "token", "patched", progress)
@@ -644,6 +654,7 @@ def patch_positions(
     progress = auditor.progress if progress is None else progress
     runner = _Runner(auditor, idxs, batch_size)
     point = _resolve_hook(site)
+    _check_hook(auditor.full, point, layers)
 
     def compute(source: HookedTransformer) -> _StageScores:
         return _components_naive(runner, source, point, layers, "position", "patched", progress)

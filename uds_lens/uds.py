@@ -275,6 +275,22 @@ class UDSAuditor:
         cache_dir: S1 cache directory (default ``~/.cache/uds_lens``, or ``$UDS_LENS_CACHE``); ``False`` disables it.
         progress: tqdm progress bars over example batches.
         limit: score only the first ``limit`` examples.
+
+    Attributes:
+        full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
+        tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
+        config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
+        examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
+            (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
+            ``Skip``s with their reasons.
+        stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
+        sources / last_source: models kept by :meth:`load_source` (by path) and the model the last
+            :meth:`score` loaded.
+        component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
+
+    For hooks of your own: :meth:`example` (one example's tensors), :meth:`tokens`, :meth:`metric` (a
+    tensor-valued patching metric), :meth:`run_with_cache` (the clean run's activations); for finer patching:
+    :meth:`patch_heads`, :meth:`patch_tokens`, :meth:`patch_positions` (``uds_lens.components``).
     """
 
     def __init__(

@@ -239,3 +239,5 @@ def test_auditor_example_and_errors(auditor, unlearned):
         patch_heads(auditor, unlearned, positions="all", engine="fast")
     with pytest.raises(TypeError, match="HookedTransformer"):
         patch_heads(auditor, object())
+    with pytest.raises(ValueError, match="hook_resid_pots"):
+        patch_tokens(auditor, unlearned, site="hook_resid_pots")
