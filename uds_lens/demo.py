@@ -98,7 +98,9 @@ def run_demo(
     try:
         preview_root = _preview_zoo(size, zoo_dir) if on_preview is not None else None
         if preview_root is not None:
-            preview = build_zoo(preview_root, size="test", threads=threads, pools=_has_pools(preview_root),
+            # One thread, as the test suite builds it: the cache is shared rather than rebuilt (threads are part of
+            # a zoo model's fingerprint), and on a busy small CPU one thread trains this zoo many times faster.
+            preview = build_zoo(preview_root, size="test", threads=1, pools=_has_pools(preview_root),
                                 progress=progress, overwrite=True)
             table, _, _ = _score_zoo(preview, out / "preview", config, progress)
             (out / "preview").mkdir(parents=True, exist_ok=True)
