@@ -427,6 +427,11 @@ def _components_naive(runner: _Runner, source: HookedTransformer, hook: str, lay
         for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
+            last = f"blocks.{full.cfg.n_layers - 1}.hook_resid_post"
+            if runner.auditor.config.published_compat and last in cache:
+                # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
+                with torch.no_grad():
+                    cache[last] = source.ln_final(cache[last].to(source.cfg.device)).to(cache[last].device)
             mask = _all_positions(batch) if positions == "all" else batch.patch_mask
             clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
             s0 = _per_example_mean(clean_tokens, batch)

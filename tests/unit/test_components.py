@@ -161,8 +161,10 @@ def test_all_heads_at_hook_result_equal_attn_out_of_the_source(auditor, unlearne
     assert by_heads.item() == pytest.approx(by_out.item(), abs=1e-5)
 
 
-def test_token_scores_average_back_to_the_span_scores(tiny, unlearned):
-    auditor = UDSAuditor(load_model(tiny.full), load_model(tiny.retain), tiny.data, UDSConfig(engine="naive"),
+@pytest.mark.parametrize("compat", [False, True])
+def test_token_scores_average_back_to_the_span_scores(tiny, unlearned, compat):
+    auditor = UDSAuditor(load_model(tiny.full), load_model(tiny.retain), tiny.data,
+                         UDSConfig(engine="naive", published_compat=compat),
                          tokenizer=load_tokenizer(tiny.tokenizer), cache_dir=False, progress=False)
     span = auditor.score(unlearned)
     tokens = patch_tokens(auditor, unlearned)
@@ -181,6 +183,8 @@ def test_token_scores_average_back_to_the_span_scores(tiny, unlearned):
         assert torch.isnan(tokens.d1[short[0], :, -1]).all()
     frame = tokens.frame()
     assert len(frame) == int(tokens.valid.sum()) * len(tokens.layers)
+    if compat:
+        return
     # the span result's one-example view carries the texts, and its figure names the UDS
     view = span.example(1)
     assert view.entity == "Hsiao Yun Hwa" and view.question.startswith("What is the full name")
