@@ -87,6 +87,16 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
 ZOO_PREFIX = "zoo:"
 
 
+def _zoo_entries(root: Path) -> dict[str, str]:
+    """``{model name: path relative to the zoo}`` of a built zoo's manifest (empty when there is none)."""
+    import json
+
+    manifest = root / "manifest.json"
+    if not manifest.is_file():
+        return {}
+    return {m["name"]: m["path"] for m in json.loads(manifest.read_text()).get("models", [])}
+
+
 def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
 
@@ -95,24 +105,28 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     ``load_zoo(dir).model("npo")``.
     """
     text = str(path_or_id)
+    cache = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
+    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+    default_roots += [cache / "zoo-default", cache / "zoo-test"]
     if not text.startswith(ZOO_PREFIX):
+        if "/" not in text and not Path(text).expanduser().exists():
+            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
+            for root in default_roots:
+                if text in _zoo_entries(root):
+                    raise ModelLoadError(f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
+                                         f"of that name: pass 'zoo:{text}' (or its directory, {root / _zoo_entries(root)[text]}).")
         return path_or_id
     name = text[len(ZOO_PREFIX):]
-    cache = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
     if "/" in name:
         size, name = name.split("/", 1)
         roots = [cache / f"zoo-{size}"]
     else:
-        roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
-        roots += [cache / "zoo-default", cache / "zoo-test"]
+        roots = default_roots
     seen = []
     for root in roots:
-        manifest = root / "manifest.json"
-        if not manifest.is_file():
+        entries = _zoo_entries(root)
+        if not entries:
             continue
-        import json
-
-        entries = {m["name"]: m["path"] for m in json.loads(manifest.read_text()).get("models", [])}
         seen.append(f"{root}: {sorted(entries)}")
         if name in entries:
             return str(root / entries[name])

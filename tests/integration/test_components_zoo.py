@@ -41,6 +41,10 @@ def test_unknown_zoo_name_fails_at_once_naming_the_models(zoo_auditor):
     with pytest.raises(ModelLoadError, match="npo"):
         zoo_auditor.load_source("zoo:no_such_model")
     assert time.perf_counter() - started < 5
+    started = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="pass 'zoo:npo'"):
+        zoo_auditor.load_source("npo")  # a bare zoo name is not retried on the hub
+    assert time.perf_counter() - started < 5
 
 
 def test_head_level_uds_separates_retain_from_full(zoo_auditor):
