@@ -680,8 +680,9 @@ def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
 
 
 def _first_nonfinite_parameter(model: Any) -> str | None:
-    for name, tensor in model.state_dict().items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    # parameters only: buffers such as TransformerLens's attention IGNORE value are -inf on purpose
+    for name, tensor in model.named_parameters():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None
 
@@ -723,13 +724,14 @@ def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
     """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
     directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
     ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
-    names = [model_name(model) for model in unlearned]
+    basenames = [model_name(model) for model in unlearned]
+    names = list(basenames)
     for position, model in enumerate(unlearned):
-        if names.count(names[position]) == 1 or not isinstance(model, (str, os.PathLike)):
+        if basenames.count(basenames[position]) == 1 or not isinstance(model, (str, os.PathLike)):
             continue
         parts = Path(model).expanduser().resolve().parts
-        clashing = [Path(other).expanduser().resolve().parts for other, name in zip(unlearned, names)
-                    if name == names[position] and isinstance(other, (str, os.PathLike))]
+        clashing = [Path(other).expanduser().resolve().parts for other, name in zip(unlearned, basenames)
+                    if name == basenames[position] and isinstance(other, (str, os.PathLike))]
         for depth in range(2, len(parts) + 1):
             if sum(other[-depth:] == parts[-depth:] for other in clashing) == 1:
                 names[position] = "__".join(parts[-depth:])
