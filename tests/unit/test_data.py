@@ -3,7 +3,6 @@ import json
 import pytest
 
 from uds_lens.data import (
-    SKIP_ENTITY_INSIDE_WORD,
     SKIP_ENTITY_NOT_FOUND,
     SKIP_PREFIX_MISMATCH,
     DataError,
@@ -107,6 +106,8 @@ def test_entity_is_located_at_a_word_boundary(tiny, caplog):
     assert "part" in tok.decode(list(compat.labels)) or compat.entity_start < encoded.entity_start
     assert "inside another word" in caplog.text
     # an entity that only occurs inside another word is skipped with its own reason
+    from uds_lens.data import SKIP_ENTITY_INSIDE_WORD
+
     _, (skip,) = encode([ex(answer="Hsiao was born in Parisville.", entity="Paris")], tok)
     assert skip.reason == SKIP_ENTITY_INSIDE_WORD
 

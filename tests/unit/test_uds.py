@@ -211,8 +211,9 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
 
     def run(full=tiny.full, retain=tiny.retain, data=tiny.data, limit=None, force=False):
+        forcing = {"force": True} if force else {}
         result = score_models(full, retain, {"m": unlearned}, data, out_dir=out, cache_dir=cache, limit=limit,
-                              progress=False, force=force)["m"]
+                              progress=False, **forcing)["m"]
         fresh = UDSAuditor(full, retain, data, cache_dir=False, progress=False, limit=limit).score(unlearned)
         assert np.allclose(result.layers["d2"], fresh.layers["d2"], atol=1e-6)
         assert np.allclose(result.layers["d1"].fillna(0), fresh.layers["d1"].fillna(0), atol=1e-6)
@@ -220,25 +221,22 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
 
     first = run()
     assert "reused" not in first.meta
-    assert run().meta["reused"] == "identical inputs"
     for changed in (dict(retain=tiny.unlearned), dict(full=tiny.retain), dict(data=other_data), dict(limit=3),
                     dict(retain=None)):
         assert "reused" not in run(**changed).meta, changed
-    run()
+    assert run().meta.get("reused") == "identical inputs"
     _copy_model(tiny.unlearned, unlearned, noise=0.05, seed=3)  # retrained in place: same path, new weights
     assert "reused" not in run().meta
-    assert run().meta["reused"] == "identical inputs"
+    assert run().meta.get("reused") == "identical inputs"
     assert "reused" not in run(force=True).meta
 
 
 @pytest.mark.parametrize("role", ["full", "retain", "unlearned"])
 def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
-    from uds_lens.uds import NonFiniteScoreError
-
     broken = _copy_model(getattr(tiny, role), tmp_path / "broken", nan_parameter="model.layers.1.mlp.down_proj.weight")
     paths = {"full": tiny.full, "retain": tiny.retain, "unlearned": tiny.unlearned, role: broken}
     cache = tmp_path / "cache"
-    with pytest.raises(NonFiniteScoreError) as error:
+    with pytest.raises(FloatingPointError) as error:  # NonFiniteScoreError
         UDSAuditor(paths["full"], paths["retain"], tiny.data, cache_dir=cache, progress=False).score(
             paths["unlearned"])
     message = str(error.value)
