@@ -416,6 +416,28 @@ class UDSAuditor:
             self.cache.save(key, payload, stage)
         return stage
 
+    @property
+    def batches(self) -> list[list[int]]:
+        """The example batches (indices into ``encoded``) every stage runs in; a sweep ships them to its workers so
+        that each worker pads and batches exactly like the auditor that computed Stage 1."""
+        return [list(members) for members in self._batches]
+
+    def use_stage1(self, stage: StageOne, batches: Sequence[Sequence[int]]) -> None:
+        """Adopt a Stage 1 computed by another auditor on the same (full, retain, data, settings) instead of
+        computing it here: a sweep computes S1 once and ships it, with its batches, to every worker.
+
+        Raises:
+            ValueError: the stage or the batches do not cover this auditor's encoded examples.
+        """
+        if stage.idx != [e.idx for e in self.encoded]:
+            raise ValueError("The Stage 1 handed over was computed on other examples than this auditor's encoded "
+                             "forget set; compute it with the same data, tokenizer and settings.")
+        if sorted(i for members in batches for i in members) != list(range(len(self.encoded))):
+            raise ValueError("The batches handed over do not cover every encoded example exactly once.")
+        self._batches = [list(members) for members in batches]
+        self._clean = {}
+        self._stage1 = stage
+
     def d1(self) -> Float[Tensor, "example layer"] | None:
         stage = self.stage1
         return None if stage.s1 is None else deltas(stage.baseline, stage.s1)
