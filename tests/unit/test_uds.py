@@ -125,13 +125,13 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r4.summary["timings"]["s1_cached"]
     # a corrupt cache file is rebuilt with a warning
-    for file in cache.glob("s1_*.pt"):
+    for file in cache.glob("s1_*.safetensors"):
         file.write_bytes(b"not a torch file")
     with pytest.warns(UserWarning, match="recomputing"):
         r5 = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r5.summary["timings"]["s1_cached"]
     assert np.allclose(r5.layers["d1"], r1.layers["d1"])
-    assert any(S1Cache(cache).directory.glob("s1_*.pt"))
+    assert any(S1Cache(cache).directory.glob("s1_*.safetensors"))
 
 
 def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
