@@ -39,10 +39,8 @@ import json
 import logging
 import math
 import os
-import shutil
 import socket
 import time
-import uuid
 import warnings
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -52,13 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from filelock import FileLock
 from tqdm.auto import tqdm
 
-from uds_lens import models
 from uds_lens.data import Example, load_examples
-from uds_lens.results import UDSResult
-from uds_lens.uds import StageOne, UDSAuditor, UDSConfig, model_name
+from uds_lens.results import UDSResult, check_result_name, load_reusable
+from uds_lens.uds import StageOne, UDSAuditor, UDSConfig, model_name, source_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +64,6 @@ SCATTER_HTML = "published_scatter.html"
 REGISTRIES = {"tofu-llama-3.2-1b": "tofu_llama32_1b_registry.csv"}
 # Registry rows that are the sweep's own references, not unlearned models: left out unless asked for by method.
 ANCHOR_METHODS = ("full", "retain")
-FINGERPRINT_KEYS = ("full", "retain", "data", "settings", "unlearned")
 STATUSES = ("scored", "reused", "failed", "pending")
 COLUMNS = [
     "name", "source", "method", "epoch", "status", "uds", "ci_low", "ci_high", "n_scored", "n_no_ke", "n_skipped",
@@ -110,9 +105,10 @@ def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:
         raise SweepError(f"Two models share the result name(s) {repeated}: give each row a unique name "
                          "(`name,path_or_id` rows in the model list).")
     for name in names:
-        if not name or name in (".", "..") or "/" in name or "\\" in name:
-            raise SweepError(f"Model name {name!r} is not a single directory name; results go to OUT/NAME/, so use "
-                             "a name without path separators.")
+        try:
+            check_result_name(name)
+        except ValueError as error:
+            raise SweepError(str(error)) from None
     if not entries:
         raise SweepError("The sweep has no models: the model list or the registry filter selected none.")
     return list(entries)
@@ -218,46 +214,17 @@ def _short_digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def stage_fingerprints(payload: Mapping[str, Any]) -> dict[str, str]:
-    """The reuse key of everything but the unlearned model, from ``UDSAuditor.fingerprint_payload()``: full and
-    retain weights, the data as tokenised (tokenizer + token layout), the settings (site, scope, layers, dtype, ...;
-    not tau, which is applied afterwards)."""
+def fingerprint_columns(fingerprint: Mapping[str, Any]) -> dict[str, str]:
+    """``sweep.csv``'s fingerprint columns from a result fingerprint (``uds.result_fingerprint``): full, retain and
+    unlearned weights, the data (records as scored), the settings (with the tokenizer; tau is not part of them)."""
     return {
-        "full": str(payload["full"]),
-        "retain": str(payload["retain"]) if payload["retain"] is not None else "none",
-        "data": _short_digest([payload["tokenizer"], payload["layout"]]),
-        "settings": _short_digest([payload["settings"], payload["layers"], payload["dtype"]]),
+        "fp_full": str(fingerprint.get("full")),
+        "fp_retain": str(fingerprint.get("retain")),
+        "fp_data": str(fingerprint.get("data")),
+        "fp_settings": _short_digest([fingerprint.get("settings"), fingerprint.get("tokenizer"),
+                                      fingerprint.get("format")]),
+        "fp_unlearned": str(fingerprint.get("unlearned")),
     }
-
-
-def stored_fingerprints(directory: Path) -> dict[str, str] | None:
-    """The fingerprints a finished result was computed from, or None (no result, or an unreadable one)."""
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-        stored = meta["meta"]["fingerprints"]
-        return {key: str(stored[key]) for key in FINGERPRINT_KEYS}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def write_result(result: UDSResult, directory: Path) -> Path:
-    """Write a result directory in one step: into a temporary sibling, then renamed into place under a lock, so a
-    reader (or a resumed sweep) sees either the old complete result or the new complete one."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    with FileLock(str(directory.parent / f".{directory.name}.lock")):
-        try:
-            result.save(staging)
-            if directory.exists():
-                retired = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(directory, retired)
-                os.replace(staging, directory)
-                shutil.rmtree(retired, ignore_errors=True)
-            else:
-                os.replace(staging, directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return directory
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -277,27 +244,28 @@ class ShippedStage:
     stage1: StageOne
     batches: list[list[int]]
     payload: dict[str, Any]
+    inputs_fingerprint: dict[str, Any]
 
     @classmethod
     def of(cls, auditor: UDSAuditor) -> ShippedStage:
         return cls(full_source=auditor.full_name, retain_name=auditor.retain_name, data_name=auditor.data_name,
                    config=auditor.config, examples=list(auditor.examples), stage1=auditor.stage1,
-                   batches=auditor.batches, payload=auditor.fingerprint_payload())
+                   batches=auditor.batches, payload=auditor.fingerprint_payload(),
+                   inputs_fingerprint=auditor.fingerprint(None))
 
-    @property
-    def fingerprints(self) -> dict[str, str]:
-        return stage_fingerprints(self.payload)
+    def fingerprint(self, unlearned: str) -> dict[str, Any]:
+        """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), computed
+        here from its files without loading it: the driver's reuse key."""
+        return {**self.inputs_fingerprint, "unlearned": source_fingerprint(unlearned)}
 
 
 @dataclass
 class ModelOutcome:
-    """What scoring one model gave: a result (``scored``), a confirmation that the stored one is current
-    (``reused``), or an error (``failed``)."""
+    """What became of one model: a new result (``scored``), the saved one (``reused``), or an error (``failed``)."""
 
     name: str
     status: str
     result: UDSResult | None = None
-    unlearned_fingerprint: str | None = None
     load_seconds: float = math.nan
     seconds: float = math.nan
     worker: str = ""
@@ -308,33 +276,22 @@ def _worker_label() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def score_one(
-    auditor: UDSAuditor, model: SweepModel, expected: Mapping[str, str], stored: Mapping[str, str] | None,
-    force: bool = False,
-) -> ModelOutcome:
-    """Load one unlearned model, reuse its stored result when every fingerprint matches, else score it.
+def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
+    """Score one unlearned model with ``auditor`` (its result records the inputs' fingerprint).
 
     Any error (a path that does not load, a model of another architecture, non-finite scores) becomes a ``failed``
     outcome naming it: one bad checkpoint must not end a sweep of a hundred.
     """
     started = time.perf_counter()
     try:
-        source = auditor.load(model.source, model.name)
-        fingerprint = models.model_fingerprint(source)
-        loaded = time.perf_counter() - started
-        current = {**expected, "unlearned": fingerprint}
-        if not force and stored is not None and dict(stored) == current:
-            return ModelOutcome(model.name, "reused", None, fingerprint, loaded, time.perf_counter() - started,
-                                _worker_label())
-        result = auditor.score(source, name=model.name)
-        del source
-        result.meta["fingerprints"] = current
-        return ModelOutcome(model.name, "scored", result, fingerprint, loaded, time.perf_counter() - started,
-                            _worker_label())
+        result = auditor.score(model.source, name=model.name)
     except Exception as error:  # reported per model in sweep.csv; the sweep goes on
         logger.warning("%s (%s) failed: %s", model.name, model.source, error)
         return ModelOutcome(model.name, "failed", seconds=time.perf_counter() - started, worker=_worker_label(),
                             error=f"{type(error).__name__}: {error}")
+    seconds = time.perf_counter() - started
+    return ModelOutcome(model.name, "scored", result, seconds - result.meta["timings"]["s2_seconds"], seconds,
+                        _worker_label())
 
 
 @dataclass
@@ -406,17 +363,17 @@ class SweepWorker:
                     f"Worker {_worker_label()} sees a different {key} for the full model {shipped.full_source} "
                     f"({here[key]} vs {shipped.payload[key]} where Stage 1 was computed): give every worker the same "
                     "checkpoint files and package versions, and an explicit --dtype/--device.")
-        self.auditor.use_stage1(shipped.stage1, shipped.batches)
+        self.auditor.use_stage1(shipped.stage1, shipped.batches, shipped.inputs_fingerprint)
         self.auditor.retain_name = shipped.retain_name
         self.auditor.data_name = shipped.data_name
         self.shipped = shipped
         return _worker_label()
 
-    def score(self, model: SweepModel, stored: Mapping[str, str] | None, force: bool = False) -> ModelOutcome:
+    def score(self, model: SweepModel) -> ModelOutcome:
         """Score one unlearned model (see :func:`score_one`)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
-        return score_one(self.auditor, model, self.shipped.fingerprints, stored, force)
+        return score_one(self.auditor, model)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -425,12 +382,12 @@ class SweepWorker:
 
 @dataclass
 class _Ledger:
-    """The driver's view of the sweep: one row per model, written to ``sweep.csv`` after every change."""
+    """The driver's view of the sweep: one row per model, written to ``sweep.csv`` after every change, and the
+    reuse decision (made here, from the models' files, before any worker loads anything)."""
 
     out: Path
     entries: list[SweepModel]
-    expected: dict[str, str]
-    s1_seconds: float
+    shipped: ShippedStage
     tau: float
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     open_unlearning: dict[str, Any] = field(default_factory=dict)
@@ -439,31 +396,43 @@ class _Ledger:
         for entry in self.entries:
             self.rows[entry.name] = {"name": entry.name, "source": entry.source, "method": entry.method,
                                      "epoch": entry.epoch, "status": "pending", "attempts": 0, "error": "",
-                                     **{f"fp_{key}": value for key, value in self.expected.items()},
-                                     **dict(entry.published)}
+                                     "s1_seconds": self.shipped.stage1.seconds, **dict(entry.published)}
+
+    def reuse(self, force: bool) -> list[SweepModel]:
+        """Record every model whose saved result is current as ``reused``; returns the models left to score."""
+        todo = []
+        for entry in self.entries:
+            fingerprint = self.shipped.fingerprint(entry.source)
+            self.rows[entry.name].update(fingerprint_columns(fingerprint))
+            previous, reason = (None, "forced") if force else load_reusable(self.out / entry.name, fingerprint)
+            if previous is None:
+                if (self.out / entry.name).exists():
+                    logger.info("recomputing %s: %s", entry.name, reason)
+                todo.append(entry)
+                continue
+            logger.info("reusing %s: %s", entry.name, reason)
+            self._fill(entry.name, previous.with_tau(self.tau), s2_seconds=0.0)
+            self.rows[entry.name].update(status="reused", load_seconds=0.0, seconds=0.0)
+        self.write()
+        return todo
 
     def record(self, outcome: ModelOutcome, attempts: int) -> None:
+        """Save a scored model's result (atomically, under its lock) and update its row."""
         row = self.rows[outcome.name]
         row.update(status=outcome.status, attempts=attempts, worker=outcome.worker, error=outcome.error,
-                   load_seconds=outcome.load_seconds, seconds=outcome.seconds, fp_unlearned=outcome.unlearned_fingerprint)
-        directory = self.out / outcome.name
-        if outcome.status == "scored" and outcome.result is not None:
-            write_result(outcome.result, directory)
-            result = outcome.result
-        elif outcome.status == "reused":
-            result = UDSResult.load(directory).with_tau(self.tau)
-            logger.info("%s: reusing %s (identical inputs)", outcome.name, directory)
-        else:
-            self.write()
-            return
-        summary = result.summary
-        timings = summary.get("timings", {})
-        row.update(uds=summary["uds"], ci_low=summary["ci95"][0], ci_high=summary["ci95"][1],
-                   n_scored=summary["n_scored"], n_no_ke=summary["n_no_ke"], n_skipped=summary["n_skipped"],
-                   s2_seconds=timings.get("s2_seconds", math.nan) if outcome.status == "scored" else 0.0,
-                   s1_seconds=self.s1_seconds)
-        self.open_unlearning[outcome.name] = result.to_open_unlearning()
+                   load_seconds=outcome.load_seconds, seconds=outcome.seconds)
+        if outcome.result is not None:
+            outcome.result.save(self.out / outcome.name)
+            row.update(fingerprint_columns(outcome.result.meta["fingerprint"]))
+            self._fill(outcome.name, outcome.result, outcome.result.meta["timings"]["s2_seconds"])
         self.write()
+
+    def _fill(self, name: str, result: UDSResult, s2_seconds: float) -> None:
+        summary = result.summary
+        self.rows[name].update(uds=summary["uds"], ci_low=summary["ci95"][0], ci_high=summary["ci95"][1],
+                               n_scored=summary["n_scored"], n_no_ke=summary["n_no_ke"],
+                               n_skipped=summary["n_skipped"], s2_seconds=s2_seconds)
+        self.open_unlearning[name] = result.to_open_unlearning()
 
     def table(self) -> pd.DataFrame:
         frame = pd.DataFrame([self.rows[entry.name] for entry in self.entries])
@@ -477,7 +446,9 @@ class _Ledger:
 
     def write(self) -> None:
         _write_atomic(self.out / SWEEP_TABLE, self.table().to_csv(index=False))
-        _write_atomic(self.out / SWEEP_JSON, json.dumps(self.open_unlearning, indent=2))
+        _write_atomic(self.out / SWEEP_JSON, json.dumps(
+            {entry.name: self.open_unlearning[entry.name] for entry in self.entries
+             if entry.name in self.open_unlearning}, indent=2))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -581,20 +552,15 @@ def sweep(
     return table
 
 
-def _stored(out_dir: Path, entries: Sequence[SweepModel]) -> dict[str, dict[str, str] | None]:
-    return {entry.name: stored_fingerprints(out_dir / entry.name) for entry in entries}
-
-
 def _sweep_in_process(plan: WorkerPlan, entries: list[SweepModel], out_dir: Path, force: bool,
                       progress: bool) -> pd.DataFrame:
     worker = SweepWorker(plan, compute_stage=True)
-    shipped = worker.stage()
-    ledger = _Ledger(out_dir, entries, shipped.fingerprints, shipped.stage1.seconds, plan.config.tau)
-    ledger.write()
-    stored = _stored(out_dir, entries)
-    with tqdm(total=len(entries), desc="sweep (in-process)", unit="model", disable=not progress) as bar:
-        for entry in entries:
-            ledger.record(worker.score(entry, stored[entry.name], force), attempts=1)
+    ledger = _Ledger(out_dir, entries, worker.stage(), plan.config.tau)
+    todo = ledger.reuse(force)
+    with tqdm(total=len(entries), initial=len(entries) - len(todo), desc="sweep (in-process)", unit="model",
+              disable=not progress) as bar:
+        for entry in todo:
+            ledger.record(worker.score(entry), attempts=1)
             bar.update()
             bar.set_postfix(Counter(row["status"] for row in ledger.rows.values()))
     return ledger.table()
@@ -648,9 +614,8 @@ def _sweep_on_ray(
             raise SweepError(f"The sweep's workers could not start (loading the full model {plan.full} or computing "
                              f"Stage 1 with retain {plan.retain}): {error}") from error
         logger.info("sweep workers: %s", labels)
-        ledger = _Ledger(out_dir, entries, shipped.fingerprints, shipped.stage1.seconds, plan.config.tau)
-        ledger.write()
-        _dispatch(actors, stage_ref, entries, _stored(out_dir, entries), force, max_retries, ledger, progress)
+        ledger = _Ledger(out_dir, entries, shipped, plan.config.tau)
+        _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
         for actor in actors:
             ray.kill(actor)
         return ledger.table()
@@ -660,8 +625,7 @@ def _sweep_on_ray(
 
 
 def _dispatch(
-    actors: list[Any], stage_ref: Any, entries: list[SweepModel], stored: Mapping[str, Any], force: bool,
-    max_retries: int, ledger: _Ledger, progress: bool,
+    actors: list[Any], stage_ref: Any, todo: list[SweepModel], max_retries: int, ledger: _Ledger, progress: bool,
 ) -> None:
     """Hand models to idle actors until every model is scored, reused or failed.
 
@@ -674,18 +638,19 @@ def _dispatch(
     import ray
     from ray.exceptions import RayActorError, RayError
 
-    queue = deque(entries)
+    queue = deque(todo)
     idle = deque(range(len(actors)))
     attempts: Counter[str] = Counter()
     deaths: Counter[int] = Counter()
     pending: dict[Any, tuple[SweepModel, int]] = {}
-    with tqdm(total=len(entries), desc=f"sweep ({len(actors)} Ray workers)", unit="model",
+    total = len(ledger.entries)
+    with tqdm(total=total, initial=total - len(todo), desc=f"sweep ({len(actors)} Ray workers)", unit="model",
               disable=not progress) as bar:
         while queue or pending:
             while queue and idle:
                 entry, slot = queue.popleft(), idle.popleft()
                 attempts[entry.name] += 1
-                pending[actors[slot].score.remote(entry, stored[entry.name], force)] = (entry, slot)
+                pending[actors[slot].score.remote(entry)] = (entry, slot)
             if not pending:
                 for entry in queue:
                     ledger.record(ModelOutcome(entry.name, "failed", error="every sweep worker died; rerun the "
@@ -735,5 +700,5 @@ def add_published_comparison(table: pd.DataFrame) -> pd.DataFrame:
 __all__ = [
     "ANCHOR_METHODS", "COLUMNS", "REGISTRIES", "ModelOutcome", "ShippedStage", "SweepError", "SweepModel",
     "SweepWorker", "WorkerPlan", "add_published_comparison", "load_registry", "ray_available", "read_model_list",
-    "registry_path", "resolve_models", "score_one", "stage_fingerprints", "stored_fingerprints", "sweep", "write_result",
+    "fingerprint_columns", "registry_path", "resolve_models", "score_one", "sweep",
 ]

@@ -569,9 +569,16 @@ class UDSAuditor:
         that each worker pads and batches exactly like the auditor that computed Stage 1."""
         return [list(members) for members in self._batches]
 
-    def use_stage1(self, stage: StageOne, batches: Sequence[Sequence[int]]) -> None:
+    def use_stage1(self, stage: StageOne, batches: Sequence[Sequence[int]],
+                   inputs_fingerprint: dict[str, Any] | None = None) -> None:
         """Adopt a Stage 1 computed by another auditor on the same (full, retain, data, settings) instead of
         computing it here: a sweep computes S1 once and ships it, with its batches, to every worker.
+
+        Args:
+            stage: the other auditor's ``stage1``.
+            batches: the other auditor's ``batches`` (so padding and batching, hence every number, are the same).
+            inputs_fingerprint: the other auditor's ``fingerprint(None)``; the results of this auditor then record
+                the retain model Stage 1 came from, although this auditor never loaded it.
 
         Raises:
             ValueError: the stage or the batches do not cover this auditor's encoded examples.
@@ -584,6 +591,8 @@ class UDSAuditor:
         self._batches = [list(members) for members in batches]
         self._clean = {}
         self._stage1 = stage
+        if inputs_fingerprint is not None:
+            self._base_fingerprint = {key: value for key, value in inputs_fingerprint.items() if key != "unlearned"}
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
         stage = self.stage1
