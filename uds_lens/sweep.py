@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 
 from uds_lens.data import Example, load_examples
 from uds_lens.results import UDSResult, check_result_name, load_reusable
-from uds_lens.uds import StageOne, UDSAuditor, UDSConfig, model_name, source_fingerprint
+from uds_lens.uds import StageOne, UDSAuditor, UDSConfig, result_names, source_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -124,19 +124,28 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
     if not file.is_file():
         raise FileNotFoundError(f"Model list {file} not found: give a file of `name,path_or_id` rows or one path per "
                                 "line.")
-    entries = []
+    rows: list[tuple[str | None, str]] = []
     lines = [line.strip() for line in file.read_text().splitlines()]
     for number, row in enumerate(csv.reader(line for line in lines if line and not line.startswith("#")), 1):
         cells = [cell.strip() for cell in row]
         if len(cells) == 1:
-            entries.append(SweepModel(model_name(cells[0]), cells[0]))
+            rows.append((None, cells[0]))
         elif len(cells) == 2:
             if number == 1 and cells[0].lower() == "name":
                 continue
-            entries.append(SweepModel(cells[0], cells[1]))
+            rows.append((cells[0], cells[1]))
         else:
             raise SweepError(f"{file}, row {number}: expected `name,path_or_id` or one path, got {len(cells)} cells.")
-    return _check_names(entries)
+    named = _names_of([source for name, source in rows if name is None])
+    return _check_names([SweepModel(name if name is not None else named[source], source) for name, source in rows])
+
+
+def _names_of(sources: Sequence[str]) -> dict[str, str]:
+    """Result names of bare paths, as ``uds-lens score`` gives them (basenames; parents added where two clash)."""
+    try:
+        return {str(source): name for name, source in result_names(list(sources)).items()}
+    except ValueError as error:
+        raise SweepError(str(error)) from None
 
 
 def registry_path(registry: str | os.PathLike) -> Path:
@@ -202,7 +211,8 @@ def resolve_models(
         return read_model_list(models_arg)
     if isinstance(models_arg, Mapping):
         return _check_names([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
-    return _check_names([item if isinstance(item, SweepModel) else SweepModel(model_name(str(item)), str(item))
+    named = _names_of([str(item) for item in models_arg if not isinstance(item, SweepModel)])
+    return _check_names([item if isinstance(item, SweepModel) else SweepModel(named[str(item)], str(item))
                          for item in models_arg])
 
 
