@@ -11,7 +11,7 @@ Stage-2 work over workers:
   models one at a time. No shared filesystem is needed: the examples travel from the driver, each actor returns its
   ``UDSResult`` through the object store and the driver writes the files. Model paths must be readable where the
   actors run (hub ids always are).
-* **In-process** (``workers=1``, or Ray not installed): the same loop on one ``UDSAuditor`` in this process.
+* **In-process** (``workers=1``, or Ray not installed): one such worker in this process, the same loop.
 
 Both paths write the same files under ``out``:
 
@@ -22,9 +22,10 @@ Both paths write the same files under ``out``:
 * ``sweep_eval.json``: ``{NAME: {"uds": {"agg_value", "value_by_index"}}}``, the open-unlearning shape per model;
 * with ``compare_published``: ``published_uds`` and ``uds_minus_published`` columns and ``published_scatter.html``.
 
-Resume rule (never stale): a finished model is reused only when the fingerprints stored with its result (full weights,
-retain weights, tokenizer + token layout of the data, settings, the unlearned model's weights) all equal this run's;
-anything else is recomputed (``force`` recomputes always). tau is applied after everything, so a new tau reuses.
+Resume rule (never stale), decided on the driver before any worker loads a model: a finished model is reused only
+when the fingerprint saved with its intact result (``uds.result_fingerprint``: full, retain and unlearned weights by
+file contents, the data records, tokenizer, settings) equals this run's (``results.load_reusable``); anything else
+is recomputed (``force`` recomputes always). tau is applied after everything, so a new tau reuses.
 A worker that dies (killed, out of memory) has its model retried on another actor, at most ``max_retries`` times; a
 model that keeps failing, or fails to load, is reported in ``sweep.csv`` with its error and the sweep goes on.
 Numbers do not depend on the number of workers or their order: every worker scores with the batches and the Stage 1
@@ -298,7 +299,7 @@ def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
     except Exception as error:  # reported per model in sweep.csv; the sweep goes on
         logger.warning("%s (%s) failed: %s", model.name, model.source, error)
         return ModelOutcome(model.name, "failed", seconds=time.perf_counter() - started, worker=_worker_label(),
-                            error=f"{type(error).__name__}: {error}")
+                            error=f"{type(error).__name__} while scoring {model.source}: {error}")
     seconds = time.perf_counter() - started
     return ModelOutcome(model.name, "scored", result, seconds - result.meta["timings"]["s2_seconds"], seconds,
                         _worker_label())
@@ -495,6 +496,7 @@ def sweep(
     force: bool = False,
     compare_published: bool = False,
     progress: bool = True,
+    use_ray: bool | None = None,
 ) -> pd.DataFrame:
     """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
 
@@ -523,6 +525,8 @@ def sweep(
         compare_published: add ``published_uds`` and ``uds_minus_published`` (registry models) and write
             ``published_scatter.html`` (ours vs published).
         progress: a tqdm bar over models.
+        use_ray: None (default) = on Ray when it is installed and ``workers != 1`` (or an ``address`` is given),
+            else in-process; True forces Ray even for one worker (to measure its overhead), False in-process.
 
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
@@ -541,10 +545,11 @@ def sweep(
         raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
     plan = WorkerPlan(str(full), None if retain is None else str(retain), load_examples(data, limit=limit),
                       str(data) if isinstance(data, (str, os.PathLike)) else "<records>", config, cache_dir)
-    use_ray = workers != 1 and (address is not None or ray_available())
+    if use_ray is None:
+        use_ray = address is not None or (workers != 1 and ray_available())
     if use_ray and not ray_available():
-        raise SweepError("--address needs Ray: install it with `pip install 'uds_lens[sweep]'` (or drop --address "
-                         "to run in-process).")
+        raise SweepError("This sweep needs Ray (an --address, or use_ray=True): install it with "
+                         "`pip install 'uds_lens[sweep]'`, or run in-process (no --address).")
     if workers not in (None, 1) and not use_ray:
         warnings.warn(f"Ray is not installed, so the sweep runs in-process instead of on {workers} workers; "
                       "`pip install 'uds_lens[sweep]'` enables them.", stacklevel=2)
