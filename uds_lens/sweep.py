@@ -18,7 +18,8 @@ Both paths write the same files under ``out``:
 * ``NAME/`` per model (``summary.json``, ``examples.csv``, ``layers.csv``, ``uds_eval.json``, ``meta.json``), written
   to a temporary directory and renamed into place, so a killed sweep never leaves a half-written result;
 * ``sweep.csv``: one row per model, rewritten after every model: ``status`` (``scored`` | ``reused`` | ``failed`` |
-  ``pending``), UDS and its 95% CI, the example counts, timings, the worker, the fingerprints and the error;
+  ``pending``), UDS and its 95% CI, the example counts, timings (``finished_at`` in Unix seconds), the worker, the
+  fingerprints and the error;
 * ``sweep_eval.json``: ``{NAME: {"uds": {"agg_value", "value_by_index"}}}``, the open-unlearning shape per model;
 * with ``compare_published``: ``published_uds`` and ``uds_minus_published`` columns and ``published_scatter.html``.
 
@@ -68,7 +69,7 @@ ANCHOR_METHODS = ("full", "retain")
 STATUSES = ("scored", "reused", "failed", "pending")
 COLUMNS = [
     "name", "source", "method", "epoch", "status", "uds", "ci_low", "ci_high", "n_scored", "n_no_ke", "n_skipped",
-    "attempts", "load_seconds", "s2_seconds", "seconds", "s1_seconds", "worker", "fp_full", "fp_retain", "fp_data",
+    "attempts", "load_seconds", "s2_seconds", "seconds", "s1_seconds", "finished_at", "worker", "fp_full", "fp_retain", "fp_data",
     "fp_settings", "fp_unlearned", "error",
 ]
 
@@ -325,7 +326,9 @@ def _restarted_actor() -> bool:
         import ray
     except ImportError:
         return False
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:  # a driver, not an actor
+        return False
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 class SweepWorker:
@@ -423,7 +426,7 @@ class _Ledger:
                 continue
             logger.info("reusing %s: %s", entry.name, reason)
             self._fill(entry.name, previous.with_tau(self.tau), s2_seconds=0.0)
-            self.rows[entry.name].update(status="reused", load_seconds=0.0, seconds=0.0)
+            self.rows[entry.name].update(status="reused", load_seconds=0.0, seconds=0.0, finished_at=time.time())
         self.write()
         return todo
 
@@ -431,7 +434,7 @@ class _Ledger:
         """Save a scored model's result (atomically, under its lock) and update its row."""
         row = self.rows[outcome.name]
         row.update(status=outcome.status, attempts=attempts, worker=outcome.worker, error=outcome.error,
-                   load_seconds=outcome.load_seconds, seconds=outcome.seconds)
+                   load_seconds=outcome.load_seconds, seconds=outcome.seconds, finished_at=time.time())
         if outcome.result is not None:
             outcome.result.save(self.out / outcome.name)
             row.update(fingerprint_columns(outcome.result.meta["fingerprint"]))
