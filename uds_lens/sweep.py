@@ -649,9 +649,9 @@ def _dispatch(
 
     A model whose actor died is put back at the front of the queue and goes to the next idle actor, at most
     ``max_retries`` times. Ray restarts the dead actor (``max_restarts``); the driver hands it Stage 1 again
-    before anything else (calls from one caller run in order) and it rejoins at the back of the idle queue. An actor
-    that died more often than Ray restarts it is dropped; when none is left, the remaining models are reported as
-    failed.
+    (``adopt``, retried by Ray until the restarted actor is up) and only then gives it models again: a call to an
+    actor that is still restarting would fail at once. An actor that cannot come back (it died more often than Ray
+    restarts it) is dropped; when none is left, the remaining models are reported as failed.
     """
     import ray
     from ray.exceptions import RayActorError, RayError
@@ -659,8 +659,7 @@ def _dispatch(
     queue = deque(todo)
     idle = deque(range(len(actors)))
     attempts: Counter[str] = Counter()
-    deaths: Counter[int] = Counter()
-    pending: dict[Any, tuple[SweepModel, int]] = {}
+    pending: dict[Any, tuple[SweepModel | None, int]] = {}  # a score call (model, slot) or a recovery (None, slot)
     total = len(ledger.entries)
     with tqdm(total=total, initial=total - len(todo), desc=f"sweep ({len(actors)} Ray workers)", unit="model",
               disable=not progress) as bar:
@@ -677,13 +676,17 @@ def _dispatch(
                 break
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             entry, slot = pending.pop(ref)
+            if entry is None:  # a restarted actor took Stage 1 back, or could not come back
+                try:
+                    ray.get(ref)
+                    idle.append(slot)
+                except RayError as error:
+                    logger.warning("sweep worker %d is gone for good: %s", slot, error)
+                continue
             try:
                 outcome = ray.get(ref)
             except RayActorError as error:
-                deaths[slot] += 1
-                if deaths[slot] <= max_retries:
-                    actors[slot].adopt.remote(stage_ref)
-                    idle.append(slot)
+                pending[actors[slot].adopt.options(max_task_retries=-1).remote(stage_ref)] = (None, slot)
                 if attempts[entry.name] <= max_retries:
                     logger.warning("worker of %s died (attempt %d); retrying on another worker: %s", entry.name,
                                    attempts[entry.name], error)
