@@ -57,16 +57,20 @@ class ResultIntegrityError(ValueError):
     """A saved result directory is incomplete, or its files come from different runs."""
 
 
+class ResultNameError(ValueError):
+    """A result name would not stay one directory inside the output directory."""
+
+
 def check_result_name(name: str) -> str:
     """A result name is one path component: ``OUT/NAME`` must stay inside ``OUT``.
 
     Raises:
-        ValueError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.`` (names
-            starting with a dot are this module's lock and temporary files).
+        ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
+            (names starting with a dot are this module's lock and temporary files).
     """
     if not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") \
             or any(sep in name for sep in ("/", "\\", "\0", os.sep)):
-        raise ValueError(
+        raise ResultNameError(
             f"Result name {name!r} is not a single path component: names become directories under the output "
             "directory, so they may not be empty, start with '.', or contain '/', '\\' or NUL. Pick a plain name "
             "(e.g. 'npo_lr1e-5')."
@@ -419,7 +423,8 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
         ...     (staging / "summary.json").write_text("{}")
 
     Raises:
-        ValueError: ``target``'s name is not a single plain path component, or ``target`` is a file.
+        ResultNameError: ``target``'s name is not a single plain path component.
+        ValueError: ``target`` is a file.
         filelock.Timeout: another writer held the lock for more than ``timeout`` seconds.
     """
     target = Path(target)
@@ -451,6 +456,6 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
             raise
 
 
-__all__ = ["EXAMPLE_COLUMNS", "LAYER_COLUMNS", "RESULT_FORMAT", "ResultIntegrityError", "UDSResult",
+__all__ = ["EXAMPLE_COLUMNS", "LAYER_COLUMNS", "RESULT_FORMAT", "ResultIntegrityError", "ResultNameError", "UDSResult",
            "atomic_result_dir", "can_reuse", "check_result_name", "load_reusable", "result_lock",
            "verify_result_dir"]

@@ -540,6 +540,11 @@ def sweep(
         raise SweepError(f"max_retries must be >= 0, got {max_retries}.")
     if workers is not None and workers < 1:
         raise SweepError(f"workers must be >= 1 (1 = in-process), got {workers}.")
+    if limit is not None and limit < 1:
+        raise SweepError(f"limit must be a positive number of examples, got {limit}.")
+    if cpus_per_worker < 1 or (gpus_per_worker is not None and gpus_per_worker < 0):
+        raise SweepError(f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
+                         f"{gpus_per_worker}.")
     out_dir = Path(out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} is a file; give a directory for the sweep's results.")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import time
 import warnings
@@ -39,7 +40,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens import models
-from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
+from uds_lens.data import EncodedExample, Example, Skip, encode, fit_context, load_examples
 from uds_lens.patching import (
     ENGINES,
     SCOPES,
@@ -102,9 +103,13 @@ def model_uds(per_example: Float[Tensor, " example"]) -> float:
 
 def bootstrap_ci(values: Sequence[float] | np.ndarray, n_boot: int = 2000, level: float = 0.95,
                  seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean over the defined (non-NaN) values."""
+    """Percentile bootstrap CI of the mean over the defined (non-NaN) values.
+
+    The values are sorted first, so the interval depends on the set of per-example scores and the seed, not on the
+    order the examples were listed in.
+    """
     array = np.asarray(values, dtype=float)
-    array = array[~np.isnan(array)]
+    array = np.sort(array[~np.isnan(array)])
     if array.size == 0:
         return (float("nan"), float("nan"))
     if array.size == 1:
@@ -117,6 +122,10 @@ def bootstrap_ci(values: Sequence[float] | np.ndarray, n_boot: int = 2000, level
 
 # ----------------------------------------------------------------------------------------------------------------
 # Configuration
+
+
+class ConfigError(ValueError):
+    """An audit setting is out of range; the message names the option and what it accepts."""
 
 
 @dataclass(frozen=True)
@@ -148,18 +157,42 @@ class UDSConfig:
     engine: str = "fast"
 
     def __post_init__(self) -> None:
-        if self.patch_scope not in SCOPES:
-            raise ValueError(f"patch_scope must be one of {SCOPES}, got {self.patch_scope!r}.")
-        if self.site not in SITES:
-            raise ValueError(f"site must be one of {SITES}, got {self.site!r}.")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}.")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError("batch_size must be a positive integer (or None to choose from memory).")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real) or not math.isfinite(self.tau) \
+                or self.tau < 0:
+            raise ConfigError(f"tau (--tau) must be a finite number of nats >= 0, got {self.tau!r}; the paper uses "
+                              "0.05 (a negative threshold makes layers where retain is *more* confident KE).")
+        for option, value, allowed in (("patch_scope (--scope)", self.patch_scope, SCOPES),
+                                       ("site (--site)", self.site, SITES), ("engine (--engine)", self.engine, ENGINES)):
+            if value not in allowed:
+                raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
+        batch_size = self.batch_size
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                                       or batch_size < 1):
+            raise ConfigError(f"batch_size (--batch-size) must be a positive integer (or None to choose from memory), "
+                              f"got {self.batch_size!r}.")
+        if not isinstance(self.published_compat, bool):
+            raise ConfigError(f"published_compat must be True or False, got {self.published_compat!r}.")
         if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(int(layer) for layer in self.layers))
-        if not math.isfinite(self.tau):
-            raise ValueError("tau must be a finite number of nats.")
+            layers = list(self.layers) if isinstance(self.layers, (list, tuple, range)) else None
+            if not layers or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in layers) \
+                    or len(set(layers)) != len(layers):
+                raise ConfigError(f"layers must be a non-empty sequence of distinct layer numbers >= 0 (or None for "
+                                  f"all), got {self.layers!r}.")
+            object.__setattr__(self, "layers", tuple(int(layer) for layer in layers))
+        if self.batch_size is not None:
+            object.__setattr__(self, "batch_size", int(self.batch_size))
+        object.__setattr__(self, "tau", float(self.tau))
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            try:
+                models.resolve_dtype(self.dtype, "cpu")
+            except ValueError as err:
+                raise ConfigError(f"dtype (--dtype): {err}") from None
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ConfigError(f"device (--device) must be a torch device such as cpu, cuda or cuda:1, got "
+                                  f"{self.device!r}.") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -443,11 +476,16 @@ class UDSAuditor:
         self.examples: list[Example] = load_examples(data, limit=limit)
         self.data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
         self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
+        # An example longer than a model's context would crash the whole run: cut it after its last read position,
+        # or skip it with a counted reason.
+        n_ctx = min(model.cfg.n_ctx for model in (self.full, self.retain) if isinstance(model, HookedTransformer))
+        self.encoded, too_long = fit_context(self.encoded, n_ctx)
+        self.skipped = self.skipped + too_long
         n_layers = self.full.cfg.n_layers
         self.layers = list(self.config.layers) if self.config.layers is not None else list(range(n_layers))
         bad = [layer for layer in self.layers if not 0 <= layer < n_layers]
         if bad:
-            raise ValueError(f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1}).")
+            raise ConfigError(f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1}).")
         self.cache = None if cache_dir is False else S1Cache(cache_dir if cache_dir is not True else None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._batches = self._make_batches()
@@ -552,13 +590,17 @@ class UDSAuditor:
             batch = self._batch(members)
             clean = self._clean_run(number, batch)
             s_full[members] = clean.scores.float().cpu()
+            self._require_finite(s_full[members], members, self.full, "full", self.full_name, "clean score (S0)")
             baseline[members] = baseline_scores(self.full, batch, clean, self.config.site, self.layers,
                                                 self.config.engine, self.upcast).float().cpu()
+            self._require_finite(baseline[members], members, self.full, "full", self.full_name,
+                                 "baseline score")
             if s1 is not None:
                 s1[members] = self._source_scores(self.retain, batch, number).float().cpu()
+                self._require_finite(s1[members], members, self.retain, "retain", self.retain_name,
+                                     "patched score (S1)")
         stage = StageOne(idx=[e.idx for e in self.encoded], s_full=s_full, baseline=baseline, s1=s1,
                          seconds=time.perf_counter() - started)
-        _check_finite(stage.s_full, self.encoded, "the full model's clean score")
         if self.cache is not None and key is not None and payload is not None:
             self.cache.save(key, payload, stage)
         return stage
@@ -594,6 +636,19 @@ class UDSAuditor:
         if inputs_fingerprint is not None:
             self._base_fingerprint = {key: value for key, value in inputs_fingerprint.items() if key != "unlearned"}
 
+    def _require_finite(self, values: Tensor, members: Sequence[int], model: Any, role: str, label: str | None,
+                        what: str) -> None:
+        """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
+        bad = ~torch.isfinite(values)
+        if not bad.any():
+            return
+        rows = bad.reshape(len(members), -1).any(-1)
+        first_row = int(torch.nonzero(rows)[0, 0])
+        idx = [self.encoded[members[row]].idx for row in torch.nonzero(rows)[:, 0].tolist()]
+        columns = torch.nonzero(bad.reshape(len(members), -1).any(0))[:, 0].tolist()
+        score_layer = self.layers[columns[0]] if values.dim() == 2 else None
+        raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
+
     def d1(self) -> Float[Tensor, "example layer"] | None:
         stage = self.stage1
         return None if stage.s1 is None else deltas(stage.baseline, stage.s1)
@@ -614,7 +669,7 @@ class UDSAuditor:
                                               unit="batch", disable=not self.progress)):
             batch = self._batch(members)
             s2[members] = self._source_scores(source, batch, number).float().cpu()
-        _check_finite(s2, self.encoded, f"the patched scores of {source_label}")
+            self._require_finite(s2[members], members, source, "unlearned", source_label, "patched score (S2)")
         s2_seconds = time.perf_counter() - started
         timings = {"s1_seconds": stage.seconds, "s2_seconds": s2_seconds, "s1_cached": stage.cached,
                    "n_examples": len(self.examples),
@@ -643,19 +698,53 @@ class UDSAuditor:
         return {name: self.score(model, name=name) for name, model in items}
 
 
-def _check_finite(values: Tensor, encoded: Sequence[EncodedExample], what: str) -> None:
-    bad = ~torch.isfinite(values)
-    if bad.any():
-        rows = bad.reshape(len(encoded), -1).any(-1)
-        idx = [encoded[i].idx for i in torch.nonzero(rows)[:, 0].tolist()][:10]
-        raise FloatingPointError(
-            f"NaN/inf in {what} for example idx {idx}: the model produced non-finite log-probs. Check the "
-            "checkpoint's weights, or run in float32 (--dtype float32)."
-        )
+class NonFiniteScoreError(FloatingPointError):
+    """A model produced NaN/inf scores: the message names the model, the examples, the first layer and the fix."""
+
+
+def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
+    """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
+    n_layers = model.cfg.n_layers if isinstance(model, HookedTransformer) else model.config.num_hidden_layers
+    acts = source_activations(model, torch.tensor([list(example.input_ids)]), "resid_post", range(n_layers))
+    bad = [layer for layer in range(n_layers) if not bool(torch.isfinite(acts[layer]).all())]
+    return bad[0] if bad else None
+
+
+def _first_nonfinite_parameter(model: Any) -> str | None:
+    for name, tensor in model.state_dict().items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def nonfinite_error(model: Any, role: str, label: str | None, what: str, idx: Sequence[int],
+                    example: EncodedExample, score_layer: int | None) -> NonFiniteScoreError:
+    """The error for non-finite scores of one stage: which model, which examples, the first layer where the
+    activations (or, failing that, the scores) stop being finite, and advice that fits the cause: broken weights,
+    an overflow in a 16-bit dtype, or activations that blow up in float32 with finite weights."""
+    layer = _first_nonfinite_layer(model, example)
+    where = (f"first at layer {layer} (blocks.{layer}.hook_resid_post)" if layer is not None
+             else f"first in the scores of layer {score_layer}" if score_layer is not None else "")
+    parameter = _first_nonfinite_parameter(model)
+    dtype = model.cfg.dtype if isinstance(model, HookedTransformer) else next(model.parameters()).dtype
+    if parameter is not None:
+        advice = (f"its weights are already non-finite ({parameter}): the checkpoint is broken (a diverged training "
+                  "run or a bad conversion); re-export or retrain it")
+    elif dtype in (torch.float16, torch.bfloat16):
+        advice = (f"its weights are finite, so the activations overflow in {str(dtype).replace('torch.', '')}: run "
+                  "in float32 (--dtype float32, or UDSConfig(dtype='float32'))")
+    else:
+        advice = (f"its weights are finite and it already runs in {str(dtype).replace('torch.', '')}, so its "
+                  "activations blow up on these inputs: check how the checkpoint was trained (a diverged run gives "
+                  "such weights)")
+    return NonFiniteScoreError(
+        f"The {role} model ({label or type(model).__name__}) gives a non-finite {what} for example idx "
+        f"{list(idx)[:10]}{', ' + where if where else ''}: {advice}. Nothing was cached or saved."
+    )
 
 
 __all__ = [
-    "DEFAULT_CACHE_DIR", "S1Cache", "StageOne", "UDSAuditor", "UDSConfig", "bootstrap_ci", "deltas", "example_uds",
+    "ConfigError", "DEFAULT_CACHE_DIR", "NonFiniteScoreError", "S1Cache", "StageOne", "UDSAuditor", "UDSConfig", "bootstrap_ci", "deltas", "example_uds",
     "examples_fingerprint", "ke_mask", "layer_erasure_ratio", "model_name", "model_uds", "result_fingerprint",
     "result_names", "score_models", "settings_fingerprint", "source_fingerprint", "Skip",
 ]
