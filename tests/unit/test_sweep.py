@@ -1,6 +1,7 @@
 """What a sweep runs on, without running models: model lists, the shipped TOFU registry, the published comparison."""
 
 import math
+import os
 
 import pandas as pd
 import pytest
@@ -116,3 +117,19 @@ def test_registry_names_are_unique_directory_names():
     assert set(REGISTRIES) == {"tofu-llama-3.2-1b"}
     names = [model.name for model in load_registry("tofu-llama-3.2-1b")]
     assert len(set(names)) == len(names)
+
+
+def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr("uds_lens.sweep.ray_available", lambda: False)
+    with pytest.raises(SweepError, match="needs Ray"):
+        sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", [tiny.unlearned], address="auto")
+    with pytest.warns(UserWarning, match="Ray is not installed"):
+        table = sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", {"unl": tiny.unlearned}, workers=2,
+                      cache_dir=tmp_path / "s1", progress=False)
+    assert table.loc[0, "status"] == "scored" and table.loc[0, "worker"].endswith(f":{os.getpid()}")
+    assert 0.0 < table.loc[0, "uds"] < 1.0
+    # retain-free: no UDS (d2 is unnormalised), but the model is scored and saved
+    free = sweep(tiny.full, None, tiny.data, tmp_path / "free", {"unl": tiny.unlearned}, workers=1,
+                 cache_dir=tmp_path / "s1", progress=False)
+    assert free.loc[0, "status"] == "scored" and pd.isna(free.loc[0, "uds"]) and free.loc[0, "fp_retain"] == "None"
+    assert (tmp_path / "free" / "unl" / "layers.csv").is_file()
