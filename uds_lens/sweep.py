@@ -66,11 +66,14 @@ SCATTER_HTML = "published_scatter.html"
 REGISTRIES = {"tofu-llama-3.2-1b": "tofu_llama32_1b_registry.csv"}
 # Registry rows that are the sweep's own references, not unlearned models: left out unless asked for by method.
 ANCHOR_METHODS = ("full", "retain")
-STATUSES = ("scored", "reused", "failed", "pending")
+# sweep.csv, one row per model: status is scored | reused | failed | pending; uds, ci_low/ci_high (bootstrap 95%) and
+# the example counts come from the model's summary; seconds are the model's time on its worker (load_seconds of it
+# loading), s2_seconds its Stage 2, s1_seconds the shared Stage 1 (0 from the cache); finished_at is Unix time; fp_*
+# are its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns.
 COLUMNS = [
     "name", "source", "method", "epoch", "status", "uds", "ci_low", "ci_high", "n_scored", "n_no_ke", "n_skipped",
-    "attempts", "load_seconds", "s2_seconds", "seconds", "s1_seconds", "finished_at", "worker", "fp_full", "fp_retain", "fp_data",
-    "fp_settings", "fp_unlearned", "error",
+    "attempts", "load_seconds", "s2_seconds", "seconds", "s1_seconds", "finished_at", "worker",
+    "fp_full", "fp_retain", "fp_data", "fp_settings", "fp_unlearned", "error",
 ]
 
 
@@ -273,7 +276,7 @@ class ShippedStage:
 
 @dataclass
 class ModelOutcome:
-    """What became of one model: a new result (``scored``), the saved one (``reused``), or an error (``failed``)."""
+    """What scoring one model on a worker gave: a result (``scored``) or an error (``failed``)."""
 
     name: str
     status: str
