@@ -7,8 +7,8 @@ The public API, re-exported::
     result = auditor.score("unlearned_dir")      # UDSResult: .uds, .examples, .layers, .summary, .save()
 
 The names are resolved on first use (PEP 562 ``__getattr__``): ``import uds_lens`` alone loads neither torch nor
-TransformerLens (4-6 s to import on a small CPU) nor bitsandbytes, so the CLI's ``--help`` and ``report`` answer at
-once and importing the package prints nothing. ``from uds_lens import UDSAuditor`` imports what that name needs.
+TransformerLens (4-6 s to import on a small CPU) nor bitsandbytes (which TransformerLens imports, and which may print
+warnings), so the CLI's ``--help`` and ``report`` answer at once and importing the package prints nothing. ``from uds_lens import UDSAuditor`` imports what that name needs.
 """
 
 from __future__ import annotations
