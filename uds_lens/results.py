@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Skip
@@ -111,13 +110,16 @@ class UDSResult:
         encoded: Sequence[EncodedExample],
         skipped: Sequence[Skip],
         layers: Sequence[int],
-        s_full: torch.Tensor,
-        baseline: torch.Tensor,
-        s1: torch.Tensor | None,
-        s2: torch.Tensor,
+        s_full: Any,
+        baseline: Any,
+        s1: Any,
+        s2: Any,
         config: Any,
         meta: dict[str, Any],
     ) -> UDSResult:
+        """Tables from the stages' CPU tensors: ``s_full`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
+        retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. (Annotated ``Any`` so this
+        module, and with it ``uds-lens report``, never imports torch.)"""
         n, n_layers = len(encoded), len(layers)
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)
@@ -157,13 +159,13 @@ class UDSResult:
             layers["ke"] = False
             layers["ler"] = np.nan
         else:
-            d1 = torch.tensor(layers["d1"].to_numpy(dtype=float))
-            d2 = torch.tensor(layers["d2"].to_numpy(dtype=float))
-            from uds_lens.uds import ke_mask, layer_erasure_ratio
-
-            ke = ke_mask(d1, tau)
-            layers["ke"] = ke.numpy()
-            layers["ler"] = torch.where(ke, layer_erasure_ratio(d1, d2), torch.full_like(d1, float("nan"))).numpy()
+            # uds.ke_mask / uds.layer_erasure_ratio in numpy: tables (and `uds-lens report`) need no torch import
+            d1 = layers["d1"].to_numpy(dtype=float)
+            d2 = layers["d2"].to_numpy(dtype=float)
+            ke = d1 > tau
+            ratio = np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0.0, 1.0)
+            layers["ke"] = ke
+            layers["ler"] = np.where(ke, ratio, np.nan)
         weighted = layers.assign(w=np.where(layers["ke"], layers["d1"], 0.0))
         weighted["wl"] = weighted["w"] * weighted["ler"].fillna(0.0)
         grouped = weighted.groupby("idx", sort=False).agg(n_ke=("ke", "sum"), w=("w", "sum"), wl=("wl", "sum"))

@@ -59,3 +59,20 @@ def test_cli_hides_hugging_face_loading_bars_unless_verbose(monkeypatch):
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
     _quiet_model_loading(["score", "--full", "F"])
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_cli_report_imports_no_model_library(tmp_path):
+    from _synthetic import make_result
+
+    for name, erasure in (("full", 0.0), ("npo", 0.4)):
+        make_result(name, erasure).save(tmp_path / name)
+    probe = _run(
+        "import sys\n"
+        f"sys.argv = ['uds-lens', 'report', {str(tmp_path)!r}]\n"
+        "from uds_lens import cli\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        f"print('LOADED:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert (tmp_path / "report.html").is_file()
+    assert probe.stdout.strip().endswith("LOADED:"), probe.stdout[-300:]
