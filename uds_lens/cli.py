@@ -131,6 +131,61 @@ def score(
     typer.echo(f"results in {out}")
 
 
+@app.command()
+def sweep(
+    full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
+    retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
+    data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
+    out: Path = typer.Option(..., help="Output directory: NAME/ per model, sweep.csv, sweep_eval.json."),
+    models: Path | None = typer.Option(None, help="Model list: `name,path_or_id` CSV rows or one path per line."),
+    registry: str | None = typer.Option(None, help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV."),
+    methods: str | None = typer.Option(None, help="Registry methods to keep, comma-separated (e.g. npo,rmu)."),
+    workers: int | None = typer.Option(None, help="Ray workers; 1 = in-process (default: one per GPU/CPU slot)."),
+    address: str | None = typer.Option(None, help="Ray cluster: auto | HOST:PORT (default: a local cluster)."),
+    gpus_per_worker: float | None = typer.Option(None, help="GPUs per worker (default 1 when there are GPUs)."),
+    cpus_per_worker: int = typer.Option(1, help="CPU slots (torch threads on CPU) per worker."),
+    max_retries: int = typer.Option(2, help="Retries of a model whose worker died before it is reported failed."),
+    compare_published: bool = typer.Option(False, help="Add the published UDS, the difference and a scatter."),
+    force: bool = typer.Option(False, help="Recompute every model, even when its stored result is current."),
+    tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
+    scope: str = typer.Option("span", help="Patch scope: span | boundary."),
+    site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
+    dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
+    device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    batch_size: int | None = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    limit: int | None = typer.Option(None, help="Score only the first N examples."),
+    published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
+    cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
+    no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
+    engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
+
+    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights)
+    match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
+    sweep.csv with its error and the sweep goes on.
+    """
+    from uds_lens.sweep import sweep as run_sweep
+    from uds_lens.uds import UDSConfig
+
+    _setup_logging(verbose)
+    if retain is None and not no_retain:
+        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
+    config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
+                       batch_size=batch_size, dtype=dtype, device=device, engine=engine)
+    table = run_sweep(full, None if no_retain else retain, data, out, models_to_score=models, registry=registry,
+                      methods=methods.split(",") if methods else None, config=config, workers=workers,
+                      address=address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
+                      max_retries=max_retries, cache_dir=cache_dir, limit=limit, force=force,
+                      compare_published=compare_published)
+    columns = ["name", "status", "uds", "ci_low", "ci_high", "n_scored", "s2_seconds"]
+    if compare_published:
+        columns += ["published_uds", "uds_minus_published"]
+    _print_table(table.to_dict("records"), columns + ["error"])
+    typer.echo(f"results in {out}")
+
+
 @zoo_app.command("build")
 def zoo_build(
     out: Path = typer.Option(..., help="Zoo directory (resumable: valid models are reused)."),
@@ -252,12 +307,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
     from uds_lens.results import ResultIntegrityError, ResultNameError
+    from uds_lens.sweep import SweepError
     from uds_lens.uds import ConfigError, NonFiniteScoreError
     from uds_lens.zoo import ZooBuildError, ZooDataError
 
     return (DataError, TokenizerError, ModelLoadError, ModelMismatchError, ZooBuildError, ZooDataError,
             QuantisationError, FileNotFoundError, ConfigError, NonFiniteScoreError, ResultIntegrityError,
-            ResultNameError)
+            ResultNameError, SweepError)
 
 
 def main() -> None:

@@ -605,6 +605,37 @@ class UDSAuditor:
             self.cache.save(key, payload, stage)
         return stage
 
+    @property
+    def batches(self) -> list[list[int]]:
+        """The example batches (indices into ``encoded``) every stage runs in; a sweep ships them to its workers so
+        that each worker pads and batches exactly like the auditor that computed Stage 1."""
+        return [list(members) for members in self._batches]
+
+    def use_stage1(self, stage: StageOne, batches: Sequence[Sequence[int]],
+                   inputs_fingerprint: dict[str, Any] | None = None) -> None:
+        """Adopt a Stage 1 computed by another auditor on the same (full, retain, data, settings) instead of
+        computing it here: a sweep computes S1 once and ships it, with its batches, to every worker.
+
+        Args:
+            stage: the other auditor's ``stage1``.
+            batches: the other auditor's ``batches`` (so padding and batching, hence every number, are the same).
+            inputs_fingerprint: the other auditor's ``fingerprint(None)``; the results of this auditor then record
+                the retain model Stage 1 came from, although this auditor never loaded it.
+
+        Raises:
+            ValueError: the stage or the batches do not cover this auditor's encoded examples.
+        """
+        if stage.idx != [e.idx for e in self.encoded]:
+            raise ValueError("The Stage 1 handed over was computed on other examples than this auditor's encoded "
+                             "forget set; compute it with the same data, tokenizer and settings.")
+        if sorted(i for members in batches for i in members) != list(range(len(self.encoded))):
+            raise ValueError("The batches handed over do not cover every encoded example exactly once.")
+        self._batches = [list(members) for members in batches]
+        self._clean = {}
+        self._stage1 = stage
+        if inputs_fingerprint is not None:
+            self._base_fingerprint = {key: value for key, value in inputs_fingerprint.items() if key != "unlearned"}
+
     def _require_finite(self, values: Tensor, members: Sequence[int], model: Any, role: str, label: str | None,
                         what: str) -> None:
         """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
