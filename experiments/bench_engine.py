@@ -46,9 +46,8 @@ from uds_lens.patching import (
     choose_batch_size,
     clean_run,
     pad_batch,
-    patched_scores,
     plan_batches,
-    source_activations,
+    source_scores,
 )
 
 SITE = "resid_post"
@@ -206,8 +205,7 @@ def run_stage2(full, source, examples, batch_size, engine, device, cleans=None):
     started = time.perf_counter()
     outputs = []
     for batch, clean in zip(padded, cleans):
-        acts = source_activations(source, batch.tokens, SITE, layers)
-        outputs.append(patched_scores(full, batch, acts, SITE, layers, engine, clean))
+        outputs.append(source_scores(full, source, batch, SITE, layers, engine, clean))
     sync(device)
     seconds = time.perf_counter() - started
     by_example = {}
@@ -227,8 +225,7 @@ def run_stage1(full, source, examples, batch_size, engine, device):
     for batch in padded:
         clean = clean_run(full, batch, SITE, keep_kv=engine == "fast")
         baseline_scores(full, batch, clean, SITE, layers, engine)
-        acts = source_activations(source, batch.tokens, SITE, layers)
-        patched_scores(full, batch, acts, SITE, layers, engine, clean)
+        source_scores(full, source, batch, SITE, layers, engine, clean)
         cleans.append(clean)
     sync(device)
     return time.perf_counter() - started, cleans

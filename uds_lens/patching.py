@@ -257,29 +257,58 @@ class WindowPacking:
     read_row: Int[Tensor, " entity"]
     width: int
     prefix_len: int
+    start: Int[Tensor, " batch"]
 
     @property
     def rows(self) -> int:
         return int(self.example.shape[0])
 
     @classmethod
-    def of(cls, batch: PatchBatch) -> WindowPacking:
-        positions, valid = _window_index(batch)
-        n_batch, width = positions.shape
-        device = positions.device
-        example = torch.arange(n_batch, device=device)[:, None].expand(n_batch, width)[valid]
-        offset = torch.arange(width, device=device)[None, :].expand(n_batch, width)[valid]
+    def spans(
+        cls,
+        start: Int[Tensor, " batch"],
+        length: Int[Tensor, " batch"],
+        patch_mask: Bool[Tensor, "batch pos"],
+        read_batch: Int[Tensor, " entity"],
+        read_pos: Int[Tensor, " entity"],
+    ) -> WindowPacking:
+        """Pack positions ``[start_b, start_b + length_b)`` of every example ``b``."""
+        n_batch = int(start.shape[0])
+        width = int(length.max())
+        device = start.device
+        offsets = torch.arange(width, device=device)
+        valid = offsets[None, :] < length[:, None]
+        positions = torch.where(valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long))
         row_of = torch.full((n_batch, width), -1, dtype=torch.long, device=device)
         row_of[valid] = torch.arange(int(valid.sum()), device=device)
         return cls(
-            example=example,
-            offset=offset,
+            example=torch.arange(n_batch, device=device)[:, None].expand(n_batch, width)[valid],
+            offset=offsets[None, :].expand(n_batch, width)[valid],
             position=positions[valid],
-            patched=batch.patch_mask.gather(1, positions)[valid],
-            read_row=row_of[batch.read_batch, batch.read_pos - batch.window_start[batch.read_batch]],
+            patched=patch_mask.gather(1, positions)[valid],
+            read_row=row_of[read_batch, read_pos - start[read_batch]],
             width=width,
-            prefix_len=int(batch.window_start.max()),
+            prefix_len=int(start.max()),
+            start=start,
         )
+
+    @classmethod
+    def of(cls, batch: PatchBatch) -> WindowPacking:
+        """The windows of a batch (what the patched runs recompute)."""
+        return cls.spans(batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos)
+
+    @classmethod
+    def sequences(cls, batch: PatchBatch) -> WindowPacking:
+        """Whole sequences through the last read position (what a clean or source forward runs)."""
+        stop = batch.window_start + batch.window_len
+        return cls.spans(torch.zeros_like(stop), stop, batch.patch_mask, batch.read_batch, batch.read_pos)
+
+    def rows_in(self, outer: WindowPacking) -> Int[Tensor, " row"]:
+        """Index of each of this packing's rows among the rows of ``outer`` (a packing of whole sequences)."""
+        lengths = torch.zeros(int(outer.start.shape[0]), dtype=torch.long, device=outer.example.device)
+        lengths.index_add_(0, outer.example, torch.ones_like(outer.example))
+        first_row = torch.cumsum(lengths, 0) - lengths
+        return first_row[self.example] + self.position
 
 
 @dataclass
@@ -351,34 +380,27 @@ def clean_run(
 ) -> CleanRun:
     """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
 
-    Logits are computed at the read positions only (the forward stops before the final norm).
+    Logits are computed at the read positions only. The naive engine's clean run is TransformerLens's forward on
+    the padded batch; the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs share.
     """
     n_layers = full.cfg.n_layers
-    wanted: set[str] = set()
-    if keep_kv:
-        wanted |= {f"blocks.{layer}.attn.hook_rot_k" for layer in range(n_layers)}
-        wanted |= {f"blocks.{layer}.attn.hook_v" for layer in range(n_layers)}
-        wanted |= {hook_name(s, layer) for s in _window_sites(site) for layer in range(n_layers)}
     with torch.no_grad():
-        final, cache = full.run_with_cache(batch.tokens, names_filter=lambda name: name in wanted,
-                                           stop_at_layer=n_layers)
-        scores = read_scores(full, final[batch.read_batch, batch.read_pos][None], batch.read_label,
-                             batch.read_batch, batch.size, upcast)[0]
-        del final
-        run = CleanRun(site=site, scores=scores)
-        if keep_kv:
-            packing = WindowPacking.of(batch)
-            prefix = packing.prefix_len
-
-            def attention_layout(name: str) -> Tensor:
-                return einops.rearrange(cache[name][:, :prefix], "b p kv d -> b kv p d").contiguous()
-
-            run.keys = [attention_layout(f"blocks.{layer}.attn.hook_rot_k") for layer in range(n_layers)]
-            run.values = [attention_layout(f"blocks.{layer}.attn.hook_v") for layer in range(n_layers)]
-            for name in _window_sites(site):
-                run.window_acts[name] = torch.stack(
-                    [cache[hook_name(name, layer)][packing.example, packing.position] for layer in range(n_layers)]
-                )
+        if not keep_kv:
+            final = full(batch.tokens, stop_at_layer=n_layers)
+            scores = read_scores(full, final[batch.read_batch, batch.read_pos][None], batch.read_label,
+                                 batch.read_batch, batch.size, upcast)[0]
+            return CleanRun(site=site, scores=scores)
+        sequences = WindowPacking.sequences(batch)
+        window = WindowPacking.of(batch)
+        final, captured, kv = packed_forward(full, batch, _window_sites(site), n_layers, window.rows_in(sequences),
+                                             keep_kv=True)
+        scores = read_scores(full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size,
+                             upcast)[0]
+        prefix = window.prefix_len
+        run = CleanRun(site=site, scores=scores,
+                       keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
+                       values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
+                       window_acts={name: torch.stack(values) for name, values in captured.items()})
     return run
 
 
@@ -440,17 +462,18 @@ class _AttentionLayout:
     allowed: Bool[Tensor, "batch 1 1 1 window key"]
 
 
-def _attention_layout(full: HookedTransformer, batch: PatchBatch, packing: WindowPacking) -> _AttentionLayout:
-    attn = full.blocks[0].attn
-    device = batch.tokens.device
-    prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < batch.window_start[:, None]
+def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _AttentionLayout:
+    attn = model.blocks[0].attn
+    device = packing.start.device
+    n_batch = int(packing.start.shape[0])
+    prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
     offsets = torch.arange(packing.width, device=device)
     causal = offsets[:, None] >= offsets[None, :]
     allowed = torch.cat([prefix_ok[:, None, :].expand(-1, packing.width, -1),
-                         causal[None].expand(batch.size, -1, -1)], dim=-1)
+                         causal[None].expand(n_batch, -1, -1)], dim=-1)
     return _AttentionLayout(
         packing=packing,
-        n_batch=batch.size,
+        n_batch=n_batch,
         cos=attn.rotary_cos[packing.position][:, None, :],
         sin=attn.rotary_sin[packing.position][:, None, :],
         allowed=allowed[:, None, None, None],
@@ -464,13 +487,15 @@ def _window_attention(
     prefix_keys: Float[Tensor, "batch kv_head prefix d_head"],
     prefix_values: Float[Tensor, "batch kv_head prefix d_head"],
     w_out: Float[Tensor, "d_model head_d_head"],
+    keep: list[Tensor] | None = None,
 ) -> Float[Tensor, "run row d_model"]:
     """Attention of the packed window rows of several runs over their example's clean prefix and its own window.
 
     Projections run on the packed rows. Scores are taken in a per-example layout ``[batch, kv_head, run, rep,
     window, key]`` (``rep`` query heads share a key/value head): the prefix product is one batched matmul over
     ``(batch, kv_head)`` with the runs and query heads folded into its rows, so the prefix keys/values are read
-    in place, neither copied per run nor repeated per query head.
+    in place, neither copied per run nor repeated per query head. With ``keep`` (one run), the rotated keys and
+    values of the rows are appended to it in that same layout, ``[batch, kv_head, window, d_head]``.
     """
     attn = block.attn
     packing = layout.packing
@@ -489,17 +514,23 @@ def _window_attention(
     q_pad = einops.rearrange(padded(q), "run b w (kv rep) d -> b kv run rep w d", kv=n_kv).contiguous()
     k_pad = einops.rearrange(padded(k), "run b w kv d -> b kv run w d")
     v_pad = einops.rearrange(padded(v), "run b w kv d -> b kv run w d")
+    if keep is not None:
+        keep += [k_pad[:, :, 0].contiguous(), v_pad[:, :, 0].contiguous()]
     shape = q_pad.shape
     prefix_len = prefix_keys.shape[2]
-    q_rows = q_pad.view(shape[0], shape[1], -1, shape[-1])
-    scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(*shape[:-1], prefix_len)
     scores_window = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_pad, k_pad)
-    scores = torch.cat([scores_prefix, scores_window], dim=-1) / attn.attn_scale
+    if prefix_len:
+        q_rows = q_pad.view(shape[0], shape[1], -1, shape[-1])
+        scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(*shape[:-1], prefix_len)
+        scores = torch.cat([scores_prefix, scores_window], dim=-1) / attn.attn_scale
+    else:  # a forward from the first position (packed_forward)
+        scores = scores_window / attn.attn_scale
     scores = scores.masked_fill_(~layout.allowed, attn.IGNORE.to(scores.dtype))
     pattern = F.softmax(scores, dim=-1).to(v.dtype)
-    z = torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
-                     prefix_values.to(v.dtype)).view(shape)
-    z = z + torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v_pad)
+    z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v_pad)
+    if prefix_len:
+        z = z + torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
+                             prefix_values.to(v.dtype)).view(shape)
     z = einops.rearrange(z, "b kv run rep w d -> run b w (kv rep d)")[:, packing.example, packing.offset]
     return F.linear(z, w_out, attn.b_O)
 
@@ -508,18 +539,93 @@ def _mlp_half(block: Any, resid_mid: Float[Tensor, "*runs d_model"]) -> Float[Te
     return resid_mid + block.apply_mlp(block.ln2(resid_mid))
 
 
+def packed_forward(
+    model: HookedTransformer,
+    batch: PatchBatch,
+    sites: Sequence[str],
+    n_blocks: int,
+    rows: Int[Tensor, " row"],
+    keep_kv: bool = False,
+) -> tuple[Float[Tensor, "seq_row d_model"], dict[str, list[Tensor]], list[Tensor]]:
+    """A forward of the batch's sequences (through the last read position) packed into rows, no padding.
+
+    The same block arithmetic as the patched runs (``_window_attention`` with an empty prefix, ``_mlp_half``): the
+    linear layers see only real tokens, so a batch of ragged sequences costs its token count, not ``batch x
+    longest``. Returns the residual after ``n_blocks`` blocks at every row (``WindowPacking.sequences`` order), each
+    site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
+    keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
+    """
+    packing = WindowPacking.sequences(batch)
+    layout = _attention_layout(model, packing)
+    n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
+    empty = torch.zeros(layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device)
+    captured: dict[str, list[Tensor]] = {name: [] for name in sites}
+    kv: list[Tensor] = []
+
+    def record(name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
+        if name in captured:
+            captured[name].append(value[0, rows])
+
+    resid = model.embed(batch.tokens[packing.example, packing.position][None])
+    for block_index in range(n_blocks):
+        block = model.blocks[block_index]
+        w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
+        record("resid_pre", resid)
+        attn_out = _window_attention(block, resid, layout, empty, empty, w_out, kv if keep_kv else None)
+        record("attn_out", attn_out)
+        resid = resid + attn_out
+        record("resid_mid", resid)
+        mlp_out = block.apply_mlp(block.ln2(resid))
+        record("mlp_out", mlp_out)
+        resid = resid + mlp_out
+        record("resid_post", resid)
+    return resid[0], captured, kv
+
+
+def window_source_activations(
+    source: Any,
+    batch: PatchBatch,
+    site: str,
+    layers: Sequence[int],
+    published_compat: bool = False,
+) -> Float[Tensor, "layer row d_model"]:
+    """Activations of ``source`` at ``blocks.{l}.hook_{site}`` at the window rows of ``batch`` (``WindowPacking.of``
+    order), for every ``l`` in ``layers``: what the fast engine patches from.
+
+    A HookedTransformer runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
+    run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
+    Other sources run ``source_activations`` on the batch, gathered at the window rows.
+    """
+    layers = list(layers)
+    window = WindowPacking.of(batch)
+    if not _is_hooked(source):
+        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+        return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
+    on_source = batch.to(source.cfg.device)
+    rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
+    n_layers = source.cfg.n_layers
+    with torch.no_grad():
+        _, captured, _ = packed_forward(source, on_source, (site,), max(layers) + 1, rows)
+        acts = [captured[site][layer] for layer in layers]
+        if published_compat and site == "resid_post" and (n_layers - 1) in layers:
+            acts[layers.index(n_layers - 1)] = source.ln_final(acts[layers.index(n_layers - 1)])
+    return torch.stack(acts)
+
+
 def fast_patched_scores(
     full: HookedTransformer,
     batch: PatchBatch,
     clean: CleanRun,
-    acts: Float[Tensor, "layer batch pos d_model"] | None,
+    acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
     site: str,
     layers: Sequence[int],
     upcast: bool = True,
 ) -> Float[Tensor, "batch layer"]:
     """Patched scores for every (example, layer), recomputing only the window of each run.
 
-    ``acts=None`` writes the clean activations back (the engine's own unpatched baseline).
+    ``acts`` is ``[layer, batch, pos, d_model]`` (``source_activations``) or already at the packed window rows
+    (``window_source_activations``); ``acts=None`` writes the clean activations back (the engine's own unpatched
+    baseline).
 
     Run ``l`` holds the packed window rows of every example of the batch (``WindowPacking``: no padding) with the
     patch applied at layer ``l``, and goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the
@@ -538,8 +644,11 @@ def fast_patched_scores(
     order = sorted(range(len(layers)), key=lambda i: -first_block(layers[i]))
     run_layers = [layers[i] for i in order]
     run_index = torch.tensor(run_layers, device=batch.tokens.device)
-    source_rows = None if acts is None else acts[torch.tensor(order, device=acts.device)][
-        :, packing.example.to(acts.device), packing.position.to(acts.device)]
+    source_rows = None
+    if acts is not None:
+        source_rows = acts[torch.tensor(order, device=acts.device)]
+        if source_rows.ndim == 4:  # [layer, batch, pos, d_model]: gather the window rows
+            source_rows = source_rows[:, packing.example.to(acts.device), packing.position.to(acts.device)]
     patch_rows = packing.patched[None, :, None]
 
     def clean_rows(name: str) -> Float[Tensor, "run row d_model"]:
@@ -560,7 +669,7 @@ def fast_patched_scores(
             resid_mid = patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
             resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[r]) for r, layer in enumerate(run_layers)])
 
-        layout = _attention_layout(full, batch, packing)
+        layout = _attention_layout(full, packing)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
@@ -584,7 +693,7 @@ def fast_patched_scores(
 def patched_scores(
     full: HookedTransformer,
     batch: PatchBatch,
-    acts: Float[Tensor, "layer batch pos d_model"],
+    acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"],
     site: str,
     layers: Sequence[int],
     engine: str = "fast",
@@ -593,16 +702,43 @@ def patched_scores(
 ) -> Float[Tensor, "batch layer"]:
     """Score of the full model patched at each layer of ``layers`` with ``acts`` (one per layer).
 
-    ``acts[i]`` is the source activation at ``blocks.{layers[i]}.hook_{site}``. Swapping the engine changes no
+    ``acts[i]`` is the source activation at ``blocks.{layers[i]}.hook_{site}``, over the padded batch, or (fast
+    engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine changes no
     number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
     """
     if engine == "naive":
+        if acts.ndim != 4:
+            raise ValueError("The naive engine patches from [layer, batch, pos, d_model] activations "
+                             "(source_activations), not packed window rows.")
         return naive_patched_scores(full, batch, acts, site, layers, upcast)
     if engine == "fast":
         if clean is None:
             clean = clean_run(full, batch, site, upcast=upcast)
         return fast_patched_scores(full, batch, clean, acts, site, layers, upcast)
     raise ValueError(f"Unknown engine {engine!r}; use one of {ENGINES}.")
+
+
+def source_scores(
+    full: HookedTransformer,
+    source: Any,
+    batch: PatchBatch,
+    site: str,
+    layers: Sequence[int],
+    engine: str = "fast",
+    clean: CleanRun | None = None,
+    upcast: bool = True,
+    published_compat: bool = False,
+) -> Float[Tensor, "batch layer"]:
+    """One source forward and the patched scores of every layer: what a stage costs per batch.
+
+    The naive engine reads the source over the padded batch (``source_activations``), the fast one only at the
+    window rows from a packed forward (``window_source_activations``).
+    """
+    if engine == "fast":
+        acts = window_source_activations(source, batch, site, layers, published_compat)
+    else:
+        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+    return patched_scores(full, batch, acts.to(full.cfg.device), site, layers, engine, clean, upcast)
 
 
 def baseline_scores(
@@ -706,5 +842,6 @@ def choose_batch_size(
 __all__ = [
     "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "WindowPacking", "baseline_scores", "choose_batch_size",
     "clean_run", "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob",
-    "naive_patched_scores", "pad_batch", "patched_scores", "read_scores", "source_activations",
+    "naive_patched_scores", "packed_forward", "pad_batch", "patched_scores", "read_scores", "source_activations",
+    "source_scores", "window_source_activations",
 ]
