@@ -18,6 +18,11 @@ Two engines compute exactly that:
   batch go through each block together. Its cost is one clean forward plus about ``T·L²/2`` token-block
   evaluations (``T`` = window length), against ``L`` full forwards for ``naive``.
 
+  Ragged lengths cost nothing extra: window tokens are packed into flat rows (``WindowPacking``) for the norms,
+  projections and MLPs, and laid out per example only inside attention; the clean and source forwards are packed
+  the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
+  label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
+
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
 compared with, so a source identical to the full model gives deltas of exactly 0.
 
@@ -802,8 +807,7 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    runs += layers * layers * window * cfg.n_heads * cfg.d_head * itemsize  # gathered prefix K/V per run
-    logits = layers * window * cfg.d_vocab * 4 * 2
+    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores goes a slice of runs at a time
     return int(kv + sources + 2 * runs + logits)
 
 
