@@ -17,7 +17,7 @@ $(VENV)/.setup-done: pyproject.toml
 	touch $@
 
 $(VENV)/.setup-dev-done: $(VENV)/.setup-done
-	$(PY) -m pip install -q -e ".[dev,quant]"
+	$(PY) -m pip install -q -e ".[dev,quant,sweep]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -23,6 +23,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from uds_lens.data import looks_like_local_path
 from uds_lens.tl_compat import (
     HookedTransformer,
     HookedTransformerConfig,
@@ -72,6 +73,14 @@ def is_local(path_or_id: str | os.PathLike) -> bool:
     return Path(path_or_id).expanduser().is_dir()
 
 
+def _refuse_missing_local(path_or_id: str | os.PathLike) -> None:
+    """Fail at once for a path that does not exist, instead of asking the hub (and retrying) for a mistyped path."""
+    text = str(path_or_id)
+    if not Path(text).expanduser().exists() and (isinstance(path_or_id, os.PathLike) or looks_like_local_path(text)):
+        raise ModelLoadError(f"No checkpoint at {text}: the path does not exist (a hub id looks like 'org/name'). "
+                             "Check the path, or pass a local Hugging Face checkpoint directory.")
+
+
 def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     return ModelLoadError(
@@ -88,6 +97,7 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
     """The Hugging Face config of a checkpoint, offline for local directories."""
     from transformers import AutoConfig
 
+    _refuse_missing_local(path_or_id)
     source = str(Path(path_or_id).expanduser()) if is_local(path_or_id) else str(path_or_id)
     if is_local(path_or_id) and not (Path(source) / "config.json").is_file():
         raise ModelLoadError(f"{source} is a directory but has no config.json: not a Hugging Face checkpoint.")
@@ -236,6 +246,7 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities)."""
     from transformers import AutoTokenizer
 
+    _refuse_missing_local(path_or_id)
     local = is_local(path_or_id)
     source = str(Path(path_or_id).expanduser()) if local else str(path_or_id)
     try:

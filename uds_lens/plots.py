@@ -46,6 +46,7 @@ __all__ = [
     "model_frame",
     "pool_histograms",
     "prompt_type_bar",
+    "published_scatter",
     "rmu_layer_profile",
     "rmu_target_layer",
     "robustness_scatter",
@@ -1415,3 +1416,29 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
 def _visible(token: Any) -> str:
     """Show leading spaces and newlines in token labels."""
     return str(token).replace("\n", "\\n").replace(" ", "␣")
+
+
+def published_scatter(table: pd.DataFrame, ours: str = "uds", published: str = "published_uds",
+                      title: str | None = None) -> go.Figure:
+    """Our UDS against the published one, one point per model of a sweep (``sweep.csv`` with ``--compare-published``).
+
+    Points on the dashed diagonal agree; the hover names the model and the difference. Models without a published
+    value (or without a score of ours) are left out and counted in the title. Colours are the registry's methods.
+    """
+    frame = table.copy()
+    frame[ours] = pd.to_numeric(frame[ours], errors="coerce")
+    frame[published] = pd.to_numeric(frame.get(published, np.nan), errors="coerce")
+    both = frame.dropna(subset=[ours, published])
+    colour = "method" if "method" in both and both["method"].notna().any() else None
+    fig = px.scatter(both, x=published, y=ours, color=colour, hover_name="name",
+                     hover_data={"uds_minus_published": ":.3f"} if "uds_minus_published" in both else None,
+                     color_discrete_sequence=PALETTE)
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", line={"dash": "dash", "color": "grey"},
+                             name="ours = published", hoverinfo="skip"))
+    left_out = len(frame) - len(both)
+    fig.update_layout(
+        title=title or f"UDS: ours vs published ({len(both)} models" + (f", {left_out} without both" if left_out else "")
+        + ")",
+        xaxis_title="published UDS", yaxis_title="our UDS", xaxis_range=[-0.05, 1.05], yaxis_range=[-0.05, 1.05],
+    )
+    return fig

@@ -57,3 +57,21 @@ def test_mismatched_vocab_and_architecture(tiny, tmp_path):
     deeper = make_llama(tmp_path / "d", tiny.tokenizer, seed=3, n_layers=4)
     with pytest.raises(ModelMismatchError, match="architecture"):
         check_compatible(load_model(tiny.full), load_model(deeper))
+
+
+def test_a_mistyped_local_model_path_fails_without_asking_the_hub(tiny, tmp_path, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked for a local path")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    from uds_lens.models import load_tokenizer
+
+    for mistyped in (tmp_path / "ful", str(tmp_path / "ful"), str(tiny.full) + "l", "./ckpt/full"):
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            load_model(mistyped)
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            load_tokenizer(mistyped)
