@@ -52,6 +52,7 @@ from uds_lens.patching import (
     clean_run,
     pad_batch,
     plan_batches,
+    source_activations,
     source_scores,
 )
 from uds_lens.tl_compat import HookedTransformer
