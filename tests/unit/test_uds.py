@@ -224,6 +224,7 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
     for changed in (dict(retain=tiny.unlearned), dict(full=tiny.retain), dict(data=other_data), dict(limit=3),
                     dict(retain=None)):
         assert "reused" not in run(**changed).meta, changed
+    assert "reused" not in run().meta  # back to the first inputs after the last change: recomputed
     assert run().meta.get("reused") == "identical inputs"
     _copy_model(tiny.unlearned, unlearned, noise=0.05, seed=3)  # retrained in place: same path, new weights
     assert "reused" not in run().meta
