@@ -51,9 +51,9 @@ from uds_lens.patching import (
     choose_batch_size,
     clean_run,
     pad_batch,
-    patched_scores,
     plan_batches,
     source_activations,
+    source_scores,
 )
 from uds_lens.tl_compat import HookedTransformer
 
@@ -571,9 +571,8 @@ class UDSAuditor:
         return self._clean[number]
 
     def _source_scores(self, source: Any, batch: PatchBatch, number: int) -> Tensor:
-        acts = source_activations(source, batch.tokens, self.config.site, self.layers, self.config.published_compat)
-        return patched_scores(self.full, batch, acts.to(self.full.cfg.device), self.config.site, self.layers,
-                              self.config.engine, self._clean_run(number, batch), self.upcast)
+        return source_scores(self.full, source, batch, self.config.site, self.layers, self.config.engine,
+                             self._clean_run(number, batch), self.upcast, self.config.published_compat)
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
