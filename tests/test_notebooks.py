@@ -18,12 +18,13 @@ def _ids(paths: list[Path]) -> list[str]:
     return [p.stem for p in paths]
 
 
-def test_the_four_notebooks_exist():
+def test_the_five_notebooks_exist():
     assert {p.stem for p in NOTEBOOKS} >= {
         "01_quickstart",
         "02_layer_diagnostics",
         "03_component_patching",
         "04_comparing_methods",
+        "05_heads_and_hooks",
     }
 
 

@@ -5,16 +5,66 @@ The public API, re-exported::
     from uds_lens import UDSAuditor, UDSConfig, load_model, load_examples
     auditor = UDSAuditor("full_dir", "retain_dir", "forget.json")
     result = auditor.score("unlearned_dir")      # UDSResult: .uds, .examples, .layers, .summary, .save()
+
+The names are resolved on first use (PEP 562 ``__getattr__``): ``import uds_lens`` alone loads neither torch nor
+TransformerLens (4-6 s to import on a small CPU) nor bitsandbytes (which TransformerLens imports, and which may print
+warnings), so the CLI's ``--help`` and ``report`` answer at once and importing the package prints nothing. ``from uds_lens import UDSAuditor`` imports what that name needs.
 """
 
-from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
-from uds_lens.models import load_hf_model, load_model, load_tokenizer, verify_parity
-from uds_lens.results import UDSResult
-from uds_lens.uds import UDSAuditor, UDSConfig, bootstrap_ci, example_uds, model_uds
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "EncodedExample": "uds_lens.data",
+    "Example": "uds_lens.data",
+    "Skip": "uds_lens.data",
+    "encode": "uds_lens.data",
+    "load_examples": "uds_lens.data",
+    "load_hf_model": "uds_lens.models",
+    "load_model": "uds_lens.models",
+    "load_tokenizer": "uds_lens.models",
+    "verify_parity": "uds_lens.models",
+    "UDSResult": "uds_lens.results",
+    "UDSAuditor": "uds_lens.uds",
+    "UDSConfig": "uds_lens.uds",
+    "bootstrap_ci": "uds_lens.uds",
+    "example_uds": "uds_lens.uds",
+    "model_uds": "uds_lens.uds",
+    "ComponentResult": "uds_lens.components",
+    "patch_heads": "uds_lens.components",
+    "patch_positions": "uds_lens.components",
+    "patch_tokens": "uds_lens.components",
+    "load_zoo": "uds_lens.zoo",
+}
+
 __all__ = [
-    "EncodedExample", "Example", "Skip", "UDSAuditor", "UDSConfig", "UDSResult", "bootstrap_ci", "encode",
-    "example_uds", "load_examples", "load_hf_model", "load_model", "load_tokenizer", "model_uds", "verify_parity",
+    "ComponentResult", "EncodedExample", "Example", "Skip", "UDSAuditor", "UDSConfig", "UDSResult", "bootstrap_ci",
+    "encode", "example_uds", "load_examples", "load_hf_model", "load_model", "load_tokenizer", "load_zoo",
+    "model_uds", "patch_heads", "patch_positions", "patch_tokens", "verify_parity",
 ]
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
+    from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
+    from uds_lens.models import load_hf_model, load_model, load_tokenizer, verify_parity
+    from uds_lens.results import UDSResult
+    from uds_lens.uds import UDSAuditor, UDSConfig, bootstrap_ci, example_uds, model_uds
+    from uds_lens.zoo import load_zoo
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'uds_lens' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,7 +1,7 @@
 """Case-study analyses over UDS result tables (the paper's §5 and appendix D), each returning a DataFrame.
 
 Inputs are the long tables a ``UDSResult`` carries: ``examples`` (``idx, prompt_type, n_entity_tokens, n_ke, uds,
-status, skip_reason``) and ``layers`` (``idx, layer, site, s_full, s1_score, s2_score, d1, d2, ke, ler``). Nothing here
+status, skip_reason``) and ``layers`` (``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``). Nothing here
 runs a model: tau is a threshold on the cached ``d1`` (KE layers ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)``,
 ``UDS_i = sum_KE d1 LER / sum_KE d1``, undefined with no KE layer), so re-applying it to a ``layers`` table gives what
 a full recomputation would (SPEC §1.7).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 
 import typer
@@ -35,13 +37,118 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
 
+def _unlearned_models(values: list[str]) -> dict[str, str]:
+    """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model, a bare path is named after
+    its directory (parent directories added where two basenames clash, see ``uds.result_names``)."""
+    from uds_lens.results import check_result_name
+    from uds_lens.uds import ConfigError, result_names
+
+    named: dict[str, str] = {}
+    plain: list[str] = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if sep and name and path and not Path(value).expanduser().exists():
+            check_result_name(name)
+            if name in named:
+                raise ConfigError(f"--unlearned names {name!r} twice; give each NAME=PATH a distinct NAME.")
+            named[name] = path
+        else:
+            plain.append(value)
+    automatic = result_names(plain) if plain else {}
+    clash = sorted(set(named) & set(automatic))
+    if clash:
+        raise ConfigError(f"--unlearned: the name(s) {clash} are given with NAME=PATH and also taken by a path's "
+                          "basename; choose other names.")
+    return {**automatic, **named}
+
+
+def _check_out_dir(out: Path, option: str = "--out") -> None:
+    from uds_lens.uds import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{option} {out} is a file; pass a directory (it is created when missing).")
+
+
 @app.command()
 def score(
     full: str = typer.Option(..., help="Full model: local HF directory, .gguf file, or hub id (the patch target)."),
     retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
-    unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several."),
+    unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several. NAME=PATH "
+                                        "names the result directory (default: the model directory's name)."),
     data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
-    out: Path = typer.Option(..., help="Output directory; one sub-directory per unlearned model."),
+    out: Path = typer.Option(..., help="Output directory; one sub-directory per unlearned model. A saved result "
+                             "there is reused only when full, retain and unlearned weights, data, --limit and "
+                             "settings are all identical (tau is re-applied); anything else is recomputed."),
+    tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
+    scope: str = typer.Option("span", help="Patch scope: span | boundary."),
+    site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
+    dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
+    device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    batch_size: int | None = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    limit: int | None = typer.Option(None, help="Score only the first N examples."),
+    published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
+    cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
+    no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
+    engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
+    force: bool = typer.Option(False, "--force", help="Recompute every model, even one with a reusable result."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files.
+
+    OUT/NAME is reused, not recomputed, only when it was computed from identical inputs (the same full, retain and
+    unlearned weights by content, the same data and --limit, the same settings; tau is re-applied to the saved
+    deltas): the run then says "reusing NAME: identical inputs". Anything else recomputes; --force always does.
+    Each result is written to a temporary directory and renamed into place under a lock.
+    """
+    from uds_lens.uds import ConfigError, UDSConfig, score_models
+
+    _setup_logging(verbose)
+    if retain is None and not no_retain:
+        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
+    config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
+                       batch_size=batch_size, dtype=dtype, device=device, engine=engine)
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be a positive number of examples, got {limit}.")
+    _check_out_dir(out)
+    if cache_dir is not None:
+        _check_out_dir(cache_dir, "--cache-dir")
+    models = _unlearned_models(unlearned)
+    results = score_models(full, None if no_retain else retain, models, data, out_dir=out, config=config,
+                           cache_dir=cache_dir, limit=limit, force=force)
+    for name, result in results.items():
+        if result.meta.get("reused"):
+            typer.echo(f"reusing {name}: {result.meta['reused']}")
+    rows = []
+    for name, result in results.items():
+        s = result.summary
+        rows.append({"model": name, "uds": s["uds"], "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
+                     "scored": s["n_scored"], "no_ke": s["n_no_ke"], "skipped": s["n_skipped"],
+                     "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
+                     "s2_s": s["timings"].get("s2_seconds")})
+    columns = ["model", "uds", "ci95", "scored", "no_ke", "skipped", "s2_s"]
+    if no_retain:
+        columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
+        typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
+    _print_table(rows, columns)
+    typer.echo(f"results in {out}")
+
+
+@app.command()
+def sweep(
+    full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
+    retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
+    data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
+    out: Path = typer.Option(..., help="Output directory: NAME/ per model, sweep.csv, sweep_eval.json."),
+    models: Path | None = typer.Option(None, help="Model list: `name,path_or_id` CSV rows or one path per line."),
+    registry: str | None = typer.Option(None, help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV."),
+    methods: str | None = typer.Option(None, help="Registry methods to keep, comma-separated (e.g. npo,rmu)."),
+    workers: int | None = typer.Option(None, help="Ray workers; 1 = in-process (default: one per GPU/CPU slot)."),
+    address: str | None = typer.Option(None, help="Ray cluster: auto | HOST:PORT (default: a local cluster)."),
+    gpus_per_worker: float | None = typer.Option(None, help="GPUs per worker (default 1 when there are GPUs)."),
+    cpus_per_worker: int = typer.Option(1, help="CPU slots (torch threads on CPU) per worker."),
+    max_retries: int = typer.Option(2, help="Retries of a model whose worker died before it is reported failed."),
+    compare_published: bool = typer.Option(False, help="Add the published UDS, the difference and a scatter."),
+    force: bool = typer.Option(False, help="Recompute every model, even when its stored result is current."),
     tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
     scope: str = typer.Option("span", help="Patch scope: span | boundary."),
     site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
@@ -55,28 +162,29 @@ def score(
     engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files."""
-    from uds_lens.uds import UDSConfig, score_models
+    """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
+
+    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights)
+    match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
+    sweep.csv with its error and the sweep goes on.
+    """
+    from uds_lens.sweep import sweep as run_sweep
+    from uds_lens.uds import UDSConfig
 
     _setup_logging(verbose)
     if retain is None and not no_retain:
         raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
     config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
                        batch_size=batch_size, dtype=dtype, device=device, engine=engine)
-    results = score_models(full, None if no_retain else retain, unlearned, data, out_dir=out, config=config,
-                           cache_dir=cache_dir, limit=limit)
-    rows = []
-    for name, result in results.items():
-        s = result.summary
-        rows.append({"model": name, "uds": s["uds"], "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
-                     "scored": s["n_scored"], "no_ke": s["n_no_ke"], "skipped": s["n_skipped"],
-                     "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
-                     "s2_s": s["timings"].get("s2_seconds")})
-    columns = ["model", "uds", "ci95", "scored", "no_ke", "skipped", "s2_s"]
-    if no_retain:
-        columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
-        typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
-    _print_table(rows, columns)
+    table = run_sweep(full, None if no_retain else retain, data, out, models_to_score=models, registry=registry,
+                      methods=methods.split(",") if methods else None, config=config, workers=workers,
+                      address=address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
+                      max_retries=max_retries, cache_dir=cache_dir, limit=limit, force=force,
+                      compare_published=compare_published)
+    columns = ["name", "status", "uds", "ci_low", "ci_high", "n_scored", "s2_seconds"]
+    if compare_published:
+        columns += ["published_uds", "uds_minus_published"]
+    _print_table(table.to_dict("records"), columns + ["error"])
     typer.echo(f"results in {out}")
 
 
@@ -110,15 +218,35 @@ def demo(
     zoo_dir: Path | None = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
     size: str = typer.Option("default", help="Zoo size: test | default."),
     threads: int = typer.Option(2),
+    no_preview: bool = typer.Option(False, "--no-preview",
+                                    help="Do not score the test-size zoo first while the requested zoo is unbuilt."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log more, and show per-model loading bars."),
 ) -> None:
-    """Build or reuse the zoo, score every zoo model with UDS, print the table, write report.html."""
+    """Build or reuse the zoo, score every zoo model with UDS, print the table, write report.html.
+
+    On a first run the default zoo trains for several minutes; the test-size zoo is scored first (about two
+    minutes) so a first table appears early, then the default zoo's.
+    """
+    import time
+
     from uds_lens.demo import run_demo
 
-    _setup_logging(False)
-    table = run_demo(out, zoo_dir=zoo_dir, size=size, threads=threads)
-    rows = table.assign(ci95=[f"[{_fmt(lo)}, {_fmt(hi)}]" for lo, hi in zip(table.ci_low, table.ci_high)])
-    _print_table(rows.to_dict("records"), ["model", "role", "seen_forget_fraction", "uds", "ci95", "n_scored",
-                                           "n_no_ke", "n_skipped"])
+    _setup_logging(verbose)
+    started = time.perf_counter()
+    columns = ["model", "role", "seen_forget_fraction", "uds", "ci95", "n_scored", "n_no_ke", "n_skipped"]
+
+    def show(table) -> None:
+        rows = table.assign(ci95=[f"[{_fmt(lo)}, {_fmt(hi)}]" for lo, hi in zip(table.ci_low, table.ci_high)])
+        _print_table(rows.to_dict("records"), columns)
+
+    def preview(table, zoo_root: Path) -> None:
+        typer.echo(f"first table, on the test-size zoo ({zoo_root}), after {time.perf_counter() - started:.0f} s; "
+                   f"the {size} zoo trains next:")
+        show(table)
+
+    table = run_demo(out, zoo_dir=zoo_dir, size=size, threads=threads, on_preview=None if no_preview else preview)
+    typer.echo(f"UDS on the {size} zoo, after {time.perf_counter() - started:.0f} s:")
+    show(table)
     typer.echo(f"report: {out / 'report.html'}")
 
 
@@ -140,9 +268,9 @@ def diagnose(
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
     from uds_lens.diagnose import METHODS
     from uds_lens.diagnose import diagnose as run_diagnose
-    from uds_lens.uds import model_name
 
-    table = run_diagnose(full, retain, {model_name(u): u for u in unlearned}, data, out,
+    _check_out_dir(out)
+    table = run_diagnose(full, retain, _unlearned_models(unlearned), data, out,
                          methods=tuple(methods) if methods else METHODS,
                          sites=tuple(sites) if sites else ("resid_post",), tau=tau, dtype=dtype, device=device,
                          tuned_lens_steps=tuned_lens_steps, calibration=calibration, progress=True)
@@ -203,14 +331,28 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
+    from uds_lens.results import ResultIntegrityError, ResultNameError
+    from uds_lens.sweep import SweepError
+    from uds_lens.uds import ConfigError, NonFiniteScoreError
     from uds_lens.zoo import ZooBuildError, ZooDataError
 
     return (DataError, TokenizerError, ModelLoadError, ModelMismatchError, ZooBuildError, ZooDataError,
-            QuantisationError, FileNotFoundError)
+            QuantisationError, FileNotFoundError, ConfigError, NonFiniteScoreError, ResultIntegrityError,
+            ResultNameError, SweepError)
+
+
+def _quiet_model_loading(argv: list[str]) -> None:
+    """Hide Hugging Face's per-model "Loading weights" bars unless ``--verbose``; uds_lens's own tqdm bars stay.
+
+    huggingface_hub reads the variable when it is first imported, which the commands do lazily, after this.
+    """
+    if "--verbose" not in argv and "-v" not in argv:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main() -> None:
     """The console entry point: runs the app; a user error exits 2 with its message (no traceback)."""
+    _quiet_model_loading(sys.argv[1:])
     try:
         app()
     except Exception as error:

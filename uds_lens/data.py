@@ -8,22 +8,31 @@ scores the entity tokens:
     tokens    = tokenizer(prompt, add_special_tokens=True) + tokenizer(reference, add_special_tokens=False)
 
 Prompt and reference are tokenised separately (this can differ from tokenising the joined string), and the entity
-tokens are the reference tokens whose characters overlap the entity's first occurrence. With ``start =
+tokens are the reference tokens whose characters overlap the entity's first whole-word occurrence (no word character
+just before or after it: "art" is not found inside "part"; ``published_compat`` keeps the published first-substring
+match and logs where that differs). With ``start =
 len(prompt_ids) - 1``, entity token ``ref_ids[s + t]`` is predicted at position ``start + s + t``; those positions are
 the *read positions* ``[start + s, start + e)``. ``published_compat=True`` keeps the published implementation's
 trailing space in the prompt (``"Answer: "`` + ``"Yes."``).
 
-An example that cannot be encoded is never dropped silently: it becomes a ``Skip`` with a reason string.
+An example that cannot be encoded is never dropped silently: it becomes a ``Skip`` with a reason string. So does one
+longer than the model's context (``fit_context``), unless cutting it after the last read position makes it fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import numbers
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_HUB_DATASET = "jaeunglee/uds-annotated-tofu"
 PROMPT_TEMPLATE = "Question: {question}\nAnswer: {prefix}"
@@ -34,6 +43,8 @@ SKIP_PREFIX_MISMATCH = "answer_does_not_start_with_prefix"
 SKIP_EMPTY_REFERENCE = "invalid_eval_context"
 SKIP_ENTITY_NOT_FOUND = "entity_span_not_found"
 SKIP_EMPTY_ENTITY = "empty_entity"
+SKIP_ENTITY_INSIDE_WORD = "entity_only_inside_another_word"
+SKIP_TOO_LONG = "longer_than_model_context"
 
 
 class DataError(ValueError):
@@ -60,6 +71,9 @@ class Example:
     @classmethod
     def from_record(cls, record: dict[str, Any], position: int = 0) -> Example:
         """Build from a published-schema record; ``gt_entity`` wins over ``entity`` as in the published code."""
+        if not isinstance(record, dict):
+            raise DataError(f"record #{position} is a {type(record).__name__}, not a JSON object with the fields "
+                            f"{list(REQUIRED_FIELDS)}.")
         missing = [f for f in REQUIRED_FIELDS if f not in record and not (f == "entity" and "gt_entity" in record)]
         label = f"record {record.get('idx', f'#{position}')}"
         if missing:
@@ -75,7 +89,7 @@ class Example:
         if isinstance(perturbed, str):
             perturbed = [perturbed]
         return cls(
-            idx=int(record.get("idx", position)),
+            idx=_record_idx(record, position),
             question=record["question"],
             answer=record["answer"],
             prefix=record["prefix"],
@@ -95,6 +109,19 @@ class Example:
         if self.perturbed_answer is not None:
             record["perturbed_answer"] = list(self.perturbed_answer)
         return record
+
+
+def _record_idx(record: dict[str, Any], position: int) -> int:
+    """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one."""
+    value = record.get("idx", position)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        return int(value)
+    raise DataError(f"record #{position}: idx must be an integer, got {value!r} ({type(value).__name__}); give every "
+                    "record a unique integer idx (or none, to number records by position).")
 
 
 @dataclass(frozen=True)
@@ -157,14 +184,42 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
             records = json.loads(text)
         elif stripped.startswith("{") and path.suffix == ".json" and "\n{" not in stripped:
             loaded = json.loads(text)
-            records = loaded.get("data") or loaded.get("examples") or [loaded]
+            wrapped = [key for key in ("data", "examples") if isinstance(loaded.get(key), list)]
+            if wrapped:
+                records = loaded[wrapped[0]]
+            elif all(field in loaded for field in ("question", "answer")):
+                records = [loaded]
+            else:
+                keys = list(loaded)[:5]
+                raise DataError(
+                    f"{path} holds a JSON object (keys {keys}), but a forget set is a JSON list of records, JSON "
+                    "lines, or an object whose 'data' or 'examples' key is that list. Wrap the records in [...]."
+                )
         else:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as err:
         raise DataError(f"{path} is neither a JSON list nor JSON lines: {err}") from err
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise DataError(f"{path} must hold a list of records (objects).")
+    if not isinstance(records, list):
+        raise DataError(f"{path} must hold a list of records (objects), not a {type(records).__name__}.")
+    wrong = [i for i, r in enumerate(records) if not isinstance(r, dict)]
+    if wrong:
+        raise DataError(f"{path}: record #{wrong[0]} is a JSON {type(records[wrong[0]]).__name__}, not an object; "
+                        "a forget set is a list of objects with idx, question, answer, prefix, entity.")
     return records
+
+
+def looks_like_local_path(text: str) -> bool:
+    """Whether a string that names no existing file is still meant as a local path, not a hub id.
+
+    A hub id is ``name`` or ``org/name``. Absolute or home-relative paths, ``./`` and ``../``, backslashes, more than
+    one ``/``, a file suffix such as ``.json``, or an ``org/`` part that is an existing local directory say "local".
+    """
+    if text.startswith(("/", "~", "./", "../", ".\\")) or "\\" in text or text.count("/") > 1:
+        return True
+    if Path(text).suffix.lower() in (".json", ".jsonl", ".gguf", ".safetensors", ".bin", ".pt"):
+        return True
+    parent = Path(text).parent
+    return str(parent) not in ("", ".") and parent.expanduser().is_dir()
 
 
 def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
@@ -206,12 +261,15 @@ def load_examples(
         path = Path(source).expanduser()
         if path.is_file():
             records: Iterable[Any] = _read_json_records(path)
-        elif path.suffix in (".json", ".jsonl") or path.is_dir():
-            raise DataError(f"No data file at {path}.")
+        elif path.is_dir() or looks_like_local_path(str(source)):
+            raise DataError(f"No data file at {path}{' (it is a directory)' if path.is_dir() else ''}: pass a JSON "
+                            "list or JSON-lines file of records (a hub dataset id looks like 'org/name').")
         else:
             records = _load_hub_dataset(str(source), split)
     else:
         records = source
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise DataError(f"limit must be a positive number of examples, got {limit!r}.")
     examples = [r if isinstance(r, Example) else Example.from_record(r, i) for i, r in enumerate(records)]
     if limit is not None:
         examples = examples[:limit]
@@ -240,13 +298,26 @@ def build_prompt(example: Example, published_compat: bool = False) -> tuple[str,
     return prompt, reference
 
 
-def _entity_char_span(reference: str, entity: str) -> tuple[int, int] | None:
+def _at_word_boundary(text: str, start: int, end: int) -> bool:
+    """No word character runs across either end of ``text[start:end]``."""
+    def joins(left: str, right: str) -> bool:
+        return bool(left) and bool(right) and (left.isalnum() or left == "_") and (right.isalnum() or right == "_")
+
+    return not joins(text[start - 1 : start], text[start : start + 1]) and not joins(text[end - 1 : end],
+                                                                                     text[end : end + 1])
+
+
+def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> tuple[int, int] | None:
+    """Character span of the entity's first occurrence in the reference (SPEC §1.2 step 4): the first whole-word
+    occurrence, or with ``whole_word=False`` the first substring match (the published implementation)."""
     for candidate in (entity, entity.strip(), " " + entity):
         if not candidate:
             continue
         found = reference.find(candidate)
-        if found >= 0:
-            return found, found + len(candidate)
+        while found >= 0:
+            if not whole_word or _at_word_boundary(reference, found, found + len(candidate)):
+                return found, found + len(candidate)
+            found = reference.find(candidate, found + 1)
     return None
 
 
@@ -268,9 +339,14 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
     ref_ids, offsets = ref["input_ids"], ref["offset_mapping"]
     if not ref_ids or not prompt_ids:
         return Skip(example.idx, SKIP_EMPTY_REFERENCE)
-    span = _entity_char_span(reference, example.entity)
+    span = _entity_char_span(reference, example.entity, whole_word=not published_compat)
     if span is None:
-        return Skip(example.idx, SKIP_ENTITY_NOT_FOUND)
+        inside = _entity_char_span(reference, example.entity, whole_word=False) is not None
+        return Skip(example.idx, SKIP_ENTITY_INSIDE_WORD if inside else SKIP_ENTITY_NOT_FOUND)
+    if published_compat and span != _entity_char_span(reference, example.entity):
+        logger.warning("example %s: published_compat locates the entity %r inside another word (%r), as the "
+                       "published implementation does; without published_compat it is located at a word boundary.",
+                       example.idx, example.entity, reference[max(0, span[0] - 8) : span[1] + 8])
     char_start, char_end = span
     hits = [i for i, (lo, hi) in enumerate(offsets) if hi > char_start and lo < char_end]
     if not hits:
@@ -283,6 +359,28 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
         entity_start=hits[0],
         entity_end=hits[-1] + 1,
     )
+
+
+def fit_context(
+    encoded: Sequence[EncodedExample], n_ctx: int
+) -> tuple[list[EncodedExample], list[Skip]]:
+    """Make every example fit a model's context of ``n_ctx`` positions.
+
+    Nothing after the last read position can change a read logit (causal attention), so an example longer than the
+    context is cut right after the token its last read position predicts; when even that does not fit, the example
+    is skipped with the reason ``longer_than_model_context`` instead of crashing the run.
+    """
+    kept: list[EncodedExample] = []
+    skipped: list[Skip] = []
+    for example in encoded:
+        needed = example.read_positions.stop + 1
+        if len(example.input_ids) <= n_ctx:
+            kept.append(example)
+        elif needed <= n_ctx:
+            kept.append(dataclasses.replace(example, input_ids=example.input_ids[:needed]))
+        else:
+            skipped.append(Skip(example.idx, SKIP_TOO_LONG))
+    return kept, skipped
 
 
 def encode(
@@ -301,5 +399,5 @@ def encode(
 
 __all__ = [
     "DEFAULT_HUB_DATASET", "DataError", "EncodedExample", "Example", "Skip", "TokenizerError", "build_prompt",
-    "encode", "encode_one", "load_examples",
+    "encode", "encode_one", "fit_context", "load_examples", "looks_like_local_path",
 ]

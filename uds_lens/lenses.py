@@ -9,8 +9,10 @@ positions the per-layer score of model ``m`` on example ``i`` is the mean entity
 With ``d1 = k_full - k_ret`` and ``d2 = k_full - k_unl`` the score is UDS's formula with the lens in place of
 patching (SPEC §3): KE layers ``d1 > 0.05``, ``LER = clip(d2 / (d1 + 1e-8), 0, 1)``,
 ``score_i = sum_KE d1 * LER / sum_KE d1`` and the model score is the mean over scored examples. The table has
-UDS's long shape (``idx, layer, k_full, k_ret, k_unl, d1, d2, ke, ler``), so the paper's Table 4 (lens against
-patching, layer by layer, for one example) is a join on ``(idx, layer)``.
+UDS's long shape and column names (``idx, layer, baseline_score, s1_score, s2_score, d1, d2, ke, ler`` with
+``baseline_score = k_full``, ``s1_score = k_ret``, ``s2_score = k_unl``, LER NaN outside KE layers; examples
+``idx, n_ke, uds, status`` with the lens's score in the ``uds`` column), so the paper's Table 4 (lens against
+patching, layer by layer, for one example) is a join on ``(idx, layer)`` and every plot of a UDS table takes it.
 
 The tuned lens (Belrose et al., 2023) inserts a learned affine translator per layer before the same decoder,
 ``logits_l = W_U · norm_full(A_l h_l + b_l)``, trained (identity init, last layer fixed to identity) to minimise
@@ -138,31 +140,36 @@ class LensResult:
 
     @property
     def layers(self) -> pd.DataFrame:
-        """Long table ``idx, layer, k_full, k_ret, k_unl, d1, d2, ke, ler`` (UDS's ``layers`` shape)."""
+        """Long table ``idx, layer, baseline_score, s1_score, s2_score, d1, d2, ke, ler`` (UDS's column names).
+
+        ``baseline_score``/``s1_score``/``s2_score`` are the lens scores of full/retain/unlearned (``k_full``,
+        ``k_ret``, ``k_unl``); ``ler`` is NaN outside KE layers, as in ``UDSResult.layers``.
+        """
         n_examples, n_layers = self.k_full.shape
         return pd.DataFrame(
             {
                 "idx": [idx for idx in self.example_ids for _ in range(n_layers)],
                 "layer": list(range(n_layers)) * n_examples,
-                "k_full": self.k_full.flatten().double().numpy(),
-                "k_ret": self.k_retain.flatten().double().numpy(),
-                "k_unl": self.k_unlearned.flatten().double().numpy(),
+                "baseline_score": self.k_full.flatten().double().numpy(),
+                "s1_score": self.k_retain.flatten().double().numpy(),
+                "s2_score": self.k_unlearned.flatten().double().numpy(),
                 "d1": self.erasure.d1.flatten().double().numpy(),
                 "d2": self.erasure.d2.flatten().double().numpy(),
                 "ke": self.erasure.ke.flatten().numpy(),
-                "ler": self.erasure.ler.flatten().double().numpy(),
+                "ler": torch.where(self.erasure.ke, self.erasure.ler.double(), math.nan).flatten().numpy(),
             }
         )
 
     @property
     def examples(self) -> pd.DataFrame:
-        """Per-example table ``idx, n_ke, score, status`` (``scored`` or ``no_ke``)."""
+        """Per-example table ``idx, n_ke, uds, status`` (``scored`` or ``no_ke``): UDS's column names, the lens's
+        per-example score in ``uds``."""
         scores = self.erasure.per_example.double().numpy()
         return pd.DataFrame(
             {
                 "idx": self.example_ids,
                 "n_ke": self.erasure.ke.sum(dim=1).numpy(),
-                "score": scores,
+                "uds": scores,
                 "status": ["no_ke" if math.isnan(s) else "scored" for s in scores],
             }
         )

@@ -39,6 +39,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from uds_lens.data import looks_like_local_path
 from uds_lens.tl_compat import (
     HookedTransformer,
     HookedTransformerConfig,
@@ -108,13 +109,9 @@ class CheckpointSource:
 
 
 def _looks_like_path(text: str) -> bool:
-    """A string the user meant as a local path: absolute, relative with ./ or ~, with backslashes, a file name with
-    a checkpoint suffix, or one whose first component exists here (``zoo/ful`` when ``zoo/`` is a directory)."""
-    if text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1:
-        return True
-    if text.endswith((".gguf", ".safetensors", ".bin", ".json")):
-        return True
-    return "/" in text and Path(text.split("/", 1)[0]).expanduser().is_dir()
+    """A string the user meant as a local path (``data.looks_like_local_path``, shared with the data loader), or a
+    ``.`` / ``~`` start such as ``.ckpt``."""
+    return text.startswith((".", "~")) or looks_like_local_path(text)
 
 
 def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> CheckpointSource:
@@ -129,6 +126,7 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
         ModelLoadError: a path that does not exist, a directory that is neither a Hugging Face checkpoint nor holds
             exactly one ``.gguf`` file, a file that is not ``.gguf``, or a string that is not a plausible hub id.
     """
+    path_or_id = resolve_zoo_name(path_or_id)
     text = os.fspath(path_or_id)
     path = Path(text).expanduser()
     if path.is_file():
@@ -208,6 +206,60 @@ def _check_gguf(source: CheckpointSource) -> None:
         raise ModelLoadError(
             f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports Llama "
             "checkpoints (general.architecture = 'llama'). Use a Llama-family model.")
+
+
+ZOO_PREFIX = "zoo:"
+
+
+def _zoo_entries(root: Path) -> dict[str, str]:
+    """``{model name: path relative to the zoo}`` of a built zoo's manifest (empty when there is none)."""
+    import json
+
+    manifest = root / "manifest.json"
+    if not manifest.is_file():
+        return {}
+    return {m["name"]: m["path"] for m in json.loads(manifest.read_text()).get("models", [])}
+
+
+def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
+    """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
+
+    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``~/.cache/uds_lens/zoo-default``,
+    ``zoo-test``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")`` or
+    ``load_zoo(dir).model("npo")``.
+    """
+    text = str(path_or_id)
+    cache = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
+    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+    default_roots += [cache / "zoo-default", cache / "zoo-test"]
+    if not text.startswith(ZOO_PREFIX):
+        if "/" not in text and not Path(text).expanduser().exists():
+            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
+            for root in default_roots:
+                if text in _zoo_entries(root):
+                    raise ModelLoadError(f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
+                                         f"of that name: pass 'zoo:{text}' (or its directory, {root / _zoo_entries(root)[text]}).")
+        return path_or_id
+    name = text[len(ZOO_PREFIX):]
+    if "/" in name:
+        size, name = name.split("/", 1)
+        roots = [cache / f"zoo-{size}"]
+    else:
+        roots = default_roots
+    seen = []
+    for root in roots:
+        entries = _zoo_entries(root)
+        if not entries:
+            continue
+        seen.append(f"{root}: {sorted(entries)}")
+        if name in entries:
+            return str(root / entries[name])
+    raise ModelLoadError(
+        f"{text!r} names no model of a built zoo ("
+        + ("; ".join(seen) if seen else f"no zoo found in {[str(r) for r in roots]}")
+        + "). Build one with `uds-lens zoo build --out DIR --size test` (and set UDS_LENS_ZOO=DIR), or pass a "
+        "checkpoint directory."
+    )
 
 
 def load_hf_config(path_or_id: str | os.PathLike) -> Any:
@@ -294,6 +346,7 @@ def load_hf_model(
     """
     from transformers import AutoModelForCausalLM
 
+    path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
@@ -488,6 +541,7 @@ def load_model(
     CPU whose tensors are handed over one at a time (no second copy when the dtype matches). The model remembers
     where it came from (``model.uds_source``) so results can name it.
     """
+    path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
@@ -707,5 +761,6 @@ __all__ = [
     "resolve_source",
     "config_summary", "default_device", "default_dtype", "describe", "hooked_config_from_hf", "hooked_from_hf",
     "load_hf_config", "load_hf_model", "load_model", "load_tokenizer", "model_fingerprint", "resolve_dtype",
+    "resolve_zoo_name",
     "verify_parity", "weight_files_digest"
 ]

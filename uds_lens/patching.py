@@ -18,6 +18,11 @@ Two engines compute exactly that:
   batch go through each block together. Its cost is one clean forward plus about ``T·L²/2`` token-block
   evaluations (``T`` = window length), against ``L`` full forwards for ``naive``.
 
+  Ragged lengths cost nothing extra: window tokens are packed into flat rows (``WindowPacking``) for the norms,
+  projections and MLPs, and laid out per example only inside attention; the clean and source forwards are packed
+  the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
+  label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
+
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
 compared with, so a source identical to the full model gives deltas of exactly 0.
 
@@ -131,8 +136,13 @@ def mean_entity_logprob(
     upcast: bool = True,
 ) -> Float[Tensor, " segment"]:
     """Mean over each segment's entity tokens of ``log_softmax(logits)[label]`` (fp32 unless ``upcast=False``)."""
-    logprobs = torch.log_softmax(logits.float() if upcast else logits, dim=-1)
-    picked = logprobs.gather(-1, labels[:, None])[:, 0].float()
+    if upcast:
+        # log_softmax(x)[y] = x[y] - logsumexp(x): one pass over the vocabulary, no [rows, vocab] output.
+        logits = logits.float()
+        picked = logits.gather(-1, labels[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    else:
+        # Published-compat: the log-softmax in the model dtype, rounded as the published code rounds it.
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0].float()
     total = torch.zeros(n_segments, dtype=torch.float32, device=picked.device).index_add_(0, segment, picked)
     count = torch.zeros(n_segments, dtype=torch.float32, device=picked.device).index_add_(
         0, segment, torch.ones_like(picked)
@@ -236,19 +246,92 @@ def source_activations(
 
 
 @dataclass
+class WindowPacking:
+    """Where the window tokens of a batch sit when packed into one flat run of rows (no padding).
+
+    Row ``r`` is position ``position[r]`` of example ``example[r]``, ``offset[r]`` tokens into its window; rows are
+    example by example, in position order. The fast engine runs its linear layers (norms, projections, MLPs, the
+    unembedding) on these rows only, and lays them out per example (``width`` = the longest window) only inside
+    attention, where padding costs little.
+    """
+
+    example: Int[Tensor, " row"]
+    offset: Int[Tensor, " row"]
+    position: Int[Tensor, " row"]
+    patched: Bool[Tensor, " row"]
+    read_row: Int[Tensor, " entity"]
+    width: int
+    prefix_len: int
+    start: Int[Tensor, " batch"]
+
+    @property
+    def rows(self) -> int:
+        return int(self.example.shape[0])
+
+    @classmethod
+    def spans(
+        cls,
+        start: Int[Tensor, " batch"],
+        length: Int[Tensor, " batch"],
+        patch_mask: Bool[Tensor, "batch pos"],
+        read_batch: Int[Tensor, " entity"],
+        read_pos: Int[Tensor, " entity"],
+    ) -> WindowPacking:
+        """Pack positions ``[start_b, start_b + length_b)`` of every example ``b``."""
+        n_batch = int(start.shape[0])
+        width = int(length.max())
+        device = start.device
+        offsets = torch.arange(width, device=device)
+        valid = offsets[None, :] < length[:, None]
+        positions = torch.where(valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long))
+        row_of = torch.full((n_batch, width), -1, dtype=torch.long, device=device)
+        row_of[valid] = torch.arange(int(valid.sum()), device=device)
+        return cls(
+            example=torch.arange(n_batch, device=device)[:, None].expand(n_batch, width)[valid],
+            offset=offsets[None, :].expand(n_batch, width)[valid],
+            position=positions[valid],
+            patched=patch_mask.gather(1, positions)[valid],
+            read_row=row_of[read_batch, read_pos - start[read_batch]],
+            width=width,
+            prefix_len=int(start.max()),
+            start=start,
+        )
+
+    @classmethod
+    def of(cls, batch: PatchBatch) -> WindowPacking:
+        """The windows of a batch (what the patched runs recompute)."""
+        return cls.spans(batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos)
+
+    @classmethod
+    def sequences(cls, batch: PatchBatch) -> WindowPacking:
+        """Whole sequences through the last read position (what a clean or source forward runs)."""
+        stop = batch.window_start + batch.window_len
+        return cls.spans(torch.zeros_like(stop), stop, batch.patch_mask, batch.read_batch, batch.read_pos)
+
+    def rows_in(self, outer: WindowPacking) -> Int[Tensor, " row"]:
+        """Index of each of this packing's rows among the rows of ``outer`` (a packing of whole sequences)."""
+        lengths = torch.zeros(int(outer.start.shape[0]), dtype=torch.long, device=outer.example.device)
+        lengths.index_add_(0, outer.example, torch.ones_like(outer.example))
+        first_row = torch.cumsum(lengths, 0) - lengths
+        return first_row[self.example] + self.position
+
+
+@dataclass
 class CleanRun:
     """What the fast engine reuses from the full model's clean forward on one batch.
 
-    ``keys``/``values`` hold the rotated keys and values of every block at every position (only positions before an
-    example's window are read); ``window_acts`` holds clean activations at window positions (the site's own among
-    them, which is all the fast baseline needs). The naive engine keeps only the scores.
+    ``keys``/``values`` hold each block's rotated keys and values of the prefix (positions before the latest window
+    start; only those before an example's own window are read), laid out ``[batch, kv_head, prefix, d_head]`` as the
+    window attention reads them. ``window_acts`` holds clean activations at the packed window rows
+    (``WindowPacking``), the site's own among them, which is all the fast baseline needs. The naive engine keeps only
+    the scores.
     """
 
     site: str
     scores: Float[Tensor, " batch"]
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
-    window_acts: dict[str, Float[Tensor, "layer batch window d_model"]] = field(default_factory=dict)
+    window_acts: dict[str, Float[Tensor, "layer row d_model"]] = field(default_factory=dict)
 
 
 def _window_index(batch: PatchBatch) -> tuple[Int[Tensor, "batch window"], Bool[Tensor, "batch window"]]:
@@ -256,10 +339,6 @@ def _window_index(batch: PatchBatch) -> tuple[Int[Tensor, "batch window"], Bool[
     positions = batch.window_start[:, None] + offsets[None, :]
     valid = offsets[None, :] < batch.window_len[:, None]
     return torch.where(valid, positions, torch.zeros_like(positions)), valid
-
-
-def _gather_window(acts: Float[Tensor, "batch pos d"], positions: Int[Tensor, "batch window"]) -> Tensor:
-    return acts.gather(1, positions[..., None].expand(-1, -1, acts.shape[-1]))
 
 
 def _window_sites(site: str) -> tuple[str, ...]:
@@ -273,31 +352,60 @@ def _window_sites(site: str) -> tuple[str, ...]:
     }[site]
 
 
+def read_scores(
+    model: HookedTransformer,
+    resid: Float[Tensor, "run entity d_model"],
+    labels: Int[Tensor, " entity"],
+    segment: Int[Tensor, " entity"],
+    n_segments: int,
+    upcast: bool = True,
+) -> Float[Tensor, "run segment"]:
+    """Mean entity log-prob of each run and segment from final residuals at the read positions only.
+
+    The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
+    they are made for the read rows alone, a slice of runs at a time to bound the ``[rows, vocab]`` buffer.
+    """
+    n_runs, n_read, _ = resid.shape
+    chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
+    scores = []
+    for first in range(0, n_runs, chunk):
+        part = resid[first : first + chunk]
+        logits = model.unembed(model.ln_final(part))
+        runs = logits.shape[0]
+        run_segment = torch.arange(runs, device=logits.device)[:, None] * n_segments + segment[None, :]
+        scores.append(mean_entity_logprob(
+            einops.rearrange(logits, "run entity vocab -> (run entity) vocab"), labels.repeat(runs),
+            run_segment.reshape(-1), runs * n_segments, upcast,
+        ).reshape(runs, n_segments))
+    return torch.cat(scores)
+
+
 def clean_run(
     full: HookedTransformer, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True
 ) -> CleanRun:
-    """One clean forward of the target: S0 scores and (fast engine) keys/values and window activations."""
+    """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
+
+    Logits are computed at the read positions only. The naive engine's clean run is TransformerLens's forward on
+    the padded batch; the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs share.
+    """
     n_layers = full.cfg.n_layers
-    wanted: set[str] = set()
-    if keep_kv:
-        wanted |= {f"blocks.{layer}.attn.hook_rot_k" for layer in range(n_layers)}
-        wanted |= {f"blocks.{layer}.attn.hook_v" for layer in range(n_layers)}
-        wanted |= {hook_name(s, layer) for s in _window_sites(site) for layer in range(n_layers)}
     with torch.no_grad():
-        logits, cache = full.run_with_cache(batch.tokens, names_filter=lambda name: name in wanted)
-        scores = mean_entity_logprob(
-            logits[batch.read_batch, batch.read_pos], batch.read_label, batch.read_batch, batch.size, upcast
-        )
-        del logits
-        run = CleanRun(site=site, scores=scores)
-        if keep_kv:
-            run.keys = [cache[f"blocks.{layer}.attn.hook_rot_k"] for layer in range(n_layers)]
-            run.values = [cache[f"blocks.{layer}.attn.hook_v"] for layer in range(n_layers)]
-            positions, _ = _window_index(batch)
-            for name in _window_sites(site):
-                run.window_acts[name] = torch.stack(
-                    [_gather_window(cache[hook_name(name, layer)], positions) for layer in range(n_layers)]
-                )
+        if not keep_kv:
+            final = full(batch.tokens, stop_at_layer=n_layers)
+            scores = read_scores(full, final[batch.read_batch, batch.read_pos][None], batch.read_label,
+                                 batch.read_batch, batch.size, upcast)[0]
+            return CleanRun(site=site, scores=scores)
+        sequences = WindowPacking.sequences(batch)
+        window = WindowPacking.of(batch)
+        final, captured, kv = packed_forward(full, batch, _window_sites(site), n_layers, window.rows_in(sequences),
+                                             keep_kv=True)
+        scores = read_scores(full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size,
+                             upcast)[0]
+        prefix = window.prefix_len
+        run = CleanRun(site=site, scores=scores,
+                       keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
+                       values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
+                       window_acts={name: torch.stack(values) for name, values in captured.items()})
     return run
 
 
@@ -338,141 +446,250 @@ def naive_patched_scores(
 # Fast engine
 
 
-def _rotate(attn: Any, x: Float[Tensor, "run window head d_head"], positions: Int[Tensor, "run window"]) -> Tensor:
-    """Rotary embedding at explicit absolute positions (TransformerLens's tables and rotation convention)."""
+def _rotate(
+    attn: Any, x: Float[Tensor, "*run row head d_head"], cos: Float[Tensor, "row 1 rot"], sin: Float[Tensor, "row 1 rot"]
+) -> Float[Tensor, "*run row head d_head"]:
+    """Rotary embedding with precomputed tables (TransformerLens's tables and rotation convention)."""
     rotary_dim = attn.cfg.rotary_dim
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    cos = attn.rotary_cos[positions][:, :, None, :]
-    sin = attn.rotary_sin[positions][:, :, None, :]
-    return torch.cat([x_rot * cos + attn.rotate_every_two(x_rot) * sin, x_pass], dim=-1)
+    rotated = x_rot * cos + attn.rotate_every_two(x_rot) * sin
+    return rotated if x_pass.shape[-1] == 0 else torch.cat([rotated, x_pass], dim=-1)
 
 
-def _expand_kv(attn: Any, x: Tensor) -> Tensor:
-    """Repeat grouped key/value heads up to the query heads (no-op without GQA)."""
-    repeats = attn.cfg.n_heads // x.shape[-2]
-    return x if repeats == 1 else torch.repeat_interleave(x, repeats, dim=-2)
+@dataclass
+class _AttentionLayout:
+    """Per-batch constants of the window attention: rotary tables of the rows and the masks of the padded layout."""
+
+    packing: WindowPacking
+    n_batch: int
+    cos: Tensor
+    sin: Tensor
+    allowed: Bool[Tensor, "batch 1 1 1 window key"]
+
+
+def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _AttentionLayout:
+    attn = model.blocks[0].attn
+    device = packing.start.device
+    n_batch = int(packing.start.shape[0])
+    prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
+    offsets = torch.arange(packing.width, device=device)
+    causal = offsets[:, None] >= offsets[None, :]
+    allowed = torch.cat([prefix_ok[:, None, :].expand(-1, packing.width, -1),
+                         causal[None].expand(n_batch, -1, -1)], dim=-1)
+    return _AttentionLayout(
+        packing=packing,
+        n_batch=n_batch,
+        cos=attn.rotary_cos[packing.position][:, None, :],
+        sin=attn.rotary_sin[packing.position][:, None, :],
+        allowed=allowed[:, None, None, None],
+    )
 
 
 def _window_attention(
     block: Any,
-    resid: Float[Tensor, "group batch window d_model"],
-    positions: Int[Tensor, "batch window"],
-    prefix_keys: Float[Tensor, "batch prefix kv_head d_head"],
-    prefix_values: Float[Tensor, "batch prefix kv_head d_head"],
-    prefix_ok: Bool[Tensor, "batch prefix"],
-    causal: Bool[Tensor, "window window"],
-) -> Float[Tensor, "group batch window d_model"]:
-    """Attention of the window positions of ``group`` runs per example over the clean prefix and the window itself.
+    resid: Float[Tensor, "run row d_model"],
+    layout: _AttentionLayout,
+    prefix_keys: Float[Tensor, "batch kv_head prefix d_head"],
+    prefix_values: Float[Tensor, "batch kv_head prefix d_head"],
+    w_out: Float[Tensor, "d_model head_d_head"],
+    keep: list[Tensor] | None = None,
+) -> Float[Tensor, "run row d_model"]:
+    """Attention of the packed window rows of several runs over their example's clean prefix and its own window.
 
-    The prefix keys/values are shared by every run of an example, so they are broadcast over the group axis rather
-    than copied per run.
+    Projections run on the packed rows. Scores are taken in a per-example layout ``[batch, kv_head, run, rep,
+    window, key]`` (``rep`` query heads share a key/value head): the prefix product is one batched matmul over
+    ``(batch, kv_head)`` with the runs and query heads folded into its rows, so the prefix keys/values are read
+    in place, neither copied per run nor repeated per query head. With ``keep`` (one run), the rotated keys and
+    values of the rows are appended to it in that same layout, ``[batch, kv_head, window, d_head]``.
     """
     attn = block.attn
-    groups, n_batch, width, _ = resid.shape
-    flat = einops.rearrange(resid, "group batch window d -> (group batch) window d")
-    normed = block.ln1(flat)
+    packing = layout.packing
+    n_runs = resid.shape[0]
+    n_kv = prefix_keys.shape[1]
+    normed = block.ln1(resid)
     q, k, v = attn.calculate_qkv_matrices(normed, normed, normed)
-    run_positions = positions.repeat(groups, 1)
-    q, k = _rotate(attn, q, run_positions), _rotate(attn, k, run_positions)
-    split = "(group batch) window head d_head -> group batch window head d_head"
-    q = einops.rearrange(q, split, group=groups)
-    k = einops.rearrange(_expand_kv(attn, k), split, group=groups)
-    v = einops.rearrange(_expand_kv(attn, v), split, group=groups)
-    prefix_k = _expand_kv(attn, prefix_keys.to(k.dtype))
-    prefix_v = _expand_kv(attn, prefix_values.to(v.dtype))
-    scores_prefix = torch.einsum("gbwhd,bphd->gbhwp", q, prefix_k) / attn.attn_scale
-    scores_window = torch.einsum("gbwhd,gbvhd->gbhwv", q, k) / attn.attn_scale
-    ignore = attn.IGNORE.to(scores_window.dtype)
-    scores_prefix = torch.where(prefix_ok[None, :, None, None, :], scores_prefix, ignore)
-    scores_window = torch.where(causal, scores_window, ignore)
-    pattern = F.softmax(torch.cat([scores_prefix, scores_window], dim=-1), dim=-1).to(v.dtype)
-    prefix_len = prefix_k.shape[1]
-    z = torch.einsum("gbhwp,bphd->gbwhd", pattern[..., :prefix_len], prefix_v)
-    z = z + torch.einsum("gbhwv,gbvhd->gbwhd", pattern[..., prefix_len:], v)
-    w_out = einops.rearrange(attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
-    return F.linear(einops.rearrange(z, "g b w head d_head -> g b w (head d_head)"), w_out, attn.b_O)
+    q = _rotate(attn, q, layout.cos, layout.sin)
+    k = _rotate(attn, k, layout.cos, layout.sin)
+
+    # Rows <-> per-example layout through one flat index (index_copy_/index_select: far cheaper on the CPU than
+    # advanced indexing with two index tensors).
+    flat = packing.example * packing.width + packing.offset
+
+    def padded(x: Tensor) -> Tensor:
+        out = x.new_zeros(n_runs, layout.n_batch * packing.width, *x.shape[2:])
+        out.index_copy_(1, flat, x)
+        return out.view(n_runs, layout.n_batch, packing.width, *x.shape[2:])
+
+    q_pad = einops.rearrange(padded(q), "run b w (kv rep) d -> b kv run rep w d", kv=n_kv).contiguous()
+    k_pad = einops.rearrange(padded(k), "run b w kv d -> b kv run w d")
+    v_pad = einops.rearrange(padded(v), "run b w kv d -> b kv run w d")
+    if keep is not None:
+        keep += [k_pad[:, :, 0].contiguous(), v_pad[:, :, 0].contiguous()]
+    shape = q_pad.shape
+    prefix_len = prefix_keys.shape[2]
+    scores_window = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_pad, k_pad)
+    if prefix_len:
+        q_rows = q_pad.view(shape[0], shape[1], -1, shape[-1])
+        scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(*shape[:-1], prefix_len)
+        scores = torch.cat([scores_prefix, scores_window], dim=-1) / attn.attn_scale
+    else:  # a forward from the first position (packed_forward)
+        scores = scores_window / attn.attn_scale
+    scores = scores.masked_fill_(~layout.allowed, attn.IGNORE.to(scores.dtype))
+    pattern = F.softmax(scores, dim=-1).to(v.dtype)
+    z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v_pad)
+    if prefix_len:
+        z = z + torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
+                             prefix_values.to(v.dtype)).view(shape)
+    z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, flat)
+    return F.linear(z, w_out, attn.b_O)
 
 
 def _mlp_half(block: Any, resid_mid: Float[Tensor, "*runs d_model"]) -> Float[Tensor, "*runs d_model"]:
     return resid_mid + block.apply_mlp(block.ln2(resid_mid))
 
 
+def packed_forward(
+    model: HookedTransformer,
+    batch: PatchBatch,
+    sites: Sequence[str],
+    n_blocks: int,
+    rows: Int[Tensor, " row"],
+    keep_kv: bool = False,
+) -> tuple[Float[Tensor, "seq_row d_model"], dict[str, list[Tensor]], list[Tensor]]:
+    """A forward of the batch's sequences (through the last read position) packed into rows, no padding.
+
+    The same block arithmetic as the patched runs (``_window_attention`` with an empty prefix, ``_mlp_half``): the
+    linear layers see only real tokens, so a batch of ragged sequences costs its token count, not ``batch x
+    longest``. Returns the residual after ``n_blocks`` blocks at every row (``WindowPacking.sequences`` order), each
+    site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
+    keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
+    """
+    packing = WindowPacking.sequences(batch)
+    layout = _attention_layout(model, packing)
+    n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
+    empty = torch.zeros(layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device)
+    captured: dict[str, list[Tensor]] = {name: [] for name in sites}
+    kv: list[Tensor] = []
+
+    def record(name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
+        if name in captured:
+            captured[name].append(value[0, rows])
+
+    resid = model.embed(batch.tokens[packing.example, packing.position][None])
+    for block_index in range(n_blocks):
+        block = model.blocks[block_index]
+        w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
+        record("resid_pre", resid)
+        attn_out = _window_attention(block, resid, layout, empty, empty, w_out, kv if keep_kv else None)
+        record("attn_out", attn_out)
+        resid = resid + attn_out
+        record("resid_mid", resid)
+        mlp_out = block.apply_mlp(block.ln2(resid))
+        record("mlp_out", mlp_out)
+        resid = resid + mlp_out
+        record("resid_post", resid)
+    return resid[0], captured, kv
+
+
+def window_source_activations(
+    source: Any,
+    batch: PatchBatch,
+    site: str,
+    layers: Sequence[int],
+    published_compat: bool = False,
+) -> Float[Tensor, "layer row d_model"]:
+    """Activations of ``source`` at ``blocks.{l}.hook_{site}`` at the window rows of ``batch`` (``WindowPacking.of``
+    order), for every ``l`` in ``layers``: what the fast engine patches from.
+
+    A HookedTransformer runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
+    run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
+    Other sources run ``source_activations`` on the batch, gathered at the window rows.
+    """
+    layers = list(layers)
+    window = WindowPacking.of(batch)
+    if not _is_hooked(source):
+        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+        return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
+    on_source = batch.to(source.cfg.device)
+    rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
+    n_layers = source.cfg.n_layers
+    with torch.no_grad():
+        _, captured, _ = packed_forward(source, on_source, (site,), max(layers) + 1, rows)
+        acts = [captured[site][layer] for layer in layers]
+        if published_compat and site == "resid_post" and (n_layers - 1) in layers:
+            acts[layers.index(n_layers - 1)] = source.ln_final(acts[layers.index(n_layers - 1)])
+    return torch.stack(acts)
+
+
 def fast_patched_scores(
     full: HookedTransformer,
     batch: PatchBatch,
     clean: CleanRun,
-    acts: Float[Tensor, "layer batch pos d_model"] | None,
+    acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
     site: str,
     layers: Sequence[int],
     upcast: bool = True,
 ) -> Float[Tensor, "batch layer"]:
     """Patched scores for every (example, layer), recomputing only the window of each run.
 
-    ``acts=None`` writes the clean activations back (the engine's own unpatched baseline).
+    ``acts`` is ``[layer, batch, pos, d_model]`` (``source_activations``) or already at the packed window rows
+    (``window_source_activations``); ``acts=None`` writes the clean activations back (the engine's own unpatched
+    baseline).
 
-    Run ``(l, b)`` starts from the clean window activations of example ``b`` with the patch applied at layer ``l``,
-    then goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the clean prefix keys/values. Runs
-    are grouped by layer (``group`` axis, latest start first), so the runs active at a block are a tail of groups.
+    Run ``l`` holds the packed window rows of every example of the batch (``WindowPacking``: no padding) with the
+    patch applied at layer ``l``, and goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the
+    clean prefix keys/values. Runs are ordered latest start first, so the runs active at a block are a tail of them
+    and each block is one call over ``[run, row, d_model]``.
     """
     if clean.site != site or not clean.keys:
         raise ValueError("The clean run was made for another site or without keys/values; rebuild it.")
     layers = list(layers)
     n_layers = full.cfg.n_layers
-    window_pos, window_valid = _window_index(batch)
-    patch_window = (batch.patch_mask.gather(1, window_pos) & window_valid)[None, :, :, None]
-    prefix_len = int(batch.window_start.max())
-    width = batch.max_window
+    packing = WindowPacking.of(batch)
 
     def first_block(layer: int) -> int:
         return layer if site == "resid_pre" else layer + 1
 
     order = sorted(range(len(layers)), key=lambda i: -first_block(layers[i]))
-    group_layers = [layers[i] for i in order]
-    group_index = torch.tensor(group_layers, device=batch.tokens.device)
-    source_window = None if acts is None else torch.stack([_gather_window(acts[i], window_pos) for i in order])
+    run_layers = [layers[i] for i in order]
+    run_index = torch.tensor(run_layers, device=batch.tokens.device)
+    source_rows = None
+    if acts is not None:
+        source_rows = acts[torch.tensor(order, device=acts.device)]
+        if source_rows.ndim == 4:  # [layer, batch, pos, d_model]: gather the window rows
+            source_rows = source_rows[:, packing.example.to(acts.device), packing.position.to(acts.device)]
+    patch_rows = packing.patched[None, :, None]
 
-    def clean_window(name: str) -> Float[Tensor, "group batch window d_model"]:
-        return clean.window_acts[name][group_index]
+    def clean_rows(name: str) -> Float[Tensor, "run row d_model"]:
+        return clean.window_acts[name][run_index]
 
-    def patched(name: str) -> Float[Tensor, "group batch window d_model"]:
-        values = clean_window(name)
-        if source_window is None:
+    def patched(name: str) -> Float[Tensor, "run row d_model"]:
+        values = clean_rows(name)
+        if source_rows is None:
             return values
-        return torch.where(patch_window, source_window.to(values.dtype), values)
+        return torch.where(patch_rows, source_rows.to(values.device, values.dtype), values)
 
     with torch.no_grad():
         if site in ("resid_post", "resid_pre"):
             resid = patched(site)
         elif site == "mlp_out":
-            resid = clean_window("resid_mid") + patched("mlp_out")
+            resid = clean_rows("resid_mid") + patched("mlp_out")
         else:
-            resid_mid = patched("resid_mid") if site == "resid_mid" else clean_window("resid_pre") + patched("attn_out")
-            resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[g]) for g, layer in enumerate(group_layers)])
+            resid_mid = patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
+            resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[r]) for r, layer in enumerate(run_layers)])
 
-        prefix_ok = torch.arange(prefix_len, device=window_pos.device)[None, :] < batch.window_start[:, None]
-        offsets = torch.arange(width, device=window_pos.device)
-        causal = offsets[:, None] >= offsets[None, :]
-        starts = [first_block(layer) for layer in group_layers]
+        layout = _attention_layout(full, packing)
+        starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
-            first_active = next(g for g, start in enumerate(starts) if start <= block_index)
+            first_active = next(r for r, start in enumerate(starts) if start <= block_index)
             block = full.blocks[block_index]
+            w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
             active = resid[first_active:]
-            active = active + _window_attention(
-                block, active, window_pos, clean.keys[block_index][:, :prefix_len],
-                clean.values[block_index][:, :prefix_len], prefix_ok, causal,
-            )
+            active = active + _window_attention(block, active, layout, clean.keys[block_index],
+                                                clean.values[block_index], w_out)
             resid[first_active:] = _mlp_half(block, active)
 
-        # Read out only the positions that predict entity tokens: [group, entity, d_model].
-        read_offset = batch.read_pos - batch.window_start[batch.read_batch]
-        read_resid = resid[:, batch.read_batch, read_offset]
-        logits = full.unembed(full.ln_final(read_resid))
-        groups = len(group_layers)
-        segment = (torch.arange(groups, device=logits.device)[:, None] * batch.size + batch.read_batch[None, :])
-        scores = mean_entity_logprob(
-            einops.rearrange(logits, "group entity vocab -> (group entity) vocab"),
-            batch.read_label.repeat(groups), segment.reshape(-1), groups * batch.size, upcast,
-        ).reshape(groups, batch.size)
+        scores = read_scores(full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast)
     result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
     result[:, order] = scores.T
     return result
@@ -485,7 +702,7 @@ def fast_patched_scores(
 def patched_scores(
     full: HookedTransformer,
     batch: PatchBatch,
-    acts: Float[Tensor, "layer batch pos d_model"],
+    acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"],
     site: str,
     layers: Sequence[int],
     engine: str = "fast",
@@ -494,16 +711,43 @@ def patched_scores(
 ) -> Float[Tensor, "batch layer"]:
     """Score of the full model patched at each layer of ``layers`` with ``acts`` (one per layer).
 
-    ``acts[i]`` is the source activation at ``blocks.{layers[i]}.hook_{site}``. Swapping the engine changes no
+    ``acts[i]`` is the source activation at ``blocks.{layers[i]}.hook_{site}``, over the padded batch, or (fast
+    engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine changes no
     number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
     """
     if engine == "naive":
+        if acts.ndim != 4:
+            raise ValueError("The naive engine patches from [layer, batch, pos, d_model] activations "
+                             "(source_activations), not packed window rows.")
         return naive_patched_scores(full, batch, acts, site, layers, upcast)
     if engine == "fast":
         if clean is None:
             clean = clean_run(full, batch, site, upcast=upcast)
         return fast_patched_scores(full, batch, clean, acts, site, layers, upcast)
     raise ValueError(f"Unknown engine {engine!r}; use one of {ENGINES}.")
+
+
+def source_scores(
+    full: HookedTransformer,
+    source: Any,
+    batch: PatchBatch,
+    site: str,
+    layers: Sequence[int],
+    engine: str = "fast",
+    clean: CleanRun | None = None,
+    upcast: bool = True,
+    published_compat: bool = False,
+) -> Float[Tensor, "batch layer"]:
+    """One source forward and the patched scores of every layer: what a stage costs per batch.
+
+    The naive engine reads the source over the padded batch (``source_activations``), the fast one only at the
+    window rows from a packed forward (``window_source_activations``).
+    """
+    if engine == "fast":
+        acts = window_source_activations(source, batch, site, layers, published_compat)
+    else:
+        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+    return patched_scores(full, batch, acts.to(full.cfg.device), site, layers, engine, clean, upcast)
 
 
 def baseline_scores(
@@ -567,8 +811,7 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    runs += layers * layers * window * cfg.n_heads * cfg.d_head * itemsize  # gathered prefix K/V per run
-    logits = layers * window * cfg.d_vocab * 4 * 2
+    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores goes a slice of runs at a time
     return int(kv + sources + 2 * runs + logits)
 
 
@@ -605,7 +848,8 @@ def choose_batch_size(
 
 
 __all__ = [
-    "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "baseline_scores", "choose_batch_size", "clean_run",
-    "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob", "naive_patched_scores",
-    "pad_batch", "patched_scores", "source_activations",
+    "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "WindowPacking", "baseline_scores", "choose_batch_size",
+    "clean_run", "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob",
+    "naive_patched_scores", "packed_forward", "pad_batch", "patched_scores", "read_scores", "source_activations",
+    "source_scores", "window_source_activations",
 ]

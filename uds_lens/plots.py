@@ -1,8 +1,8 @@
 """Plotly figures for UDS results: layers x examples, stages, models, components, lenses, meta-evaluation.
 
-UDS is read per example and per layer. For example ``i`` and layer ``l``, ``d1[l] = s_full - s_S1[l]`` is the drop in the
+UDS is read per example and per layer. For example ``i`` and layer ``l``, ``d1[l] = s0 - s_S1[l]`` is the drop in the
 full model's mean entity log-prob when the retain model's residual is patched in at layer ``l`` (Stage 1, how much
-forget-set knowledge layer ``l`` carries), and ``d2[l] = s_full - s_S2[l]`` the same drop with the unlearned model as the
+forget-set knowledge layer ``l`` carries), and ``d2[l] = s0 - s_S2[l]`` the same drop with the unlearned model as the
 source (Stage 2, how much of it is gone). Layers with ``d1 > tau`` are knowledge-encoding (KE) layers, the layer erasure
 ratio there is ``LER = clip(d2 / d1, 0, 1)``, and ``UDS_i = sum_KE d1 * LER / sum_KE d1`` (0 = the knowledge is fully
 recoverable, as in ``full``; 1 = erased as deeply as in ``retain``). The symbols are defined once in ``uds.py``.
@@ -13,21 +13,28 @@ none of them shows it. The tables they read:
 
 - examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (extra columns such as ``question`` and
   ``entity`` are used for hover text when present);
-- layers (long): ``idx, layer, site, s_full, s1_score, s2_score, d1, d2, ke, ler``;
+- layers (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``;
 - components: ``site, layer, mean_d1, mean_d2`` (optionally ``std_d1, std_d2``);
 - lens layers: ``idx, layer, d1, d2, ler`` (the logit lens in the same shape as UDS);
 - meta-evaluation metrics: ``model, pool`` and one column per metric (or long ``model, pool, metric, value``);
 - robustness: ``model, metric, before, after`` (optionally ``role``);
 - tokens: ``position, token, logprob_full, logprob_patched, is_entity``.
 
-Heatmaps follow the TransformerLens/ARENA convention: ``px.imshow``, y = layer, x = example (or token), ``RdBu`` with
-midpoint 0 for deltas and a sequential 0-1 scale for LER and UDS. Positive deltas (the patch removed knowledge) are red.
+One convention across figures: **colour** says which thing is compared (model, patching site, readout: the
+``PALETTE`` in order, S1 shared by all models in grey), **dash** says which stage (``STAGE_DASH``: S1/``d1`` solid,
+S2/``d2`` dashed), thresholds and references are dotted grey lines (``tau``), and the KE layers of one example are a
+shaded band. Heatmaps follow the TransformerLens/ARENA convention: ``px.imshow``, y = layer, x = example (or head,
+token), ``RdBu`` with midpoint 0 for deltas (as ARENA's ``imshow``: positive deltas, where the patch removed
+knowledge, are blue) and a sequential 0-1 scale for LER and UDS. ``save(fig, path)`` writes PNG/SVG/PDF (kaleido,
+the ``[figures]`` extra) or self-contained offline HTML.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +45,11 @@ from plotly.subplots import make_subplots
 
 __all__ = [
     "ERASURE_METRICS",
+    "STAGE_DASH",
+    "component_heatmap",
     "component_patching",
+    "example_curves",
+    "save",
     "layer_heatmap",
     "lens_vs_uds_example",
     "layerwise_methods",
@@ -46,6 +57,7 @@ __all__ = [
     "model_frame",
     "pool_histograms",
     "prompt_type_bar",
+    "published_scatter",
     "rmu_layer_profile",
     "rmu_target_layer",
     "robustness_scatter",
@@ -65,9 +77,10 @@ ERASURE_METRICS = frozenset(
 # Qualitative palette shared by every multi-model figure so one model keeps one colour across figures.
 PALETTE = px.colors.qualitative.Plotly
 S1_COLOUR = "#444444"
-DELTA_SCALE = (
-    "RdBu_r"  # RdBu with red for positive deltas (knowledge removed by the patch), blue for negative
-)
+DELTA_SCALE = "RdBu"  # diverging, white at 0 (midpoint set per figure), as TransformerLens/ARENA heatmaps
+STAGE_DASH = {"d1": "solid", "d2": "dash"}  # S1 (retain as source) solid, S2 (unlearned as source) dashed
+REFERENCE_LINE = {"color": "grey", "dash": "dot", "width": 1}  # tau and other thresholds
+KE_BAND = "rgba(255, 190, 0, 0.16)"
 LER_SCALE = "Viridis"
 VALUE_LABELS = {
     "d1": "Δ<sup>S1</sup> (retain → full)",
@@ -75,7 +88,8 @@ VALUE_LABELS = {
     "ler": "LER",
     "s1_score": "S1 score",
     "s2_score": "S2 score",
-    "s_full": "full score",
+    "s0": "S0 (clean full)",
+    "baseline_score": "baseline (unpatched)",
 }
 
 
@@ -303,7 +317,8 @@ def _hover_frame(examples: pd.DataFrame | None, data: Any) -> pd.DataFrame | Non
             )
         if "idx" in records.columns:
             records = records.set_index("idx")
-            if parts:
+            if parts:  # texts passed explicitly win over those the result carries
+                parts[0] = parts[0][[c for c in parts[0].columns if c not in records.columns or c == "uds"]]
                 records = records[[c for c in records.columns if c not in parts[0].columns]]
             parts.append(records)
     if not parts:
@@ -385,9 +400,15 @@ def layer_heatmap(
     order = _example_order(list(pd.unique(layers["idx"])), info, sort_by)
     layer_ids = sorted(pd.unique(layers["layer"]))
 
+    # One (layer, example) cell per row, placed by integer index: pandas' pivot_table took a third of a report.
+    cells = layers.drop_duplicates(["layer", "idx"])
+    cell_row = cells["layer"].map({layer: i for i, layer in enumerate(layer_ids)}).to_numpy()
+    cell_col = cells["idx"].map({idx: j for j, idx in enumerate(order)}).to_numpy()
+
     def grid(column: str) -> pd.DataFrame:
-        table = layers.pivot_table(index="layer", columns="idx", values=column, aggfunc="first", dropna=False)
-        return table.reindex(index=layer_ids, columns=order)
+        values = np.full((len(layer_ids), len(order)), np.nan)
+        values[cell_row, cell_col] = cells[column].to_numpy(dtype=float)
+        return pd.DataFrame(values, index=layer_ids, columns=order)
 
     z = grid(value).astype(float)
     ke = grid("_ke").fillna(False).astype(bool)
@@ -580,7 +601,7 @@ def stage_curves(
                     mode="lines+markers",
                     name=s1_name,
                     legendgroup=s1_name,
-                    line={"color": s1_colour, "dash": "dash"},
+                    line={"color": s1_colour, "dash": STAGE_DASH["d1"]},
                 )
             )
         mean, half = _band(frame, s2_column, band)
@@ -594,13 +615,13 @@ def stage_curves(
                 mode="lines+markers",
                 name=s2_name,
                 legendgroup=s2_name,
-                line={"color": colour},
+                line={"color": colour, "dash": STAGE_DASH["d2"]},
             )
         )
     first = next(iter(frames.values()))
-    if quantity == "score" and "s_full" in first.columns:
+    if quantity == "score" and "s0" in first.columns:
         fig.add_hline(
-            y=float(first.groupby("idx")["s_full"].first().mean()),
+            y=float(first.groupby("idx")["s0"].first().mean()),
             line={"color": "black", "dash": "dot"},
             annotation_text="clean full",
         )
@@ -867,7 +888,7 @@ def component_patching(
                     mode="lines+markers",
                     name=label,
                     legendgroup=label,
-                    line={"color": colour, "dash": "dash" if which == "d2" and stage == "both" else "solid"},
+                    line={"color": colour, "dash": STAGE_DASH[which] if stage == "both" else "solid"},
                 )
             )
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
@@ -932,12 +953,12 @@ def lens_vs_uds_example(
         colour = colours[name]
         fig.add_trace(
             go.Scatter(x=rows["layer"], y=rows["d1"], mode="lines+markers", name=f"{name} ΔS1",
-                       legendgroup=name, line={"color": colour}),
+                       legendgroup=name, line={"color": colour, "dash": STAGE_DASH["d1"]}),
             row=1, col=1,
         )  # fmt: skip
         fig.add_trace(
             go.Scatter(x=rows["layer"], y=rows["d2"], mode="lines+markers", name=f"{name} ΔS2",
-                       legendgroup=name, line={"color": colour, "dash": "dash"}),
+                       legendgroup=name, line={"color": colour, "dash": STAGE_DASH["d2"]}),
             row=1, col=1,
         )  # fmt: skip
         ler = rows["ler"].where(rows["d1"] > tau)
@@ -945,7 +966,7 @@ def lens_vs_uds_example(
             go.Bar(x=rows["layer"], y=ler, name=label, legendgroup=name, marker={"color": colour}),
             row=2, col=1,
         )  # fmt: skip
-    fig.add_hline(y=tau, line={"color": "grey", "dash": "dot"}, annotation_text="τ", row=1, col=1)
+    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ", row=1, col=1)
     fig.update_yaxes(title_text="Δ (nats)", row=1, col=1)
     fig.update_yaxes(title_text="LER", range=[0, 1.05], row=2, col=1)
     fig.update_xaxes(**_layer_ticks(uds_table["layer"]))
@@ -1101,7 +1122,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = 0.05, title: str | None
                 + "<extra></extra>",
             )
         )
-    fig.add_vline(x=default_tau, line={"color": "grey", "dash": "dash"}, annotation_text=f"τ = {default_tau}")
+    fig.add_vline(x=default_tau, line=REFERENCE_LINE, annotation_text=f"τ = {default_tau}")
     fig.update_layout(
         title=title or "UDS under each KE threshold τ",
         xaxis_title="τ (nats)",
@@ -1415,3 +1436,146 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
 def _visible(token: Any) -> str:
     """Show leading spaces and newlines in token labels."""
     return str(token).replace("\n", "\\n").replace(" ", "␣")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One example, components, files
+
+
+def example_curves(result: Any, idx: int, site: str | None = None, tau: float | None = None,
+                   title: str | None = None) -> go.Figure:
+    """One example's layer curves: ``d1`` (S1, solid) and ``d2`` (S2, dashed), KE layers shaded, UDS in the title.
+
+    Args:
+        result: a ``UDSResult`` (or anything with ``.layers``/``.examples``), or the long layers table.
+        idx: the example's dataset ``idx``.
+        site: patching site when the table holds several.
+        tau: KE threshold for the dotted line and, without a ``ke`` column, the band (default the result's).
+        title: figure title (default: idx, UDS, entity and question).
+    """
+    layers, examples = _tables(result)
+    layers = _one_site(layers, site)
+    rows = layers[layers["idx"] == idx].sort_values("layer")
+    if rows.empty:
+        raise ValueError(f"example {idx} is not in the layers table (it may have been skipped); "
+                         f"examples there: {sorted(pd.unique(layers['idx']))[:20]}")
+    if tau is None:
+        tau = float(getattr(result, "settings", {}).get("tau", 0.05)) if not isinstance(result, pd.DataFrame) else 0.05
+    ke = _ke_mask(rows, tau).to_numpy()
+    info = examples.set_index("idx").loc[idx] if examples is not None and idx in set(examples["idx"]) else None
+    uds = info.get("uds") if info is not None else _example_score(rows, tau)
+    fig = go.Figure()
+    for layer in rows["layer"].to_numpy()[ke]:
+        fig.add_vrect(x0=layer - 0.5, x1=layer + 0.5, fillcolor=KE_BAND, line_width=0, layer="below")
+    colour = _colour(0)
+    for stage, name in (("d1", "d1 · S1 (retain → full)"), ("d2", "d2 · S2 (unlearned → full)")):
+        fig.add_trace(go.Scatter(x=rows["layer"], y=rows[stage], mode="lines+markers", name=name,
+                                 line={"color": colour, "dash": STAGE_DASH[stage]}))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="KE layer (d1 > τ)",
+                             marker={"symbol": "square", "size": 12, "color": KE_BAND}))
+    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ")
+    fig.add_hline(y=0.0, line={"color": "black", "width": 1})
+    uds_text = "undefined (no KE layer)" if uds is None or pd.isna(uds) else f"{float(uds):.3f}"
+    detail = ""
+    if info is not None and isinstance(info.get("entity"), str):
+        detail = f"<br><sup>entity: {info['entity']} · Q: {str(info.get('question', ''))[:100]}</sup>"
+    fig.update_layout(
+        title=title or f"Example {idx}: UDS = {uds_text}{detail}",
+        xaxis={"title": "layer", **_layer_ticks(rows["layer"])},
+        yaxis_title="Δ (nats)",
+        hovermode="x unified",
+        margin={"t": 90},
+    )
+    return fig
+
+
+def component_heatmap(grid: Any, layers: Sequence[int], axis: str = "head", value: str = "component_uds",
+                      title: str | None = None) -> go.Figure:
+    """Heatmap of a ``[layer, component]`` grid (heads, entity tokens, patched positions), y = layer.
+
+    Args:
+        grid: ``[layer, component]`` values (NaN cells left blank).
+        layers: the layer of each row.
+        axis: what the columns are (``head``, ``token``, ``position``), for the axis title.
+        value: ``d1``/``d2`` (RdBu, midpoint 0) or ``component_uds``/``ler`` (sequential 0-1).
+        title: figure title.
+    """
+    z = np.asarray(grid, dtype=float)
+    if value in ("d1", "d2"):
+        bound = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() and np.nanmax(np.abs(z)) > 0 else 1.0
+        colour = {"color_continuous_scale": DELTA_SCALE, "color_continuous_midpoint": 0.0,
+                  "zmin": -bound, "zmax": bound}
+    else:
+        colour = {"color_continuous_scale": LER_SCALE, "zmin": 0.0, "zmax": 1.0}
+    fig = px.imshow(z, y=list(layers), x=[str(c) for c in range(z.shape[1])], origin="lower", aspect="auto",
+                    labels={"x": axis, "y": "layer", "color": VALUE_LABELS.get(value, value.replace("_", " "))},
+                    **colour)
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(**_layer_ticks(layers))
+    fig.update_layout(title=title or f"{value} per layer and {axis}")
+    return fig
+
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")
+
+
+def save(fig: go.Figure, path: str | Path, width: int | None = None, height: int | None = None,
+         scale: float = 2.0) -> Path:
+    """Write a figure to a file, out of the notebook.
+
+    ``.png``/``.svg``/``.pdf`` (and ``.jpg``/``.webp``) go through kaleido (``pip install 'uds_lens[figures]'``;
+    kaleido 1.x also needs a Chrome it can find). Without it, or when it fails, the figure is written as
+    self-contained HTML next to the requested name (``fig.png`` -> ``fig.html``, plotly.js inlined, opens offline)
+    with a warning saying why. ``.html`` is always written that way.
+
+    Returns:
+        The path actually written.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    suffix = target.suffix.lower()
+    if suffix in (".html", ".htm"):
+        fig.write_html(target, include_plotlyjs=True, full_html=True)
+        return target
+    if suffix not in IMAGE_SUFFIXES:
+        raise ValueError(f"Cannot save a figure as {target.name!r}: use one of {IMAGE_SUFFIXES} or .html.")
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        reason = "kaleido is not installed (pip install 'uds_lens[figures]')"
+    else:
+        try:
+            fig.write_image(target, width=width, height=height, scale=scale)
+            return target
+        except Exception as err:  # kaleido without a usable browser, or an old plotly/kaleido pair
+            reason = f"kaleido could not render it ({type(err).__name__}: {err})"
+    fallback = target.with_suffix(".html")
+    fig.write_html(fallback, include_plotlyjs=True, full_html=True)
+    warnings.warn(f"{target} not written: {reason}. Wrote self-contained HTML to {fallback} instead.", stacklevel=2)
+    return fallback
+
+
+def published_scatter(table: pd.DataFrame, ours: str = "uds", published: str = "published_uds",
+                      title: str | None = None) -> go.Figure:
+    """Our UDS against the published one, one point per model of a sweep (``sweep.csv`` with ``--compare-published``).
+
+    Points on the dashed diagonal agree; the hover names the model and the difference. Models without a published
+    value (or without a score of ours) are left out and counted in the title. Colours are the registry's methods.
+    """
+    frame = table.copy()
+    frame[ours] = pd.to_numeric(frame[ours], errors="coerce")
+    frame[published] = pd.to_numeric(frame.get(published, np.nan), errors="coerce")
+    both = frame.dropna(subset=[ours, published])
+    colour = "method" if "method" in both and both["method"].notna().any() else None
+    fig = px.scatter(both, x=published, y=ours, color=colour, hover_name="name",
+                     hover_data={"uds_minus_published": ":.3f"} if "uds_minus_published" in both else None,
+                     color_discrete_sequence=PALETTE)
+    fig.add_trace(go.Scatter(x=[0, 1], y=[0, 1], mode="lines", line={"dash": "dash", "color": "grey"},
+                             name="ours = published", hoverinfo="skip"))
+    left_out = len(frame) - len(both)
+    fig.update_layout(
+        title=title or f"UDS: ours vs published ({len(both)} models" + (f", {left_out} without both" if left_out else "")
+        + ")",
+        xaxis_title="published UDS", yaxis_title="our UDS", xaxis_range=[-0.05, 1.05], yaxis_range=[-0.05, 1.05],
+    )
+    return fig

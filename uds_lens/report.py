@@ -11,6 +11,7 @@ Model roles (full / retain / unlearned / ...) come from ``RESULTS_DIR/roles.json
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
 import json
 import logging
@@ -21,11 +22,12 @@ from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from uds_lens import plots
 
-__all__ = ["SavedResult", "load_results", "load_roles", "write_report"]
+__all__ = ["SavedResult", "find_incomplete", "load_results", "load_roles", "write_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,35 @@ def _read_csv(path: Path) -> pd.DataFrame | None:
         return None
 
 
+def _incomplete_reason(directory: Path) -> str | None:
+    """Why a result directory must not be shown as a result, or None.
+
+    A directory ``UDSResult.save`` wrote carries ``meta.json`` with the digest of every file, and must match it; any
+    other writer's directory must at least hold all of summary.json, examples.csv and layers.csv once it holds one,
+    each readable and non-empty.
+    """
+    from uds_lens.results import verify_result_dir
+
+    if (directory / "meta.json").is_file():
+        return verify_result_dir(directory)
+    present = [name for name in SUMMARY_FILES if (directory / name).is_file()]
+    if present and len(present) < len(SUMMARY_FILES):
+        return f"only {', '.join(present)} of {', '.join(SUMMARY_FILES)} are there (the run did not finish)"
+    empty = [name for name in present if (directory / name).stat().st_size == 0]
+    return f"{', '.join(empty)} is empty (the run did not finish)" if empty else None
+
+
+def find_incomplete(results_dir: str | Path) -> dict[str, str]:
+    """``{directory name: reason}`` for every result directory under ``results_dir`` that :func:`load_results`
+    leaves out because its files are incomplete or do not belong together (a killed or concurrent write)."""
+    return _scan(Path(results_dir))[1]
+
+
 def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
-    """Read every saved result under ``results_dir`` (one sub-directory per model).
+    """Read every complete saved result under ``results_dir`` (one sub-directory per model).
+
+    Directories whose files are incomplete or come from different runs are left out with a warning (see
+    :func:`find_incomplete`; the report lists them), as are hidden ones (a writer's staging directories).
 
     Args:
         results_dir: the directory ``uds-lens score`` / ``diagnose`` wrote to.
@@ -80,10 +109,20 @@ def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
     Returns:
         ``{name: SavedResult}`` in directory-name order; the name is ``summary["name"]`` when set, else the directory's.
     """
-    root = Path(results_dir)
+    return _scan(Path(results_dir))[0]
+
+
+def _scan(root: Path) -> tuple[dict[str, SavedResult], dict[str, str]]:
     results: dict[str, SavedResult] = {}
-    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
-        if not any((directory / name).is_file() for name in (*SUMMARY_FILES, "scores.json", "layerwise.csv")):
+    incomplete: dict[str, str] = {}
+    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not any((directory / name).is_file() for name in (*SUMMARY_FILES, "meta.json", "scores.json",
+                                                             "layerwise.csv")):
+            continue
+        reason = _incomplete_reason(directory)
+        if reason is not None:
+            logger.warning("%s is incomplete (%s); it is left out of the report", directory, reason)
+            incomplete[directory.name] = reason
             continue
         summary = _read_json(directory / "summary.json") if (directory / "summary.json").is_file() else None
         summary = summary if isinstance(summary, dict) else {}
@@ -106,7 +145,7 @@ def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
             layerwise=_read_csv(directory / "layerwise.csv"),
             components=_read_csv(directory / "components.csv"),
         )
-    return results
+    return results, incomplete
 
 
 def load_roles(results_dir: str | Path) -> dict[str, str]:
@@ -193,6 +232,11 @@ def _wide(table: pd.DataFrame, row: str, value: str, shared: tuple[str, ...]) ->
     return first.join(wide).reset_index()
 
 
+@functools.lru_cache(maxsize=1)
+def _white_template() -> dict[str, Any]:
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
 class _Page:
     """Accumulates HTML sections; plotly.js goes once into the head."""
 
@@ -210,8 +254,13 @@ class _Page:
 
     def figure(self, fig: go.Figure, caption: str | None = None) -> None:
         self.n_figures += 1
-        fig.update_layout(template="plotly_white", autosize=True)
-        body = fig.to_html(
+        # The white template goes into the figure's JSON rather than through update_layout, which validates and
+        # deep-copies the whole template per figure (half of a report's run time).
+        spec = fig.to_plotly_json()
+        spec["layout"] = {**spec.get("layout", {}), "template": _white_template(), "autosize": True}
+        body = pio.to_html(
+            spec,
+            validate=False,
             full_html=False,
             include_plotlyjs=False,
             div_id=f"figure-{self.n_figures}",
@@ -280,11 +329,12 @@ def write_report(
         raise FileNotFoundError(
             f"results directory {root} does not exist; run `uds-lens score ... --out {root}` first"
         )
-    results = load_results(root)
+    results, incomplete = _scan(root)
     if not results:
         raise FileNotFoundError(
             f"no saved results under {root}: expected sub-directories with {', '.join(SUMMARY_FILES)} "
             "(written by `uds-lens score`)"
+            + (f"; incomplete: {', '.join(f'{n} ({r})' for n, r in incomplete.items())}" if incomplete else "")
         )
     roles = load_roles(root)
     for name, result in results.items():
@@ -315,6 +365,16 @@ def write_report(
         "their d1-weighted mean. 0 = the knowledge is as recoverable as in <i>full</i>, 1 = as absent as in <i>retain</i>."
     )
 
+    if incomplete:
+        page.heading("Incomplete results (not shown)")
+        page.parts.append(
+            "<p class='warning'>These directories were left out because their files are incomplete or come from "
+            "different runs; score those models again to include them:</p><ul>"
+            + "".join(f"<li><code>{html.escape(name)}</code>: {html.escape(reason)}</li>"
+                      for name, reason in incomplete.items())
+            + "</ul>"
+        )
+
     with_uds = {n: r for n, r in ordered.items() if "uds" in r.summary or n in scored}
     if with_uds:
         page.heading("Models")
@@ -339,7 +399,7 @@ def write_report(
         page.figure(
             plots.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
                                 title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
-            caption="Where the forget-set knowledge lives: red cells lose log-prob when the retain model's residual "
+            caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
             "is patched in. Shared by every model audited against the same full/retain pair.",
         )  # fmt: skip
         page.heading("Per model", level=2)

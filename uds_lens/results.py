@@ -3,33 +3,88 @@
 ``UDSResult`` holds the per-example, per-layer scores of one unlearned model and turns them into the tables users
 ``groupby`` and plot:
 
-* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status (scored|no_ke|skipped), skip_reason``;
-* ``layers`` (long): ``idx, layer, site, s_full, s1_score, s2_score, d1, d2, ke, ler``;
+* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status (scored|no_ke|skipped), skip_reason,
+  question, entity``;
+* ``layers`` (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``. ``s0`` is the
+  clean full model's score (S0, one value per example); ``baseline_score`` is the unpatched score as the engine
+  computes it at that layer (S0 itself for the naive engine; the fast engine's own recomputation, equal to S0 up to
+  float noise), which ``d1 = baseline_score - s1_score`` and ``d2 = baseline_score - s2_score`` subtract from, so a
+  source identical to full gives exactly 0. ``ler`` is NaN outside KE layers (there ``d2 / d1`` is not a ratio of
+  knowledge, only of noise);
 * ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings.
 
 ``save(dir)`` writes ``summary.json``, ``examples.csv``, ``layers.csv`` (and ``layers.parquet`` when pyarrow is
 installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_value", "value_by_index"}}``);
 ``UDSResult.load(dir)`` gives the same tables back. tau is re-applied from the stored deltas by ``with_tau``, so a
 different threshold never needs the models again.
+
+A result directory is only worth reading when all its files come from one run. So a save never writes into
+``OUT/NAME`` itself: :func:`atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
+writers take turns), lets the writer fill a temporary sibling directory, and renames it into place at the end. A
+reader therefore sees the old directory, no directory, or the new one, never a mixture; a run killed mid-write leaves
+the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and :func:`verify_result_dir`
+(used by ``load``) refuses a directory whose files do not match it. :func:`can_reuse` decides whether a saved result
+may stand in for a new computation: only when its fingerprint (``uds.result_fingerprint``: the full, retain and
+unlearned weights, the data and the settings) equals the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import math
-from collections.abc import Sequence
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
+from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Skip
 
-EXAMPLE_COLUMNS = ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status", "skip_reason"]
-LAYER_COLUMNS = ["idx", "layer", "site", "s_full", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+EXAMPLE_COLUMNS = ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status", "skip_reason", "question",
+                   "entity"]
+LAYER_COLUMNS = ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+# Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
+_OLD_COLUMNS = {"s_full": "baseline_score"}
+# The files of one saved result; meta.json (written last) holds their digests.
+RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
+# Bumped when the saved tables change meaning: a result of another format is never reused (3: layers.s_full
+# renamed baseline_score, s0 and examples' question/entity added, LER NaN outside KE layers).
+RESULT_FORMAT = 3
+LOCK_TIMEOUT_S = 600.0
+
+
+class ResultIntegrityError(ValueError):
+    """A saved result directory is incomplete, or its files come from different runs."""
+
+
+class ResultNameError(ValueError):
+    """A result name would not stay one directory inside the output directory."""
+
+
+def check_result_name(name: str) -> str:
+    """A result name is one path component: ``OUT/NAME`` must stay inside ``OUT``.
+
+    Raises:
+        ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
+            (names starting with a dot are this module's lock and temporary files).
+    """
+    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") \
+            or any(sep in name for sep in ("/", "\\", "\0", os.sep)):
+        raise ResultNameError(
+            f"Result name {name!r} is not a single path component: names become directories under the output "
+            "directory, so they may not be empty, start with '.', or contain '/', '\\' or NUL. Pick a plain name "
+            "(e.g. 'npo_lr1e-5')."
+        )
+    return name
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -55,13 +110,16 @@ class UDSResult:
         encoded: Sequence[EncodedExample],
         skipped: Sequence[Skip],
         layers: Sequence[int],
-        s_full: torch.Tensor,
-        baseline: torch.Tensor,
-        s1: torch.Tensor | None,
-        s2: torch.Tensor,
+        s_full: Any,
+        baseline: Any,
+        s1: Any,
+        s2: Any,
         config: Any,
         meta: dict[str, Any],
     ) -> UDSResult:
+        """Tables from the stages' CPU tensors: ``s_full`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
+        retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. (Annotated ``Any`` so this
+        module, and with it ``uds-lens report``, never imports torch.)"""
         n, n_layers = len(encoded), len(layers)
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)
@@ -70,20 +128,24 @@ class UDSResult:
             "idx": idx.astype(int),
             "layer": np.tile(np.asarray(layers, dtype=int), n),
             "site": config.site,
-            "s_full": base,
+            "s0": np.repeat(s_full.numpy(), n_layers),
+            "baseline_score": base,
             "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
             "s2_score": s2_flat,
             "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
             "d2": base - s2_flat,
         })
+        meta = dict(meta)
         prompt_types = meta.pop("prompt_types", {})
+        texts = meta.pop("texts", {})
         info = pd.DataFrame(
             [{"idx": e.idx, "prompt_type": e.prompt_type, "n_entity_tokens": e.n_entity_tokens} for e in encoded]
             + [{"idx": s.idx, "prompt_type": prompt_types.get(s.idx), "n_entity_tokens": 0, "skip_reason": s.reason}
                for s in skipped],
             columns=["idx", "prompt_type", "n_entity_tokens", "skip_reason"],
         )
-        meta = dict(meta)
+        info["question"] = [texts.get(i, {}).get("question") for i in info["idx"]]
+        info["entity"] = [texts.get(i, {}).get("entity") for i in info["idx"]]
         meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s_full.tolist())}
         settings = config.to_dict()
         result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)
@@ -97,12 +159,13 @@ class UDSResult:
             layers["ke"] = False
             layers["ler"] = np.nan
         else:
-            d1 = torch.tensor(layers["d1"].to_numpy(dtype=float))
-            d2 = torch.tensor(layers["d2"].to_numpy(dtype=float))
-            from uds_lens.uds import ke_mask, layer_erasure_ratio
-
-            layers["ke"] = ke_mask(d1, tau).numpy()
-            layers["ler"] = layer_erasure_ratio(d1, d2).numpy()
+            # uds.ke_mask / uds.layer_erasure_ratio in numpy: tables (and `uds-lens report`) need no torch import
+            d1 = layers["d1"].to_numpy(dtype=float)
+            d2 = layers["d2"].to_numpy(dtype=float)
+            ke = d1 > tau
+            ratio = np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0.0, 1.0)
+            layers["ke"] = ke
+            layers["ler"] = np.where(ke, ratio, np.nan)
         weighted = layers.assign(w=np.where(layers["ke"], layers["d1"], 0.0))
         weighted["wl"] = weighted["w"] * weighted["ler"].fillna(0.0)
         grouped = weighted.groupby("idx", sort=False).agg(n_ke=("ke", "sum"), w=("w", "sum"), wl=("wl", "sum"))
@@ -190,32 +253,92 @@ class UDSResult:
     # -- files -------------------------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> Path:
-        """Write summary.json, examples.csv, layers.csv (+ .parquet if possible) and uds_eval.json."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
+        """Write the result to ``directory``, atomically and under its lock (see :func:`atomic_result_dir`).
+
+        Files: ``summary.json``, ``examples.csv``, ``layers.csv`` (+ ``layers.parquet`` with pyarrow),
+        ``uds_eval.json``, and ``meta.json`` (name, settings, metadata with the input fingerprint, and the SHA-256
+        of every other file). Files other programs left in an existing ``directory`` (``diagnose``'s
+        ``scores.json`` ...) are carried over.
+        """
+        target = Path(directory)
+        with atomic_result_dir(target) as staging:
+            self._write_files(staging)
+        return target
+
+    def _write_files(self, out: Path) -> None:
         (out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=_json_default))
         self.examples.to_csv(out / "examples.csv", index=False)
         self.layers.to_csv(out / "layers.csv", index=False)
         try:
             self.layers.to_parquet(out / "layers.parquet", index=False)
         except (ImportError, ValueError):
-            pass
+            (out / "layers.parquet").unlink(missing_ok=True)
         (out / "uds_eval.json").write_text(json.dumps(self.to_open_unlearning(), indent=2))
-        (out / "meta.json").write_text(json.dumps({"name": self.name, "settings": self.settings, "meta": self.meta},
-                                                  indent=2, default=_json_default))
-        return out
+        files = {name: _file_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()}
+        (out / "meta.json").write_text(json.dumps(
+            {"format": RESULT_FORMAT, "name": self.name, "settings": self.settings, "meta": self.meta,
+             "files": files}, indent=2, default=_json_default))
 
     @classmethod
-    def load(cls, directory: str | Path) -> UDSResult:
+    def load(cls, directory: str | Path, verify: bool = True) -> UDSResult:
+        """Read a saved result.
+
+        Args:
+            directory: a directory written by :meth:`save`.
+            verify: refuse a directory whose files do not match the digests in its ``meta.json`` (a torn or mixed
+                write, or a directory saved by an older uds_lens without digests). ``False`` reads whatever is there.
+
+        Raises:
+            ResultIntegrityError: ``verify`` is on and the files do not belong together.
+        """
         src = Path(directory)
-        meta = json.loads((src / "meta.json").read_text())
-        examples = pd.read_csv(src / "examples.csv", dtype={"prompt_type": object, "skip_reason": object})
+        if verify:
+            meta, contents, problem = _read_verified(src)
+            if problem is not None:
+                raise ResultIntegrityError(
+                    f"The result in {src} cannot be trusted: {problem}. Score the model again (it is recomputed), "
+                    "or pass verify=False to read the files anyway."
+                )
+        else:
+            meta = json.loads((src / "meta.json").read_text())
+            contents = {name: (src / name).read_bytes() for name in ("examples.csv", "layers.csv")}
+        return cls._from_files(meta, contents)
+
+    @classmethod
+    def _from_files(cls, meta: dict[str, Any], contents: dict[str, bytes]) -> UDSResult:
+        examples = pd.read_csv(io.BytesIO(contents["examples.csv"]),
+                               dtype={"prompt_type": object, "skip_reason": object, "question": object,
+                                      "entity": object})
         examples["skip_reason"] = examples["skip_reason"].fillna("").astype(object)
         examples["prompt_type"] = examples["prompt_type"].where(examples["prompt_type"].notna(), None)
-        layers = pd.read_csv(src / "layers.csv")
+        layers = pd.read_csv(io.BytesIO(contents["layers.csv"])).rename(columns=_OLD_COLUMNS)
         layers["ke"] = layers["ke"].astype(bool)
+        if "s0" not in layers:
+            s0 = {int(k): v for k, v in meta.get("meta", {}).get("s0", {}).items()}
+            layers.insert(3, "s0", layers["idx"].map(s0).astype(float))
+        for column in ("question", "entity"):
+            if column not in examples:
+                examples[column] = None
         return cls(name=meta["name"], examples=examples[EXAMPLE_COLUMNS], layers=layers[LAYER_COLUMNS],
                    settings=meta["settings"], meta=meta.get("meta", {}))
+
+    # -- one example -------------------------------------------------------------------------------------------
+
+    def example(self, idx: int) -> ExampleView:
+        """One example: its row of ``examples`` (question, entity, UDS, status), its ``layers`` rows, its figure.
+
+        Example:
+            >>> view = result.example(3)
+            >>> view.uds, view.entity, view.layers[["layer", "d1", "d2", "ke", "ler"]]
+            >>> view.figure()         # d1/d2 per layer, KE layers shaded, UDS in the title
+        """
+        rows = self.examples[self.examples["idx"] == idx]
+        if rows.empty:
+            raise KeyError(f"{self.name}: no example with idx {idx}; idx run from {self.examples['idx'].min()} to "
+                           f"{self.examples['idx'].max()}.")
+        return ExampleView(idx=idx, examples=rows.reset_index(drop=True),
+                           layers=self.layers[self.layers["idx"] == idx].reset_index(drop=True),
+                           settings=dict(self.settings))
 
     # -- tensors back ------------------------------------------------------------------------------------------
 
@@ -229,6 +352,43 @@ class UDSResult:
                 f"skipped={s['n_skipped']})")
 
 
+@dataclass(frozen=True)
+class ExampleView:
+    """One example of a ``UDSResult``: ``examples`` (one row), ``layers`` (its rows), ``settings``; ``figure()``."""
+
+    idx: int
+    examples: pd.DataFrame
+    layers: pd.DataFrame
+    settings: dict[str, Any]
+
+    def _get(self, column: str) -> Any:
+        value = self.examples[column].iloc[0] if column in self.examples else None
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+    @property
+    def uds(self) -> float:
+        value = self._get("uds")
+        return math.nan if value is None else float(value)
+
+    @property
+    def question(self) -> str | None:
+        return self._get("question")
+
+    @property
+    def entity(self) -> str | None:
+        return self._get("entity")
+
+    @property
+    def status(self) -> str | None:
+        return self._get("status")
+
+    def figure(self, title: str | None = None) -> Any:
+        """``plots.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
+        from uds_lens import plots
+
+        return plots.example_curves(self, self.idx, title=title)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, (np.integer,)):
         return int(value)
@@ -239,4 +399,143 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["EXAMPLE_COLUMNS", "LAYER_COLUMNS", "UDSResult"]
+def _file_digest(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def _read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], str | None]:
+    """``meta.json`` and the files it lists, each read once, and what is wrong with them (None when they belong
+    together). Reading each file's bytes once and checking those bytes means a concurrent rename cannot slip a file
+    of another run in between the check and the parse."""
+    if not directory.is_dir():
+        return {}, {}, "there is no result directory"
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except FileNotFoundError:
+        return {}, {}, "meta.json is missing (the run that wrote it did not finish)"
+    except (OSError, json.JSONDecodeError) as err:
+        return {}, {}, f"meta.json is unreadable ({err})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not files:
+        return {}, {}, "meta.json lists no file digests (an older uds_lens wrote it, or the write did not finish)"
+    missing = [name for name in ("summary.json", "examples.csv", "layers.csv") if name not in files]
+    if missing:
+        return {}, {}, f"meta.json does not list {missing}"
+    contents: dict[str, bytes] = {}
+    for name, digest in files.items():
+        try:
+            content = (directory / name).read_bytes()
+        except OSError:
+            return {}, {}, f"{name} is missing"
+        if _file_digest(content) != digest:
+            return {}, {}, f"{name} does not belong with meta.json (another run wrote it)"
+        contents[name] = content
+    return meta, contents, None
+
+
+def verify_result_dir(directory: str | Path) -> str | None:
+    """What makes a saved result directory untrustworthy, or None when its files belong together.
+
+    Checks that ``meta.json`` exists and that every file it lists is there with the recorded SHA-256.
+    """
+    return _read_verified(Path(directory))[2]
+
+
+def _normal(value: Any) -> Any:
+    """JSON round trip, so a fingerprint computed now compares equal to one read back from meta.json."""
+    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+
+
+def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[UDSResult | None, str]:
+    """The saved result in ``directory`` if it was computed from exactly these inputs, and why (not).
+
+    Args:
+        directory: ``OUT/NAME``.
+        fingerprint: the new computation's inputs, from ``uds.result_fingerprint`` (or ``UDSAuditor.fingerprint``).
+
+    Returns:
+        ``(result, "identical inputs")`` when the directory is intact and its fingerprint equals ``fingerprint``;
+        otherwise ``(None, reason)``, e.g. ``"retain, settings differ from the saved result"`` or
+        ``"meta.json is missing (...)"``. The check and the parse read the same bytes.
+    """
+    meta, contents, problem = _read_verified(Path(directory))
+    if problem is not None:
+        return None, problem
+    if meta.get("format") != RESULT_FORMAT:
+        return None, f"it was saved in result format {meta.get('format')}, not {RESULT_FORMAT}"
+    saved = meta.get("meta", {}).get("fingerprint")
+    if not isinstance(saved, dict):
+        return None, "the saved result records no input fingerprint"
+    saved, wanted = _normal(saved), _normal(fingerprint)
+    differ = sorted(key for key in set(saved) | set(wanted) if saved.get(key) != wanted.get(key))
+    if differ:
+        return None, f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from the saved result"
+    return UDSResult._from_files(meta, contents), "identical inputs"
+
+
+def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool, str]:
+    """Whether ``directory`` holds an intact result of exactly these inputs: ``(True, "identical inputs")`` or
+    ``(False, reason)``. Use :func:`load_reusable` to get the result too (same check, one read)."""
+    result, reason = load_reusable(directory, fingerprint)
+    return result is not None, reason
+
+
+def result_lock(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> FileLock:
+    """The inter-process lock of result directory ``OUT/NAME``: the file ``OUT/.NAME.lock`` (outside the directory,
+    which is replaced as a whole)."""
+    target = Path(target)
+    return FileLock(str(target.parent / f".{target.name}.lock"), timeout=timeout)
+
+
+@contextlib.contextmanager
+def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[Path]:
+    """Write a result directory as one step: yields an empty staging directory; on normal exit it replaces ``target``.
+
+    While the block runs, ``target``'s lock is held, so concurrent writers of the same ``OUT/NAME`` take turns and
+    the last one wins whole. The staging directory is a hidden sibling (``OUT/.NAME.tmp-*``, same filesystem), so the
+    final step is a rename: an existing ``target`` is renamed aside, the staging directory renamed into place, and
+    the old one deleted. A reader sees the old directory, none, or the new one; an exception or a kill inside the
+    block leaves ``target`` as it was (leftover staging directories are removed by the next writer). Files in the
+    old directory that the writer did not produce are carried over.
+
+    Example:
+        >>> with atomic_result_dir(out / "npo") as staging:
+        ...     (staging / "summary.json").write_text("{}")
+
+    Raises:
+        ResultNameError: ``target``'s name is not a single plain path component.
+        ValueError: ``target`` is a file.
+        filelock.Timeout: another writer held the lock for more than ``timeout`` seconds.
+    """
+    target = Path(target)
+    check_result_name(target.name)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is a file, not a result directory: remove it or choose another output directory.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with result_lock(target, timeout):
+        for leftover in target.parent.iterdir():
+            if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
+                shutil.rmtree(leftover, ignore_errors=True)
+        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
+        try:
+            yield staging
+            if target.is_dir():
+                for entry in target.iterdir():
+                    if entry.name not in (*RESULT_FILES, "meta.json") and not (staging / entry.name).exists():
+                        copy = shutil.copytree if entry.is_dir() else shutil.copy2
+                        copy(entry, staging / entry.name)
+                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+                os.rename(target, old)
+                os.rename(staging, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+__all__ = ["EXAMPLE_COLUMNS", "ExampleView", "LAYER_COLUMNS", "RESULT_FORMAT", "ResultIntegrityError", "ResultNameError", "UDSResult",
+           "atomic_result_dir", "can_reuse", "check_result_name", "load_reusable", "result_lock",
+           "verify_result_dir"]

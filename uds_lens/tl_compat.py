@@ -18,6 +18,7 @@ warnings.filterwarnings(
 )
 
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+from transformer_lens import patching as tl_patching  # noqa: E402  (get_act_patch_*: checks and notebooks)
 from transformer_lens.hook_points import HookPoint  # noqa: E402
 from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights  # noqa: E402
 
@@ -78,4 +79,5 @@ __all__ = [
     "convert_llama_weights",
     "rope_theta",
     "new_hooked_transformer",
+    "tl_patching",
 ]

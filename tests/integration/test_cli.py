@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,10 +33,12 @@ def test_score_writes_every_file(tiny, tmp_path):
             assert key in summary["timings"]
         examples = pd.read_csv(out / name / "examples.csv")
         assert list(examples.columns) == ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status",
-                                          "skip_reason"]
+                                          "skip_reason", "question", "entity"]
         layers = pd.read_csv(out / name / "layers.csv")
-        assert list(layers.columns) == ["idx", "layer", "site", "s_full", "s1_score", "s2_score", "d1", "d2", "ke",
-                                        "ler"]
+        assert list(layers.columns) == ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1",
+                                        "d2", "ke", "ler"]
+        assert layers.groupby("idx")["s0"].nunique().eq(1).all()  # S0: one constant per example
+        assert layers.loc[~layers["ke"], "ler"].isna().all() and layers.loc[layers["ke"], "ler"].notna().all()
         ou = json.loads((out / name / "uds_eval.json").read_text())
         assert ou["uds"]["agg_value"] == pytest.approx(summary["uds"])
     assert json.loads((out / "full" / "summary.json").read_text())["uds"] == 0.0
@@ -75,3 +78,65 @@ def test_console_entry_point_prints_user_errors_without_a_traceback(tmp_path, mo
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def _main(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["uds-lens", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("bad", [["--tau", "-1"], ["--tau", "nan"], ["--limit", "-2"], ["--limit", "0"],
+                                 ["--batch-size", "0"], ["--scope", "foo"], ["--site", "nowhere"],
+                                 ["--engine", "slow"], ["--dtype", "float8"]])
+def test_out_of_range_options_are_one_line_errors_before_any_compute(tiny, tmp_path, monkeypatch, capsys, bad):
+    code, captured = _main(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
+                           "--unlearned", str(tiny.unlearned), "--data", str(tiny.data), "--out", str(tmp_path / "o"),
+                           "--cache-dir", str(tmp_path / "c"), *bad)
+    assert code == 2
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_out_that_is_a_file_fails_before_any_compute(tiny, tmp_path, monkeypatch, capsys):
+    (tmp_path / "o").write_text("a file")
+    code, captured = _main(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
+                           "--unlearned", str(tiny.unlearned), "--data", str(tiny.data), "--out", str(tmp_path / "o"),
+                           "--cache-dir", str(tmp_path / "c"))
+    assert code == 2 and "is a file" in captured.err and not (tmp_path / "c").exists()
+
+
+def test_equal_basenames_get_distinct_names_and_reuse_is_announced(tiny, tmp_path):
+    for parent in ("a", "b"):
+        shutil.copytree(tiny.unlearned if parent == "a" else tiny.full, tmp_path / parent / "model")
+    out = tmp_path / "out"
+    command = ["score", "--full", str(tiny.full), "--retain", str(tiny.retain), "--unlearned",
+               str(tmp_path / "a" / "model"), "--unlearned", str(tmp_path / "b" / "model"), "--unlearned",
+               f"mine={tiny.unlearned}", "--data", str(tiny.data), "--out", str(out), "--cache-dir",
+               str(tmp_path / "cache")]
+    first = CliRunner().invoke(app, command)
+    assert first.exit_code == 0, first.output
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["a__model", "b__model", "mine"]
+    assert json.loads((out / "b__model" / "summary.json").read_text())["uds"] == 0.0  # b/model is full
+    assert "reusing" not in first.output
+    again = CliRunner().invoke(app, command)
+    assert again.exit_code == 0, again.output
+    for name in ("a__model", "b__model", "mine"):
+        assert f"reusing {name}: identical inputs" in again.output
+    forced = CliRunner().invoke(app, [*command, "--force"])
+    assert forced.exit_code == 0 and "reusing" not in forced.output
+
+
+def test_help_documents_reuse_and_loads_no_bitsandbytes(tmp_path):
+    script = ("import sys; sys.argv = ['uds-lens', 'score', '--help']\n"
+              "from uds_lens.cli import main\n"
+              "try:\n    main()\nexcept SystemExit:\n    pass\n"
+              "print('BNB', 'bitsandbytes' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BNB False" in proc.stdout
+    assert "bitsandbytes" not in proc.stderr.lower() and "warn" not in proc.stderr.lower()
+    assert "--force" in proc.stdout and "identical" in proc.stdout

@@ -20,3 +20,37 @@ def test_demo_scores_the_zoo_and_keeps_its_pools_listed(test_zoo, tmp_path):
     # the demo needs no pools, but a zoo that has them keeps them listed for the meta-evaluation
     again = load_zoo(test_zoo.root)
     assert again.names("pos") == test_zoo.names("pos") and again.names("neg") == test_zoo.names("neg")
+
+
+def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zoo, tmp_path, monkeypatch):
+    """A first run shows a table from the test-size zoo before the (minutes-long) default zoo build starts."""
+    import pandas as pd
+
+    import uds_lens.demo as demo
+    import uds_lens.zoo as zoo_module
+
+    events = []
+    monkeypatch.delenv("UDS_LENS_ZOO", raising=False)
+    monkeypatch.setattr(demo, "default_zoo_dir", lambda size: test_zoo.root if size == "test" else tmp_path / size)
+
+    def build(root, size="test", **kwargs):
+        events.append(("build", size))
+        return load_zoo(test_zoo.root)
+
+    def score(zoo, out, config, progress):
+        events.append(("score", out.name))
+        entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
+        return pd.DataFrame({"model": [m["name"] for m in entries], "uds": 0.5}), entries, {}
+
+    monkeypatch.setattr(zoo_module, "build_zoo", build)
+    monkeypatch.setattr(demo, "_score_zoo", score)
+    monkeypatch.setattr("uds_lens.report.write_report", lambda *args, **kwargs: events.append(("report",)))
+    table = run_demo(tmp_path / "out", size="default", progress=False,
+                     on_preview=lambda table, root: events.append(("preview", str(root), len(table))))
+    n_models = len([m for m in test_zoo.models if m["role"] in DEMO_ROLES])
+    assert events == [("build", "test"), ("score", "preview"), ("preview", str(test_zoo.root), n_models),
+                      ("build", "default"), ("score", "out"), ("report",)]
+    assert len(table) == n_models
+    # once the default zoo exists (a manifest), or without a preview callback, nothing is scored twice
+    assert demo._preview_zoo("default", test_zoo.root) is None
+    assert demo._preview_zoo("test", None) is None

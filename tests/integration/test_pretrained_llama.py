@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from uds_lens import UDSAuditor, UDSConfig
+from uds_lens import UDSAuditor
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, model_fingerprint, verify_parity
 from uds_lens.patching import (

@@ -12,7 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens.cli import app
-from uds_lens.models import ArchitectureSignature, load_hf_config, load_model, load_tokenizer, model_fingerprint
+from uds_lens.models import (
+    ArchitectureSignature,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+)
 from uds_lens.zoo import load_zoo
 
 

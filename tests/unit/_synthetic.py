@@ -54,7 +54,7 @@ def make_result(
         if idx == n_examples - 1:
             example_rows.append(
                 dict(idx=idx, prompt_type=prompt_type, n_entity_tokens=0, n_ke=0, uds=np.nan, status="skipped",
-                     skip_reason="entity not found in answer")
+                     skip_reason="entity not found in answer", question=f"Question {idx}?", entity=f"Entity {idx}")
             )  # fmt: skip
             continue
         s_full = -s1_rng.uniform(0.1, 1.0)
@@ -70,14 +70,16 @@ def make_result(
             scale = 1.0 if site == "resid_post" else 0.2 + 0.1 * site_position
             for layer in range(n_layers):
                 rows.append(
-                    dict(idx=idx, layer=layer, site=site, s_full=s_full, s1_score=s_full - scale * d1[layer],
+                    dict(idx=idx, layer=layer, site=site, s0=s_full, baseline_score=s_full,
+                         s1_score=s_full - scale * d1[layer],
                          s2_score=s_full - scale * d2[layer], d1=scale * d1[layer], d2=scale * d2[layer],
                          ke=bool(ke[layer]) if site == "resid_post" else bool(scale * d1[layer] > TAU),
-                         ler=float(ler[layer]))
+                         ler=float(ler[layer]) if ke[layer] else np.nan)
                 )  # fmt: skip
         example_rows.append(
             dict(idx=idx, prompt_type=prompt_type, n_entity_tokens=int(1 + idx % 3), n_ke=int(ke.sum()), uds=uds,
-                 status="scored" if ke.any() else "no_ke", skip_reason=None)
+                 status="scored" if ke.any() else "no_ke", skip_reason=None, question=f"Question {idx}?",
+                 entity=f"Entity {idx}")
         )  # fmt: skip
     examples = pd.DataFrame(example_rows)
     layers = pd.DataFrame(rows)

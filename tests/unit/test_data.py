@@ -88,3 +88,61 @@ def test_hub_dataset_offline_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="local file"):
         load_examples("someone/not-a-local-dataset")
+
+
+def test_entity_is_located_at_a_word_boundary(tiny, caplog):
+    tok = load_tokenizer(tiny.tokenizer)
+    example = ex(question="What is she part of?", answer="She is part of the art community.", prefix="She is",
+                 entity="art")
+    (encoded,), _ = encode([example], tok)
+    assert tok.decode(list(encoded.labels)).strip() == "art"
+    prompt, reference = build_prompt(example)
+    # the labels start after " part of the": the whole word, not the inner match
+    assert len(tok.decode(list(encoded.input_ids[encoded.prompt_len : encoded.prompt_len + encoded.entity_start]))) \
+        >= reference.index(" art ")
+    # compat keeps the published first-substring match, and says so
+    with caplog.at_level("WARNING", logger="uds_lens.data"):
+        (compat,), _ = encode([example], tok, published_compat=True)
+    assert "part" in tok.decode(list(compat.labels)) or compat.entity_start < encoded.entity_start
+    assert "inside another word" in caplog.text
+    # an entity that only occurs inside another word is skipped with its own reason
+    from uds_lens.data import SKIP_ENTITY_INSIDE_WORD
+
+    _, (skip,) = encode([ex(answer="Hsiao was born in Parisville.", entity="Paris")], tok)
+    assert skip.reason == SKIP_ENTITY_INSIDE_WORD
+
+
+@pytest.mark.parametrize("idx", ["abc", 1.5, None, [1], True])
+def test_non_integer_idx_is_a_one_line_error(tmp_path, idx):
+    records = [dict(ex().to_record(), idx=0), dict(ex().to_record(), idx=idx)]
+    (tmp_path / "bad.json").write_text(json.dumps(records))
+    with pytest.raises(DataError, match="idx must be an integer") as error:
+        load_examples(tmp_path / "bad.json")
+    assert "\n" not in str(error.value)
+
+
+def test_integer_like_idx_is_accepted(tmp_path):
+    records = [dict(ex().to_record(), idx=3.0), dict(ex().to_record(), idx="4")]
+    (tmp_path / "ok.json").write_text(json.dumps(records))
+    assert [e.idx for e in load_examples(tmp_path / "ok.json")] == [3, 4]
+
+
+def test_a_json_object_where_a_list_was_expected_says_so(tmp_path):
+    (tmp_path / "obj.json").write_text(json.dumps({"0": ex().to_record(), "1": ex(idx=1).to_record()}))
+    with pytest.raises(DataError, match="JSON object.*list of records"):
+        load_examples(tmp_path / "obj.json")
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": [ex().to_record()]}))
+    assert len(load_examples(tmp_path / "wrapped.json")) == 1
+
+
+def test_a_mistyped_local_data_path_fails_without_asking_the_hub(tmp_path, monkeypatch):
+    import uds_lens.data as data
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked for a local path")
+
+    monkeypatch.setattr(data, "_load_hub_dataset", no_hub)
+    (tmp_path / "runs").mkdir()
+    for mistyped in (str(tmp_path / "forget"), str(tmp_path / "runs" / "forgt"), "./no_such_dir/forget"):
+        with pytest.raises(DataError, match="No data file"):
+            load_examples(mistyped)

@@ -62,10 +62,11 @@ def test_logit_lens_endpoints_and_table_shape():
     assert as_full.score <= 0.02
     assert as_retain.score >= 0.98
     layers = as_full.layers
-    assert list(layers.columns) == ["idx", "layer", "k_full", "k_ret", "k_unl", "d1", "d2", "ke", "ler"]
+    assert list(layers.columns) == ["idx", "layer", "baseline_score", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+    assert layers.loc[~layers["ke"], "ler"].isna().all()
     assert len(layers) == len(trio.encoded) * 3
     torch.testing.assert_close(
-        torch.tensor(layers["d1"].to_numpy()), torch.tensor((layers["k_full"] - layers["k_ret"]).to_numpy())
+        torch.tensor(layers["d1"].to_numpy()), torch.tensor((layers["baseline_score"] - layers["s1_score"]).to_numpy())
     )
     assert (layers["ke"] == (layers["d1"] > 0.05)).all()
     other = logit_lens(hidden["full"], hidden["retain"], hidden["other"], decoder)

@@ -165,3 +165,21 @@ def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
         load_model(other.parent)
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         load_model(tiny.full / "config.json")
+
+
+def test_a_mistyped_local_model_path_fails_without_asking_the_hub(tiny, tmp_path, monkeypatch):
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked for a local path")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    from uds_lens.models import load_tokenizer
+
+    for mistyped in (tmp_path / "ful", str(tmp_path / "ful"), str(tiny.full) + "l", "./ckpt/full"):
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            load_model(mistyped)
+        with pytest.raises(ModelLoadError, match="does not exist"):
+            load_tokenizer(mistyped)

@@ -13,6 +13,8 @@ from uds_lens.patching import (
     pad_batch,
     patched_scores,
     source_activations,
+    source_scores,
+    window_source_activations,
 )
 
 
@@ -44,6 +46,12 @@ def test_fast_equals_naive(setup, site, scope, compat):
     # ... and the fast baseline equals the clean score up to float noise.
     base = baseline_scores(setup["full"], batch, clean, site, layers, "fast")
     assert torch.allclose(base, clean.scores[:, None].expand_as(base), atol=1e-5)
+    # The packed source forward the auditor uses gives the same scores as TransformerLens's padded one.
+    packed = source_scores(setup["full"], setup["source"], batch, site, layers, "fast", clean, published_compat=compat)
+    assert torch.allclose(naive, packed, atol=1e-5, rtol=0)
+    # A source identical to the target gives back its clean window activations bit for bit (deltas exactly 0).
+    same = window_source_activations(setup["full"], batch, site, layers, published_compat=False)
+    assert torch.equal(same, clean.window_acts[site])
 
 
 def test_subset_of_layers_and_padding_invariance(setup):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -386,3 +388,79 @@ def test_token_logprobs():
     assert (rect.x0, rect.x1) == (3.5, 5.5)
     with pytest.raises(ValueError, match="is_entity"):
         plots.token_logprobs(tokens.drop(columns=["is_entity"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One convention, one example, components, files
+
+
+def test_one_dash_convention_across_figures(result, results):
+    """S1/d1 solid and S2/d2 dashed wherever both stages are drawn."""
+    stages = plots.stage_curves(results, band=None)
+    dash = {t.name: t.line.dash for t in stages.data}
+    assert dash["S1 (retain → full)"] == "solid" and dash["S2 · npo"] == "dash"
+    example = plots.example_curves(result, 3)
+    assert [t.line.dash for t in example.data if t.mode == "lines+markers"] == ["solid", "dash"]
+    lens = plots.lens_vs_uds_example(result, make_lens_layers(result), idx=3)
+    assert {t.line.dash for t in lens.data if t.name.endswith("ΔS1")} == {"solid"}
+    assert {t.line.dash for t in lens.data if t.name.endswith("ΔS2")} == {"dash"}
+    assert plots.DELTA_SCALE == "RdBu"  # TransformerLens/ARENA's diverging scale
+
+
+def test_example_curves_band_title_and_tau(result):
+    idx = 3
+    fig = plots.example_curves(result, idx)
+    uds = result.examples.set_index("idx").loc[idx, "uds"]
+    assert f"UDS = {uds:.3f}" in fig.layout.title.text and "Entity 3" in fig.layout.title.text
+    ke_layers = set(result.layers.query("idx == @idx and ke")["layer"])
+    bands = {int(round((s.x0 + s.x1) / 2)) for s in fig.layout.shapes if s.type == "rect"}
+    assert bands == ke_layers and 0 < len(ke_layers) < 6
+    assert any(s.type == "line" and s.y0 == pytest.approx(0.05) for s in fig.layout.shapes)
+    no_ke = plots.example_curves(result, 1)  # example 1 has no KE layer
+    assert "undefined" in no_ke.layout.title.text
+    with pytest.raises(ValueError, match="example 11"):
+        plots.example_curves(result, 11)  # skipped: no layer rows
+
+
+def test_component_heatmap_scales():
+    grid = np.array([[0.2, -0.1, np.nan], [0.5, 0.0, -0.4]])
+    deltas = plots.component_heatmap(grid, [0, 1], "head", "d1")
+    assert deltas.layout.coloraxis.cmid == 0.0
+    assert deltas.layout.coloraxis.cmin == -0.5 and deltas.layout.coloraxis.cmax == 0.5
+    assert deltas.layout.xaxis.title.text == "head" and deltas.layout.yaxis.title.text == "layer"
+    ratios = plots.component_heatmap(np.clip(grid, 0, 1), [0, 1], "head", "component_uds")
+    assert (ratios.layout.coloraxis.cmin, ratios.layout.coloraxis.cmax) == (0.0, 1.0)
+
+
+def test_save_writes_offline_html_and_falls_back_without_kaleido(result, tmp_path, monkeypatch):
+    import builtins
+
+    fig = plots.example_curves(result, 3)
+    html_path = plots.save(fig, tmp_path / "fig.html")
+    text = html_path.read_text()
+    assert "Plotly.newPlot" in text and len(text) > 1_000_000  # plotly.js inline ...
+    assert not re.search(r"<script[^>]*src\s*=", text)  # ... and nothing fetched from a CDN
+    real_import = builtins.__import__
+
+    def no_kaleido(name, *args, **kwargs):
+        if name == "kaleido":
+            raise ImportError("no kaleido here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_kaleido)
+    with pytest.warns(UserWarning, match="kaleido is not installed"):
+        written = plots.save(fig, tmp_path / "sub" / "fig.png")
+    assert written == tmp_path / "sub" / "fig.html" and written.is_file()
+    with pytest.raises(ValueError, match="fig.txt"):
+        plots.save(fig, tmp_path / "fig.txt")
+
+
+def test_save_uses_kaleido_when_it_works(result, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "kaleido", types.ModuleType("kaleido"))
+    calls = []
+    monkeypatch.setattr(go.Figure, "write_image", lambda self, path, **kw: calls.append((path, kw)))
+    assert plots.save(plots.example_curves(result, 3), tmp_path / "fig.svg", width=640) == tmp_path / "fig.svg"
+    assert calls and calls[0][1]["width"] == 640

@@ -155,3 +155,25 @@ def test_report_errors_name_the_fix(tmp_path):
         write_report(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="no saved results"):
         write_report(tmp_path)
+
+
+def test_incomplete_result_directories_are_marked_not_included(tiny, tmp_path):
+    from uds_lens import UDSAuditor
+    from uds_lens.report import find_incomplete
+
+    result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(tiny.unlearned)
+    for name in ("good", "torn", "mixed"):
+        result.save(tmp_path / name)
+    (tmp_path / "torn" / "layers.csv").write_text("")  # a kill while the file was written
+    examples = pd.read_csv(tmp_path / "mixed" / "examples.csv")
+    examples["uds"] = 0.99  # another run's numbers
+    examples.to_csv(tmp_path / "mixed" / "examples.csv", index=False)
+    shutil.copytree(tmp_path / "good", tmp_path / "partial")
+    (tmp_path / "partial" / "meta.json").unlink()
+    (tmp_path / "partial" / "layers.csv").unlink()
+    assert set(load_results(tmp_path)) == {result.name} and load_results(tmp_path)[result.name].path.name == "good"
+    assert set(find_incomplete(tmp_path)) == {"torn", "mixed", "partial"}
+    page = write_report(tmp_path).read_text()
+    assert "Incomplete results (not shown)" in page
+    for name in ("torn", "mixed", "partial"):
+        assert f"<code>{name}</code>" in page

@@ -125,13 +125,13 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r4.summary["timings"]["s1_cached"]
     # a corrupt cache file is rebuilt with a warning
-    for file in cache.glob("s1_*.pt"):
+    for file in cache.glob("s1_*.safetensors"):
         file.write_bytes(b"not a torch file")
     with pytest.warns(UserWarning, match="recomputing"):
         r5 = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r5.summary["timings"]["s1_cached"]
     assert np.allclose(r5.layers["d1"], r1.layers["d1"])
-    assert any(S1Cache(cache).directory.glob("s1_*.pt"))
+    assert any(S1Cache(cache).directory.glob("s1_*.safetensors"))
 
 
 def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
@@ -211,3 +211,159 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Never a silently wrong number (issue 13)
+
+
+def _copy_model(source, target, nan_parameter: str | None = None, noise: float = 0.0, seed: int = 0):
+    """A copy of a tiny checkpoint, optionally with one weight set to NaN or all weights nudged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if noise:
+                parameter.add_(noise * torch.randn_like(parameter))
+            if name == nan_parameter:
+                parameter.view(-1)[0] = float("nan")
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return target
+
+
+def test_stale_results_are_never_reused(tiny, tmp_path):
+    """Each changed input recomputes (the number equals a fresh run); identical inputs reuse, and say so."""
+    import json
+
+    from uds_lens.uds import score_models
+
+    unlearned = _copy_model(tiny.unlearned, tmp_path / "unl")
+    other_data = tmp_path / "data.json"
+    other_data.write_text(json.dumps(json.loads(tiny.data.read_text())[1:]))
+    out, cache = tmp_path / "out", tmp_path / "cache"
+
+    def run(full=tiny.full, retain=tiny.retain, data=tiny.data, limit=None, force=False):
+        forcing = {"force": True} if force else {}
+        result = score_models(full, retain, {"m": unlearned}, data, out_dir=out, cache_dir=cache, limit=limit,
+                              progress=False, **forcing)["m"]
+        fresh = UDSAuditor(full, retain, data, cache_dir=False, progress=False, limit=limit).score(unlearned)
+        assert np.allclose(result.layers["d2"], fresh.layers["d2"], atol=1e-6)
+        assert np.allclose(result.layers["d1"].fillna(0), fresh.layers["d1"].fillna(0), atol=1e-6)
+        return result
+
+    first = run()
+    assert "reused" not in first.meta
+    for changed in (dict(retain=tiny.unlearned), dict(full=tiny.retain), dict(data=other_data), dict(limit=3),
+                    dict(retain=None)):
+        assert "reused" not in run(**changed).meta, changed
+    assert "reused" not in run().meta  # back to the first inputs after the last change: recomputed
+    assert run().meta.get("reused") == "identical inputs"
+    _copy_model(tiny.unlearned, unlearned, noise=0.05, seed=3)  # retrained in place: same path, new weights
+    assert "reused" not in run().meta
+    assert run().meta.get("reused") == "identical inputs"
+    assert "reused" not in run(force=True).meta
+
+
+@pytest.mark.parametrize("role", ["full", "retain", "unlearned"])
+def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
+    broken = _copy_model(getattr(tiny, role), tmp_path / "broken", nan_parameter="model.layers.1.mlp.down_proj.weight")
+    paths = {"full": tiny.full, "retain": tiny.retain, "unlearned": tiny.unlearned, role: broken}
+    cache = tmp_path / "cache"
+    with pytest.raises(FloatingPointError) as error:  # NonFiniteScoreError
+        UDSAuditor(paths["full"], paths["retain"], tiny.data, cache_dir=cache, progress=False).score(
+            paths["unlearned"])
+    message = str(error.value)
+    assert f"The {role} model ({broken})" in message and "first at layer 1" in message
+    assert "model.layers.1.mlp.down_proj" in message or "blocks.1.mlp.W_out" in message
+    assert "--dtype float32" not in message  # it already runs in float32: that advice would not help
+    if role != "unlearned":  # S1 depends only on full and retain: a finite one may stay cached
+        assert not list(cache.glob("s1_*"))
+
+
+def test_nonfinite_advice_fits_the_dtype(tiny, models):
+    from uds_lens.data import encode
+    from uds_lens.uds import nonfinite_error
+
+    encoded, _ = encode(load_examples(tiny.data), __import__("uds_lens").load_tokenizer(tiny.tokenizer))
+    half = load_model(tiny.full, dtype="bfloat16")
+    assert "run in float32 (--dtype float32" in str(nonfinite_error(half, "full", "x", "score", [0], encoded[0], 2))
+    fp32 = str(nonfinite_error(models["full"], "full", "x", "score", [0], encoded[0], 2))
+    assert "--dtype" not in fp32 and "already runs in float32" in fp32 and "layer 2" in fp32
+
+
+@pytest.mark.parametrize("options", [dict(tau=-1.0), dict(tau=float("nan")), dict(tau=float("inf")),
+                                     dict(batch_size=0), dict(batch_size=-3), dict(patch_scope="foo"),
+                                     dict(site="hook_z"), dict(engine="slow"), dict(layers=(-1,)),
+                                     dict(layers=()), dict(dtype="float8"), dict(device="gpu0")])
+def test_options_out_of_range_are_refused(options):
+    from uds_lens.uds import ConfigError
+
+    with pytest.raises(ConfigError, match="must|Unknown dtype"):
+        UDSConfig(**options)
+
+
+def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
+    from uds_lens.data import DataError
+    from uds_lens.uds import ConfigError
+
+    with pytest.raises(ConfigError, match="do not exist"):
+        UDSAuditor(tiny.full, tiny.retain, tiny.data, UDSConfig(layers=(0, 7)), cache_dir=False, progress=False)
+    with pytest.raises(DataError, match="positive"):
+        load_examples(tiny.data, limit=-2)
+
+
+def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
+    """A pickle in the cache directory (under the current or the old file name) is never unpickled."""
+    import pickle
+
+    cache = tmp_path / "cache"
+    reference = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (__import__("pathlib").Path.touch, (marker,))
+
+    crafted = pickle.dumps({"format": 2, "payload": Payload()})
+    files = list(cache.glob("s1_*"))
+    assert files
+    for file in files:
+        file.write_bytes(crafted)
+        file.with_suffix(".pt").write_bytes(crafted)
+    with pytest.warns(UserWarning, match="recomputing|pickle"):
+        again = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+    assert not marker.exists()
+    assert not again.summary["timings"]["s1_cached"]
+    assert np.allclose(again.layers["d1"], reference.layers["d1"])
+    assert not list(cache.glob("s1_*.pt"))
+
+
+def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
+    import json
+
+    records = json.loads(tiny.data.read_text())
+    filler = " ".join(["the river stone light of the night"] * 60)
+    tail = dict(records[0], idx=40, answer=records[0]["answer"] + " " + filler)  # entity early, long tail: cut
+    head = dict(records[0], idx=41, question=filler + " " + records[0]["question"])  # entity beyond the context
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(records + [tail, head]))
+    for engine in ("fast", "naive"):
+        result = UDSAuditor(tiny.full, tiny.retain, path, UDSConfig(engine=engine), cache_dir=False,
+                            progress=False).score(tiny.unlearned)
+        examples = result.examples.set_index("idx")
+        assert examples.loc[41, "status"] == "skipped"
+        assert examples.loc[41, "skip_reason"] == "longer_than_model_context"
+        assert result.summary["skipped_reasons"] == {"longer_than_model_context": 1}
+        # cutting after the last read position changes no number
+        layers = result.layers.set_index(["idx", "layer"])
+        assert np.allclose(layers.loc[40, ["d1", "d2"]], layers.loc[records[0]["idx"], ["d1", "d2"]], atol=1e-5)
+
+
+def test_bootstrap_ci_does_not_depend_on_example_order():
+    from uds_lens.uds import bootstrap_ci
+
+    values = np.random.default_rng(1).uniform(0, 1, 25)
+    assert bootstrap_ci(values) == bootstrap_ci(values[::-1]) == bootstrap_ci(np.roll(values, 7))

@@ -899,6 +899,12 @@ class Zoo:
         """Directory of one model (a Hugging Face Llama checkpoint with its tokenizer)."""
         return self.info(name)["path"]
 
+    def model(self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> Any:
+        """One zoo model loaded as a TransformerLens ``HookedTransformer`` (``uds_lens.load_model`` on its path)."""
+        from uds_lens.models import load_model
+
+        return load_model(self.path(name), dtype=dtype, device=device)
+
     @property
     def forget_path(self) -> Path:
         """``data/forget.json``."""

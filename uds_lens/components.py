@@ -1,0 +1,674 @@
+"""Head- and position-level patching: UDS at the granularity TransformerLens users work at.
+
+``uds.py`` patches one hook site per layer (a whole residual or block output). Here the same patch is resolved
+further, with the same stages and the same definitions (``d1 = s0 - s_S1``, ``d2 = s0 - s_S2``, KE cells
+``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``):
+
+* **per head** (:func:`patch_heads`): the source's ``blocks.{l}.attn.hook_z`` (or ``hook_result``) of one head
+  ``h`` is written into the full model at the patched positions; scores ``[example, layer, head]``. Head-level UDS
+  answers *which heads carry the forgotten fact, and did unlearning remove it there*;
+* **per entity token** (:func:`patch_tokens`): the usual span patch at one site, but the log-prob of every entity
+  token is kept instead of their mean, ``[example, layer, token]``, so one sees which token of "Nikolai Abilov"
+  is still recoverable. The mean over an example's tokens is exactly the span score;
+* **per patched position** (:func:`patch_positions`): each patched position is patched alone, the span mean read
+  as usual, ``[example, layer, position]`` (TransformerLens's ``get_act_patch_resid_pre`` layout, restricted to
+  the positions UDS patches).
+
+Engines. A head's output enters the residual stream only through the attention output,
+``attn_out = sum_h z_h W_O[h] + b_O`` (``result_h = z_h W_O[h]`` is TransformerLens's ``hook_result``), so
+patching head ``h`` is exactly patching ``attn_out`` with ``clean attn_out + (z_src,h - z_full,h) W_O[h]`` (for
+``hook_z``; ``hook_result`` uses the source's own ``W_O``). That lets the fast engine of ``patching.py`` run it:
+one call per head over all layers. Everything else (other hook names, all positions, per-token reads) uses
+``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
+naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
+
+Sources must be ``HookedTransformer`` models here (a head is a TransformerLens notion); ``auditor.load_source``
+loads a path or zoo name as one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import einops
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from uds_lens.data import EncodedExample
+from uds_lens.patching import (
+    SITES,
+    PatchBatch,
+    baseline_scores,
+    clean_run,
+    hook_name,
+    pad_batch,
+    patched_scores,
+)
+from uds_lens.tl_compat import HookedTransformer, HookPoint
+
+HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
+"""Per-head hook points (TransformerLens names inside ``blocks.{l}``): ``[batch, pos, head, d]``."""
+
+AXES = ("head", "token", "position")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs of one example, and a metric for hand-written hooks
+
+
+@dataclass(frozen=True)
+class ExampleInputs:
+    """Everything a hand-written hook experiment needs for one forget-set example, as tensors.
+
+    Attributes:
+        idx: the example's dataset ``idx``.
+        question / entity / prompt / reference: the strings (``prompt + reference`` is what the tokens encode).
+        tokens: ``[1, pos]`` prompt + reference token ids (BOS included), ready for ``run_with_hooks``.
+        str_tokens: the tokens as strings, one per position.
+        read_positions: ``[entity]`` positions whose logits predict the entity tokens.
+        labels: ``[entity]`` the entity token ids (``tokens[0, read_positions + 1]``).
+        patch_positions: ``[patched]`` positions UDS patches under the auditor's scope.
+    """
+
+    idx: int
+    question: str
+    entity: str
+    prompt: str
+    reference: str
+    tokens: Int[Tensor, "1 pos"]
+    str_tokens: list[str]
+    read_positions: Int[Tensor, " entity"]
+    labels: Int[Tensor, " entity"]
+    patch_positions: Int[Tensor, " patched"]
+
+
+def entity_metric(
+    read_batch: Int[Tensor, " entity"],
+    read_pos: Int[Tensor, " entity"],
+    labels: Int[Tensor, " entity"],
+    n_examples: int,
+    per_example: bool = False,
+    upcast: bool = True,
+) -> Callable[[Tensor], Tensor]:
+    """A patching metric: logits ``[batch, pos, vocab]`` -> mean entity log-prob (a 0-d tensor, or ``[batch]``).
+
+    The value is UDS's score of a run (the per-example mean of the entity tokens' log-probs), averaged over the
+    examples of the batch unless ``per_example``. It returns a tensor, not a float, so it works as the
+    ``patching_metric`` of ``transformer_lens.patching.get_act_patch_*`` and inside ``run_with_hooks`` code.
+    """
+
+    def metric(logits: Float[Tensor, "batch pos vocab"]) -> Tensor:
+        device = logits.device
+        rows = read_batch.to(device)
+        picked = logits[rows, read_pos.to(device)]
+        logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
+        chosen = logprobs.gather(-1, labels.to(device)[:, None])[:, 0].float()
+        total = torch.zeros(n_examples, device=device).index_add_(0, rows, chosen)
+        count = torch.zeros(n_examples, device=device).index_add_(0, rows, torch.ones_like(chosen))
+        scores = total / count
+        return scores if per_example else scores.mean()
+
+    return metric
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class ComponentResult:
+    """Scores of one unlearned model per example, layer and component (head, entity token or patched position).
+
+    Attributes:
+        name: the unlearned model's result name.
+        hook: the patched hook (``attn.hook_z``, ``hook_resid_post``, ...), inside ``blocks.{layer}``.
+        axis: ``"head"``, ``"token"`` or ``"position"``: what the last tensor axis indexes.
+        idx: dataset ``idx`` of each example row.
+        layers: the patched layers (the middle axis).
+        s0: ``[example]`` the clean full model's score.
+        baseline: ``[example, layer, component]`` each engine's unpatched score (S0 for the naive engine; for
+            ``axis="token"`` the clean log-prob of each token).
+        s1 / s2: ``[example, layer, component]`` patched scores with retain / the unlearned model as source.
+        valid: ``[example, component]`` False where a component does not exist for an example (an example with
+            fewer entity tokens or patched positions than the longest); its cells are NaN.
+        labels: per example, each component's name: the head number, or the token's text (``axis="token"``: the
+            entity token read; ``axis="position"``: the token at the patched position).
+        tau: KE threshold.
+        engine: ``fast`` or ``naive``.
+    """
+
+    name: str
+    hook: str
+    axis: str
+    idx: list[int]
+    layers: list[int]
+    s0: Float[Tensor, " example"]
+    baseline: Float[Tensor, "example layer component"]
+    s1: Float[Tensor, "example layer component"]
+    s2: Float[Tensor, "example layer component"]
+    valid: Bool[Tensor, "example component"]
+    labels: list[list[str]] = field(default_factory=list)
+    tau: float = 0.05
+    engine: str = "naive"
+
+    @property
+    def d1(self) -> Float[Tensor, "example layer component"]:
+        """``baseline - s1``: what patching retain in at this component removes (NaN where not ``valid``)."""
+        return self._masked(self.baseline - self.s1)
+
+    @property
+    def d2(self) -> Float[Tensor, "example layer component"]:
+        """``baseline - s2``: what patching the unlearned model in at this component removes."""
+        return self._masked(self.baseline - self.s2)
+
+    @property
+    def ke(self) -> Bool[Tensor, "example layer component"]:
+        """Knowledge-encoding cells: ``d1 > tau`` (strict; NaN cells are never KE)."""
+        return self.d1 > self.tau
+
+    @property
+    def ler(self) -> Float[Tensor, "example layer component"]:
+        """``clip(d2 / d1, 0, 1)`` on KE cells, NaN elsewhere (outside KE the ratio is noise over noise)."""
+        d1 = self.d1
+        ratio = (self.d2 / torch.where(d1 == 0, torch.ones_like(d1), d1)).clamp(0.0, 1.0)
+        return torch.where(self.ke, ratio, torch.full_like(ratio, math.nan))
+
+    def _masked(self, values: Tensor) -> Tensor:
+        return torch.where(self.valid[:, None, :], values, torch.full_like(values, math.nan))
+
+    @property
+    def example_uds(self) -> Float[Tensor, " example"]:
+        """Per example, UDS over all KE (layer, component) cells; NaN with none."""
+        weights = torch.where(self.ke, self.d1, torch.zeros_like(self.d1)).flatten(1)
+        numerator = (weights * self.ler.nan_to_num(0.0).flatten(1)).sum(-1)
+        defined = self.ke.flatten(1).any(-1)
+        denominator = torch.where(defined, weights.sum(-1), torch.ones(len(self.idx)))
+        return torch.where(defined, numerator / denominator, torch.full_like(numerator, math.nan))
+
+    @property
+    def component_uds(self) -> Float[Tensor, "layer component"]:
+        """Per (layer, component), UDS over the examples where that cell is KE (d1-weighted); NaN where none is.
+
+        For heads this is the answer to "did unlearning remove the fact where this head carried it": 0 = the
+        head still carries it as in full, 1 = as absent as in retain.
+        """
+        weights = torch.where(self.ke, self.d1, torch.zeros_like(self.d1))
+        numerator = (weights * self.ler.nan_to_num(0.0)).sum(0)
+        defined = self.ke.any(0)
+        denominator = torch.where(defined, weights.sum(0), torch.ones_like(numerator))
+        return torch.where(defined, numerator / denominator, torch.full_like(numerator, math.nan))
+
+    @property
+    def uds(self) -> float:
+        """Mean of the defined per-example scores (NaN if none is defined)."""
+        values = self.example_uds
+        values = values[~torch.isnan(values)]
+        return float(values.mean()) if values.numel() else math.nan
+
+    def frame(self) -> pd.DataFrame:
+        """Long table ``idx, layer, <axis>, label, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``.
+
+        One row per existing (example, layer, component); the column names are those of ``UDSResult.layers``.
+        """
+        n_examples, n_layers, n_components = self.s1.shape
+        example, layer, component = (grid.reshape(-1) for grid in torch.meshgrid(
+            torch.arange(n_examples), torch.arange(n_layers), torch.arange(n_components), indexing="ij"))
+        keep = self.valid[example, component]
+        example, layer, component = example[keep], layer[keep], component[keep]
+
+        def column(values: Tensor) -> np.ndarray:
+            return values[example, layer, component].double().numpy()
+
+        labels = [self.labels[e][c] if self.labels else str(c) for e, c in zip(example.tolist(), component.tolist())]
+        return pd.DataFrame({
+            "idx": np.asarray(self.idx, dtype=int)[example.numpy()],
+            "layer": np.asarray(self.layers, dtype=int)[layer.numpy()],
+            self.axis: component.numpy(),
+            "label": labels,
+            "s0": self.s0[example].double().numpy(),
+            "baseline_score": column(self.baseline),
+            "s1_score": column(self.s1),
+            "s2_score": column(self.s2),
+            "d1": column(self.d1),
+            "d2": column(self.d2),
+            "ke": self.ke[example, layer, component].numpy(),
+            "ler": column(self.ler),
+        })
+
+    def figure(self, value: str = "component_uds", idx: int | None = None, title: str | None = None) -> Any:
+        """Heatmap ``layer x component`` (``px.imshow``, y = layer).
+
+        Args:
+            value: ``"component_uds"`` (sequential 0-1), or ``"d1"`` / ``"d2"`` (RdBu, midpoint 0; mean over
+                examples, or one example with ``idx``).
+            idx: one example (for ``d1``/``d2``); default the mean over examples.
+            title: figure title.
+        """
+        from uds_lens import plots
+
+        if value == "component_uds":
+            grid = self.component_uds
+        elif value in ("d1", "d2"):
+            values = getattr(self, value)
+            grid = values[self.idx.index(idx)] if idx is not None else values.nanmean(0)
+        else:
+            raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
+        return plots.component_heatmap(
+            grid.double().numpy(), self.layers, self.axis, value,
+            title=title or f"{self.name}: {value} per layer and {self.axis} ({self.hook})")
+
+    def __repr__(self) -> str:
+        return (f"ComponentResult({self.name!r}, hook={self.hook!r}, axis={self.axis!r}, "
+                f"shape={tuple(self.s1.shape)}, uds={self.uds:.3f}, engine={self.engine!r})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+def _source_cache(source: HookedTransformer, tokens: Tensor, names: set[str], use_attn_result: bool = False,
+                  device: str | torch.device | None = None) -> dict[str, Tensor]:
+    """Activations of ``source`` at ``names`` (one forward, no gradients), on ``device`` (the target's)."""
+    previous = source.cfg.use_attn_result
+    source.cfg.use_attn_result = previous or use_attn_result
+    try:
+        with torch.no_grad():
+            _, cache = source.run_with_cache(tokens.to(source.cfg.device), names_filter=lambda name: name in names)
+    finally:
+        source.cfg.use_attn_result = previous
+    return {name: cache[name].to(device or tokens.device) for name in names}
+
+
+def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Tensor, " entity"]:
+    picked = logits[batch.read_batch, batch.read_pos]
+    logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
+    return logprobs.gather(-1, batch.read_label[:, None])[:, 0].float()
+
+
+def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
+    total = torch.zeros(batch.size, device=values.device).index_add_(0, batch.read_batch, values)
+    count = torch.zeros(batch.size, device=values.device).index_add_(0, batch.read_batch, torch.ones_like(values))
+    return total / count
+
+
+def _token_grid(values: Float[Tensor, " entity"], batch: PatchBatch, width: int) -> Float[Tensor, "batch token"]:
+    """Scatter per-token values into ``[batch, token]`` (NaN past an example's last entity token)."""
+    first = torch.full((batch.size,), 1 << 30, device=values.device).scatter_reduce(
+        0, batch.read_batch, batch.read_pos, reduce="amin")
+    offset = batch.read_pos - first[batch.read_batch]
+    grid = torch.full((batch.size, width), math.nan, device=values.device)
+    grid[batch.read_batch, offset] = values
+    return grid
+
+
+def _run(full: HookedTransformer, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
+    with torch.no_grad():
+        return full.run_with_hooks(tokens, fwd_hooks=hooks)
+
+
+def _overwrite(source: Tensor, mask: Bool[Tensor, "batch pos"], head: int | None) -> Callable:
+    """A TransformerLens hook writing ``source`` at ``mask`` positions (one head's slice when ``head`` is given)."""
+
+    def hook(activation: Tensor, hook: HookPoint) -> Tensor:
+        patched = activation.clone()
+        if head is None:
+            patched[mask] = source[mask].to(activation.dtype)
+        else:
+            patched[:, :, head][mask] = source[:, :, head][mask].to(activation.dtype)
+        return patched
+
+    return hook
+
+
+def _all_positions(batch: PatchBatch) -> Bool[Tensor, "batch pos"]:
+    return torch.ones_like(batch.patch_mask)
+
+
+def _resolve_hook(hook: str) -> str:
+    """``"z"`` / ``"result"`` -> ``attn.hook_z`` / ``attn.hook_result``; a site name -> ``hook_{site}``."""
+    if hook in HEAD_HOOKS:
+        return HEAD_HOOKS[hook]
+    if hook in SITES:
+        return f"hook_{hook}"
+    return hook.split(".", 2)[-1] if hook.startswith("blocks.") else hook
+
+
+def _check_hook(full: HookedTransformer, point: str, layers: Sequence[int]) -> None:
+    missing = [f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict]
+    if missing:
+        known = sorted({name.split(".", 2)[-1] for name in full.hook_dict if name.startswith("blocks.0.")})
+        raise ValueError(f"The full model has no hook point {missing[0]!r}; hook names inside a block are {known} "
+                         f"(or a UDS site: {SITES}).")
+
+
+@dataclass
+class _StageScores:
+    s0: Tensor
+    baseline: Tensor
+    scores: Tensor
+    valid: Tensor
+    labels: list[list[str]]
+
+
+class _Runner:
+    """Batches of an auditor's encoded examples and the per-batch runs of one patching experiment."""
+
+    def __init__(self, auditor: Any, idxs: Sequence[int] | None, batch_size: int | None) -> None:
+        self.auditor = auditor
+        self.full: HookedTransformer = auditor.full
+        self.encoded: list[EncodedExample] = auditor.select(idxs)
+        size = batch_size or auditor.config.batch_size or 8
+        self.chunks = [self.encoded[i : i + size] for i in range(0, len(self.encoded), size)]
+        self.upcast = not auditor.config.published_compat
+        self.scope = auditor.config.patch_scope
+        self.device = self.full.cfg.device
+
+    def batch(self, chunk: list[EncodedExample], cut: bool = True) -> PatchBatch:
+        return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
+
+
+def _heads_fast(runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], progress: bool
+                ) -> _StageScores:
+    full = runner.full
+    n_heads = full.cfg.n_heads
+    s0_parts, base_parts, score_parts = [], [], []
+    for chunk in tqdm(runner.chunks, desc="heads (fast)", unit="batch", disable=not progress):
+        batch = runner.batch(chunk)
+        clean = clean_run(full, batch, "attn_out", keep_kv=True, upcast=runner.upcast)
+        z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
+        full_cache = _source_cache(full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers})
+        source_cache = _source_cache(source, batch.tokens, z_names)
+        base = baseline_scores(full, batch, clean, "attn_out", layers, "fast", runner.upcast)
+        per_head = []
+        for head in range(n_heads):
+            acts = []
+            for layer in layers:
+                z_full = full_cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
+                z_source = source_cache[f"blocks.{layer}.attn.hook_z"][:, :, head].to(z_full.dtype)
+                w_full = full.blocks[layer].attn.W_O[head]
+                w_source = w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full)
+                change = (einops.einsum(z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model")
+                          - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model"))
+                acts.append(full_cache[hook_name("attn_out", layer)] + change)
+            per_head.append(patched_scores(full, batch, torch.stack(acts), "attn_out", layers, "fast", clean,
+                                           runner.upcast))
+        s0_parts.append(clean.scores.float().cpu())
+        base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
+        score_parts.append(torch.stack(per_head, dim=-1).float().cpu())
+    valid = torch.ones(len(runner.encoded), n_heads, dtype=torch.bool)
+    return _StageScores(torch.cat(s0_parts), torch.cat(base_parts), torch.cat(score_parts), valid,
+                        [[str(h) for h in range(n_heads)] for _ in runner.encoded])
+
+
+def _components_naive(runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], axis: str,
+                      positions: str, progress: bool) -> _StageScores:
+    """One ``run_with_hooks`` per (batch, layer, component); see the module docstring for the three axes."""
+    full = runner.full
+    n_heads = full.cfg.n_heads
+    if axis == "head":
+        width = n_heads
+    elif axis == "token":
+        width = max(e.n_entity_tokens for e in runner.encoded)
+    else:
+        width = max(len(e.patch_positions(runner.scope)) for e in runner.encoded)
+    names = {f"blocks.{layer}.{hook}" for layer in layers}
+    use_result = hook == HEAD_HOOKS["result"]
+    s0_parts, base_parts, score_parts, valid_parts = [], [], [], []
+    previous = full.cfg.use_attn_result
+    full.cfg.use_attn_result = previous or use_result
+    try:
+        for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
+            batch = runner.batch(chunk)
+            cache = _source_cache(source, batch.tokens, names, use_result)
+            last = f"blocks.{full.cfg.n_layers - 1}.hook_resid_post"
+            if runner.auditor.config.published_compat and last in cache:
+                # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
+                with torch.no_grad():
+                    cache[last] = source.ln_final(cache[last].to(source.cfg.device)).to(cache[last].device)
+            mask = _all_positions(batch) if positions == "all" else batch.patch_mask
+            clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
+            s0 = _per_example_mean(clean_tokens, batch)
+            scores = torch.full((batch.size, len(layers), width), math.nan, device=runner.device)
+            for position, layer in enumerate(layers):
+                name = f"blocks.{layer}.{hook}"
+                if axis == "head":
+                    for head in range(width):
+                        logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, head))])
+                        scores[:, position, head] = _per_example_mean(_token_logprobs(logits, batch, runner.upcast),
+                                                                      batch)
+                elif axis == "token":
+                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, None))])
+                    scores[:, position] = _token_grid(_token_logprobs(logits, batch, runner.upcast), batch, width)
+                else:
+                    for offset in range(width):
+                        single = _nth_patched(batch, runner.scope, offset)
+                        if not single.any():
+                            continue
+                        logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], single, None))])
+                        rows = single.any(-1)
+                        means = _per_example_mean(_token_logprobs(logits, batch, runner.upcast), batch)
+                        scores[rows, position, offset] = means[rows]
+            if axis == "token":
+                base = _token_grid(clean_tokens, batch, width)[:, None, :].expand(-1, len(layers), -1)
+            else:
+                base = s0[:, None, None].expand(-1, len(layers), width)
+            s0_parts.append(s0.float().cpu())
+            base_parts.append(base.float().cpu())
+            score_parts.append(scores.float().cpu())
+            valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
+    finally:
+        full.cfg.use_attn_result = previous
+    return _StageScores(torch.cat(s0_parts), torch.cat(base_parts), torch.cat(score_parts), torch.cat(valid_parts),
+                        _labels(runner, axis, width))
+
+
+def _nth_patched(batch: PatchBatch, scope: str, offset: int) -> Bool[Tensor, "batch pos"]:
+    """Mask of each example's ``offset``-th patched position (empty for examples with fewer)."""
+    mask = torch.zeros_like(batch.patch_mask)
+    for row, example in enumerate(batch.examples):
+        patched = example.patch_positions(scope)
+        if offset < len(patched):
+            mask[row, patched[offset]] = True
+    return mask
+
+
+def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
+    if axis == "head":
+        return [[str(h) for h in range(width)] for _ in runner.encoded]
+    tokenizer = runner.auditor.tokenizer
+    out = []
+    for example in runner.encoded:
+        if axis == "token":
+            ids = list(example.labels)
+        else:
+            ids = [example.input_ids[p] for p in example.patch_positions(runner.scope)]
+        names = [tokenizer.decode([token]) for token in ids]
+        out.append(names + [""] * (width - len(names)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The public calls
+
+
+def _check_source(source: Any, role: str) -> HookedTransformer:
+    if not isinstance(source, HookedTransformer):
+        raise TypeError(
+            f"{role}: component patching needs a HookedTransformer source (got {type(source).__name__}); load it "
+            "with auditor.load_source(path) or uds_lens.load_model(path)."
+        )
+    return source
+
+
+def _stage_scores(auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[HookedTransformer], _StageScores]
+                  ) -> _StageScores:
+    """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``."""
+    store = auditor.component_cache if role == "retain" else None
+    if store is not None and key in store:
+        return store[key]
+    scores = compute(_check_source(source, role))
+    if store is not None:
+        store[key] = scores
+    return scores
+
+
+def _result(auditor: Any, unlearned: Any, name: str | None, hook: str, axis: str, layers: Sequence[int] | None,
+            idxs: Sequence[int] | None, compute: Callable[[HookedTransformer], _StageScores], engine: str,
+            key: tuple) -> ComponentResult:
+    if auditor.retain is None:
+        raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
+    source = auditor.load_source(unlearned)
+    from uds_lens.uds import model_name
+
+    stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute)
+    stage2 = _stage_scores(auditor, source, "unlearned", key, compute)
+    return ComponentResult(
+        name=name or model_name(unlearned), hook=hook, axis=axis, idx=[e.idx for e in auditor.select(idxs)],
+        layers=list(layers), s0=stage1.s0, baseline=stage1.baseline, s1=stage1.scores, s2=stage2.scores,
+        valid=stage1.valid & stage2.valid, labels=stage1.labels, tau=auditor.config.tau, engine=engine,
+    )
+
+
+def patch_heads(
+    auditor: Any,
+    unlearned: Any,
+    hook: str = "z",
+    layers: Sequence[int] | None = None,
+    idxs: Sequence[int] | None = None,
+    positions: str = "patched",
+    engine: str = "auto",
+    name: str | None = None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+) -> ComponentResult:
+    """Head-level UDS: patch one attention head at a time, for retain (S1) and the unlearned model (S2).
+
+    Example:
+        >>> heads = patch_heads(auditor, "zoo:npo")           # or auditor.patch_heads("zoo:npo")
+        >>> heads.d1.shape                                     # [example, layer, head]
+        >>> heads.component_uds                                # [layer, head]: did unlearning remove it there?
+        >>> heads.frame().head()                               # long: idx, layer, head, ..., d1, d2, ke, ler
+
+    Args:
+        auditor: a ``UDSAuditor`` (full, retain, forget set and settings).
+        unlearned: the S2 source (path, zoo name, or HookedTransformer).
+        hook: ``"z"`` (``attn.hook_z``: the head's value-weighted mix, through full's ``W_O``) or ``"result"``
+            (``attn.hook_result``: the head's output through the source's own ``W_O``).
+        layers: layers to patch (default the auditor's).
+        idxs: dataset ``idx`` of the examples (default all scored examples).
+        positions: ``"patched"`` (the auditor's patch scope, as UDS) or ``"all"`` (every position, as
+            TransformerLens's ``get_act_patch_attn_head_out_all_pos``; naive engine).
+        engine: ``"fast"`` (exact for both hooks at the patched positions), ``"naive"`` (one forward per layer and
+            head) or ``"auto"`` (fast where it applies).
+        name: result name (default from the model).
+        batch_size: examples per batch (default the auditor's, else 8).
+        progress: tqdm bars (default the auditor's setting).
+
+    Returns:
+        A :class:`ComponentResult` with ``axis="head"``: tensors ``[example, layer, head]``.
+    """
+    if hook not in HEAD_HOOKS:
+        raise ValueError(f"hook must be one of {sorted(HEAD_HOOKS)} (per-head hook points), got {hook!r}.")
+    if positions not in ("patched", "all"):
+        raise ValueError(f"positions must be 'patched' or 'all', got {positions!r}.")
+    if engine not in ("auto", "fast", "naive"):
+        raise ValueError(f"engine must be 'auto', 'fast' or 'naive', got {engine!r}.")
+    if engine == "fast" and positions == "all":
+        raise ValueError("The fast engine recomputes only the patched window; positions='all' needs engine='naive'.")
+    chosen = "naive" if engine == "naive" or positions == "all" else "fast"
+    layers = list(layers) if layers is not None else list(auditor.layers)
+    progress = auditor.progress if progress is None else progress
+    runner = _Runner(auditor, idxs, batch_size)
+    point = HEAD_HOOKS[hook]
+
+    def compute(source: HookedTransformer) -> _StageScores:
+        if chosen == "fast":
+            return _heads_fast(runner, source, point, layers, progress)
+        return _components_naive(runner, source, point, layers, "head", positions, progress)
+
+    key = ("head", point, tuple(layers), tuple(e.idx for e in runner.encoded), positions, chosen)
+    return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key)
+
+
+def patch_tokens(
+    auditor: Any,
+    unlearned: Any,
+    site: str | None = None,
+    layers: Sequence[int] | None = None,
+    idxs: Sequence[int] | None = None,
+    name: str | None = None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+) -> ComponentResult:
+    """Position-resolved UDS: the span patch of UDS, with every entity token's log-prob kept.
+
+    ``result.d1[i, l, t]`` is how much of entity token ``t``'s log-prob the retain patch at layer ``l`` removes;
+    averaged over an example's tokens it is that example's span ``d1`` (the naive engine's, whose baseline is S0).
+
+    Args:
+        site: a UDS site (``resid_post`` ...) or any hook name inside ``blocks.{l}`` (default the auditor's site).
+        Others as :func:`patch_heads`.
+
+    Returns:
+        A :class:`ComponentResult` with ``axis="token"``: tensors ``[example, layer, token]``; ``labels`` hold the
+        token strings.
+    """
+    site = site or auditor.config.site
+    layers = list(layers) if layers is not None else list(auditor.layers)
+    progress = auditor.progress if progress is None else progress
+    runner = _Runner(auditor, idxs, batch_size)
+    point = _resolve_hook(site)
+    _check_hook(auditor.full, point, layers)
+
+    def compute(source: HookedTransformer) -> _StageScores:
+        return _components_naive(runner, source, point, layers, "token", "patched", progress)
+
+    key = ("token", point, tuple(layers), tuple(e.idx for e in runner.encoded))
+    return _result(auditor, unlearned, name, point, "token", layers, idxs, compute, "naive", key)
+
+
+def patch_positions(
+    auditor: Any,
+    unlearned: Any,
+    site: str | None = None,
+    layers: Sequence[int] | None = None,
+    idxs: Sequence[int] | None = None,
+    name: str | None = None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+) -> ComponentResult:
+    """Position-level patching: each patched position patched alone, the span's mean entity log-prob read.
+
+    Args:
+        site: a UDS site or any hook name inside ``blocks.{l}`` (default the auditor's site).
+        Others as :func:`patch_heads`.
+
+    Returns:
+        A :class:`ComponentResult` with ``axis="position"``: ``[example, layer, position]``, position ``p`` being
+        the example's ``p``-th patched position (``labels`` hold the token at it).
+    """
+    site = site or auditor.config.site
+    layers = list(layers) if layers is not None else list(auditor.layers)
+    progress = auditor.progress if progress is None else progress
+    runner = _Runner(auditor, idxs, batch_size)
+    point = _resolve_hook(site)
+    _check_hook(auditor.full, point, layers)
+
+    def compute(source: HookedTransformer) -> _StageScores:
+        return _components_naive(runner, source, point, layers, "position", "patched", progress)
+
+    key = ("position", point, tuple(layers), tuple(e.idx for e in runner.encoded))
+    return _result(auditor, unlearned, name, point, "position", layers, idxs, compute, "naive", key)
+
+
+__all__ = [
+    "AXES", "ComponentResult", "ExampleInputs", "HEAD_HOOKS", "entity_metric", "patch_heads", "patch_positions",
+    "patch_tokens",
+]
