@@ -187,16 +187,16 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
     config = UDSConfig(batch_size=8)
     reference = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
                            progress=False).score(models["unlearned"])
-    real_patched = uds_module.patched_scores
+    real_scores = uds_module.UDSAuditor._source_scores
     sizes = []
 
-    def small_memory(full, batch, *args, **kwargs):
+    def small_memory(self, source, batch, number):
         sizes.append(batch.size)
         if batch.size > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_patched(full, batch, *args, **kwargs)
+        return real_scores(self, source, batch, number)
 
-    monkeypatch.setattr(uds_module, "patched_scores", small_memory)
+    monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores", small_memory)
     auditor = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
                          progress=False)
     assert max(len(b) for b in auditor._batches) > 2
@@ -207,7 +207,7 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
     sizes.clear()
     auditor.score(models["retain"])
     assert max(sizes) <= 2  # the next model starts from the size that fitted
-    monkeypatch.setattr(uds_module, "patched_scores",
+    monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
