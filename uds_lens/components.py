@@ -597,6 +597,32 @@ def patch_heads(
     return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key)
 
 
+def _patch_each(
+    auditor: Any,
+    unlearned: Any,
+    axis: str,
+    site: str | None,
+    layers: Sequence[int] | None,
+    idxs: Sequence[int] | None,
+    name: str | None,
+    batch_size: int | None,
+    progress: bool | None,
+) -> ComponentResult:
+    """The naive hooked runs behind :func:`patch_tokens` (``axis="token"``) and :func:`patch_positions`."""
+    site = site or auditor.config.site
+    layers = list(layers) if layers is not None else list(auditor.layers)
+    progress = auditor.progress if progress is None else progress
+    runner = _Runner(auditor, idxs, batch_size)
+    point = _resolve_hook(site)
+    _check_hook(auditor.full, point, layers)
+
+    def compute(source: HookedTransformer) -> _StageScores:
+        return _components_naive(runner, source, point, layers, axis, "patched", progress)
+
+    key = (axis, point, tuple(layers), tuple(e.idx for e in runner.encoded))
+    return _result(auditor, unlearned, name, point, axis, layers, idxs, compute, "naive", key)
+
+
 def patch_tokens(
     auditor: Any,
     unlearned: Any,
@@ -620,18 +646,7 @@ def patch_tokens(
         A :class:`ComponentResult` with ``axis="token"``: tensors ``[example, layer, token]``; ``labels`` hold the
         token strings.
     """
-    site = site or auditor.config.site
-    layers = list(layers) if layers is not None else list(auditor.layers)
-    progress = auditor.progress if progress is None else progress
-    runner = _Runner(auditor, idxs, batch_size)
-    point = _resolve_hook(site)
-    _check_hook(auditor.full, point, layers)
-
-    def compute(source: HookedTransformer) -> _StageScores:
-        return _components_naive(runner, source, point, layers, "token", "patched", progress)
-
-    key = ("token", point, tuple(layers), tuple(e.idx for e in runner.encoded))
-    return _result(auditor, unlearned, name, point, "token", layers, idxs, compute, "naive", key)
+    return _patch_each(auditor, unlearned, "token", site, layers, idxs, name, batch_size, progress)
 
 
 def patch_positions(
@@ -654,18 +669,7 @@ def patch_positions(
         A :class:`ComponentResult` with ``axis="position"``: ``[example, layer, position]``, position ``p`` being
         the example's ``p``-th patched position (``labels`` hold the token at it).
     """
-    site = site or auditor.config.site
-    layers = list(layers) if layers is not None else list(auditor.layers)
-    progress = auditor.progress if progress is None else progress
-    runner = _Runner(auditor, idxs, batch_size)
-    point = _resolve_hook(site)
-    _check_hook(auditor.full, point, layers)
-
-    def compute(source: HookedTransformer) -> _StageScores:
-        return _components_naive(runner, source, point, layers, "position", "patched", progress)
-
-    key = ("position", point, tuple(layers), tuple(e.idx for e in runner.encoded))
-    return _result(auditor, unlearned, name, point, "position", layers, idxs, compute, "naive", key)
+    return _patch_each(auditor, unlearned, "position", site, layers, idxs, name, batch_size, progress)
 
 
 __all__ = [
