@@ -84,7 +84,9 @@ def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def random_tensor(name: str, size: tuple[int, ...], index: int, variant: int, dtype: torch.dtype) -> torch.Tensor:
+def random_tensor(
+    name: str, size: tuple[int, ...], index: int, variant: int, dtype: torch.dtype
+) -> torch.Tensor:
     """A weight of the random base model, plus variant-specific noise (variant 0 = the base itself).
 
     Seeded per tensor, so each checkpoint is written one tensor at a time without holding any other model.
@@ -100,7 +102,9 @@ def random_tensor(name: str, size: tuple[int, ...], index: int, variant: int, dt
     return value.to(dtype)
 
 
-def write_checkpoint(directory: Path, shape: Shape, variant: int, dtype: torch.dtype, tokenizer_dir: Path) -> None:
+def write_checkpoint(
+    directory: Path, shape: Shape, variant: int, dtype: torch.dtype, tokenizer_dir: Path
+) -> None:
     """A Hugging Face Llama directory whose safetensors file is written tensor by tensor (header first)."""
     if (directory / "model.safetensors").is_file():
         return
@@ -109,7 +113,11 @@ def write_checkpoint(directory: Path, shape: Shape, variant: int, dtype: torch.d
     header, offset = {}, 0
     for name, size in tensor_shapes(shape):
         length = itemsize * int(torch.Size(size).numel())
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(size), "data_offsets": [offset, offset + length]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": list(size),
+            "data_offsets": [offset, offset + length],
+        }
         offset += length
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header).encode()
@@ -123,11 +131,22 @@ def write_checkpoint(directory: Path, shape: Shape, variant: int, dtype: torch.d
             handle.write(value.contiguous().view(torch.uint8).numpy().tobytes())
             del value
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.d_model,
-        "intermediate_size": shape.d_mlp, "num_hidden_layers": shape.n_layers, "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads, "vocab_size": shape.vocab, "tie_word_embeddings": shape.tied,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
-        "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": str(dtype).replace("torch.", ""),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.d_model,
+        "intermediate_size": shape.d_mlp,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "vocab_size": shape.vocab,
+        "tie_word_embeddings": shape.tied,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": shape.rope_theta,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": str(dtype).replace("torch.", ""),
     }
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     for file in tokenizer_dir.iterdir():
@@ -135,8 +154,10 @@ def write_checkpoint(directory: Path, shape: Shape, variant: int, dtype: torch.d
     os.replace(partial, directory / "model.safetensors")
 
 
-WORDS = ("author born city river stone light night father mother doctor teacher baker pilot farmer novel book "
-         "titled prize fiction poetry mystery award garden winter summer ocean mountain letter island harbor").split()
+WORDS = (
+    "author born city river stone light night father mother doctor teacher baker pilot farmer novel book "
+    "titled prize fiction poetry mystery award garden winter summer ocean mountain letter island harbor"
+).split()
 
 
 def make_tokenizer(directory: Path) -> None:
@@ -149,13 +170,18 @@ def make_tokenizer(directory: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([" ".join(random.Random(i).sample(WORDS, 12)) for i in range(200)], trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", tokenizer.token_to_id("<bos>"))])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<eos>").save_pretrained(directory)
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.token_to_id("<bos>"))]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>"
+    ).save_pretrained(directory)
 
 
 def make_records(n: int, seed: int = 0) -> list[dict]:
@@ -167,8 +193,15 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
         prefix = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize()
         entity = " ".join(rng.choice(WORDS).capitalize() for _ in range(rng.randint(1, 4)))
         tail = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-        records.append({"idx": idx, "question": question, "answer": f"{prefix} {entity} {tail}.", "prefix": prefix,
-                        "entity": entity})
+        records.append(
+            {
+                "idx": idx,
+                "question": question,
+                "answer": f"{prefix} {entity} {tail}.",
+                "prefix": prefix,
+                "entity": entity,
+            }
+        )
     return records
 
 
@@ -250,8 +283,7 @@ def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
 
 def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir: Path, engine: str) -> dict:
     from uds_lens import UDSAuditor, UDSConfig
-    from uds_lens.models import load_model
-    from uds_lens.uds import model_name
+    from uds_lens.models import load_model, model_name
 
     shape = SHAPES[shape_name]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -263,9 +295,15 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
         full = load_model(paths["full"], dtype=dtype, device=device)
     full_bytes = weight_bytes(full)
     with HighWater(device) as s1_peak:
-        auditor = UDSAuditor(full, paths["retain"], records, UDSConfig(dtype=dtype_name, device=device, engine=engine),
-                             tokenizer=__import__("uds_lens").load_tokenizer(paths["full"]),
-                             cache_dir=workdir / "s1_cache", progress=False)
+        auditor = UDSAuditor(
+            full,
+            paths["retain"],
+            records,
+            UDSConfig(dtype=dtype_name, device=device, engine=engine),
+            tokenizer=__import__("uds_lens").load_tokenizer(paths["full"]),
+            cache_dir=workdir / "s1_cache",
+            progress=False,
+        )
         # the fingerprints are part of S1's cache key: force a fresh S1 so its time is measured every run
         for stale in (workdir / "s1_cache").glob("s1_*.pt"):
             stale.unlink()
@@ -285,8 +323,10 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
         "weights_held_gb": held / 2**30,
         "peak_gb": max(s1_peak.bytes, s2_peak.bytes) / 2**30,
         "peak_over_weights": max(s1_peak.bytes, s2_peak.bytes) / held,
-        "peak_above_start_over_weights": (max(s1_peak.bytes, s2_peak.bytes)
-                                          - (base_rss if device != "cuda" else 0)) / held,
+        "peak_above_start_over_weights": (
+            max(s1_peak.bytes, s2_peak.bytes) - (base_rss if device != "cuda" else 0)
+        )
+        / held,
         "process_before_models_gb": base_rss / 2**30,
         "load_peak_over_full_weights": (load_peak.bytes - (base_rss if device != "cuda" else 0)) / full_bytes,
         "s1_s_per_example": stage1.seconds / n,
@@ -301,7 +341,9 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeat for several (default tiny)")
+    parser.add_argument(
+        "--shape", action="append", choices=sorted(SHAPES), help="repeat for several (default tiny)"
+    )
     parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--examples", type=int, default=20)
@@ -309,7 +351,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("~/.cache/uds_lens/bench_scale").expanduser())
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--clean", action="store_true", help="delete the written checkpoints afterwards")
-    parser.add_argument("--prepare-only", action="store_true", help="only write the checkpoints (little memory)")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="only write the checkpoints (little memory)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

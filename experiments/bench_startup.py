@@ -35,8 +35,9 @@ def _saved_results(directory: Path) -> None:
 
     for name, erasure in (("full", 0.0), ("retain", 1.0), ("npo", 0.4), ("rmu", 0.7)):
         make_result(name, erasure).save(directory / name)
-    (directory / "roles.json").write_text(json.dumps({"full": "full", "retain": "retain", "npo": "unlearned",
-                                                      "rmu": "unlearned"}))
+    (directory / "roles.json").write_text(
+        json.dumps({"full": "full", "retain": "retain", "npo": "unlearned", "rmu": "unlearned"})
+    )
 
 
 def main() -> None:
@@ -59,15 +60,27 @@ def main() -> None:
                     raise SystemExit(f"{label} failed: {done.stderr[-2000:]}")
                 times.append(seconds)
             median = statistics.median(times)
-            print(f"{label:18s} median {median:6.2f} s  ratio to the {TARGET_S:.0f} s target {median / TARGET_S:5.2f}")
+            print(
+                f"{label:18s} median {median:6.2f} s  ratio to the {TARGET_S:.0f} s target {median / TARGET_S:5.2f}"
+            )
     probe = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c",
-         f"import sys, uds_lens; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"],
-        capture_output=True, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-c",
+            f"import sys, uds_lens; print(','.join(m for m in {HEAVY!r} if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     total = [line for line in probe.stderr.splitlines() if line.rstrip().endswith("| uds_lens")]
     other = [line for line in probe.stderr.splitlines() if not line.startswith("import time:")]
-    print(f"import uds_lens: -X importtime total {total[-1].split('|')[1].strip() if total else '?'} us; "
-          f"heavy modules loaded: {probe.stdout.strip() or 'none'}; other stderr lines: {len(other)}")
+    print(
+        f"import uds_lens: -X importtime total {total[-1].split('|')[1].strip() if total else '?'} us; "
+        f"heavy modules loaded: {probe.stdout.strip() or 'none'}; other stderr lines: {len(other)}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,26 +39,50 @@ TEST_ZOO = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test"
 def timed_sweep(zoo, models: dict[str, str], out: Path, cache: Path, **options) -> dict[str, float]:
     """One forced sweep: wall seconds, start-up seconds (to the first finished model), steady models per minute."""
     started_wall, started = time.time(), time.perf_counter()
-    table = sweep(str(zoo.path("full")), str(zoo.path("retain")), str(zoo.forget_path), out, models,
-                  cache_dir=cache, force=True, progress=False, **options)
+    table = sweep(
+        str(zoo.path("full")),
+        str(zoo.path("retain")),
+        str(zoo.forget_path),
+        out,
+        models,
+        cache_dir=cache,
+        force=True,
+        progress=False,
+        **options,
+    )
     seconds = time.perf_counter() - started
     failed = table[table["status"] != "scored"]
     if len(failed):
         raise RuntimeError(f"the benchmark sweep did not score every model: {failed[['name', 'error']]}")
     finished = table["finished_at"].astype(float).sort_values().to_numpy()
-    return {"seconds": seconds, "startup_seconds": float(finished[0] - started_wall),
-            "models_per_min_steady": (60 * (len(finished) - 1) / float(finished[-1] - finished[0])
-                                      if len(finished) > 1 else float("nan")),
-            "models_per_min_end_to_end": 60 * len(finished) / seconds,
-            "work_seconds_per_model": float(table["seconds"].mean()), "workers": int(table["worker"].nunique())}
+    return {
+        "seconds": seconds,
+        "startup_seconds": float(finished[0] - started_wall),
+        "models_per_min_steady": (
+            60 * (len(finished) - 1) / float(finished[-1] - finished[0])
+            if len(finished) > 1
+            else float("nan")
+        ),
+        "models_per_min_end_to_end": 60 * len(finished) / seconds,
+        "work_seconds_per_model": float(table["seconds"].mean()),
+        "workers": int(table["worker"].nunique()),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--zoo", type=Path, default=TEST_ZOO, help="zoo directory (built at test size if missing)")
-    parser.add_argument("--copies", type=int, default=6, help="times each unlearned model is listed (N = 7 x copies)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--zoo", type=Path, default=TEST_ZOO, help="zoo directory (built at test size if missing)"
+    )
+    parser.add_argument(
+        "--copies", type=int, default=6, help="times each unlearned model is listed (N = 7 x copies)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration (interleaved)")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs per worker (0 = CPU workers, one CPU slot each)")
+    parser.add_argument(
+        "--gpus", type=int, default=0, help="GPUs per worker (0 = CPU workers, one CPU slot each)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -81,38 +105,59 @@ def main() -> None:
         "ray_1_worker": {"workers": 1, "use_ray": True, "gpus_per_worker": args.gpus},
         "ray_2_workers": {"workers": 2, "use_ray": True, "gpus_per_worker": args.gpus},
     }
-    order = [label for repeat in range(args.repeats)
-             for label in (list(configurations) if repeat % 2 == 0 else list(reversed(configurations)))]
+    order = [
+        label
+        for repeat in range(args.repeats)
+        for label in (list(configurations) if repeat % 2 == 0 else list(reversed(configurations)))
+    ]
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in configurations}
     for number, label in enumerate(order):
         run = timed_sweep(zoo, models, work / f"run{number}", cache, **configurations[label])
         runs[label].append(run)
-        print(f"{label}: {len(models)} models in {run['seconds']:.1f}s, start-up {run['startup_seconds']:.1f}s, "
-              f"{run['models_per_min_end_to_end']:.1f} models/min end to end, "
-              f"{run['models_per_min_steady']:.1f} models/min steady, {run['work_seconds_per_model']:.2f}s work per "
-              f"model per worker ({run['workers']} worker(s))", flush=True)
+        print(
+            f"{label}: {len(models)} models in {run['seconds']:.1f}s, start-up {run['startup_seconds']:.1f}s, "
+            f"{run['models_per_min_end_to_end']:.1f} models/min end to end, "
+            f"{run['models_per_min_steady']:.1f} models/min steady, {run['work_seconds_per_model']:.2f}s work per "
+            f"model per worker ({run['workers']} worker(s))",
+            flush=True,
+        )
     ray.shutdown()
     shutil.rmtree(work, ignore_errors=True)
-    results = {label: {key: float(np.median([run[key] for run in label_runs])) for key in label_runs[0]}
-               for label, label_runs in runs.items()}
+    results = {
+        label: {key: float(np.median([run[key] for run in label_runs])) for key in label_runs[0]}
+        for label, label_runs in runs.items()
+    }
     local, one, two = results["in_process"], results["ray_1_worker"], results["ray_2_workers"]
     summary = {
-        "cpus": os.cpu_count(), "torch_threads_per_worker": 1, "ray_init_seconds": ray_init_seconds,
-        "n_models": len(models), "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "torch_threads_per_worker": 1,
+        "ray_init_seconds": ray_init_seconds,
+        "n_models": len(models),
+        "repeats": args.repeats,
         "ray1_overhead_end_to_end": one["seconds"] / local["seconds"],
         "ray1_overhead_steady": local["models_per_min_steady"] / one["models_per_min_steady"],
         "ray_startup_extra_seconds": one["startup_seconds"] - local["startup_seconds"],
         "ray2_vs_ray1_steady": two["models_per_min_steady"] / one["models_per_min_steady"],
         "ray2_vs_inprocess_end_to_end": local["seconds"] / two["seconds"],
         "ray2_vs_inprocess_steady": two["models_per_min_steady"] / local["models_per_min_steady"],
-        "medians": results, "runs": runs,
+        "medians": results,
+        "runs": runs,
     }
     for label, row in results.items():
-        print(f"median {label}: {row['models_per_min_steady']:.1f} models/min steady, "
-              f"{row['models_per_min_end_to_end']:.1f} end to end, start-up {row['startup_seconds']:.1f}s")
-    print(f"ray.init {ray_init_seconds:.1f}s (once, outside the sweeps: both Ray configurations share the cluster)")
-    for key in ("ray1_overhead_end_to_end", "ray1_overhead_steady", "ray_startup_extra_seconds",
-                "ray2_vs_ray1_steady", "ray2_vs_inprocess_end_to_end"):
+        print(
+            f"median {label}: {row['models_per_min_steady']:.1f} models/min steady, "
+            f"{row['models_per_min_end_to_end']:.1f} end to end, start-up {row['startup_seconds']:.1f}s"
+        )
+    print(
+        f"ray.init {ray_init_seconds:.1f}s (once, outside the sweeps: both Ray configurations share the cluster)"
+    )
+    for key in (
+        "ray1_overhead_end_to_end",
+        "ray1_overhead_steady",
+        "ray_startup_extra_seconds",
+        "ray2_vs_ray1_steady",
+        "ray2_vs_inprocess_end_to_end",
+    ):
         print(f"{key}={summary[key]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))

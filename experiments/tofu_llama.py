@@ -21,7 +21,9 @@ DATA = "jaeunglee/uds-annotated-tofu"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", default=FULL)
     parser.add_argument("--retain", default=RETAIN)
     parser.add_argument("--unlearned", nargs="+", default=[UNLEARNED])
@@ -32,23 +34,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None)
     args = parser.parse_args(argv)
 
+    from uds_lens.auditor import UDSConfig, score_models
     from uds_lens.data import DataError
     from uds_lens.models import ModelLoadError, load_hf_config
-    from uds_lens.uds import UDSConfig, score_models
 
     try:
         for model_id in (args.full, args.retain, *args.unlearned):
             load_hf_config(model_id)  # fail fast, before any weights are read
-        results = score_models(args.full, args.retain, args.unlearned, args.data, out_dir=args.out,
-                               config=UDSConfig(published_compat=args.published_compat, dtype=args.dtype,
-                                                batch_size=args.batch_size))
+        results = score_models(
+            args.full,
+            args.retain,
+            args.unlearned,
+            args.data,
+            out_dir=args.out,
+            config=UDSConfig(
+                published_compat=args.published_compat, dtype=args.dtype, batch_size=args.batch_size
+            ),
+        )
     except (ModelLoadError, DataError) as err:
         print(f"tofu_llama: {err}", file=sys.stderr)
         return 2
     for name, result in results.items():
         summary = result.summary
-        print(f"{name}: UDS={summary['uds']:.4f} CI95={summary['ci95']} scored={summary['n_scored']} "
-              f"no_ke={summary['n_no_ke']} skipped={summary['n_skipped']} timings={summary['timings']}")
+        print(
+            f"{name}: UDS={summary['uds']:.4f} CI95={summary['ci95']} scored={summary['n_scored']} "
+            f"no_ke={summary['n_no_ke']} skipped={summary['n_skipped']} timings={summary['timings']}"
+        )
     return 0
 
 

@@ -49,8 +49,12 @@ SAMPLE_UNLEARNED = (
 
 
 def pool_ids(prefix: str, sources: tuple[str, ...]) -> list[str]:
-    return [f"{HUB}/{prefix}_tofu_{ARCH}_{source}_lr{lr}e-05_wd0.01_epoch{epochs}"
-            for source in sources for lr in range(1, 6) for epochs in (5, 10)]
+    return [
+        f"{HUB}/{prefix}_tofu_{ARCH}_{source}_lr{lr}e-05_wd0.01_epoch{epochs}"
+        for source in sources
+        for lr in range(1, 6)
+        for epochs in (5, 10)
+    ]
 
 
 def check_hub(model_id: str) -> None:
@@ -91,9 +95,15 @@ def write_data(out: Path) -> dict[str, str]:
 
 
 def write_manifest(out: Path, unlearned: list[str], data: dict[str, str]) -> Path:
-    models = [{"name": "full", "path": FULL_ID, "role": "full"}, {"name": "retain", "path": RETAIN_ID, "role": "retain"}]
-    for role, ids in (("pos", pool_ids("pos", POS_SOURCES)), ("neg", pool_ids("neg", NEG_SOURCES)),
-                      ("unlearned", unlearned)):
+    models = [
+        {"name": "full", "path": FULL_ID, "role": "full"},
+        {"name": "retain", "path": RETAIN_ID, "role": "retain"},
+    ]
+    for role, ids in (
+        ("pos", pool_ids("pos", POS_SOURCES)),
+        ("neg", pool_ids("neg", NEG_SOURCES)),
+        ("unlearned", unlearned),
+    ):
         models += [{"name": model_id.split("/")[-1], "path": model_id, "role": role} for model_id in ids]
     zoo = out / "zoo"
     zoo.mkdir(parents=True, exist_ok=True)
@@ -106,19 +116,30 @@ def scorers(uds_data: Path | None, batch_size: int) -> tuple[Any, dict[str, Any]
     if uds_data is None:
         logging.warning("no --uds-data: the UDS, logit lens, CKA and Fisher rows stay NaN")
         return None, {}
-    from uds_lens.scorers import ModelScorers
-    from uds_lens.uds import UDSConfig
+    from uds_lens.auditor import UDSConfig
+    from uds_lens.meta_eval.scorers import ModelScorers
 
-    model_scorers = ModelScorers(FULL_ID, RETAIN_ID, str(uds_data), config=UDSConfig(batch_size=batch_size),
-                                 cache_dir=None, progress=True, batch_size=batch_size)
+    model_scorers = ModelScorers(
+        FULL_ID,
+        RETAIN_ID,
+        str(uds_data),
+        config=UDSConfig(batch_size=batch_size),
+        cache_dir=None,
+        progress=True,
+        batch_size=batch_size,
+    )
     return model_scorers.uds, model_scorers.white_box_fns()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/tofu_meta_eval"))
-    parser.add_argument("--unlearned", type=Path, default=None, help="file with one unlearned-model hub id per line")
-    parser.add_argument("--uds-data", type=Path, default=None, help="forget examples with prefix/entity for UDS")
+    parser.add_argument(
+        "--unlearned", type=Path, default=None, help="file with one unlearned-model hub id per line"
+    )
+    parser.add_argument(
+        "--uds-data", type=Path, default=None, help="forget examples with prefix/entity for UDS"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=200)
     args = parser.parse_args()
@@ -127,12 +148,21 @@ def main() -> None:
     check_hub(FULL_ID)
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
 
-    unlearned = ([line.strip() for line in args.unlearned.read_text().splitlines() if line.strip()]
-                 if args.unlearned else list(SAMPLE_UNLEARNED))
+    unlearned = (
+        [line.strip() for line in args.unlearned.read_text().splitlines() if line.strip()]
+        if args.unlearned
+        else list(SAMPLE_UNLEARNED)
+    )
     zoo = write_manifest(args.out, unlearned, write_data(args.out))
     uds_fn, white_box_fns = scorers(args.uds_data, args.batch_size)
-    table = run_meta_eval(zoo, args.out, uds_fn=uds_fn, white_box_fns=white_box_fns, batch_size=args.batch_size,
-                          max_new_tokens=args.max_new_tokens)
+    table = run_meta_eval(
+        zoo,
+        args.out,
+        uds_fn=uds_fn,
+        white_box_fns=white_box_fns,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
     sys.stdout.write(compare_with_paper(table).round(3).to_string() + "\n")
 
 

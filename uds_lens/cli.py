@@ -11,10 +11,15 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
-                  no_args_is_help=True, add_completion=False)
-zoo_app = typer.Typer(help="The embedded default: a synthetic fictitious-author world and a trained Llama zoo.",
-                      no_args_is_help=True)
+app = typer.Typer(
+    help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+zoo_app = typer.Typer(
+    help="The embedded default: a synthetic fictitious-author world and a trained Llama zoo.",
+    no_args_is_help=True,
+)
 app.add_typer(zoo_app, name="zoo")
 
 
@@ -34,14 +39,16 @@ def _print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
 
 
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model, a bare path is named after
     its directory (parent directories added where two basenames clash, see ``uds.result_names``)."""
+    from uds_lens.auditor import ConfigError, result_names
     from uds_lens.results import check_result_name
-    from uds_lens.uds import ConfigError, result_names
 
     named: dict[str, str] = {}
     plain: list[str] = []
@@ -57,13 +64,15 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
     automatic = result_names(plain) if plain else {}
     clash = sorted(set(named) & set(automatic))
     if clash:
-        raise ConfigError(f"--unlearned: the name(s) {clash} are given with NAME=PATH and also taken by a path's "
-                          "basename; choose other names.")
+        raise ConfigError(
+            f"--unlearned: the name(s) {clash} are given with NAME=PATH and also taken by a path's "
+            "basename; choose other names."
+        )
     return {**automatic, **named}
 
 
 def _check_out_dir(out: Path, option: str = "--out") -> None:
-    from uds_lens.uds import ConfigError
+    from uds_lens.auditor import ConfigError
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{option} {out} is a file; pass a directory (it is created when missing).")
@@ -71,26 +80,40 @@ def _check_out_dir(out: Path, option: str = "--out") -> None:
 
 @app.command()
 def score(
-    full: str = typer.Option(..., help="Full model: local HF directory, .gguf file, or hub id (the patch target)."),
+    full: str = typer.Option(
+        ..., help="Full model: local HF directory, .gguf file, or hub id (the patch target)."
+    ),
     retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
-    unlearned: list[str] = typer.Option(..., help="Unlearned model(s); repeat the option for several. NAME=PATH "
-                                        "names the result directory (default: the model directory's name)."),
+    unlearned: list[str] = typer.Option(
+        ...,
+        help="Unlearned model(s); repeat the option for several. NAME=PATH "
+        "names the result directory (default: the model directory's name).",
+    ),
     data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
-    out: Path = typer.Option(..., help="Output directory; one sub-directory per unlearned model. A saved result "
-                             "there is reused only when full, retain and unlearned weights, data, --limit and "
-                             "settings are all identical (tau is re-applied); anything else is recomputed."),
+    out: Path = typer.Option(
+        ...,
+        help="Output directory; one sub-directory per unlearned model. A saved result "
+        "there is reused only when full, retain and unlearned weights, data, --limit and "
+        "settings are all identical (tau is re-applied); anything else is recomputed.",
+    ),
     tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
     scope: str = typer.Option("span", help="Patch scope: span | boundary."),
-    site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
+    site: str = typer.Option(
+        "resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."
+    ),
     dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
     device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    batch_size: int | None = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    batch_size: int | None = typer.Option(
+        None, help="Examples per batch (default: chosen from free memory)."
+    ),
     limit: int | None = typer.Option(None, help="Score only the first N examples."),
     published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
     cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
     no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
     engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
-    force: bool = typer.Option(False, "--force", help="Recompute every model, even one with a reusable result."),
+    force: bool = typer.Option(
+        False, "--force", help="Recompute every model, even one with a reusable result."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files.
@@ -100,31 +123,56 @@ def score(
     deltas): the run then says "reusing NAME: identical inputs". Anything else recomputes; --force always does.
     Each result is written to a temporary directory and renamed into place under a lock.
     """
-    from uds_lens.uds import ConfigError, UDSConfig, score_models
+    from uds_lens.auditor import ConfigError, UDSConfig, score_models
 
     _setup_logging(verbose)
     if retain is None and not no_retain:
         raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
-                       batch_size=batch_size, dtype=dtype, device=device, engine=engine)
+    config = UDSConfig(
+        tau=tau,
+        patch_scope=scope,
+        site=site,
+        published_compat=published_compat,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        engine=engine,
+    )
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be a positive number of examples, got {limit}.")
     _check_out_dir(out)
     if cache_dir is not None:
         _check_out_dir(cache_dir, "--cache-dir")
     models = _unlearned_models(unlearned)
-    results = score_models(full, None if no_retain else retain, models, data, out_dir=out, config=config,
-                           cache_dir=cache_dir, limit=limit, force=force)
+    results = score_models(
+        full,
+        None if no_retain else retain,
+        models,
+        data,
+        out_dir=out,
+        config=config,
+        cache_dir=cache_dir,
+        limit=limit,
+        force=force,
+    )
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
     rows = []
     for name, result in results.items():
         s = result.summary
-        rows.append({"model": name, "uds": s["uds"], "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
-                     "scored": s["n_scored"], "no_ke": s["n_no_ke"], "skipped": s["n_skipped"],
-                     "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
-                     "s2_s": s["timings"].get("s2_seconds")})
+        rows.append(
+            {
+                "model": name,
+                "uds": s["uds"],
+                "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
+                "scored": s["n_scored"],
+                "no_ke": s["n_no_ke"],
+                "skipped": s["n_skipped"],
+                "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
+                "s2_s": s["timings"].get("s2_seconds"),
+            }
+        )
     columns = ["model", "uds", "ci95", "scored", "no_ke", "skipped", "s2_s"]
     if no_retain:
         columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
@@ -139,22 +187,42 @@ def sweep(
     retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
     data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
     out: Path = typer.Option(..., help="Output directory: NAME/ per model, sweep.csv, sweep_eval.json."),
-    models: Path | None = typer.Option(None, help="Model list: `name,path_or_id` CSV rows or one path per line."),
-    registry: str | None = typer.Option(None, help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV."),
-    methods: str | None = typer.Option(None, help="Registry methods to keep, comma-separated (e.g. npo,rmu)."),
-    workers: int | None = typer.Option(None, help="Ray workers; 1 = in-process (default: one per GPU/CPU slot)."),
-    address: str | None = typer.Option(None, help="Ray cluster: auto | HOST:PORT (default: a local cluster)."),
-    gpus_per_worker: float | None = typer.Option(None, help="GPUs per worker (default 1 when there are GPUs)."),
+    models: Path | None = typer.Option(
+        None, help="Model list: `name,path_or_id` CSV rows or one path per line."
+    ),
+    registry: str | None = typer.Option(
+        None, help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV."
+    ),
+    methods: str | None = typer.Option(
+        None, help="Registry methods to keep, comma-separated (e.g. npo,rmu)."
+    ),
+    workers: int | None = typer.Option(
+        None, help="Ray workers; 1 = in-process (default: one per GPU/CPU slot)."
+    ),
+    address: str | None = typer.Option(
+        None, help="Ray cluster: auto | HOST:PORT (default: a local cluster)."
+    ),
+    gpus_per_worker: float | None = typer.Option(
+        None, help="GPUs per worker (default 1 when there are GPUs)."
+    ),
     cpus_per_worker: int = typer.Option(1, help="CPU slots (torch threads on CPU) per worker."),
-    max_retries: int = typer.Option(2, help="Retries of a model whose worker died before it is reported failed."),
-    compare_published: bool = typer.Option(False, help="Add the published UDS, the difference and a scatter."),
+    max_retries: int = typer.Option(
+        2, help="Retries of a model whose worker died before it is reported failed."
+    ),
+    compare_published: bool = typer.Option(
+        False, help="Add the published UDS, the difference and a scatter."
+    ),
     force: bool = typer.Option(False, help="Recompute every model, even when its stored result is current."),
     tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
     scope: str = typer.Option("span", help="Patch scope: span | boundary."),
-    site: str = typer.Option("resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."),
+    site: str = typer.Option(
+        "resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."
+    ),
     dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
     device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    batch_size: int | None = typer.Option(None, help="Examples per batch (default: chosen from free memory)."),
+    batch_size: int | None = typer.Option(
+        None, help="Examples per batch (default: chosen from free memory)."
+    ),
     limit: int | None = typer.Option(None, help="Score only the first N examples."),
     published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
     cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
@@ -168,19 +236,41 @@ def sweep(
     match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
     sweep.csv with its error and the sweep goes on.
     """
+    from uds_lens.auditor import UDSConfig
     from uds_lens.sweep import sweep as run_sweep
-    from uds_lens.uds import UDSConfig
 
     _setup_logging(verbose)
     if retain is None and not no_retain:
         raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    config = UDSConfig(tau=tau, patch_scope=scope, site=site, published_compat=published_compat,
-                       batch_size=batch_size, dtype=dtype, device=device, engine=engine)
-    table = run_sweep(full, None if no_retain else retain, data, out, models_to_score=models, registry=registry,
-                      methods=methods.split(",") if methods else None, config=config, workers=workers,
-                      address=address, gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
-                      max_retries=max_retries, cache_dir=cache_dir, limit=limit, force=force,
-                      compare_published=compare_published)
+    config = UDSConfig(
+        tau=tau,
+        patch_scope=scope,
+        site=site,
+        published_compat=published_compat,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        engine=engine,
+    )
+    table = run_sweep(
+        full,
+        None if no_retain else retain,
+        data,
+        out,
+        models_to_score=models,
+        registry=registry,
+        methods=methods.split(",") if methods else None,
+        config=config,
+        workers=workers,
+        address=address,
+        gpus_per_worker=gpus_per_worker,
+        cpus_per_worker=cpus_per_worker,
+        max_retries=max_retries,
+        cache_dir=cache_dir,
+        limit=limit,
+        force=force,
+        compare_published=compare_published,
+    )
     columns = ["name", "status", "uds", "ci_low", "ci_high", "n_scored", "s2_seconds"]
     if compare_published:
         columns += ["published_uds", "uds_minus_published"]
@@ -196,18 +286,35 @@ def zoo_build(
     threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
     retain_data: Path | None = typer.Option(None, help="Your own retain QA set (published schema)."),
     forget_data: Path | None = typer.Option(None, help="Your own forget QA set (published schema)."),
-    holdout_data: Path | None = typer.Option(None, help="Your own holdout QA set (default: carved from retain)."),
+    holdout_data: Path | None = typer.Option(
+        None, help="Your own holdout QA set (default: carved from retain)."
+    ),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
-    overwrite: bool = typer.Option(False, help="Replace a zoo in OUT built from other data or another shape."),
-    base: str | None = typer.Option(None, help="Fine-tune every model from this pretrained Llama (directory, .gguf "
-                                               "or hub id) with its own tokenizer, instead of a base trained from "
-                                               "scratch."),
+    overwrite: bool = typer.Option(
+        False, help="Replace a zoo in OUT built from other data or another shape."
+    ),
+    base: str | None = typer.Option(
+        None,
+        help="Fine-tune every model from this pretrained Llama (directory, .gguf "
+        "or hub id) with its own tokenizer, instead of a base trained from "
+        "scratch.",
+    ),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
     from uds_lens.zoo import build_zoo
 
-    zoo = build_zoo(out, size=size, seed=seed, threads=threads, retain_data=retain_data, forget_data=forget_data,
-                    holdout_data=holdout_data, pools=pools, overwrite=overwrite, base=base)
+    zoo = build_zoo(
+        out,
+        size=size,
+        seed=seed,
+        threads=threads,
+        retain_data=retain_data,
+        forget_data=forget_data,
+        holdout_data=holdout_data,
+        pools=pools,
+        overwrite=overwrite,
+        base=base,
+    )
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")
 
@@ -218,8 +325,9 @@ def demo(
     zoo_dir: Path | None = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
     size: str = typer.Option("default", help="Zoo size: test | default."),
     threads: int = typer.Option(2),
-    no_preview: bool = typer.Option(False, "--no-preview",
-                                    help="Do not score the test-size zoo first while the requested zoo is unbuilt."),
+    no_preview: bool = typer.Option(
+        False, "--no-preview", help="Do not score the test-size zoo first while the requested zoo is unbuilt."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log more, and show per-model loading bars."),
 ) -> None:
     """Build or reuse the zoo, score every zoo model with UDS, print the table, write report.html.
@@ -240,11 +348,15 @@ def demo(
         _print_table(rows.to_dict("records"), columns)
 
     def preview(table, zoo_root: Path) -> None:
-        typer.echo(f"first table, on the test-size zoo ({zoo_root}), after {time.perf_counter() - started:.0f} s; "
-                   f"the {size} zoo trains next:")
+        typer.echo(
+            f"first table, on the test-size zoo ({zoo_root}), after {time.perf_counter() - started:.0f} s; "
+            f"the {size} zoo trains next:"
+        )
         show(table)
 
-    table = run_demo(out, zoo_dir=zoo_dir, size=size, threads=threads, on_preview=None if no_preview else preview)
+    table = run_demo(
+        out, zoo_dir=zoo_dir, size=size, threads=threads, on_preview=None if no_preview else preview
+    )
     typer.echo(f"UDS on the {size} zoo, after {time.perf_counter() - started:.0f} s:")
     show(table)
     typer.echo(f"report: {out / 'report.html'}")
@@ -263,17 +375,30 @@ def diagnose(
     dtype: str | None = typer.Option(None),
     device: str | None = typer.Option(None),
     tuned_lens_steps: int = typer.Option(200, help="Training steps of the tuned lens translators."),
-    calibration: str | None = typer.Option(None, help="QA set the tuned lens trains on (e.g. the retain set)."),
+    calibration: str | None = typer.Option(
+        None, help="QA set the tuned lens trains on (e.g. the retain set)."
+    ),
 ) -> None:
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
-    from uds_lens.diagnose import METHODS
-    from uds_lens.diagnose import diagnose as run_diagnose
+    from uds_lens.analysis.diagnose import METHODS
+    from uds_lens.analysis.diagnose import diagnose as run_diagnose
 
     _check_out_dir(out)
-    table = run_diagnose(full, retain, _unlearned_models(unlearned), data, out,
-                         methods=tuple(methods) if methods else METHODS,
-                         sites=tuple(sites) if sites else ("resid_post",), tau=tau, dtype=dtype, device=device,
-                         tuned_lens_steps=tuned_lens_steps, calibration=calibration, progress=True)
+    table = run_diagnose(
+        full,
+        retain,
+        _unlearned_models(unlearned),
+        data,
+        out,
+        methods=tuple(methods) if methods else METHODS,
+        sites=tuple(sites) if sites else ("resid_post",),
+        tau=tau,
+        dtype=dtype,
+        device=device,
+        tuned_lens_steps=tuned_lens_steps,
+        calibration=calibration,
+        progress=True,
+    )
     typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
     typer.echo(f"results in {out}")
 
@@ -284,7 +409,7 @@ def report(
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
 ) -> None:
     """One self-contained HTML page (Plotly figures + tables) from saved results."""
-    from uds_lens.report import write_report
+    from uds_lens.plotting.report import write_report
 
     typer.echo(str(write_report(results_dir, out)))
 
@@ -298,11 +423,12 @@ def evaluate(
 ) -> None:
     """Every metric (output-level, MIA, UDS, white-box) for every zoo model: OUT/metrics.csv (resumable)."""
     from uds_lens.meta_eval import evaluate_zoo
-    from uds_lens.scorers import zoo_scorers
+    from uds_lens.meta_eval.scorers import zoo_scorers
 
     uds_fn, white_box = zoo_scorers(zoo)
-    table = evaluate_zoo(zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size,
-                         max_new_tokens=max_new_tokens)
+    table = evaluate_zoo(
+        zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
+    )
     typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
 
 
@@ -315,30 +441,44 @@ def meta_eval(
 ) -> None:
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
-    from uds_lens.scorers import zoo_scorers
+    from uds_lens.meta_eval.scorers import zoo_scorers
 
     uds_fn, white_box = zoo_scorers(zoo)
-    table = run_meta_eval(zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size,
-                          max_new_tokens=max_new_tokens)
+    table = run_meta_eval(
+        zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
+    )
     typer.echo("this pool next to the paper's Table 3 (Llama-3.2-1B, TOFU forget10):")
     typer.echo(compare_with_paper(table).to_string(float_format=lambda v: f"{v:.3f}"))
-    typer.echo(json.dumps({"meta_eval": str(out / "meta_eval.csv"),
-                           "vs_paper": str(out / "meta_eval_vs_paper.csv")}))
+    typer.echo(
+        json.dumps({"meta_eval": str(out / "meta_eval.csv"), "vs_paper": str(out / "meta_eval_vs_paper.csv")})
+    )
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
+    from uds_lens.auditor import ConfigError, NonFiniteScoreError
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
     from uds_lens.results import ResultIntegrityError, ResultNameError
     from uds_lens.sweep import SweepError
-    from uds_lens.uds import ConfigError, NonFiniteScoreError
     from uds_lens.zoo import ZooBuildError, ZooDataError
 
-    return (DataError, TokenizerError, ModelLoadError, ModelMismatchError, ZooBuildError, ZooDataError,
-            QuantisationError, FileNotFoundError, ConfigError, NonFiniteScoreError, ResultIntegrityError,
-            ResultNameError, SweepError)
+    return (
+        DataError,
+        TokenizerError,
+        ModelLoadError,
+        ModelMismatchError,
+        ZooBuildError,
+        ZooDataError,
+        QuantisationError,
+        FileNotFoundError,
+        ConfigError,
+        NonFiniteScoreError,
+        ResultIntegrityError,
+        ResultNameError,
+        SweepError,
+    )
 
 
 def _quiet_model_loading(argv: list[str]) -> None:

@@ -41,6 +41,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from uds_lens import models
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -51,6 +52,7 @@ from uds_lens.patching import (
     pad_batch,
     patched_scores,
 )
+from uds_lens.plotting import figures as plots
 from uds_lens.tl_compat import HookedTransformer, HookPoint
 
 HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
@@ -218,29 +220,37 @@ class ComponentResult:
         One row per existing (example, layer, component); the column names are those of ``UDSResult.layers``.
         """
         n_examples, n_layers, n_components = self.s1.shape
-        example, layer, component = (grid.reshape(-1) for grid in torch.meshgrid(
-            torch.arange(n_examples), torch.arange(n_layers), torch.arange(n_components), indexing="ij"))
+        example, layer, component = (
+            grid.reshape(-1)
+            for grid in torch.meshgrid(
+                torch.arange(n_examples), torch.arange(n_layers), torch.arange(n_components), indexing="ij"
+            )
+        )
         keep = self.valid[example, component]
         example, layer, component = example[keep], layer[keep], component[keep]
 
         def column(values: Tensor) -> np.ndarray:
             return values[example, layer, component].double().numpy()
 
-        labels = [self.labels[e][c] if self.labels else str(c) for e, c in zip(example.tolist(), component.tolist())]
-        return pd.DataFrame({
-            "idx": np.asarray(self.idx, dtype=int)[example.numpy()],
-            "layer": np.asarray(self.layers, dtype=int)[layer.numpy()],
-            self.axis: component.numpy(),
-            "label": labels,
-            "s0": self.s0[example].double().numpy(),
-            "baseline_score": column(self.baseline),
-            "s1_score": column(self.s1),
-            "s2_score": column(self.s2),
-            "d1": column(self.d1),
-            "d2": column(self.d2),
-            "ke": self.ke[example, layer, component].numpy(),
-            "ler": column(self.ler),
-        })
+        labels = [
+            self.labels[e][c] if self.labels else str(c) for e, c in zip(example.tolist(), component.tolist())
+        ]
+        return pd.DataFrame(
+            {
+                "idx": np.asarray(self.idx, dtype=int)[example.numpy()],
+                "layer": np.asarray(self.layers, dtype=int)[layer.numpy()],
+                self.axis: component.numpy(),
+                "label": labels,
+                "s0": self.s0[example].double().numpy(),
+                "baseline_score": column(self.baseline),
+                "s1_score": column(self.s1),
+                "s2_score": column(self.s2),
+                "d1": column(self.d1),
+                "d2": column(self.d2),
+                "ke": self.ke[example, layer, component].numpy(),
+                "ler": column(self.ler),
+            }
+        )
 
     def figure(self, value: str = "component_uds", idx: int | None = None, title: str | None = None) -> Any:
         """Heatmap ``layer x component`` (``px.imshow``, y = layer).
@@ -251,8 +261,6 @@ class ComponentResult:
             idx: one example (for ``d1``/``d2``); default the mean over examples.
             title: figure title.
         """
-        from uds_lens import plots
-
         if value == "component_uds":
             grid = self.component_uds
         elif value in ("d1", "d2"):
@@ -261,26 +269,39 @@ class ComponentResult:
         else:
             raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
         return plots.component_heatmap(
-            grid.double().numpy(), self.layers, self.axis, value,
-            title=title or f"{self.name}: {value} per layer and {self.axis} ({self.hook})")
+            grid.double().numpy(),
+            self.layers,
+            self.axis,
+            value,
+            title=title or f"{self.name}: {value} per layer and {self.axis} ({self.hook})",
+        )
 
     def __repr__(self) -> str:
-        return (f"ComponentResult({self.name!r}, hook={self.hook!r}, axis={self.axis!r}, "
-                f"shape={tuple(self.s1.shape)}, uds={self.uds:.3f}, engine={self.engine!r})")
+        return (
+            f"ComponentResult({self.name!r}, hook={self.hook!r}, axis={self.axis!r}, "
+            f"shape={tuple(self.s1.shape)}, uds={self.uds:.3f}, engine={self.engine!r})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Runs
 
 
-def _source_cache(source: HookedTransformer, tokens: Tensor, names: set[str], use_attn_result: bool = False,
-                  device: str | torch.device | None = None) -> dict[str, Tensor]:
+def _source_cache(
+    source: HookedTransformer,
+    tokens: Tensor,
+    names: set[str],
+    use_attn_result: bool = False,
+    device: str | torch.device | None = None,
+) -> dict[str, Tensor]:
     """Activations of ``source`` at ``names`` (one forward, no gradients), on ``device`` (the target's)."""
     previous = source.cfg.use_attn_result
     source.cfg.use_attn_result = previous or use_attn_result
     try:
         with torch.no_grad():
-            _, cache = source.run_with_cache(tokens.to(source.cfg.device), names_filter=lambda name: name in names)
+            _, cache = source.run_with_cache(
+                tokens.to(source.cfg.device), names_filter=lambda name: name in names
+            )
     finally:
         source.cfg.use_attn_result = previous
     return {name: cache[name].to(device or tokens.device) for name in names}
@@ -294,14 +315,19 @@ def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Te
 
 def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
     total = torch.zeros(batch.size, device=values.device).index_add_(0, batch.read_batch, values)
-    count = torch.zeros(batch.size, device=values.device).index_add_(0, batch.read_batch, torch.ones_like(values))
+    count = torch.zeros(batch.size, device=values.device).index_add_(
+        0, batch.read_batch, torch.ones_like(values)
+    )
     return total / count
 
 
-def _token_grid(values: Float[Tensor, " entity"], batch: PatchBatch, width: int) -> Float[Tensor, "batch token"]:
+def _token_grid(
+    values: Float[Tensor, " entity"], batch: PatchBatch, width: int
+) -> Float[Tensor, "batch token"]:
     """Scatter per-token values into ``[batch, token]`` (NaN past an example's last entity token)."""
     first = torch.full((batch.size,), 1 << 30, device=values.device).scatter_reduce(
-        0, batch.read_batch, batch.read_pos, reduce="amin")
+        0, batch.read_batch, batch.read_pos, reduce="amin"
+    )
     offset = batch.read_pos - first[batch.read_batch]
     grid = torch.full((batch.size, width), math.nan, device=values.device)
     grid[batch.read_batch, offset] = values
@@ -341,11 +367,15 @@ def _resolve_hook(hook: str) -> str:
 
 
 def _check_hook(full: HookedTransformer, point: str, layers: Sequence[int]) -> None:
-    missing = [f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict]
+    missing = [
+        f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict
+    ]
     if missing:
         known = sorted({name.split(".", 2)[-1] for name in full.hook_dict if name.startswith("blocks.0.")})
-        raise ValueError(f"The full model has no hook point {missing[0]!r}; hook names inside a block are {known} "
-                         f"(or a UDS site: {SITES}).")
+        raise ValueError(
+            f"The full model has no hook point {missing[0]!r}; hook names inside a block are {known} "
+            f"(or a UDS site: {SITES})."
+        )
 
 
 @dataclass
@@ -374,8 +404,9 @@ class _Runner:
         return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
 
 
-def _heads_fast(runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], progress: bool
-                ) -> _StageScores:
+def _heads_fast(
+    runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], progress: bool
+) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
     s0_parts, base_parts, score_parts = [], [], []
@@ -383,7 +414,9 @@ def _heads_fast(runner: _Runner, source: HookedTransformer, hook: str, layers: l
         batch = runner.batch(chunk)
         clean = clean_run(full, batch, "attn_out", keep_kv=True, upcast=runner.upcast)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
-        full_cache = _source_cache(full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers})
+        full_cache = _source_cache(
+            full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers}
+        )
         source_cache = _source_cache(source, batch.tokens, z_names)
         base = baseline_scores(full, batch, clean, "attn_out", layers, "fast", runner.upcast)
         per_head = []
@@ -393,22 +426,40 @@ def _heads_fast(runner: _Runner, source: HookedTransformer, hook: str, layers: l
                 z_full = full_cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
                 z_source = source_cache[f"blocks.{layer}.attn.hook_z"][:, :, head].to(z_full.dtype)
                 w_full = full.blocks[layer].attn.W_O[head]
-                w_source = w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full)
-                change = (einops.einsum(z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model")
-                          - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model"))
+                w_source = (
+                    w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full)
+                )
+                change = einops.einsum(
+                    z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model"
+                ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
                 acts.append(full_cache[hook_name("attn_out", layer)] + change)
-            per_head.append(patched_scores(full, batch, torch.stack(acts), "attn_out", layers, "fast", clean,
-                                           runner.upcast))
+            per_head.append(
+                patched_scores(
+                    full, batch, torch.stack(acts), "attn_out", layers, "fast", clean, runner.upcast
+                )
+            )
         s0_parts.append(clean.scores.float().cpu())
         base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
         score_parts.append(torch.stack(per_head, dim=-1).float().cpu())
     valid = torch.ones(len(runner.encoded), n_heads, dtype=torch.bool)
-    return _StageScores(torch.cat(s0_parts), torch.cat(base_parts), torch.cat(score_parts), valid,
-                        [[str(h) for h in range(n_heads)] for _ in runner.encoded])
+    return _StageScores(
+        torch.cat(s0_parts),
+        torch.cat(base_parts),
+        torch.cat(score_parts),
+        valid,
+        [[str(h) for h in range(n_heads)] for _ in runner.encoded],
+    )
 
 
-def _components_naive(runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], axis: str,
-                      positions: str, progress: bool) -> _StageScores:
+def _components_naive(
+    runner: _Runner,
+    source: HookedTransformer,
+    hook: str,
+    layers: list[int],
+    axis: str,
+    positions: str,
+    progress: bool,
+) -> _StageScores:
     """One ``run_with_hooks`` per (batch, layer, component); see the module docstring for the three axes."""
     full = runner.full
     n_heads = full.cfg.n_heads
@@ -441,11 +492,14 @@ def _components_naive(runner: _Runner, source: HookedTransformer, hook: str, lay
                 if axis == "head":
                     for head in range(width):
                         logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, head))])
-                        scores[:, position, head] = _per_example_mean(_token_logprobs(logits, batch, runner.upcast),
-                                                                      batch)
+                        scores[:, position, head] = _per_example_mean(
+                            _token_logprobs(logits, batch, runner.upcast), batch
+                        )
                 elif axis == "token":
                     logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, None))])
-                    scores[:, position] = _token_grid(_token_logprobs(logits, batch, runner.upcast), batch, width)
+                    scores[:, position] = _token_grid(
+                        _token_logprobs(logits, batch, runner.upcast), batch, width
+                    )
                 else:
                     for offset in range(width):
                         single = _nth_patched(batch, runner.scope, offset)
@@ -465,8 +519,13 @@ def _components_naive(runner: _Runner, source: HookedTransformer, hook: str, lay
             valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
     finally:
         full.cfg.use_attn_result = previous
-    return _StageScores(torch.cat(s0_parts), torch.cat(base_parts), torch.cat(score_parts), torch.cat(valid_parts),
-                        _labels(runner, axis, width))
+    return _StageScores(
+        torch.cat(s0_parts),
+        torch.cat(base_parts),
+        torch.cat(score_parts),
+        torch.cat(valid_parts),
+        _labels(runner, axis, width),
+    )
 
 
 def _nth_patched(batch: PatchBatch, scope: str, offset: int) -> Bool[Tensor, "batch pos"]:
@@ -507,8 +566,9 @@ def _check_source(source: Any, role: str) -> HookedTransformer:
     return source
 
 
-def _stage_scores(auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[HookedTransformer], _StageScores]
-                  ) -> _StageScores:
+def _stage_scores(
+    auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[HookedTransformer], _StageScores]
+) -> _StageScores:
     """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``."""
     store = auditor.component_cache if role == "retain" else None
     if store is not None and key in store:
@@ -519,20 +579,37 @@ def _stage_scores(auditor: Any, source: Any, role: str, key: tuple, compute: Cal
     return scores
 
 
-def _result(auditor: Any, unlearned: Any, name: str | None, hook: str, axis: str, layers: Sequence[int] | None,
-            idxs: Sequence[int] | None, compute: Callable[[HookedTransformer], _StageScores], engine: str,
-            key: tuple) -> ComponentResult:
+def _result(
+    auditor: Any,
+    unlearned: Any,
+    name: str | None,
+    hook: str,
+    axis: str,
+    layers: Sequence[int] | None,
+    idxs: Sequence[int] | None,
+    compute: Callable[[HookedTransformer], _StageScores],
+    engine: str,
+    key: tuple,
+) -> ComponentResult:
     if auditor.retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    from uds_lens.uds import model_name
-
     stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute)
     stage2 = _stage_scores(auditor, source, "unlearned", key, compute)
     return ComponentResult(
-        name=name or model_name(unlearned), hook=hook, axis=axis, idx=[e.idx for e in auditor.select(idxs)],
-        layers=list(layers), s0=stage1.s0, baseline=stage1.baseline, s1=stage1.scores, s2=stage2.scores,
-        valid=stage1.valid & stage2.valid, labels=stage1.labels, tau=auditor.config.tau, engine=engine,
+        name=name or models.model_name(unlearned),
+        hook=hook,
+        axis=axis,
+        idx=[e.idx for e in auditor.select(idxs)],
+        layers=list(layers),
+        s0=stage1.s0,
+        baseline=stage1.baseline,
+        s1=stage1.scores,
+        s2=stage2.scores,
+        valid=stage1.valid & stage2.valid,
+        labels=stage1.labels,
+        tau=auditor.config.tau,
+        engine=engine,
     )
 
 
@@ -581,7 +658,9 @@ def patch_heads(
     if engine not in ("auto", "fast", "naive"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'naive', got {engine!r}.")
     if engine == "fast" and positions == "all":
-        raise ValueError("The fast engine recomputes only the patched window; positions='all' needs engine='naive'.")
+        raise ValueError(
+            "The fast engine recomputes only the patched window; positions='all' needs engine='naive'."
+        )
     chosen = "naive" if engine == "naive" or positions == "all" else "fast"
     layers = list(layers) if layers is not None else list(auditor.layers)
     progress = auditor.progress if progress is None else progress
@@ -673,6 +752,12 @@ def patch_positions(
 
 
 __all__ = [
-    "AXES", "ComponentResult", "ExampleInputs", "HEAD_HOOKS", "entity_metric", "patch_heads", "patch_positions",
+    "AXES",
+    "ComponentResult",
+    "ExampleInputs",
+    "HEAD_HOOKS",
+    "entity_metric",
+    "patch_heads",
+    "patch_positions",
     "patch_tokens",
 ]

@@ -72,9 +72,13 @@ class Example:
     def from_record(cls, record: dict[str, Any], position: int = 0) -> Example:
         """Build from a published-schema record; ``gt_entity`` wins over ``entity`` as in the published code."""
         if not isinstance(record, dict):
-            raise DataError(f"record #{position} is a {type(record).__name__}, not a JSON object with the fields "
-                            f"{list(REQUIRED_FIELDS)}.")
-        missing = [f for f in REQUIRED_FIELDS if f not in record and not (f == "entity" and "gt_entity" in record)]
+            raise DataError(
+                f"record #{position} is a {type(record).__name__}, not a JSON object with the fields "
+                f"{list(REQUIRED_FIELDS)}."
+            )
+        missing = [
+            f for f in REQUIRED_FIELDS if f not in record and not (f == "entity" and "gt_entity" in record)
+        ]
         label = f"record {record.get('idx', f'#{position}')}"
         if missing:
             raise DataError(
@@ -82,7 +86,11 @@ class Example:
                 "(prefix may be an empty string). See SPEC §1.1 for the schema."
             )
         for field in REQUIRED_FIELDS:
-            value = record.get("gt_entity") if field == "entity" and record.get("gt_entity") else record.get(field)
+            value = (
+                record.get("gt_entity")
+                if field == "entity" and record.get("gt_entity")
+                else record.get(field)
+            )
             if not isinstance(value, str):
                 raise DataError(f"{label}: field {field!r} must be a string, got {type(value).__name__}.")
         perturbed = record.get("perturbed_answer")
@@ -100,8 +108,13 @@ class Example:
         )
 
     def to_record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"idx": self.idx, "question": self.question, "answer": self.answer,
-                                  "prefix": self.prefix, "entity": self.entity}
+        record: dict[str, Any] = {
+            "idx": self.idx,
+            "question": self.question,
+            "answer": self.answer,
+            "prefix": self.prefix,
+            "entity": self.entity,
+        }
         if self.prompt_type is not None:
             record["prompt_type"] = self.prompt_type
         if self.paraphrased_answer is not None:
@@ -120,8 +133,10 @@ def _record_idx(record: dict[str, Any], position: int) -> int:
         return int(value)
     if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
         return int(value)
-    raise DataError(f"record #{position}: idx must be an integer, got {value!r} ({type(value).__name__}); give every "
-                    "record a unique integer idx (or none, to number records by position).")
+    raise DataError(
+        f"record #{position}: idx must be an integer, got {value!r} ({type(value).__name__}); give every "
+        "record a unique integer idx (or none, to number records by position)."
+    )
 
 
 @dataclass(frozen=True)
@@ -203,8 +218,10 @@ def _read_json_records(path: Path) -> list[dict[str, Any]]:
         raise DataError(f"{path} must hold a list of records (objects), not a {type(records).__name__}.")
     wrong = [i for i, r in enumerate(records) if not isinstance(r, dict)]
     if wrong:
-        raise DataError(f"{path}: record #{wrong[0]} is a JSON {type(records[wrong[0]]).__name__}, not an object; "
-                        "a forget set is a list of objects with idx, question, answer, prefix, entity.")
+        raise DataError(
+            f"{path}: record #{wrong[0]} is a JSON {type(records[wrong[0]]).__name__}, not an object; "
+            "a forget set is a list of objects with idx, question, answer, prefix, entity."
+        )
     return records
 
 
@@ -262,13 +279,17 @@ def load_examples(
         if path.is_file():
             records: Iterable[Any] = _read_json_records(path)
         elif path.is_dir() or looks_like_local_path(str(source)):
-            raise DataError(f"No data file at {path}{' (it is a directory)' if path.is_dir() else ''}: pass a JSON "
-                            "list or JSON-lines file of records (a hub dataset id looks like 'org/name').")
+            raise DataError(
+                f"No data file at {path}{' (it is a directory)' if path.is_dir() else ''}: pass a JSON "
+                "list or JSON-lines file of records (a hub dataset id looks like 'org/name')."
+            )
         else:
             records = _load_hub_dataset(str(source), split)
     else:
         records = source
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
+    ):
         raise DataError(f"limit must be a positive number of examples, got {limit!r}.")
     examples = [r if isinstance(r, Example) else Example.from_record(r, i) for i, r in enumerate(records)]
     if limit is not None:
@@ -288,10 +309,10 @@ def build_prompt(example: Example, published_compat: bool = False) -> tuple[str,
     if not example.answer.startswith(example.prefix):
         return None
     prompt = PROMPT_TEMPLATE.format(question=example.question, prefix=example.prefix)
-    reference = example.answer[len(example.prefix):]
+    reference = example.answer[len(example.prefix) :]
     if not published_compat:
         kept = prompt.rstrip()
-        reference = prompt[len(kept):] + reference
+        reference = prompt[len(kept) :] + reference
         prompt = kept
     if reference and not reference[0].isspace() and not prompt[-1:].isspace():
         reference = " " + reference
@@ -300,11 +321,18 @@ def build_prompt(example: Example, published_compat: bool = False) -> tuple[str,
 
 def _at_word_boundary(text: str, start: int, end: int) -> bool:
     """No word character runs across either end of ``text[start:end]``."""
-    def joins(left: str, right: str) -> bool:
-        return bool(left) and bool(right) and (left.isalnum() or left == "_") and (right.isalnum() or right == "_")
 
-    return not joins(text[start - 1 : start], text[start : start + 1]) and not joins(text[end - 1 : end],
-                                                                                     text[end : end + 1])
+    def joins(left: str, right: str) -> bool:
+        return (
+            bool(left)
+            and bool(right)
+            and (left.isalnum() or left == "_")
+            and (right.isalnum() or right == "_")
+        )
+
+    return not joins(text[start - 1 : start], text[start : start + 1]) and not joins(
+        text[end - 1 : end], text[end : end + 1]
+    )
 
 
 def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> tuple[int, int] | None:
@@ -344,9 +372,13 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
         inside = _entity_char_span(reference, example.entity, whole_word=False) is not None
         return Skip(example.idx, SKIP_ENTITY_INSIDE_WORD if inside else SKIP_ENTITY_NOT_FOUND)
     if published_compat and span != _entity_char_span(reference, example.entity):
-        logger.warning("example %s: published_compat locates the entity %r inside another word (%r), as the "
-                       "published implementation does; without published_compat it is located at a word boundary.",
-                       example.idx, example.entity, reference[max(0, span[0] - 8) : span[1] + 8])
+        logger.warning(
+            "example %s: published_compat locates the entity %r inside another word (%r), as the "
+            "published implementation does; without published_compat it is located at a word boundary.",
+            example.idx,
+            example.entity,
+            reference[max(0, span[0] - 8) : span[1] + 8],
+        )
     char_start, char_end = span
     hits = [i for i, (lo, hi) in enumerate(offsets) if hi > char_start and lo < char_end]
     if not hits:
@@ -361,9 +393,7 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
     )
 
 
-def fit_context(
-    encoded: Sequence[EncodedExample], n_ctx: int
-) -> tuple[list[EncodedExample], list[Skip]]:
+def fit_context(encoded: Sequence[EncodedExample], n_ctx: int) -> tuple[list[EncodedExample], list[Skip]]:
     """Make every example fit a model's context of ``n_ctx`` positions.
 
     Nothing after the last read position can change a read logit (causal attention), so an example longer than the
@@ -398,6 +428,16 @@ def encode(
 
 
 __all__ = [
-    "DEFAULT_HUB_DATASET", "DataError", "EncodedExample", "Example", "Skip", "TokenizerError", "build_prompt",
-    "encode", "encode_one", "fit_context", "load_examples", "looks_like_local_path",
+    "DEFAULT_HUB_DATASET",
+    "DataError",
+    "EncodedExample",
+    "Example",
+    "Skip",
+    "TokenizerError",
+    "build_prompt",
+    "encode",
+    "encode_one",
+    "fit_context",
+    "load_examples",
+    "looks_like_local_path",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from uds_lens.uds import UDSConfig, score_models
+from uds_lens.auditor import UDSConfig, score_models
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ def _has_pools(zoo_dir: Path) -> bool:
     manifest = zoo_dir / "manifest.json"
     if not manifest.is_file():
         return False
-    return any(m.get("role") in ("pos", "neg", "sweep") for m in json.loads(manifest.read_text()).get("models", []))
+    return any(
+        m.get("role") in ("pos", "neg", "sweep") for m in json.loads(manifest.read_text()).get("models", [])
+    )
 
 
 def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
@@ -51,21 +53,38 @@ def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
     return default_zoo_dir("test")
 
 
-def _score_zoo(zoo: Any, out: Path, config: UDSConfig | None, progress: bool) -> tuple[pd.DataFrame, list, dict]:
+def _score_zoo(
+    zoo: Any, out: Path, config: UDSConfig | None, progress: bool
+) -> tuple[pd.DataFrame, list, dict]:
     entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
     results = score_models(
-        zoo.path("full"), zoo.path("retain"), {m["name"]: zoo.path(m["name"]) for m in entries},
-        zoo.forget_path, out_dir=out, config=config or UDSConfig(), cache_dir=out / ".s1_cache", progress=progress,
+        zoo.path("full"),
+        zoo.path("retain"),
+        {m["name"]: zoo.path(m["name"]) for m in entries},
+        zoo.forget_path,
+        out_dir=out,
+        config=config or UDSConfig(),
+        cache_dir=out / ".s1_cache",
+        progress=progress,
     )
     rows = []
     for entry in entries:
         summary = results[entry["name"]].summary
-        rows.append({
-            "model": entry["name"], "role": entry["role"], "seen_forget_fraction": entry.get("seen_forget_fraction"),
-            "method": entry.get("method"), "uds": summary["uds"], "ci_low": summary["ci95"][0],
-            "ci_high": summary["ci95"][1], "n_scored": summary["n_scored"], "n_no_ke": summary["n_no_ke"],
-            "n_skipped": summary["n_skipped"], "s2_seconds": summary["timings"].get("s2_seconds"),
-        })
+        rows.append(
+            {
+                "model": entry["name"],
+                "role": entry["role"],
+                "seen_forget_fraction": entry.get("seen_forget_fraction"),
+                "method": entry.get("method"),
+                "uds": summary["uds"],
+                "ci_low": summary["ci95"][0],
+                "ci_high": summary["ci95"][1],
+                "n_scored": summary["n_scored"],
+                "n_no_ke": summary["n_no_ke"],
+                "n_skipped": summary["n_skipped"],
+                "s2_seconds": summary["timings"].get("s2_seconds"),
+            }
+        )
     return pd.DataFrame(rows), entries, results
 
 
@@ -87,7 +106,7 @@ def run_demo(
     Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, n_scored, n_no_ke,
     n_skipped, s2_seconds`` (also written to ``out_dir/uds_table.csv``).
     """
-    from uds_lens.report import write_report
+    from uds_lens.plotting.report import write_report
     from uds_lens.zoo import build_zoo
 
     started = time.perf_counter()
@@ -100,8 +119,14 @@ def run_demo(
         if preview_root is not None:
             # One thread, as the test suite builds it: the cache is shared rather than rebuilt (threads are part of
             # a zoo model's fingerprint), and on a busy small CPU one thread trains this zoo many times faster.
-            preview = build_zoo(preview_root, size="test", threads=1, pools=_has_pools(preview_root),
-                                progress=progress, overwrite=True)
+            preview = build_zoo(
+                preview_root,
+                size="test",
+                threads=1,
+                pools=_has_pools(preview_root),
+                progress=progress,
+                overwrite=True,
+            )
             table, _, _ = _score_zoo(preview, out / "preview", config, progress)
             (out / "preview").mkdir(parents=True, exist_ok=True)
             table.to_csv(out / "preview" / "uds_table.csv", index=False)
@@ -109,8 +134,14 @@ def run_demo(
             on_preview(table, preview_root)
         # the package's own cache is rebuilt when this version generates another world; a user's directory is not
         root = Path(zoo_dir) if zoo_dir is not None else default_zoo_dir(size)
-        zoo = build_zoo(root, size=size, threads=threads, pools=_has_pools(root), progress=progress,
-                        overwrite=zoo_dir is None)
+        zoo = build_zoo(
+            root,
+            size=size,
+            threads=threads,
+            pools=_has_pools(root),
+            progress=progress,
+            overwrite=zoo_dir is None,
+        )
         table, entries, _ = _score_zoo(zoo, out, config, progress)
     finally:
         torch.set_num_threads(previous_threads)

@@ -77,15 +77,23 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(names)}.")
     return names[dtype]
 
 
 # A hub repository id is "owner/name" (letters, digits, "-", "_", "."; at most 96 characters per part).
-_HUB_ID = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+_HUB_ID = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$"
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,8 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
             return CheckpointSource("gguf", str(path))
         raise ModelLoadError(
             f"{text} is a file but not a .gguf checkpoint. Pass a Hugging Face checkpoint directory (config.json + "
-            "weights), a .gguf file, or a hub id (owner/name).")
+            "weights), a .gguf file, or a hub id (owner/name)."
+        )
     if path.is_dir():
         if (path / "config.json").is_file():
             return CheckpointSource("directory", str(path))
@@ -143,20 +152,24 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
             return CheckpointSource("gguf", str(path / ggufs[0]))
         if ggufs:
             raise ModelLoadError(
-                f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path.")
+                f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path."
+            )
         if not weights:
             return CheckpointSource("directory", str(path))
         raise ModelLoadError(
-            f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint.")
+            f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint."
+        )
     if isinstance(path_or_id, os.PathLike) or _looks_like_path(text):
         raise ModelLoadError(
             f"No such checkpoint: {text} does not exist (resolved to {path.absolute()}). Check the path; it was not "
-            "looked up on the Hugging Face hub.")
+            "looked up on the Hugging Face hub."
+        )
     if not _HUB_ID.match(text) or ".." in text or "--" in text:
         raise ModelLoadError(
             f"{text!r} is neither an existing directory or .gguf file nor a plausible Hugging Face hub id "
             "(owner/name). Pass a local checkpoint directory, a .gguf file, or a hub id such as "
-            "'meta-llama/Llama-3.2-1B'.")
+            "'meta-llama/Llama-3.2-1B'."
+        )
     return CheckpointSource("hub", text)
 
 
@@ -171,8 +184,11 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
     return ModelLoadError(
         f"Could not load {model_id!r}: it is not a local directory, and fetching it from the Hugging Face hub failed "
         f"({type(err).__name__}: {err}). "
-        + ("HF_HUB_OFFLINE is set, so the hub is not contacted. " if offline else
-           "This machine may have no access to the hub (set HF_HUB_OFFLINE=1 to fail fast). ")
+        + (
+            "HF_HUB_OFFLINE is set, so the hub is not contacted. "
+            if offline
+            else "This machine may have no access to the hub (set HF_HUB_OFFLINE=1 to fail fast). "
+        )
         + "Pass a local checkpoint directory instead (e.g. one saved with `save_pretrained`, or a zoo model from "
         "`uds-lens zoo build`)."
     )
@@ -190,7 +206,8 @@ def gguf_architecture(path: str | os.PathLike) -> str:
         from gguf import GGUFReader
     except ImportError as err:
         raise ModelLoadError(
-            f"Reading {path} needs the `gguf` package: pip install 'uds_lens[gguf]' (or pip install gguf).") from err
+            f"Reading {path} needs the `gguf` package: pip install 'uds_lens[gguf]' (or pip install gguf)."
+        ) from err
     try:
         field = GGUFReader(str(path)).fields.get("general.architecture")
     except Exception as err:  # a truncated or foreign file: name it instead of a parser traceback
@@ -205,7 +222,8 @@ def _check_gguf(source: CheckpointSource) -> None:
     if architecture != "llama":
         raise ModelLoadError(
             f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports Llama "
-            "checkpoints (general.architecture = 'llama'). Use a Llama-family model.")
+            "checkpoints (general.architecture = 'llama'). Use a Llama-family model."
+        )
 
 
 ZOO_PREFIX = "zoo:"
@@ -237,10 +255,12 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
             # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
             for root in default_roots:
                 if text in _zoo_entries(root):
-                    raise ModelLoadError(f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
-                                         f"of that name: pass 'zoo:{text}' (or its directory, {root / _zoo_entries(root)[text]}).")
+                    raise ModelLoadError(
+                        f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
+                        f"of that name: pass 'zoo:{text}' (or its directory, {root / _zoo_entries(root)[text]})."
+                    )
         return path_or_id
-    name = text[len(ZOO_PREFIX):]
+    name = text[len(ZOO_PREFIX) :]
     if "/" in name:
         size, name = name.split("/", 1)
         roots = [cache / f"zoo-{size}"]
@@ -324,8 +344,11 @@ def hooked_config_from_hf(hf_config: Any, dtype: torch.dtype, device: str) -> Ho
     }
     scaling = _rope_scaling(hf_config)
     if scaling:
-        shim = type("RopeShim", (), {"rope_scaling": scaling,
-                                     "max_position_embeddings": hf_config.max_position_embeddings})()
+        shim = type(
+            "RopeShim",
+            (),
+            {"rope_scaling": scaling, "max_position_embeddings": hf_config.max_position_embeddings},
+        )()
         apply_llama3_rope_scaling(cfg, shim)
     return HookedTransformerConfig(**cfg)
 
@@ -371,7 +394,9 @@ def load_hf_model(
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _hooked_views(name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied: bool) -> list[tuple[str, Tensor]]:
+def _hooked_views(
+    name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied: bool
+) -> list[tuple[str, Tensor]]:
     """The HookedTransformer parameters one Hugging Face Llama tensor becomes, as views of it (no copy).
 
     Returns an empty list for tensors with no parameter (rotary ``inv_freq`` buffers of old checkpoints, and
@@ -397,10 +422,22 @@ def _hooked_views(name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied:
     table: dict[str, tuple[str, Any]] = {
         "input_layernorm.weight": ("ln1.w", lambda t: t),
         "post_attention_layernorm.weight": ("ln2.w", lambda t: t),
-        "self_attn.q_proj.weight": ("attn.W_Q", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=cfg.n_heads)),
-        "self_attn.k_proj.weight": (f"attn.{kv}W_K", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv)),
-        "self_attn.v_proj.weight": (f"attn.{kv}W_V", lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv)),
-        "self_attn.o_proj.weight": ("attn.W_O", lambda t: einops.rearrange(t, "m (n h) -> n h m", n=cfg.n_heads)),
+        "self_attn.q_proj.weight": (
+            "attn.W_Q",
+            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=cfg.n_heads),
+        ),
+        "self_attn.k_proj.weight": (
+            f"attn.{kv}W_K",
+            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv),
+        ),
+        "self_attn.v_proj.weight": (
+            f"attn.{kv}W_V",
+            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv),
+        ),
+        "self_attn.o_proj.weight": (
+            "attn.W_O",
+            lambda t: einops.rearrange(t, "m (n h) -> n h m", n=cfg.n_heads),
+        ),
         "self_attn.q_proj.bias": ("attn.b_Q", lambda t: einops.rearrange(t, "(n h) -> n h", n=cfg.n_heads)),
         "self_attn.k_proj.bias": (f"attn.{kv}b_K", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
         "self_attn.v_proj.bias": (f"attn.{kv}b_V", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
@@ -414,8 +451,10 @@ def _hooked_views(name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied:
     if rest.endswith("rotary_emb.inv_freq"):
         return []
     if rest not in table:
-        raise ModelLoadError(f"Unexpected Llama tensor {name!r}: uds_lens does not know where it goes in "
-                             "TransformerLens (a Llama variant with extra parameters?).")
+        raise ModelLoadError(
+            f"Unexpected Llama tensor {name!r}: uds_lens does not know where it goes in "
+            "TransformerLens (a Llama variant with extra parameters?)."
+        )
     target, view = table[rest]
     return [(f"{block}.{target}", view(tensor))]
 
@@ -450,21 +489,30 @@ def _assemble_hooked(
             if hooked_name not in expected or tuple(view.shape) != tuple(expected[hooked_name]):
                 raise ModelLoadError(
                     f"{name}: tensor {hf_name} {tuple(tensor.shape)} does not fit {hooked_name} "
-                    f"{tuple(expected.get(hooked_name, ()))}; its config.json does not describe its weights.")
+                    f"{tuple(expected.get(hooked_name, ()))}; its config.json does not describe its weights."
+                )
             module_name, attribute = hooked_name.rsplit(".", 1)
-            setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(view, requires_grad=False))
+            setattr(
+                model.get_submodule(module_name), attribute, torch.nn.Parameter(view, requires_grad=False)
+            )
             filled.add(hooked_name)
         del tensor, converted
     missing = [key for key in expected if key not in filled]
     for key in missing:
-        if key.rsplit(".", 1)[1].lstrip("_").startswith("b_"):  # Llama has no biases: TransformerLens's are zeros
+        if (
+            key.rsplit(".", 1)[1].lstrip("_").startswith("b_")
+        ):  # Llama has no biases: TransformerLens's are zeros
             module_name, attribute = key.rsplit(".", 1)
             zeros = torch.zeros(expected[key], dtype=dtype, device=device)
-            setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(zeros, requires_grad=False))
+            setattr(
+                model.get_submodule(module_name), attribute, torch.nn.Parameter(zeros, requires_grad=False)
+            )
     unfilled = [key for key in missing if not key.rsplit(".", 1)[1].lstrip("_").startswith("b_")]
     if unfilled:
-        raise ModelLoadError(f"{name} has no weights for {unfilled[:6]}{'...' if len(unfilled) > 6 else ''}: "
-                             "the checkpoint is incomplete or not a Llama causal LM.")
+        raise ModelLoadError(
+            f"{name} has no weights for {unfilled[:6]}{'...' if len(unfilled) > 6 else ''}: "
+            "the checkpoint is incomplete or not a Llama causal LM."
+        )
     # nn.Module.to moves the buffers (rotary tables); TransformerLens's own .to prints, and cfg is already set.
     torch.nn.Module.to(model, device=device)
     model.eval()
@@ -473,8 +521,15 @@ def _assemble_hooked(
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -491,16 +546,23 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
         (header_len,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(header_len))
         base = 8 + header_len
-        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+        entries = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"),
+            key=lambda kv: kv[1]["data_offsets"][0],
+        )
         for tensor_name, entry in entries:
             if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ModelLoadError(f"{path}: tensor {tensor_name} has dtype {entry['dtype']}, which uds_lens "
-                                     "cannot read; save the checkpoint in fp32, fp16 or bf16.")
+                raise ModelLoadError(
+                    f"{path}: tensor {tensor_name} has dtype {entry['dtype']}, which uds_lens "
+                    "cannot read; save the checkpoint in fp32, fp16 or bf16."
+                )
             begin, end = entry["data_offsets"]
             buffer = torch.empty(end - begin, dtype=torch.uint8)
             handle.seek(base + begin)
             if handle.readinto(memoryview(buffer.numpy())) != end - begin:
-                raise ModelLoadError(f"{path} is truncated (tensor {tensor_name}); re-save or re-download it.")
+                raise ModelLoadError(
+                    f"{path} is truncated (tensor {tensor_name}); re-save or re-download it."
+                )
             yield tensor_name, buffer.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
@@ -517,7 +579,9 @@ def _consume_state(hf_model: Any) -> Iterator[tuple[str, Tensor]]:
         yield key, state.pop(key)
 
 
-def hooked_from_hf(hf_model: Any, dtype: torch.dtype | None = None, device: str | None = None) -> HookedTransformer:
+def hooked_from_hf(
+    hf_model: Any, dtype: torch.dtype | None = None, device: str | None = None
+) -> HookedTransformer:
     """Wrap an in-memory Hugging Face Llama as a HookedTransformer (weights converted, no folding/centring).
 
     ``hf_model`` is left intact: its weights are copied (converted one tensor at a time).
@@ -525,8 +589,9 @@ def hooked_from_hf(hf_model: Any, dtype: torch.dtype | None = None, device: str 
     check_supported(hf_model.config, type(hf_model).__name__)
     device = device or str(next(hf_model.parameters()).device)
     dtype = dtype or next(hf_model.parameters()).dtype
-    return _assemble_hooked(hf_model.config, hf_model.state_dict().items(), dtype, device,
-                            type(hf_model).__name__, share=False)
+    return _assemble_hooked(
+        hf_model.config, hf_model.state_dict().items(), dtype, device, type(hf_model).__name__, share=False
+    )
 
 
 def load_model(
@@ -601,8 +666,11 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
 
     config = hf_model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {key: value.contiguous() for key, value in hf_model.state_dict().items()
-             if not (tied and key == "lm_head.weight")}
+    state = {
+        key: value.contiguous()
+        for key, value in hf_model.state_dict().items()
+        if not (tied and key == "lm_head.weight")
+    }
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -641,17 +709,29 @@ class ArchitectureSignature:
         """The signature a Hugging Face Llama config describes (no weights needed)."""
         n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-                   n_kv if n_kv != c.num_attention_heads else None, head_dim, c.intermediate_size, c.vocab_size)
+        return cls(
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            n_kv if n_kv != c.num_attention_heads else None,
+            head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        )
 
 
-def check_compatible(target: Any, source: Any, target_name: str = "full", source_name: str = "source") -> None:
+def check_compatible(
+    target: Any, source: Any, target_name: str = "full", source_name: str = "source"
+) -> None:
     """Refuse to patch between models whose architecture or vocabulary differ."""
     a, b = ArchitectureSignature.of(target), ArchitectureSignature.of(source)
     if a == b:
         return
-    diffs = [f"{k}: {target_name}={getattr(a, k)} vs {source_name}={getattr(b, k)}"
-             for k in a.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
+    diffs = [
+        f"{k}: {target_name}={getattr(a, k)} vs {source_name}={getattr(b, k)}"
+        for k in a.__dataclass_fields__
+        if getattr(a, k) != getattr(b, k)
+    ]
     kind = "vocabulary" if diffs == [d for d in diffs if d.startswith("d_vocab")] else "architecture"
     raise ModelMismatchError(
         f"{source_name} cannot be patched into {target_name}: the {kind} differs ({'; '.join(diffs)}). "
@@ -673,7 +753,11 @@ def model_fingerprint(model: Any) -> str:
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
         if tensor.numel() == 0:
             continue
-        flat = tensor.detach().reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.detach().reshape(1, -1)
+        flat = (
+            tensor.detach().reshape(tensor.shape[0], -1)
+            if tensor.dim() > 1
+            else tensor.detach().reshape(1, -1)
+        )
         rows = max(1, (1 << 24) // flat.shape[1])
         for chunk in flat.split(rows, dim=0):
             digest.update(chunk.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
@@ -695,20 +779,39 @@ def verify_parity(
             tokens.to(hooked.cfg.device),
             names_filter=lambda name: name.endswith("hook_resid_post") or name == "ln_final.hook_normalized",
         )
-    resid = max(
-        (cache[f"blocks.{layer}.hook_resid_post"].float().cpu()
-         - hf_out.hidden_states[layer + 1].float().cpu()).abs().max().item()
-        for layer in range(n_layers - 1)
-    ) if n_layers > 1 else 0.0
-    final = (cache["ln_final.hook_normalized"].float().cpu() - hf_out.hidden_states[n_layers].float().cpu()).abs().max()
+    resid = (
+        max(
+            (
+                cache[f"blocks.{layer}.hook_resid_post"].float().cpu()
+                - hf_out.hidden_states[layer + 1].float().cpu()
+            )
+            .abs()
+            .max()
+            .item()
+            for layer in range(n_layers - 1)
+        )
+        if n_layers > 1
+        else 0.0
+    )
+    final = (
+        (cache["ln_final.hook_normalized"].float().cpu() - hf_out.hidden_states[n_layers].float().cpu())
+        .abs()
+        .max()
+    )
     logit_diff = (logits.float().cpu() - hf_out.logits.float().cpu()).abs().max()
     return {"resid_post": float(resid), "final_norm": float(final), "logits": float(logit_diff)}
 
 
 def config_summary(model: HookedTransformer) -> dict[str, Any]:
     c = model.cfg
-    return {"n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads,
-            "n_key_value_heads": c.n_key_value_heads, "d_vocab": c.d_vocab, "dtype": str(c.dtype).replace("torch.", "")}
+    return {
+        "n_layers": c.n_layers,
+        "d_model": c.d_model,
+        "n_heads": c.n_heads,
+        "n_key_value_heads": c.n_key_value_heads,
+        "d_vocab": c.d_vocab,
+        "dtype": str(c.dtype).replace("torch.", ""),
+    }
 
 
 def weight_files_digest(path: str | os.PathLike) -> str | None:
@@ -719,7 +822,9 @@ def weight_files_digest(path: str | os.PathLike) -> str | None:
     elif not root.is_dir():
         return None
     else:
-        files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file())
+        files = sorted(
+            p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file()
+        )
     if not files:
         return None
     digest = hashlib.sha256()
@@ -751,16 +856,50 @@ def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
 def describe(path_or_model: Any) -> str:
     if isinstance(path_or_model, (str, os.PathLike)):
         return str(path_or_model)
-    return getattr(path_or_model, "uds_source", None) or getattr(getattr(path_or_model, "config", None),
-                                                                 "_name_or_path", None) or type(path_or_model).__name__
+    return (
+        getattr(path_or_model, "uds_source", None)
+        or getattr(getattr(path_or_model, "config", None), "_name_or_path", None)
+        or type(path_or_model).__name__
+    )
 
 
 __all__ = [
-    "ArchitectureSignature", "CheckpointSource", "ModelLoadError", "ModelMismatchError", "check_compatible",
-    "check_supported", "checkpoint_stamp", "gguf_architecture", "gguf_to_hf", "is_local", "iter_safetensors",
+    "ArchitectureSignature",
+    "CheckpointSource",
+    "ModelLoadError",
+    "ModelMismatchError",
+    "check_compatible",
+    "check_supported",
+    "checkpoint_stamp",
+    "gguf_architecture",
+    "gguf_to_hf",
+    "is_local",
+    "iter_safetensors",
     "resolve_source",
-    "config_summary", "default_device", "default_dtype", "describe", "hooked_config_from_hf", "hooked_from_hf",
-    "load_hf_config", "load_hf_model", "load_model", "load_tokenizer", "model_fingerprint", "resolve_dtype",
+    "config_summary",
+    "default_device",
+    "default_dtype",
+    "describe",
+    "hooked_config_from_hf",
+    "hooked_from_hf",
+    "load_hf_config",
+    "load_hf_model",
+    "load_model",
+    "load_tokenizer",
+    "model_fingerprint",
+    "resolve_dtype",
     "resolve_zoo_name",
-    "verify_parity", "weight_files_digest"
+    "verify_parity",
+    "weight_files_digest",
 ]
+
+
+def model_name(source: Any) -> str:
+    """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
+    described = describe(source)
+    if described.startswith(ZOO_PREFIX):
+        return described[len(ZOO_PREFIX) :].rsplit("/", 1)[-1]
+    path = Path(described).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    return described.replace("/", "__")

@@ -48,10 +48,33 @@ import pandas as pd
 from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Skip
+from uds_lens.plotting import figures as plots
+from uds_lens.uds import bootstrap_ci, rescore
 
-EXAMPLE_COLUMNS = ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status", "skip_reason", "question",
-                   "entity"]
-LAYER_COLUMNS = ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1", "d2", "ke", "ler"]
+EXAMPLE_COLUMNS = [
+    "idx",
+    "prompt_type",
+    "n_entity_tokens",
+    "n_ke",
+    "uds",
+    "status",
+    "skip_reason",
+    "question",
+    "entity",
+]
+LAYER_COLUMNS = [
+    "idx",
+    "layer",
+    "site",
+    "s0",
+    "baseline_score",
+    "s1_score",
+    "s2_score",
+    "d1",
+    "d2",
+    "ke",
+    "ler",
+]
 # Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
 _OLD_COLUMNS = {"s_full": "baseline_score"}
 # The files of one saved result; meta.json (written last) holds their digests.
@@ -77,8 +100,13 @@ def check_result_name(name: str) -> str:
         ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
             (names starting with a dot are this module's lock and temporary files).
     """
-    if not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") \
-            or any(sep in name for sep in ("/", "\\", "\0", os.sep)):
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or name.startswith(".")
+        or any(sep in name for sep in ("/", "\\", "\0", os.sep))
+    ):
         raise ResultNameError(
             f"Result name {name!r} is not a single path component: names become directories under the output "
             "directory, so they may not be empty, start with '.', or contain '/', '\\' or NUL. Pick a plain name "
@@ -124,24 +152,36 @@ class UDSResult:
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)
         s2_flat = s2.numpy().reshape(-1)
-        table = pd.DataFrame({
-            "idx": idx.astype(int),
-            "layer": np.tile(np.asarray(layers, dtype=int), n),
-            "site": config.site,
-            "s0": np.repeat(s_full.numpy(), n_layers),
-            "baseline_score": base,
-            "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
-            "s2_score": s2_flat,
-            "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
-            "d2": base - s2_flat,
-        })
+        table = pd.DataFrame(
+            {
+                "idx": idx.astype(int),
+                "layer": np.tile(np.asarray(layers, dtype=int), n),
+                "site": config.site,
+                "s0": np.repeat(s_full.numpy(), n_layers),
+                "baseline_score": base,
+                "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
+                "s2_score": s2_flat,
+                "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
+                "d2": base - s2_flat,
+            }
+        )
         meta = dict(meta)
         prompt_types = meta.pop("prompt_types", {})
         texts = meta.pop("texts", {})
         info = pd.DataFrame(
-            [{"idx": e.idx, "prompt_type": e.prompt_type, "n_entity_tokens": e.n_entity_tokens} for e in encoded]
-            + [{"idx": s.idx, "prompt_type": prompt_types.get(s.idx), "n_entity_tokens": 0, "skip_reason": s.reason}
-               for s in skipped],
+            [
+                {"idx": e.idx, "prompt_type": e.prompt_type, "n_entity_tokens": e.n_entity_tokens}
+                for e in encoded
+            ]
+            + [
+                {
+                    "idx": s.idx,
+                    "prompt_type": prompt_types.get(s.idx),
+                    "n_entity_tokens": 0,
+                    "skip_reason": s.reason,
+                }
+                for s in skipped
+            ],
             columns=["idx", "prompt_type", "n_entity_tokens", "skip_reason"],
         )
         info["question"] = [texts.get(i, {}).get("question") for i in info["idx"]]
@@ -153,43 +193,37 @@ class UDSResult:
 
     def with_tau(self, tau: float) -> UDSResult:
         """The same result under another KE threshold (no model is run)."""
-        layers = self.layers.copy()
-        retain_free = layers["d1"].isna().all()
-        if retain_free:
-            layers["ke"] = False
-            layers["ler"] = np.nan
-        else:
-            # uds.ke_mask / uds.layer_erasure_ratio in numpy: tables (and `uds-lens report`) need no torch import
-            d1 = layers["d1"].to_numpy(dtype=float)
-            d2 = layers["d2"].to_numpy(dtype=float)
-            ke = d1 > tau
-            ratio = np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0.0, 1.0)
-            layers["ke"] = ke
-            layers["ler"] = np.where(ke, ratio, np.nan)
-        weighted = layers.assign(w=np.where(layers["ke"], layers["d1"], 0.0))
-        weighted["wl"] = weighted["w"] * weighted["ler"].fillna(0.0)
-        grouped = weighted.groupby("idx", sort=False).agg(n_ke=("ke", "sum"), w=("w", "sum"), wl=("wl", "sum"))
-        grouped["uds"] = np.where(grouped["n_ke"] > 0, grouped["wl"] / grouped["w"].where(grouped["w"] != 0, 1.0),
-                                  np.nan)
+        retain_free = bool(self.layers["d1"].isna().all())
+        layers, per_example = rescore(self.layers, tau)
         examples = self.examples.drop(columns=[c for c in ("n_ke", "uds", "status") if c in self.examples])
-        examples = examples.merge(grouped[["n_ke", "uds"]], left_on="idx", right_index=True, how="left")
+        examples = examples.merge(per_example, on="idx", how="left")
         skipped = examples["skip_reason"].notna() & (examples["skip_reason"] != "")
         examples["n_ke"] = examples["n_ke"].fillna(0).astype(int)
         if retain_free:
             examples["status"] = np.where(skipped, "skipped", "scored")
             examples["uds"] = np.nan
         else:
-            examples["status"] = np.where(skipped, "skipped", np.where(examples["uds"].isna(), "no_ke", "scored"))
+            examples["status"] = np.where(
+                skipped, "skipped", np.where(examples["uds"].isna(), "no_ke", "scored")
+            )
         examples["skip_reason"] = examples["skip_reason"].where(skipped, "").astype(object)
         settings = dict(self.settings, tau=tau)
-        return replace(self, examples=examples[EXAMPLE_COLUMNS].reset_index(drop=True),
-                       layers=layers[LAYER_COLUMNS].reset_index(drop=True), settings=settings)
+        return replace(
+            self,
+            examples=examples[EXAMPLE_COLUMNS].reset_index(drop=True),
+            layers=layers[LAYER_COLUMNS].reset_index(drop=True),
+            settings=settings,
+        )
 
     # -- views -------------------------------------------------------------------------------------------------
 
     @property
     def retain_free(self) -> bool:
-        return bool(self.layers["d1"].isna().all()) if len(self.layers) else self.settings.get("retain_free", False)
+        return (
+            bool(self.layers["d1"].isna().all())
+            if len(self.layers)
+            else self.settings.get("retain_free", False)
+        )
 
     @property
     def uds(self) -> float:
@@ -205,16 +239,16 @@ class UDSResult:
 
     @property
     def ci95(self) -> tuple[float, float]:
-        from uds_lens.uds import bootstrap_ci
-
         return bootstrap_ci(self.examples["uds"].to_numpy(dtype=float))
 
     @property
     def d2_summary(self) -> dict[str, float]:
         """Retain-free summaries (unnormalised): mean d2 over layers and examples, share of layers with d2 > tau."""
         d2 = self.layers["d2"].to_numpy(dtype=float)
-        return {"mean_d2": float(np.nanmean(d2)) if d2.size else float("nan"),
-                "frac_layers_d2_gt_tau": float(np.mean(d2 > self.settings["tau"])) if d2.size else float("nan")}
+        return {
+            "mean_d2": float(np.nanmean(d2)) if d2.size else float("nan"),
+            "frac_layers_d2_gt_tau": float(np.mean(d2 > self.settings["tau"])) if d2.size else float("nan"),
+        }
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -229,17 +263,31 @@ class UDSResult:
             "n_no_ke": int(status.get("no_ke", 0)),
             "n_skipped": int(status.get("skipped", 0)),
             "skipped_reasons": {str(k): int(v) for k, v in reasons.items()},
-            "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"].astype(int).tolist(),
+            "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"]
+            .astype(int)
+            .tolist(),
             "retain_free": self.retain_free,
             "settings": self.settings,
         }
         if self.retain_free:
             out["uds"] = None
             out["d2_summary"] = self.d2_summary
-            out["note"] = ("retain-free mode: no retain model, so d2 is unnormalised (not divided by d1); these "
-                           "summaries are not comparable with UDS.")
-        for key in ("full", "retain", "unlearned", "data", "versions", "device", "dtype", "log_softmax_dtype",
-                    "engine", "timings"):
+            out["note"] = (
+                "retain-free mode: no retain model, so d2 is unnormalised (not divided by d1); these "
+                "summaries are not comparable with UDS."
+            )
+        for key in (
+            "full",
+            "retain",
+            "unlearned",
+            "data",
+            "versions",
+            "device",
+            "dtype",
+            "log_softmax_dtype",
+            "engine",
+            "timings",
+        ):
             if key in self.meta:
                 out[key] = self.meta[key]
         out.setdefault("timings", {})
@@ -247,8 +295,12 @@ class UDSResult:
 
     def to_open_unlearning(self) -> dict[str, Any]:
         scored = self.examples.dropna(subset=["uds"])
-        return {"uds": {"agg_value": _none_if_nan(self.uds),
-                        "value_by_index": {str(int(r.idx)): {"score": float(r.uds)} for r in scored.itertuples()}}}
+        return {
+            "uds": {
+                "agg_value": _none_if_nan(self.uds),
+                "value_by_index": {str(int(r.idx)): {"score": float(r.uds)} for r in scored.itertuples()},
+            }
+        }
 
     # -- files -------------------------------------------------------------------------------------------------
 
@@ -274,10 +326,22 @@ class UDSResult:
         except (ImportError, ValueError):
             (out / "layers.parquet").unlink(missing_ok=True)
         (out / "uds_eval.json").write_text(json.dumps(self.to_open_unlearning(), indent=2))
-        files = {name: _file_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()}
-        (out / "meta.json").write_text(json.dumps(
-            {"format": RESULT_FORMAT, "name": self.name, "settings": self.settings, "meta": self.meta,
-             "files": files}, indent=2, default=_json_default))
+        files = {
+            name: _file_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()
+        }
+        (out / "meta.json").write_text(
+            json.dumps(
+                {
+                    "format": RESULT_FORMAT,
+                    "name": self.name,
+                    "settings": self.settings,
+                    "meta": self.meta,
+                    "files": files,
+                },
+                indent=2,
+                default=_json_default,
+            )
+        )
 
     @classmethod
     def load(cls, directory: str | Path, verify: bool = True) -> UDSResult:
@@ -306,9 +370,10 @@ class UDSResult:
 
     @classmethod
     def _from_files(cls, meta: dict[str, Any], contents: dict[str, bytes]) -> UDSResult:
-        examples = pd.read_csv(io.BytesIO(contents["examples.csv"]),
-                               dtype={"prompt_type": object, "skip_reason": object, "question": object,
-                                      "entity": object})
+        examples = pd.read_csv(
+            io.BytesIO(contents["examples.csv"]),
+            dtype={"prompt_type": object, "skip_reason": object, "question": object, "entity": object},
+        )
         examples["skip_reason"] = examples["skip_reason"].fillna("").astype(object)
         examples["prompt_type"] = examples["prompt_type"].where(examples["prompt_type"].notna(), None)
         layers = pd.read_csv(io.BytesIO(contents["layers.csv"])).rename(columns=_OLD_COLUMNS)
@@ -319,8 +384,13 @@ class UDSResult:
         for column in ("question", "entity"):
             if column not in examples:
                 examples[column] = None
-        return cls(name=meta["name"], examples=examples[EXAMPLE_COLUMNS], layers=layers[LAYER_COLUMNS],
-                   settings=meta["settings"], meta=meta.get("meta", {}))
+        return cls(
+            name=meta["name"],
+            examples=examples[EXAMPLE_COLUMNS],
+            layers=layers[LAYER_COLUMNS],
+            settings=meta["settings"],
+            meta=meta.get("meta", {}),
+        )
 
     # -- one example -------------------------------------------------------------------------------------------
 
@@ -334,11 +404,16 @@ class UDSResult:
         """
         rows = self.examples[self.examples["idx"] == idx]
         if rows.empty:
-            raise KeyError(f"{self.name}: no example with idx {idx}; idx run from {self.examples['idx'].min()} to "
-                           f"{self.examples['idx'].max()}.")
-        return ExampleView(idx=idx, examples=rows.reset_index(drop=True),
-                           layers=self.layers[self.layers["idx"] == idx].reset_index(drop=True),
-                           settings=dict(self.settings))
+            raise KeyError(
+                f"{self.name}: no example with idx {idx}; idx run from {self.examples['idx'].min()} to "
+                f"{self.examples['idx'].max()}."
+            )
+        return ExampleView(
+            idx=idx,
+            examples=rows.reset_index(drop=True),
+            layers=self.layers[self.layers["idx"] == idx].reset_index(drop=True),
+            settings=dict(self.settings),
+        )
 
     # -- tensors back ------------------------------------------------------------------------------------------
 
@@ -348,8 +423,10 @@ class UDSResult:
 
     def __repr__(self) -> str:
         s = self.summary
-        return (f"UDSResult({self.name!r}, uds={s['uds']}, scored={s['n_scored']}, no_ke={s['n_no_ke']}, "
-                f"skipped={s['n_skipped']})")
+        return (
+            f"UDSResult({self.name!r}, uds={s['uds']}, scored={s['n_scored']}, no_ke={s['n_no_ke']}, "
+            f"skipped={s['n_skipped']})"
+        )
 
 
 @dataclass(frozen=True)
@@ -384,8 +461,6 @@ class ExampleView:
 
     def figure(self, title: str | None = None) -> Any:
         """``plots.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
-        from uds_lens import plots
-
         return plots.example_curves(self, self.idx, title=title)
 
 
@@ -417,7 +492,11 @@ def _read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], s
         return {}, {}, f"meta.json is unreadable ({err})"
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or not files:
-        return {}, {}, "meta.json lists no file digests (an older uds_lens wrote it, or the write did not finish)"
+        return (
+            {},
+            {},
+            "meta.json lists no file digests (an older uds_lens wrote it, or the write did not finish)",
+        )
     missing = [name for name in ("summary.json", "examples.csv", "layers.csv") if name not in files]
     if missing:
         return {}, {}, f"meta.json does not list {missing}"
@@ -510,7 +589,9 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
     target = Path(target)
     check_result_name(target.name)
     if target.exists() and not target.is_dir():
-        raise ValueError(f"{target} is a file, not a result directory: remove it or choose another output directory.")
+        raise ValueError(
+            f"{target} is a file, not a result directory: remove it or choose another output directory."
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with result_lock(target, timeout):
         for leftover in target.parent.iterdir():
@@ -536,6 +617,18 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
             raise
 
 
-__all__ = ["EXAMPLE_COLUMNS", "ExampleView", "LAYER_COLUMNS", "RESULT_FORMAT", "ResultIntegrityError", "ResultNameError", "UDSResult",
-           "atomic_result_dir", "can_reuse", "check_result_name", "load_reusable", "result_lock",
-           "verify_result_dir"]
+__all__ = [
+    "EXAMPLE_COLUMNS",
+    "ExampleView",
+    "LAYER_COLUMNS",
+    "RESULT_FORMAT",
+    "ResultIntegrityError",
+    "ResultNameError",
+    "UDSResult",
+    "atomic_result_dir",
+    "can_reuse",
+    "check_result_name",
+    "load_reusable",
+    "result_lock",
+    "verify_result_dir",
+]

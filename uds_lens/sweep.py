@@ -54,9 +54,9 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from uds_lens.auditor import StageOne, UDSAuditor, UDSConfig, result_names, source_fingerprint
 from uds_lens.data import Example, load_examples
 from uds_lens.results import UDSResult, check_result_name, load_reusable
-from uds_lens.uds import StageOne, UDSAuditor, UDSConfig, result_names, source_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,30 @@ ANCHOR_METHODS = ("full", "retain")
 # loading), s2_seconds its Stage 2, s1_seconds the shared Stage 1 (0 from the cache); finished_at is Unix time; fp_*
 # are its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns.
 COLUMNS = [
-    "name", "source", "method", "epoch", "status", "uds", "ci_low", "ci_high", "n_scored", "n_no_ke", "n_skipped",
-    "attempts", "load_seconds", "s2_seconds", "seconds", "s1_seconds", "finished_at", "worker",
-    "fp_full", "fp_retain", "fp_data", "fp_settings", "fp_unlearned", "error",
+    "name",
+    "source",
+    "method",
+    "epoch",
+    "status",
+    "uds",
+    "ci_low",
+    "ci_high",
+    "n_scored",
+    "n_no_ke",
+    "n_skipped",
+    "attempts",
+    "load_seconds",
+    "s2_seconds",
+    "seconds",
+    "s1_seconds",
+    "finished_at",
+    "worker",
+    "fp_full",
+    "fp_retain",
+    "fp_data",
+    "fp_settings",
+    "fp_unlearned",
+    "error",
 ]
 
 
@@ -107,8 +128,10 @@ def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:
     names = [entry.name for entry in entries]
     repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
-        raise SweepError(f"Two models share the result name(s) {repeated}: give each row a unique name "
-                         "(`name,path_or_id` rows in the model list).")
+        raise SweepError(
+            f"Two models share the result name(s) {repeated}: give each row a unique name "
+            "(`name,path_or_id` rows in the model list)."
+        )
     for name in names:
         try:
             check_result_name(name)
@@ -127,8 +150,9 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"Model list {file} not found: give a file of `name,path_or_id` rows or one path per "
-                                "line.")
+        raise FileNotFoundError(
+            f"Model list {file} not found: give a file of `name,path_or_id` rows or one path per line."
+        )
     rows: list[tuple[str | None, str]] = []
     lines = [line.strip() for line in file.read_text().splitlines()]
     for number, row in enumerate(csv.reader(line for line in lines if line and not line.startswith("#")), 1):
@@ -140,9 +164,13 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
                 continue
             rows.append((cells[0], cells[1]))
         else:
-            raise SweepError(f"{file}, row {number}: expected `name,path_or_id` or one path, got {len(cells)} cells.")
+            raise SweepError(
+                f"{file}, row {number}: expected `name,path_or_id` or one path, got {len(cells)} cells."
+            )
     named = _names_of([source for name, source in rows if name is None])
-    return _check_names([SweepModel(name if name is not None else named[source], source) for name, source in rows])
+    return _check_names(
+        [SweepModel(name if name is not None else named[source], source) for name, source in rows]
+    )
 
 
 def _names_of(sources: Sequence[str]) -> dict[str, str]:
@@ -160,8 +188,10 @@ def registry_path(registry: str | os.PathLike) -> Path:
     path = Path(registry).expanduser()
     if path.is_file():
         return path
-    raise SweepError(f"Unknown registry {str(registry)!r}: use one of {sorted(REGISTRIES)} or a CSV file with the "
-                     "columns alias,hub_id,method,epoch (and optional published_* columns).")
+    raise SweepError(
+        f"Unknown registry {str(registry)!r}: use one of {sorted(REGISTRIES)} or a CSV file with the "
+        "columns alias,hub_id,method,epoch (and optional published_* columns)."
+    )
 
 
 def load_registry(
@@ -196,8 +226,15 @@ def load_registry(
         values = row._asdict()
         figures = {column: float(values[column]) for column in published if pd.notna(values[column])}
         epoch = values.get("epoch")
-        entries.append(SweepModel(str(values["alias"]), str(values["hub_id"]), str(values["method"]),
-                                  None if pd.isna(epoch) else str(epoch), figures))
+        entries.append(
+            SweepModel(
+                str(values["alias"]),
+                str(values["hub_id"]),
+                str(values["method"]),
+                None if pd.isna(epoch) else str(epoch),
+                figures,
+            )
+        )
     return _check_names(entries)
 
 
@@ -206,8 +243,10 @@ def resolve_models(
 ) -> list[SweepModel]:
     """The sweep's models from exactly one of: a model-list file, a list/dict of models, or a registry."""
     if (models_arg is None) == (registry is None):
-        raise SweepError("Give the models to sweep either as a model list (--models FILE) or a registry "
-                         "(--registry NAME), not both and not neither.")
+        raise SweepError(
+            "Give the models to sweep either as a model list (--models FILE) or a registry "
+            "(--registry NAME), not both and not neither."
+        )
     if registry is not None:
         return load_registry(registry, methods)
     if methods:
@@ -217,8 +256,12 @@ def resolve_models(
     if isinstance(models_arg, Mapping):
         return _check_names([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
     named = _names_of([str(item) for item in models_arg if not isinstance(item, SweepModel)])
-    return _check_names([item if isinstance(item, SweepModel) else SweepModel(named[str(item)], str(item))
-                         for item in models_arg])
+    return _check_names(
+        [
+            item if isinstance(item, SweepModel) else SweepModel(named[str(item)], str(item))
+            for item in models_arg
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -236,8 +279,9 @@ def fingerprint_columns(fingerprint: Mapping[str, Any]) -> dict[str, str]:
         "fp_full": str(fingerprint.get("full")),
         "fp_retain": str(fingerprint.get("retain")),
         "fp_data": str(fingerprint.get("data")),
-        "fp_settings": _short_digest([fingerprint.get("settings"), fingerprint.get("tokenizer"),
-                                      fingerprint.get("format")]),
+        "fp_settings": _short_digest(
+            [fingerprint.get("settings"), fingerprint.get("tokenizer"), fingerprint.get("format")]
+        ),
         "fp_unlearned": str(fingerprint.get("unlearned")),
     }
 
@@ -263,10 +307,17 @@ class ShippedStage:
 
     @classmethod
     def of(cls, auditor: UDSAuditor) -> ShippedStage:
-        return cls(full_source=auditor.full_name, retain_name=auditor.retain_name, data_name=auditor.data_name,
-                   config=auditor.config, examples=list(auditor.examples), stage1=auditor.stage1,
-                   batches=auditor.batches, payload=auditor.fingerprint_payload(),
-                   inputs_fingerprint=auditor.fingerprint(None))
+        return cls(
+            full_source=auditor.full_name,
+            retain_name=auditor.retain_name,
+            data_name=auditor.data_name,
+            config=auditor.config,
+            examples=list(auditor.examples),
+            stage1=auditor.stage1,
+            batches=auditor.batches,
+            payload=auditor.fingerprint_payload(),
+            inputs_fingerprint=auditor.fingerprint(None),
+        )
 
     def fingerprint(self, unlearned: str) -> dict[str, Any]:
         """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), computed
@@ -302,11 +353,17 @@ def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
         result = auditor.score(model.source, name=model.name)
     except Exception as error:  # reported per model in sweep.csv; the sweep goes on
         logger.warning("%s (%s) failed: %s", model.name, model.source, error)
-        return ModelOutcome(model.name, "failed", seconds=time.perf_counter() - started, worker=_worker_label(),
-                            error=f"{type(error).__name__} while scoring {model.source}: {error}")
+        return ModelOutcome(
+            model.name,
+            "failed",
+            seconds=time.perf_counter() - started,
+            worker=_worker_label(),
+            error=f"{type(error).__name__} while scoring {model.source}: {error}",
+        )
     seconds = time.perf_counter() - started
-    return ModelOutcome(model.name, "scored", result, seconds - result.meta["timings"]["s2_seconds"], seconds,
-                        _worker_label())
+    return ModelOutcome(
+        model.name, "scored", result, seconds - result.meta["timings"]["s2_seconds"], seconds, _worker_label()
+    )
 
 
 @dataclass
@@ -353,8 +410,14 @@ class SweepWorker:
         # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
         compute_stage = compute_stage and not _restarted_actor()
         retain = plan.retain if compute_stage else None
-        self.auditor = UDSAuditor(plan.full, retain, plan.examples, config=plan.config,
-                                  cache_dir=plan.cache_dir if compute_stage else False, progress=False)
+        self.auditor = UDSAuditor(
+            plan.full,
+            retain,
+            plan.examples,
+            config=plan.config,
+            cache_dir=plan.cache_dir if compute_stage else False,
+            progress=False,
+        )
         self.auditor.data_name = plan.data_name
         self.shipped: ShippedStage | None = None
         if compute_stage:
@@ -379,7 +442,8 @@ class SweepWorker:
                 raise SweepError(
                     f"Worker {_worker_label()} sees a different {key} for the full model {shipped.full_source} "
                     f"({here[key]} vs {shipped.payload[key]} where Stage 1 was computed): give every worker the same "
-                    "checkpoint files and package versions, and an explicit --dtype/--device.")
+                    "checkpoint files and package versions, and an explicit --dtype/--device."
+                )
         self.auditor.use_stage1(shipped.stage1, shipped.batches, shipped.inputs_fingerprint)
         self.auditor.retain_name = shipped.retain_name
         self.auditor.data_name = shipped.data_name
@@ -411,9 +475,17 @@ class _Ledger:
 
     def __post_init__(self) -> None:
         for entry in self.entries:
-            self.rows[entry.name] = {"name": entry.name, "source": entry.source, "method": entry.method,
-                                     "epoch": entry.epoch, "status": "pending", "attempts": 0, "error": "",
-                                     "s1_seconds": self.shipped.stage1.seconds, **dict(entry.published)}
+            self.rows[entry.name] = {
+                "name": entry.name,
+                "source": entry.source,
+                "method": entry.method,
+                "epoch": entry.epoch,
+                "status": "pending",
+                "attempts": 0,
+                "error": "",
+                "s1_seconds": self.shipped.stage1.seconds,
+                **dict(entry.published),
+            }
 
     def reuse(self, force: bool) -> list[SweepModel]:
         """Record every model whose saved result is current as ``reused``; returns the models left to score."""
@@ -421,7 +493,9 @@ class _Ledger:
         for entry in self.entries:
             fingerprint = self.shipped.fingerprint(entry.source)
             self.rows[entry.name].update(fingerprint_columns(fingerprint))
-            previous, reason = (None, "forced") if force else load_reusable(self.out / entry.name, fingerprint)
+            previous, reason = (
+                (None, "forced") if force else load_reusable(self.out / entry.name, fingerprint)
+            )
             if previous is None:
                 if (self.out / entry.name).exists():
                     logger.info("recomputing %s: %s", entry.name, reason)
@@ -429,15 +503,24 @@ class _Ledger:
                 continue
             logger.info("reusing %s: %s", entry.name, reason)
             self._fill(entry.name, previous.with_tau(self.tau), s2_seconds=0.0)
-            self.rows[entry.name].update(status="reused", load_seconds=0.0, seconds=0.0, finished_at=time.time())
+            self.rows[entry.name].update(
+                status="reused", load_seconds=0.0, seconds=0.0, finished_at=time.time()
+            )
         self.write()
         return todo
 
     def record(self, outcome: ModelOutcome, attempts: int) -> None:
         """Save a scored model's result (atomically, under its lock) and update its row."""
         row = self.rows[outcome.name]
-        row.update(status=outcome.status, attempts=attempts, worker=outcome.worker, error=outcome.error,
-                   load_seconds=outcome.load_seconds, seconds=outcome.seconds, finished_at=time.time())
+        row.update(
+            status=outcome.status,
+            attempts=attempts,
+            worker=outcome.worker,
+            error=outcome.error,
+            load_seconds=outcome.load_seconds,
+            seconds=outcome.seconds,
+            finished_at=time.time(),
+        )
         if outcome.result is not None:
             outcome.result.save(self.out / outcome.name)
             row.update(fingerprint_columns(outcome.result.meta["fingerprint"]))
@@ -446,9 +529,15 @@ class _Ledger:
 
     def _fill(self, name: str, result: UDSResult, s2_seconds: float) -> None:
         summary = result.summary
-        self.rows[name].update(uds=summary["uds"], ci_low=summary["ci95"][0], ci_high=summary["ci95"][1],
-                               n_scored=summary["n_scored"], n_no_ke=summary["n_no_ke"],
-                               n_skipped=summary["n_skipped"], s2_seconds=s2_seconds)
+        self.rows[name].update(
+            uds=summary["uds"],
+            ci_low=summary["ci95"][0],
+            ci_high=summary["ci95"][1],
+            n_scored=summary["n_scored"],
+            n_no_ke=summary["n_no_ke"],
+            n_skipped=summary["n_skipped"],
+            s2_seconds=s2_seconds,
+        )
         self.open_unlearning[name] = result.to_open_unlearning()
 
     def table(self) -> pd.DataFrame:
@@ -463,9 +552,17 @@ class _Ledger:
 
     def write(self) -> None:
         _write_atomic(self.out / SWEEP_TABLE, self.table().to_csv(index=False))
-        _write_atomic(self.out / SWEEP_JSON, json.dumps(
-            {entry.name: self.open_unlearning[entry.name] for entry in self.entries
-             if entry.name in self.open_unlearning}, indent=2))
+        _write_atomic(
+            self.out / SWEEP_JSON,
+            json.dumps(
+                {
+                    entry.name: self.open_unlearning[entry.name]
+                    for entry in self.entries
+                    if entry.name in self.open_unlearning
+                },
+                indent=2,
+            ),
+        )
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -518,7 +615,7 @@ def sweep(
         models_to_score: a model-list file (``name,path_or_id`` CSV rows or one path per line), a list of paths or
             :class:`SweepModel`, or a ``{name: path}`` dict. Exactly one of this and ``registry``.
         registry / methods: a registry name (``tofu-llama-3.2-1b``) or CSV, optionally filtered by method.
-        config: :class:`~uds_lens.uds.UDSConfig` (the same settings as ``uds-lens score``).
+        config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``).
         workers: Ray actors; 1 runs in-process; None = one per GPU (``gpus_per_worker``) or per CPU slot
             (``cpus_per_worker``) of the cluster, in-process when Ray is not installed.
         address: an existing Ray cluster (``auto`` or ``HOST:PORT``); None starts a local one (or joins the one this
@@ -546,45 +643,76 @@ def sweep(
     if limit is not None and limit < 1:
         raise SweepError(f"limit must be a positive number of examples, got {limit}.")
     if cpus_per_worker < 1 or (gpus_per_worker is not None and gpus_per_worker < 0):
-        raise SweepError(f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
-                         f"{gpus_per_worker}.")
+        raise SweepError(
+            f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
+            f"{gpus_per_worker}."
+        )
     out_dir = Path(out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise SweepError(f"--out {out_dir} is a file; give a directory for the sweep's results.")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not isinstance(full, (str, os.PathLike)) or not (retain is None or isinstance(retain, (str, os.PathLike))):
+    if not isinstance(full, (str, os.PathLike)) or not (
+        retain is None or isinstance(retain, (str, os.PathLike))
+    ):
         raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
-    plan = WorkerPlan(str(full), None if retain is None else str(retain), load_examples(data, limit=limit),
-                      str(data) if isinstance(data, (str, os.PathLike)) else "<records>", config, cache_dir)
+    plan = WorkerPlan(
+        str(full),
+        None if retain is None else str(retain),
+        load_examples(data, limit=limit),
+        str(data) if isinstance(data, (str, os.PathLike)) else "<records>",
+        config,
+        cache_dir,
+    )
     if use_ray is None:
         use_ray = address is not None or (workers != 1 and ray_available())
     if use_ray and not ray_available():
-        raise SweepError("This sweep needs Ray (an --address, or use_ray=True): install it with "
-                         "`pip install 'uds_lens[sweep]'`, or run in-process (no --address).")
+        raise SweepError(
+            "This sweep needs Ray (an --address, or use_ray=True): install it with "
+            "`pip install 'uds_lens[sweep]'`, or run in-process (no --address)."
+        )
     if workers not in (None, 1) and not use_ray:
-        warnings.warn(f"Ray is not installed, so the sweep runs in-process instead of on {workers} workers; "
-                      "`pip install 'uds_lens[sweep]'` enables them.", stacklevel=2)
+        warnings.warn(
+            f"Ray is not installed, so the sweep runs in-process instead of on {workers} workers; "
+            "`pip install 'uds_lens[sweep]'` enables them.",
+            stacklevel=2,
+        )
     if use_ray:
-        table = _sweep_on_ray(plan, entries, out_dir, workers, address, gpus_per_worker, cpus_per_worker,
-                              max_retries, force, progress)
+        table = _sweep_on_ray(
+            plan,
+            entries,
+            out_dir,
+            workers,
+            address,
+            gpus_per_worker,
+            cpus_per_worker,
+            max_retries,
+            force,
+            progress,
+        )
     else:
         table = _sweep_in_process(plan, entries, out_dir, force, progress)
     if compare_published:
         table = add_published_comparison(table)
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
-        from uds_lens.plots import published_scatter
+        from uds_lens.plotting import published_scatter
 
         published_scatter(table).write_html(out_dir / SCATTER_HTML, include_plotlyjs=True)
     return table
 
 
-def _sweep_in_process(plan: WorkerPlan, entries: list[SweepModel], out_dir: Path, force: bool,
-                      progress: bool) -> pd.DataFrame:
+def _sweep_in_process(
+    plan: WorkerPlan, entries: list[SweepModel], out_dir: Path, force: bool, progress: bool
+) -> pd.DataFrame:
     worker = SweepWorker(plan, compute_stage=True)
     ledger = _Ledger(out_dir, entries, worker.stage(), plan.config.tau)
     todo = ledger.reuse(force)
-    with tqdm(total=len(entries), initial=len(entries) - len(todo), desc="sweep (in-process)", unit="model",
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(entries),
+        initial=len(entries) - len(todo),
+        desc="sweep (in-process)",
+        unit="model",
+        disable=not progress,
+    ) as bar:
         for entry in todo:
             ledger.record(worker.score(entry), attempts=1)
             bar.update()
@@ -604,14 +732,23 @@ def _start_ray(address: str | None, workers: int | None, cpus_per_worker: int) -
     # A local cluster for one sweep: no dashboard, no usage statistics, a modest object store (results are small).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     num_cpus = workers * cpus_per_worker if workers else os.cpu_count() or 1
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 1024 * 1024)
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 * 1024
+    )
     return True
 
 
 def _sweep_on_ray(
-    plan: WorkerPlan, entries: list[SweepModel], out_dir: Path, workers: int | None, address: str | None,
-    gpus_per_worker: float | None, cpus_per_worker: int, max_retries: int, force: bool, progress: bool,
+    plan: WorkerPlan,
+    entries: list[SweepModel],
+    out_dir: Path,
+    workers: int | None,
+    address: str | None,
+    gpus_per_worker: float | None,
+    cpus_per_worker: int,
+    max_retries: int,
+    force: bool,
+    progress: bool,
 ) -> pd.DataFrame:
     import ray
 
@@ -621,24 +758,32 @@ def _sweep_on_ray(
         if gpus_per_worker is None:
             gpus_per_worker = 1.0 if resources_total.get("GPU", 0) >= 1 else 0.0
         if workers is None:
-            slots = (resources_total.get("GPU", 0) / gpus_per_worker if gpus_per_worker
-                     else resources_total.get("CPU", 1) / cpus_per_worker)
+            slots = (
+                resources_total.get("GPU", 0) / gpus_per_worker
+                if gpus_per_worker
+                else resources_total.get("CPU", 1) / cpus_per_worker
+            )
             workers = max(1, int(slots))
         # On CPU each actor's torch gets its own CPU slots; on a GPU torch's CPU threads matter little.
         plan.threads = cpus_per_worker if not gpus_per_worker else None
-        worker_class = ray.remote(SweepWorker).options(max_restarts=max_retries, max_task_retries=0,
-                                                       num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+        worker_class = ray.remote(SweepWorker).options(
+            max_restarts=max_retries, max_task_retries=0, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker
+        )
         # Every actor loads the full model at once; the first also computes Stage 1 (on a worker's device and
         # dtype, exactly as the others will score), which the others then receive from the object store.
-        actors = [worker_class.remote(plan, compute_stage=number == 0)
-                  for number in range(min(workers, len(entries)))]
+        actors = [
+            worker_class.remote(plan, compute_stage=number == 0)
+            for number in range(min(workers, len(entries)))
+        ]
         stage_ref = actors[0].stage.remote()
         try:
             shipped: ShippedStage = ray.get(stage_ref)
             labels = ray.get([actor.adopt.remote(stage_ref) for actor in actors])
         except ray.exceptions.RayError as error:
-            raise SweepError(f"The sweep's workers could not start (loading the full model {plan.full} or computing "
-                             f"Stage 1 with retain {plan.retain}): {error}") from error
+            raise SweepError(
+                f"The sweep's workers could not start (loading the full model {plan.full} or computing "
+                f"Stage 1 with retain {plan.retain}): {error}"
+            ) from error
         logger.info("sweep workers: %s", labels)
         ledger = _Ledger(out_dir, entries, shipped, plan.config.tau)
         _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
@@ -651,7 +796,12 @@ def _sweep_on_ray(
 
 
 def _dispatch(
-    actors: list[Any], stage_ref: Any, todo: list[SweepModel], max_retries: int, ledger: _Ledger, progress: bool,
+    actors: list[Any],
+    stage_ref: Any,
+    todo: list[SweepModel],
+    max_retries: int,
+    ledger: _Ledger,
+    progress: bool,
 ) -> None:
     """Hand models to idle actors until every model is scored, reused or failed.
 
@@ -667,10 +817,17 @@ def _dispatch(
     queue = deque(todo)
     idle = deque(range(len(actors)))
     attempts: Counter[str] = Counter()
-    pending: dict[Any, tuple[SweepModel | None, int]] = {}  # a score call (model, slot) or a recovery (None, slot)
+    pending: dict[
+        Any, tuple[SweepModel | None, int]
+    ] = {}  # a score call (model, slot) or a recovery (None, slot)
     total = len(ledger.entries)
-    with tqdm(total=total, initial=total - len(todo), desc=f"sweep ({len(actors)} Ray workers)", unit="model",
-              disable=not progress) as bar:
+    with tqdm(
+        total=total,
+        initial=total - len(todo),
+        desc=f"sweep ({len(actors)} Ray workers)",
+        unit="model",
+        disable=not progress,
+    ) as bar:
         while queue or pending:
             while queue and idle:
                 entry, slot = queue.popleft(), idle.popleft()
@@ -678,8 +835,15 @@ def _dispatch(
                 pending[actors[slot].score.remote(entry)] = (entry, slot)
             if not pending:
                 for entry in queue:
-                    ledger.record(ModelOutcome(entry.name, "failed", error="every sweep worker died; rerun the "
-                                               "sweep to retry (finished models are reused)"), attempts[entry.name])
+                    ledger.record(
+                        ModelOutcome(
+                            entry.name,
+                            "failed",
+                            error="every sweep worker died; rerun the "
+                            "sweep to retry (finished models are reused)",
+                        ),
+                        attempts[entry.name],
+                    )
                     bar.update()
                 break
             (ref,), _ = ray.wait(list(pending), num_returns=1)
@@ -696,12 +860,20 @@ def _dispatch(
             except RayActorError as error:
                 pending[actors[slot].adopt.options(max_task_retries=-1).remote(stage_ref)] = (None, slot)
                 if attempts[entry.name] <= max_retries:
-                    logger.warning("worker of %s died (attempt %d); retrying on another worker: %s", entry.name,
-                                   attempts[entry.name], error)
+                    logger.warning(
+                        "worker of %s died (attempt %d); retrying on another worker: %s",
+                        entry.name,
+                        attempts[entry.name],
+                        error,
+                    )
                     queue.appendleft(entry)
                     continue
-                outcome = ModelOutcome(entry.name, "failed", error=f"its worker died {attempts[entry.name]} times "
-                                       f"(killed or out of memory): {type(error).__name__}: {error}")
+                outcome = ModelOutcome(
+                    entry.name,
+                    "failed",
+                    error=f"its worker died {attempts[entry.name]} times "
+                    f"(killed or out of memory): {type(error).__name__}: {error}",
+                )
             except RayError as error:
                 idle.append(slot)
                 outcome = ModelOutcome(entry.name, "failed", error=f"{type(error).__name__}: {error}")
@@ -722,12 +894,28 @@ def add_published_comparison(table: pd.DataFrame) -> pd.DataFrame:
     if "published_uds" not in frame:
         frame["published_uds"] = math.nan
     frame["uds_minus_published"] = pd.to_numeric(frame["uds"], errors="coerce") - pd.to_numeric(
-        frame["published_uds"], errors="coerce")
+        frame["published_uds"], errors="coerce"
+    )
     return frame
 
 
 __all__ = [
-    "ANCHOR_METHODS", "COLUMNS", "REGISTRIES", "ModelOutcome", "ShippedStage", "SweepError", "SweepModel",
-    "SweepWorker", "WorkerPlan", "add_published_comparison", "load_registry", "ray_available", "read_model_list",
-    "fingerprint_columns", "registry_path", "resolve_models", "score_one", "sweep",
+    "ANCHOR_METHODS",
+    "COLUMNS",
+    "REGISTRIES",
+    "ModelOutcome",
+    "ShippedStage",
+    "SweepError",
+    "SweepModel",
+    "SweepWorker",
+    "WorkerPlan",
+    "add_published_comparison",
+    "load_registry",
+    "ray_available",
+    "read_model_list",
+    "fingerprint_columns",
+    "registry_path",
+    "resolve_models",
+    "score_one",
+    "sweep",
 ]

@@ -63,7 +63,9 @@ def apply_llama3_rope_scaling(cfg_dict: dict[str, Any], hf_config: Any) -> None:
         return
     cfg_dict.update(
         use_NTK_by_parts_rope=True,
-        NTK_original_ctx_len=scaling.get("original_max_position_embeddings", hf_config.max_position_embeddings),
+        NTK_original_ctx_len=scaling.get(
+            "original_max_position_embeddings", hf_config.max_position_embeddings
+        ),
         NTK_by_parts_low_freq_factor=scaling.get("low_freq_factor", 1.0),
         NTK_by_parts_high_freq_factor=scaling.get("high_freq_factor", 4.0),
         NTK_by_parts_factor=scaling.get("factor", 1.0),

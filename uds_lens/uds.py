@@ -2,107 +2,94 @@
 
 For every example ``i`` and layer ``l`` (one patch per layer, see ``patching.py``):
 
-* ``s_full``: the full model's mean entity-token log-prob (S0);
-* ``d1[l] = s_full - s_S1[l]``: the drop when the **retain** model's activations are patched in (Stage 1: where the
-  knowledge lives in the full model);
-* ``d2[l] = s_full - s_S2[l]``: the drop when the **unlearned** model's activations are patched in (Stage 2: how much
-  of it the unlearned model has erased);
+* ``baseline[l]``: the full model's mean entity-token log-prob, unpatched (S0; the fast engine recomputes it per
+  layer, equal to S0 up to float noise, so that a source identical to full gives deltas of exactly 0);
+* ``d1[l] = baseline[l] - s_S1[l]``: the drop when the **retain** model's activations are patched in (Stage 1: where
+  the knowledge lives in the full model);
+* ``d2[l] = baseline[l] - s_S2[l]``: the drop when the **unlearned** model's activations are patched in (Stage 2:
+  how much of it the unlearned model has erased);
 * ``ke_mask[l] = d1[l] > tau``: the knowledge-encoding (KE) layers (strict ``>``, ``tau = 0.05`` nats);
 * ``ler[l] = clip(d2[l] / d1[l], 0, 1)``: the layer erasure ratio;
 * ``UDS_i = sum_KE d1 * ler / sum_KE d1``, undefined (NaN) when no layer is KE; model UDS = mean of defined ``UDS_i``.
 
 0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it is as absent as in
-a model that never saw it. S1 depends only on (full, retain, data, settings): ``UDSAuditor`` computes it once,
-caches it on disk keyed by a fingerprint of all of those, and then scores any number of unlearned models.
-Without a retain model (retain-free mode) only ``d2`` exists; its summaries are unnormalised.
+a model that never saw it. Without a retain model (retain-free mode) only ``d2`` exists; its summaries are
+unnormalised.
+
+This module is the math only, and the only place it is written: NumPy in float64 on ``[example, layer]`` arrays
+(tiny next to the forward passes that produce them), so tables, reports and plots use it without importing torch.
+:func:`rescore` is its adapter for the long ``layers`` DataFrames (one row per example x layer) that results,
+analyses, components and plots pass around. Running the models is ``auditor.py``'s job.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import logging
-import math
-import numbers
-import os
-import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
-import torch
+import pandas as pd
 from jaxtyping import Bool, Float
-from torch import Tensor
-from tqdm.auto import tqdm
 
-from uds_lens import models
-from uds_lens.data import EncodedExample, Example, Skip, encode, fit_context, load_examples
-from uds_lens.patching import (
-    ENGINES,
-    SCOPES,
-    SITES,
-    CleanRun,
-    PatchBatch,
-    baseline_scores,
-    choose_batch_size,
-    clean_run,
-    pad_batch,
-    plan_batches,
-    source_activations,
-    source_scores,
-)
-from uds_lens.tl_compat import HookedTransformer
-
-logger = logging.getLogger(__name__)
-
-CACHE_FORMAT = 3
-DEFAULT_CACHE_DIR = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
+DEFAULT_TAU = 0.05
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The score
+def deltas(
+    baseline: Float[np.ndarray, "*shape"], patched: Float[np.ndarray, "*shape"]
+) -> Float[np.ndarray, "*shape"]:
+    """``baseline - patched``: positive when the patch destroyed entity log-prob."""
+    return np.asarray(baseline, dtype=float) - np.asarray(patched, dtype=float)
 
 
-def deltas(s_full: Float[Tensor, "example layer"], patched: Float[Tensor, "example layer"]) -> Float[Tensor, "example layer"]:
-    """``s_full - s_patched``: positive when the patch destroyed entity log-prob."""
-    return s_full - patched
+def ke_mask(d1: Float[np.ndarray, "*shape"], tau: float = DEFAULT_TAU) -> Bool[np.ndarray, "*shape"]:
+    """Knowledge-encoding layers: ``d1 > tau`` (strict; a NaN ``d1`` is never KE)."""
+    return np.asarray(d1, dtype=float) > tau
 
 
-def ke_mask(d1: Float[Tensor, "*shape"], tau: float) -> Bool[Tensor, "*shape"]:
-    """Knowledge-encoding layers: ``d1 > tau`` (strict)."""
-    return d1 > tau
-
-
-def layer_erasure_ratio(d1: Float[Tensor, "*shape"], d2: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
+def layer_erasure_ratio(
+    d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"]
+) -> Float[np.ndarray, "*shape"]:
     """``clip(d2 / d1, 0, 1)``; 0 where ``d1 == 0`` (such layers are never KE for ``tau >= 0``)."""
-    safe = torch.where(d1 == 0, torch.ones_like(d1), d1)
-    return torch.where(d1 == 0, torch.zeros_like(d1), (d2 / safe).clamp(0.0, 1.0))
+    d1 = np.asarray(d1, dtype=float)
+    d2 = np.asarray(d2, dtype=float)
+    return np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0.0, 1.0)
+
+
+def _ke_weighted(
+    d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"], tau: float
+) -> tuple[Bool[np.ndarray, "*shape"], Float[np.ndarray, "*shape"], Float[np.ndarray, "*shape"]]:
+    """The per-layer terms of UDS: KE mask, weight ``d1`` on KE layers (0 elsewhere), and ``weight * ler``."""
+    ke = ke_mask(d1, tau)
+    weight = np.where(ke, d1, 0.0)
+    return ke, weight, np.where(ke, weight * layer_erasure_ratio(d1, d2), 0.0)
+
+
+def _weighted_mean(n_ke: np.ndarray, weight_sum: np.ndarray, weighted_sum: np.ndarray) -> np.ndarray:
+    """``sum weight * ler / sum weight`` per example; NaN where no layer is KE."""
+    safe = np.where(n_ke > 0, weight_sum, 1.0)
+    return np.where(n_ke > 0, weighted_sum / np.where(safe == 0, 1.0, safe), np.nan)
 
 
 def example_uds(
-    d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"], tau: float = 0.05
-) -> Float[Tensor, " example"]:
-    """Per-example UDS: the d1-weighted mean of the layer erasure ratio over KE layers; NaN with no KE layer."""
-    ke = ke_mask(d1, tau)
-    weights = torch.where(ke, d1, torch.zeros_like(d1))
-    numerator = (weights * layer_erasure_ratio(d1, d2)).sum(-1)
-    denominator = weights.sum(-1)
-    return torch.where(ke.any(-1), numerator / torch.where(ke.any(-1), denominator, torch.ones_like(denominator)),
-                       torch.full_like(denominator, float("nan")))
+    d1: Float[np.ndarray, "example layer"], d2: Float[np.ndarray, "example layer"], tau: float = DEFAULT_TAU
+) -> Float[np.ndarray, " example"]:
+    """Per-example UDS: the d1-weighted mean of the layer erasure ratio over KE layers; NaN with no KE layer.
+
+    Accepts anything ``np.asarray`` takes (a CPU torch tensor too) and returns float64.
+    """
+    ke, weight, weighted = _ke_weighted(d1, d2, tau)
+    return _weighted_mean(ke.sum(-1), weight.sum(-1), weighted.sum(-1))
 
 
-def model_uds(per_example: Float[Tensor, " example"]) -> float:
+def model_uds(per_example: Float[np.ndarray, " example"]) -> float:
     """Plain mean over examples with a defined UDS (NaN if none is defined)."""
-    defined = per_example[~torch.isnan(per_example)]
-    return float(defined.mean()) if defined.numel() else float("nan")
+    values = np.asarray(per_example, dtype=float)
+    defined = values[~np.isnan(values)]
+    return float(defined.mean()) if defined.size else float("nan")
 
 
-def bootstrap_ci(values: Sequence[float] | np.ndarray, n_boot: int = 2000, level: float = 0.95,
-                 seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float] | np.ndarray, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap CI of the mean over the defined (non-NaN) values.
 
     The values are sorted first, so the interval depends on the set of per-example scores and the seed, not on the
@@ -120,902 +107,34 @@ def bootstrap_ci(values: Sequence[float] | np.ndarray, n_boot: int = 2000, level
     return (float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
+def rescore(
+    layers: pd.DataFrame, tau: float = DEFAULT_TAU, by: Sequence[str] = ("idx",)
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """UDS on a long ``layers`` table (columns ``d1``, ``d2`` and the ``by`` keys, one row per example x layer).
 
-
-class ConfigError(ValueError):
-    """An audit setting is out of range; the message names the option and what it accepts."""
-
-
-@dataclass(frozen=True)
-class UDSConfig:
-    """Settings of a UDS audit (defaults from the paper).
-
-    Attributes:
-        tau: KE threshold on ``d1`` in nats (strict ``>``). Applied after the S1 cache: changing it recomputes nothing.
-        patch_scope: ``span`` (patch the positions that predict the entity tokens) or ``boundary`` (only the last
-            prompt token).
-        site: hook site patched in every block: ``resid_post`` (default), ``resid_mid``, ``attn_out``,
-            ``mlp_out`` or ``resid_pre``.
-        layers: layers to patch (None = all).
-        published_compat: reproduce the published implementation (trailing space kept in the prompt, the source's
-            final-norm output patched at the last layer, log-softmax in the model dtype).
-        batch_size: examples per batch; None chooses from a memory budget.
-        dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
-        engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
+    Returns ``(layers, per_example)``: the table with ``ke`` and ``ler`` (re)computed for ``tau`` (``ler`` is NaN
+    outside KE layers, where ``d2 / d1`` is a ratio of noise, not of knowledge), and one row per ``by`` group (first
+    appearance order) with ``n_ke`` and ``uds``. Pass ``by=("site", "idx")`` for a table holding several sites, or
+    another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and a NaN ``uds``.
     """
-
-    tau: float = 0.05
-    patch_scope: str = "span"
-    site: str = "resid_post"
-    layers: tuple[int, ...] | None = None
-    published_compat: bool = False
-    batch_size: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    engine: str = "fast"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.tau, bool) or not isinstance(self.tau, numbers.Real) or not math.isfinite(self.tau) \
-                or self.tau < 0:
-            raise ConfigError(f"tau (--tau) must be a finite number of nats >= 0, got {self.tau!r}; the paper uses "
-                              "0.05 (a negative threshold makes layers where retain is *more* confident KE).")
-        for option, value, allowed in (("patch_scope (--scope)", self.patch_scope, SCOPES),
-                                       ("site (--site)", self.site, SITES), ("engine (--engine)", self.engine, ENGINES)):
-            if value not in allowed:
-                raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
-        batch_size = self.batch_size
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                                       or batch_size < 1):
-            raise ConfigError(f"batch_size (--batch-size) must be a positive integer (or None to choose from memory), "
-                              f"got {self.batch_size!r}.")
-        if not isinstance(self.published_compat, bool):
-            raise ConfigError(f"published_compat must be True or False, got {self.published_compat!r}.")
-        if self.layers is not None:
-            layers = list(self.layers) if isinstance(self.layers, (list, tuple, range)) else None
-            if not layers or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in layers) \
-                    or len(set(layers)) != len(layers):
-                raise ConfigError(f"layers must be a non-empty sequence of distinct layer numbers >= 0 (or None for "
-                                  f"all), got {self.layers!r}.")
-            object.__setattr__(self, "layers", tuple(int(layer) for layer in layers))
-        if self.batch_size is not None:
-            object.__setattr__(self, "batch_size", int(self.batch_size))
-        object.__setattr__(self, "tau", float(self.tau))
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            try:
-                models.resolve_dtype(self.dtype, "cpu")
-            except ValueError as err:
-                raise ConfigError(f"dtype (--dtype): {err}") from None
-        if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise ConfigError(f"device (--device) must be a torch device such as cpu, cuda or cuda:1, got "
-                                  f"{self.device!r}.") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["layers"] = list(self.layers) if self.layers is not None else None
-        return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage results and the S1 cache
-
-
-@dataclass
-class StageOne:
-    """Everything that depends only on (full, retain, data, settings), per scored example, in encoded order."""
-
-    idx: list[int]
-    s_full: Float[Tensor, " example"]
-    baseline: Float[Tensor, "example layer"]
-    s1: Float[Tensor, "example layer"] | None
-    seconds: float = 0.0
-    cached: bool = False
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
-
-
-def layout_digest(encoded: Sequence[EncodedExample]) -> str:
-    return _digest([[e.idx, list(e.input_ids), e.prompt_len, e.entity_start, e.entity_end] for e in encoded])
-
-
-class S1Cache:
-    """S1 on disk: one safetensors file per fingerprint; stale entries are never read, corrupt ones are rebuilt.
-
-    The tensors (``s_full``, ``baseline``, ``s1``) are stored with safetensors and everything else (format, the full
-    fingerprint payload, example indices) as JSON in the file's header, so reading a cache file can never run code,
-    whoever wrote it (the default directory is shared by every audit of the user). A file that does not parse, whose
-    payload differs, whose shapes do not fit or that holds a non-finite value is deleted with a warning and S1 is
-    recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
-    """
-
-    def __init__(self, directory: str | os.PathLike | None) -> None:
-        self.directory = Path(directory).expanduser() if directory is not None else DEFAULT_CACHE_DIR
-
-    def path(self, key: str) -> Path:
-        return self.directory / f"s1_{key[:32]}.safetensors"
-
-    def load(self, key: str, payload: dict[str, Any]) -> StageOne | None:
-        from safetensors import safe_open
-
-        path = self.path(key)
-        legacy = path.with_suffix(".pt")
-        if legacy.is_file():
-            warnings.warn(f"S1 cache {legacy} is in the old pickle format, which could run code when read: it is not "
-                          "read but deleted, and S1 is recomputed.", stacklevel=2)
-            legacy.unlink(missing_ok=True)
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                header = json.loads((handle.metadata() or {})["uds_lens"])
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-            if header.get("format") != CACHE_FORMAT or header.get("payload") != json.loads(json.dumps(payload, default=str)):
-                raise ValueError("fingerprint payload does not match")
-            idx = [int(i) for i in header["idx"]]
-            s_full, baseline, s1 = tensors["s_full"], tensors["baseline"], tensors.get("s1")
-            n_layers = len(payload["layers"])
-            if s_full.shape != (len(idx),) or baseline.shape != (len(idx), n_layers) or (
-                    s1 is not None and s1.shape != baseline.shape):
-                raise ValueError("tensor shapes do not fit the examples and layers")
-            if not all(bool(torch.isfinite(t).all()) for t in (s_full, baseline, s1) if t is not None):
-                raise ValueError("it holds non-finite scores")
-            return StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, cached=True)
-        except Exception as err:  # any unreadable or inconsistent file is rebuilt
-            warnings.warn(f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2)
-            path.unlink(missing_ok=True)
-            return None
-
-    def save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
-        from safetensors.torch import save_file
-
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(key)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tensors = {"s_full": stage.s_full, "baseline": stage.baseline}
-        if stage.s1 is not None:
-            tensors["s1"] = stage.s1
-        header = {"format": CACHE_FORMAT, "payload": payload, "idx": [int(i) for i in stage.idx]}
-        save_file({name: t.detach().float().cpu().contiguous() for name, t in tensors.items()}, str(tmp),
-                  metadata={"uds_lens": json.dumps(header, default=str)})
-        os.replace(tmp, path)
-        return path
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The auditor
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for package in ("uds_lens", "torch", "transformer-lens", "transformers"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = "unknown"
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Fingerprints: what a result depends on
-
-
-RESULT_FINGERPRINT_FORMAT = 1
-# Files of a checkpoint directory that can change its numbers: weights, config, tokenizer.
-_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt")
-_FILE_DIGESTS: dict[tuple[Any, ...], str] = {}
-
-
-def _checkpoint_digest(path: Path) -> str:
-    """SHA-256 of a checkpoint's files (names and contents); memoised per (path, sizes, modification times), so a
-    sweep hashes full and retain once and a checkpoint rewritten in place is hashed again."""
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES)
-    stamp = (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if stamp not in _FILE_DIGESTS:
-        digest = hashlib.sha256()
-        for file in files:
-            digest.update(file.name.encode() + b"\0")
-            with file.open("rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(chunk)
-        _FILE_DIGESTS[stamp] = digest.hexdigest()[:32]
-    return _FILE_DIGESTS[stamp]
-
-
-def _hub_revision(model_id: str) -> str | None:
-    """The commit a hub id resolves to in the local Hugging Face cache (offline; None when not cached)."""
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE
-    except ImportError:  # pragma: no cover - a transformers dependency
-        return None
-    ref = Path(HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / "main"
-    return ref.read_text().strip() if ref.is_file() else None
-
-
-def source_fingerprint(source: Any) -> str | None:
-    """Identity of a model's weights, never of its path.
-
-    A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
-    tokenizer files, an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
-    and the cached commit it resolves to. None stands for "no model" (retain-free mode).
-    """
-    if source is None:
-        return None
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source).expanduser()
-        if path.exists():
-            return "files:" + _checkpoint_digest(path)
-        return f"hub:{source}@{_hub_revision(str(source)) or 'unresolved'}"
-    return "tensors:" + models.model_fingerprint(source)
-
-
-def examples_fingerprint(examples: Sequence[Example]) -> str:
-    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
-    return _digest([example.to_record() for example in examples])[:32]
-
-
-def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
-    """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it) and device; plus the dtype the full model runs in."""
-    settings = config.to_dict()
-    for volatile in ("tau", "batch_size", "device"):
-        settings.pop(volatile)
-    if isinstance(full, HookedTransformer):
-        settings["dtype"] = str(full.cfg.dtype)
-    else:
-        settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
-    return settings
-
-
-def result_fingerprint(
-    full: Any,
-    retain: Any,
-    unlearned: Any,
-    data: Any,
-    config: UDSConfig | None = None,
-    limit: int | None = None,
-    tokenizer: Any = None,
-) -> dict[str, Any]:
-    """Everything a saved UDS result depends on, as a JSON-ready dict; two runs with equal fingerprints give the
-    same tables, so a saved result may be reused only when its fingerprint equals the new one
-    (``results.load_reusable``).
-
-    Keys: ``format``, ``full``, ``retain``, ``unlearned`` (:func:`source_fingerprint`: file contents or tensor
-    digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`).
-    Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
-    ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs.
-    """
-    config = config or UDSConfig()
-    return {
-        "format": RESULT_FINGERPRINT_FORMAT,
-        "full": source_fingerprint(full),
-        "retain": source_fingerprint(retain),
-        "unlearned": source_fingerprint(unlearned),
-        "data": examples_fingerprint(load_examples(data, limit=limit)),
-        "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
-        "settings": settings_fingerprint(config, full),
-    }
-
-
-def model_name(source: Any) -> str:
-    """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
-    described = models.describe(source)
-    if described.startswith(models.ZOO_PREFIX):
-        return described[len(models.ZOO_PREFIX):].rsplit("/", 1)[-1]
-    path = Path(described).expanduser()
-    if path.is_dir():
-        return path.resolve().name
-    return described.replace("/", "__")
-
-
-class UDSAuditor:
-    """Score any number of unlearned models against one (full, retain, forget set) with S1 computed once.
-
-    Example:
-        >>> auditor = UDSAuditor("ckpt/full", "ckpt/retain", "forget.json")
-        >>> result = auditor.score("ckpt/npo")
-        >>> result.uds, result.examples.head(), result.layers.head()
-
-    Args:
-        full: the patch target and baseline: a local checkpoint dir, hub id, or a loaded HookedTransformer.
-        retain: the Stage-1 source (same forms), or None for retain-free mode.
-        data: forget-set path / hub id / records / Examples.
-        config: ``UDSConfig``.
-        tokenizer: defaults to the full model's tokenizer (from its directory).
-        cache_dir: S1 cache directory (default ``~/.cache/uds_lens``, or ``$UDS_LENS_CACHE``); ``False`` disables it.
-        progress: tqdm progress bars over example batches.
-        limit: score only the first ``limit`` examples.
-
-    Attributes:
-        full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
-        tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
-        config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
-        examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
-            (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
-            ``Skip``s with their reasons.
-        stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
-        sources / last_source: models kept by :meth:`load_source` (by path) and the model the last
-            :meth:`score` loaded.
-        component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
-
-    For hooks of your own: :meth:`example` (one example's tensors), :meth:`tokens`, :meth:`metric` (a
-    tensor-valued patching metric), :meth:`run_with_cache` (the clean run's activations); for finer patching:
-    :meth:`patch_heads`, :meth:`patch_tokens`, :meth:`patch_positions` (``uds_lens.components``).
-    """
-
-    def __init__(
-        self,
-        full: Any,
-        retain: Any,
-        data: Any,
-        config: UDSConfig | None = None,
-        tokenizer: Any = None,
-        cache_dir: str | os.PathLike | bool | None = None,
-        progress: bool = True,
-        limit: int | None = None,
-    ) -> None:
-        self.config = config or UDSConfig()
-        self.progress = progress
-        self._inputs = {"full": full, "retain": retain, "tokenizer_given": tokenizer is not None}
-        self._base_fingerprint: dict[str, Any] | None = None
-        self.device = self.config.device or models.default_device()
-        self.full = self._load(full, "full")
-        self.full_name = models.describe(full)
-        if tokenizer is None:
-            source = full if isinstance(full, (str, os.PathLike)) else getattr(self.full, "uds_source", None)
-            if source is None:
-                raise ValueError("Pass tokenizer=... when the full model is given as an in-memory model.")
-            tokenizer = models.load_tokenizer(source)
-        self.tokenizer = tokenizer
-        if tokenizer.vocab_size > self.full.cfg.d_vocab:
-            raise models.ModelMismatchError(
-                f"The tokenizer has {tokenizer.vocab_size} tokens but the full model's vocabulary is "
-                f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
-            )
-        self.retain = self._load(retain, "retain") if retain is not None else None
-        self.retain_name = models.describe(retain) if retain is not None else None
-        if self.retain is not None:
-            models.check_compatible(self.full, self.retain, "full", "retain")
-        self.examples: list[Example] = load_examples(data, limit=limit)
-        self.data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
-        self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
-        # An example longer than a model's context would crash the whole run: cut it after its last read position,
-        # or skip it with a counted reason.
-        n_ctx = min(model.cfg.n_ctx for model in (self.full, self.retain) if isinstance(model, HookedTransformer))
-        self.encoded, too_long = fit_context(self.encoded, n_ctx)
-        self.skipped = self.skipped + too_long
-        n_layers = self.full.cfg.n_layers
-        self.layers = list(self.config.layers) if self.config.layers is not None else list(range(n_layers))
-        bad = [layer for layer in self.layers if not 0 <= layer < n_layers]
-        if bad:
-            raise ConfigError(f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1}).")
-        self.cache = None if cache_dir is False else S1Cache(cache_dir if cache_dir is not True else None)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._batches = self._make_batches()
-        self._clean: dict[int, CleanRun] = {}
-        self._stage1: StageOne | None = None
-        self.sources: dict[str, Any] = {}
-        self.component_cache: dict[tuple, Any] = {}
-
-    # -- loading -----------------------------------------------------------------------------------------------
-
-    def load(self, model: Any, role: str = "unlearned") -> Any:
-        """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
-        HookedTransformer or Hugging Face model is returned as is."""
-        return self._load(model, role)
-
-    def load_source(self, model: Any, role: str = "unlearned") -> Any:
-        """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
-
-        Args:
-            model: a checkpoint directory, hub id, zoo name (``"zoo:npo"``), or an already loaded model (returned
-                as is).
-            role: how error messages name it.
-
-        Returns:
-            The HookedTransformer (also in ``auditor.sources[path]``).
-        """
-        if not isinstance(model, (str, os.PathLike)):
-            return self._load(model, role)
-        key = str(model)
-        if key not in self.sources:
-            self.sources[key] = self._load(model, role)
-        return self.sources[key]
-
-    def _load(self, model: Any, role: str) -> Any:
-        if isinstance(model, (str, os.PathLike)):
-            if str(model) in getattr(self, "sources", {}):
-                return self.sources[str(model)]
-            return models.load_model(model, dtype=self.config.dtype, device=self.device)
-        if isinstance(model, HookedTransformer) or hasattr(model, "config"):
-            return model
-        raise TypeError(f"{role} must be a checkpoint path, hub id, HookedTransformer or Hugging Face model.")
-
-    @property
-    def upcast(self) -> bool:
-        return not self.config.published_compat
-
-    @property
-    def log_softmax_dtype(self) -> str:
-        """The dtype entity log-probs are computed in: fp32 by default (SPEC §1.2.6), the model's own dtype in
-        published-compat mode (as the published code does); recorded in every result's metadata."""
-        return "float32" if self.upcast else str(self.full.cfg.dtype).replace("torch.", "")
-
-    # -- batching ----------------------------------------------------------------------------------------------
-
-    def _make_batches(self) -> list[list[int]]:
-        """Example indices per batch, similar lengths together (less padding); deterministic."""
-        if not self.encoded:
-            return []
-        size = self.config.batch_size or choose_batch_size(
-            self.full, self.encoded, self.config.patch_scope, self.config.engine)
-        return plan_batches(self.encoded, self.config.patch_scope, size)
-
-    def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
-        """``work(number, members)`` for every example batch; an out-of-memory error halves that batch and retries.
-
-        The halves replace the batch in the plan, so later stages and models start from the size that fitted. The
-        clean runs are keyed by batch number, which the split shifts, so they are dropped and recomputed. On a CPU
-        with overcommit the kernel may kill the process instead of raising: there the memory-budgeted batch size
-        (``choose_batch_size``) is the protection.
-        """
-        number = 0
-        with tqdm(total=len(self.encoded), desc=desc, unit="example", disable=not self.progress) as bar:
-            while number < len(self._batches):
-                members = self._batches[number]
-                try:
-                    work(number, members)
-                except Exception as err:
-                    if not is_out_of_memory(err) or len(members) == 1:
-                        raise
-                    error_name = type(err).__name__
-                else:
-                    bar.update(len(members))
-                    number += 1
-                    continue
-                # Outside the except block: the failed attempt's frames (and their tensors) are released by now.
-                half = len(members) // 2
-                logger.warning("Out of memory on a batch of %d examples (%s); retrying as %d + %d.",
-                               len(members), error_name, half, len(members) - half)
-                self._batches[number:number + 1] = [members[:half], members[half:]]
-                self._clean.clear()
-                release_memory(self.full.cfg.device)
-
-    def _batch(self, members: list[int]) -> PatchBatch:
-        return pad_batch([self.encoded[i] for i in members], self.pad_id, self.config.patch_scope,
-                         cut=self.config.engine == "fast").to(self.full.cfg.device)
-
-    def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
-        if number not in self._clean:
-            self._clean[number] = clean_run(self.full, batch, self.config.site,
-                                            keep_kv=self.config.engine == "fast", upcast=self.upcast)
-        return self._clean[number]
-
-    def _source_scores(self, source: Any, batch: PatchBatch, number: int) -> Tensor:
-        return source_scores(self.full, source, batch, self.config.site, self.layers, self.config.engine,
-                             self._clean_run(number, batch), self.upcast, self.config.published_compat)
-
-    # -- Stage 1 -----------------------------------------------------------------------------------------------
-
-    def fingerprint(self, unlearned: Any) -> dict[str, Any]:
-        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once)."""
-        if self._base_fingerprint is None:
-            self._base_fingerprint = {
-                "format": RESULT_FINGERPRINT_FORMAT,
-                "full": source_fingerprint(self._inputs["full"]),
-                "retain": source_fingerprint(self._inputs["retain"]),
-                "data": examples_fingerprint(self.examples),
-                "tokenizer": tokenizer_digest(self.tokenizer) if self._inputs["tokenizer_given"] else "from full",
-                "settings": settings_fingerprint(self.config, self.full),
-            }
-        return {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
-
-    def fingerprint_payload(self) -> dict[str, Any]:
-        settings = self.config.to_dict()
-        for volatile in ("tau", "batch_size", "device"):
-            settings.pop(volatile)
-        return {
-            "full": models.model_fingerprint(self.full),
-            "retain": models.model_fingerprint(self.retain) if self.retain is not None else None,
-            "tokenizer": tokenizer_digest(self.tokenizer),
-            "layout": layout_digest(self.encoded),
-            "layers": self.layers,
-            "settings": settings,
-            "dtype": str(self.full.cfg.dtype),
-        }
-
-    @property
-    def stage1(self) -> StageOne:
-        """S0, each engine's per-layer baseline and S1 (retain patched in), from the cache when possible."""
-        if self._stage1 is None:
-            self._stage1 = self._compute_stage1()
-        return self._stage1
-
-    def _compute_stage1(self) -> StageOne:
-        payload = key = None
-        if self.cache is not None:
-            payload = self.fingerprint_payload()
-            key = _digest(payload)
-            cached = self.cache.load(key, payload)
-            if cached is not None and cached.idx == [e.idx for e in self.encoded]:
-                logger.info("S1 cache hit: %s", self.cache.path(key))
-                return cached
-        started = time.perf_counter()
-        n, n_layers = len(self.encoded), len(self.layers)
-        s_full = torch.full((n,), float("nan"))
-        baseline = torch.full((n, n_layers), float("nan"))
-        s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
-
-        def stage_one_batch(number: int, members: list[int]) -> None:
-            batch = self._batch(members)
-            clean = self._clean_run(number, batch)
-            s_full[members] = clean.scores.float().cpu()
-            self._require_finite(s_full[members], members, self.full, "full", self.full_name, "clean score (S0)")
-            baseline[members] = baseline_scores(self.full, batch, clean, self.config.site, self.layers,
-                                                self.config.engine, self.upcast).float().cpu()
-            self._require_finite(baseline[members], members, self.full, "full", self.full_name,
-                                 "baseline score")
-            if s1 is not None:
-                s1[members] = self._source_scores(self.retain, batch, number).float().cpu()
-                self._require_finite(s1[members], members, self.retain, "retain", self.retain_name,
-                                     "patched score (S1)")
-
-        self._each_batch("S1 (retain -> full)", stage_one_batch)
-        stage = StageOne(idx=[e.idx for e in self.encoded], s_full=s_full, baseline=baseline, s1=s1,
-                         seconds=time.perf_counter() - started)
-        if self.cache is not None and key is not None and payload is not None:
-            self.cache.save(key, payload, stage)
-        return stage
-
-    @property
-    def batches(self) -> list[list[int]]:
-        """The example batches (indices into ``encoded``) every stage runs in; a sweep ships them to its workers so
-        that each worker pads and batches exactly like the auditor that computed Stage 1."""
-        return [list(members) for members in self._batches]
-
-    def use_stage1(self, stage: StageOne, batches: Sequence[Sequence[int]],
-                   inputs_fingerprint: dict[str, Any] | None = None) -> None:
-        """Adopt a Stage 1 computed by another auditor on the same (full, retain, data, settings) instead of
-        computing it here: a sweep computes S1 once and ships it, with its batches, to every worker.
-
-        Args:
-            stage: the other auditor's ``stage1``.
-            batches: the other auditor's ``batches`` (so padding and batching, hence every number, are the same).
-            inputs_fingerprint: the other auditor's ``fingerprint(None)``; the results of this auditor then record
-                the retain model Stage 1 came from, although this auditor never loaded it.
-
-        Raises:
-            ValueError: the stage or the batches do not cover this auditor's encoded examples.
-        """
-        if stage.idx != [e.idx for e in self.encoded]:
-            raise ValueError("The Stage 1 handed over was computed on other examples than this auditor's encoded "
-                             "forget set; compute it with the same data, tokenizer and settings.")
-        if sorted(i for members in batches for i in members) != list(range(len(self.encoded))):
-            raise ValueError("The batches handed over do not cover every encoded example exactly once.")
-        self._batches = [list(members) for members in batches]
-        self._clean = {}
-        self._stage1 = stage
-        if inputs_fingerprint is not None:
-            self._base_fingerprint = {key: value for key, value in inputs_fingerprint.items() if key != "unlearned"}
-
-    def _require_finite(self, values: Tensor, members: Sequence[int], model: Any, role: str, label: str | None,
-                        what: str) -> None:
-        """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
-        bad = ~torch.isfinite(values)
-        if not bad.any():
-            return
-        rows = bad.reshape(len(members), -1).any(-1)
-        first_row = int(torch.nonzero(rows)[0, 0])
-        idx = [self.encoded[members[row]].idx for row in torch.nonzero(rows)[:, 0].tolist()]
-        columns = torch.nonzero(bad.reshape(len(members), -1).any(0))[:, 0].tolist()
-        score_layer = self.layers[columns[0]] if values.dim() == 2 else None
-        raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
-
-    def d1(self) -> Float[Tensor, "example layer"] | None:
-        stage = self.stage1
-        return None if stage.s1 is None else deltas(stage.baseline, stage.s1)
-
-    # -- Stage 2 -----------------------------------------------------------------------------------------------
-
-    def score(self, unlearned: Any, name: str | None = None) -> Any:
-        """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
-        from uds_lens.results import UDSResult
-
-        source_label = models.describe(unlearned)
-        source = self._load(unlearned, "unlearned")
-        self.last_source = source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
-        models.check_compatible(self.full, source, "full", source_label)
-        stage = self.stage1
-        started = time.perf_counter()
-        s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
-
-        def stage_two_batch(number: int, members: list[int]) -> None:
-            s2[members] = self._source_scores(source, self._batch(members), number).float().cpu()
-            self._require_finite(s2[members], members, source, "unlearned", source_label, "patched score (S2)")
-
-        self._each_batch(f"S2 ({model_name(unlearned)} -> full)", stage_two_batch)
-        s2_seconds = time.perf_counter() - started
-        timings = {"s1_seconds": stage.seconds, "s2_seconds": s2_seconds, "s1_cached": stage.cached,
-                   "n_examples": len(self.examples),
-                   "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded))}
-        return UDSResult.from_stages(
-            name=name or model_name(unlearned),
-            encoded=self.encoded,
-            skipped=self.skipped,
-            layers=self.layers,
-            s_full=stage.s_full,
-            baseline=stage.baseline,
-            s1=stage.s1,
-            s2=s2,
-            config=self.config,
-            meta={
-                "full": self.full_name, "retain": self.retain_name, "unlearned": source_label, "data": self.data_name,
-                "versions": _versions(), "device": str(self.full.cfg.device), "dtype": str(self.full.cfg.dtype),
-                "log_softmax_dtype": self.log_softmax_dtype, "engine": self.config.engine, "timings": timings,
-                "fingerprint": self.fingerprint(unlearned),
-                "prompt_types": {e.idx: e.prompt_type for e in self.examples},
-                "texts": {e.idx: {"question": e.question, "entity": e.entity} for e in self.examples},
-            },
-        )
-
-    # -- hooks of your own ------------------------------------------------------------------------------------
-
-    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
-        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
-        if idxs is None:
-            return list(self.encoded)
-        by_idx = {e.idx: e for e in self.encoded}
-        skipped = {s.idx: s.reason for s in self.skipped}
-        out = []
-        for idx in idxs:
-            if idx in by_idx:
-                out.append(by_idx[idx])
-            elif idx in skipped:
-                raise KeyError(f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch.")
-            else:
-                raise KeyError(f"No example with idx {idx} in {self.data_name}; scored idx are "
-                               f"{[e.idx for e in self.encoded][:20]}...")
-        return out
-
-    def example(self, idx: int) -> Any:
-        """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
-
-        ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
-        through ``to_tokens``), ``read_positions``/``labels`` are where the entity tokens are predicted and which
-        they are, ``patch_positions`` what UDS patches under this auditor's scope.
-        """
-        from uds_lens.components import ExampleInputs
-        from uds_lens.data import build_prompt
-
-        encoded = self.select([idx])[0]
-        record = next(e for e in self.examples if e.idx == idx)
-        prompt, reference = build_prompt(record, self.config.published_compat) or ("", "")
-        device = self.full.cfg.device
-        return ExampleInputs(
-            idx=idx, question=record.question, entity=record.entity, prompt=prompt, reference=reference,
-            tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[self.tokenizer.decode([token]) for token in encoded.input_ids],
-            read_positions=torch.tensor(list(encoded.read_positions), device=device),
-            labels=torch.tensor(encoded.labels, device=device),
-            patch_positions=torch.tensor(list(encoded.patch_positions(self.config.patch_scope)), device=device),
-        )
-
-    def tokens(self, idxs: int | Sequence[int]) -> Tensor:
-        """``[batch, pos]`` right-padded tokens of these examples (the layout :meth:`metric` reads)."""
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(self.full.cfg.device)
-
-    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Any:
-        """A tensor-valued patching metric for logits of :meth:`tokens` ``(idxs)``: the mean entity log-prob.
-
-        Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
-        ``get_act_patch_*`` (they call ``.item()`` on it, so it must return a tensor, never a float).
-
-        Example:
-            >>> ex, metric = auditor.example(3), auditor.metric(3)
-            >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
-        """
-        from uds_lens.components import entity_metric
-
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        batch = pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False)
-        return entity_metric(batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example,
-                             upcast=self.upcast)
-
-    def run_with_cache(self, idxs: int | Sequence[int], model: Any = None, names_filter: Any = None) -> Any:
-        """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full if model is None else self.load_source(model)
-        with torch.no_grad():
-            return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
-
-    def patch_heads(self, unlearned: Any, **kwargs: Any) -> Any:
-        """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
-        from uds_lens.components import patch_heads
-
-        return patch_heads(self, unlearned, **kwargs)
-
-    def patch_tokens(self, unlearned: Any, **kwargs: Any) -> Any:
-        """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
-        from uds_lens.components import patch_tokens
-
-        return patch_tokens(self, unlearned, **kwargs)
-
-    def patch_positions(self, unlearned: Any, **kwargs: Any) -> Any:
-        """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
-        from uds_lens.components import patch_positions
-
-        return patch_positions(self, unlearned, **kwargs)
-
-    def score_many(self, unlearned: dict[str, Any] | Sequence[Any]) -> dict[str, Any]:
-        """Score several models; S1 and the clean runs are shared. Returns ``{name: UDSResult}``."""
-        items = unlearned.items() if isinstance(unlearned, dict) else ((model_name(u), u) for u in unlearned)
-        return {name: self.score(model, name=name) for name, model in items}
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """An allocation failure: CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"."""
-    if isinstance(err, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text)
-
-
-def release_memory(device: str | torch.device) -> None:
-    """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
-    import gc
-
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-class NonFiniteScoreError(FloatingPointError):
-    """A model produced NaN/inf scores: the message names the model, the examples, the first layer and the fix."""
-
-
-def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
-    """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
-    n_layers = model.cfg.n_layers if isinstance(model, HookedTransformer) else model.config.num_hidden_layers
-    acts = source_activations(model, torch.tensor([list(example.input_ids)]), "resid_post", range(n_layers))
-    bad = [layer for layer in range(n_layers) if not bool(torch.isfinite(acts[layer]).all())]
-    return bad[0] if bad else None
-
-
-def _first_nonfinite_parameter(model: Any) -> str | None:
-    # parameters only: buffers such as TransformerLens's attention IGNORE value are -inf on purpose
-    for name, tensor in model.named_parameters():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
-
-
-def nonfinite_error(model: Any, role: str, label: str | None, what: str, idx: Sequence[int],
-                    example: EncodedExample, score_layer: int | None) -> NonFiniteScoreError:
-    """The error for non-finite scores of one stage: which model, which examples, the first layer where the
-    activations (or, failing that, the scores) stop being finite, and advice that fits the cause: broken weights,
-    an overflow in a 16-bit dtype, or activations that blow up in float32 with finite weights."""
-    layer = _first_nonfinite_layer(model, example)
-    where = (f"first at layer {layer} (blocks.{layer}.hook_resid_post)" if layer is not None
-             else f"first in the scores of layer {score_layer}" if score_layer is not None else "")
-    parameter = _first_nonfinite_parameter(model)
-    dtype = model.cfg.dtype if isinstance(model, HookedTransformer) else next(model.parameters()).dtype
-    if parameter is not None:
-        advice = (f"its weights are already non-finite ({parameter}): the checkpoint is broken (a diverged training "
-                  "run or a bad conversion); re-export or retrain it")
-    elif dtype in (torch.float16, torch.bfloat16):
-        advice = (f"its weights are finite, so the activations overflow in {str(dtype).replace('torch.', '')}: run "
-                  "in float32 (--dtype float32, or UDSConfig(dtype='float32'))")
-    else:
-        advice = (f"its weights are finite and it already runs in {str(dtype).replace('torch.', '')}, so its "
-                  "activations blow up on these inputs: check how the checkpoint was trained (a diverged run gives "
-                  "such weights)")
-    return NonFiniteScoreError(
-        f"The {role} model ({label or type(model).__name__}) gives a non-finite {what} for example idx "
-        f"{list(idx)[:10]}{', ' + where if where else ''}: {advice}. Nothing was cached or saved."
+    keys = list(by)
+    d1 = layers["d1"].to_numpy(dtype=float)
+    d2 = layers["d2"].to_numpy(dtype=float)
+    ke, weight, weighted = _ke_weighted(d1, d2, tau)
+    scored = layers.assign(ke=ke, ler=np.where(ke, layer_erasure_ratio(d1, d2), np.nan))
+    sums = (
+        scored[keys]
+        .assign(n_ke=ke.astype(int), weight=weight, weighted=weighted)
+        .groupby(keys, sort=False)
+        .sum()
     )
-
-
-__all__ = [
-    "ConfigError", "DEFAULT_CACHE_DIR", "NonFiniteScoreError", "S1Cache", "StageOne", "UDSAuditor", "UDSConfig", "bootstrap_ci", "deltas", "example_uds",
-    "examples_fingerprint", "ke_mask", "layer_erasure_ratio", "model_name", "model_uds", "result_fingerprint",
-    "result_names", "score_models", "settings_fingerprint", "source_fingerprint", "Skip",
-]
-
-
-def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
-    """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
-    directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
-    ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
-    basenames = [model_name(model) for model in unlearned]
-    names = list(basenames)
-    for position, model in enumerate(unlearned):
-        if basenames.count(basenames[position]) == 1 or not isinstance(model, (str, os.PathLike)):
-            continue
-        parts = Path(model).expanduser().resolve().parts
-        clashing = [Path(other).expanduser().resolve().parts for other, name in zip(unlearned, basenames)
-                    if name == basenames[position] and isinstance(other, (str, os.PathLike))]
-        for depth in range(2, len(parts) + 1):
-            if sum(other[-depth:] == parts[-depth:] for other in clashing) == 1:
-                names[position] = "__".join(parts[-depth:])
-                break
-    if len(set(names)) != len(names):
-        raise ValueError(f"Two unlearned models share a result name ({names}): pass each model once, or a dict "
-                         "{name: model} (CLI: --unlearned NAME=PATH).")
-    return dict(zip(names, unlearned))
-
-
-def score_models(
-    full: Any,
-    retain: Any,
-    unlearned: Sequence[Any] | dict[str, Any],
-    data: Any,
-    out_dir: str | os.PathLike | None = None,
-    config: UDSConfig | None = None,
-    cache_dir: str | os.PathLike | bool | None = None,
-    limit: int | None = None,
-    progress: bool = True,
-    force: bool = False,
-) -> dict[str, Any]:
-    """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
-
-    A saved ``out_dir/NAME/`` is reused instead of recomputed only when it is intact and was computed from identical
-    inputs: the same full, retain and unlearned weights (file contents, not paths), the same data (after ``limit``)
-    and the same settings (tau aside: it is re-applied to the saved deltas). Then the log says ``reusing NAME:
-    identical inputs`` and the result's ``meta["reused"]`` is set; anything else is recomputed, and an interrupted
-    sweep resumes where it stopped. Each result is written atomically under a lock (``results.atomic_result_dir``).
-
-    Args:
-        unlearned: models (result names from their paths, see :func:`result_names`) or ``{name: model}``; a name is
-            one path component.
-        force: recompute every model even when a saved result could be reused.
-
-    Raises:
-        ValueError: a result name is not a single path component, or ``out_dir`` is a file (both before any compute).
-    """
-    from uds_lens.results import check_result_name, load_reusable
-
-    config = config or UDSConfig()
-    items = list(unlearned.items()) if isinstance(unlearned, dict) else list(result_names(list(unlearned)).items())
-    for name, _ in items:
-        check_result_name(name)
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(f"The output directory {out_dir} is a file: pass a directory (it is created if missing).")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive number of examples, got {limit!r}.")
-    results: dict[str, Any] = {}
-    auditor: UDSAuditor | None = None
-    for name, model in items:
-        target = Path(out_dir) / name if out_dir is not None else None
-        if target is not None and not force:
-            fingerprint = (auditor.fingerprint(model) if auditor is not None
-                           else result_fingerprint(full, retain, model, data, config, limit))
-            previous, reason = load_reusable(target, fingerprint)
-            if previous is not None:
-                results[name] = previous.with_tau(config.tau)
-                results[name].meta["reused"] = reason
-                logger.info("reusing %s: %s", name, reason)
-                continue
-            if target.exists():
-                logger.info("recomputing %s: %s", name, reason)
-        if auditor is None:
-            auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress,
-                                 limit=limit)
-        results[name] = auditor.score(model, name=name)
-        if target is not None:
-            results[name].save(target)
-    return results
+    per_example = pd.DataFrame(
+        {
+            "n_ke": sums["n_ke"].to_numpy(dtype=int),
+            "uds": _weighted_mean(
+                sums["n_ke"].to_numpy(), sums["weight"].to_numpy(), sums["weighted"].to_numpy()
+            ),
+        },
+        index=sums.index,
+    ).reset_index()
+    return scored, per_example

@@ -1,13 +1,7 @@
 """The engine benchmark stays runnable, its agreement check is real and its floor counts what the issue counts."""
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
-
-from bench_engine import Counts, Shape, bench, floors, synthetic_examples  # noqa: E402
+from bench_engine import Counts, Shape, bench, floors, synthetic_examples
 
 
 def test_bench_runs_and_engines_agree():

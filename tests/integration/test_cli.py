@@ -18,11 +18,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_score_writes_every_file(tiny, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
-        "score", "--full", str(tiny.full), "--retain", str(tiny.retain), "--unlearned", str(tiny.unlearned),
-        "--unlearned", str(tiny.full), "--data", str(tiny.data), "--out", str(out), "--cache-dir",
-        str(tmp_path / "cache"),
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "score",
+            "--full",
+            str(tiny.full),
+            "--retain",
+            str(tiny.retain),
+            "--unlearned",
+            str(tiny.unlearned),
+            "--unlearned",
+            str(tiny.full),
+            "--data",
+            str(tiny.data),
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "unlearned" in result.output
     for name in ("unlearned", "full"):
@@ -32,11 +47,31 @@ def test_score_writes_every_file(tiny, tmp_path):
         for key in ("s1_seconds", "s2_seconds", "s1_cached", "n_examples"):
             assert key in summary["timings"]
         examples = pd.read_csv(out / name / "examples.csv")
-        assert list(examples.columns) == ["idx", "prompt_type", "n_entity_tokens", "n_ke", "uds", "status",
-                                          "skip_reason", "question", "entity"]
+        assert list(examples.columns) == [
+            "idx",
+            "prompt_type",
+            "n_entity_tokens",
+            "n_ke",
+            "uds",
+            "status",
+            "skip_reason",
+            "question",
+            "entity",
+        ]
         layers = pd.read_csv(out / name / "layers.csv")
-        assert list(layers.columns) == ["idx", "layer", "site", "s0", "baseline_score", "s1_score", "s2_score", "d1",
-                                        "d2", "ke", "ler"]
+        assert list(layers.columns) == [
+            "idx",
+            "layer",
+            "site",
+            "s0",
+            "baseline_score",
+            "s1_score",
+            "s2_score",
+            "d1",
+            "d2",
+            "ke",
+            "ler",
+        ]
         assert layers.groupby("idx")["s0"].nunique().eq(1).all()  # S0: one constant per example
         assert layers.loc[~layers["ke"], "ler"].isna().all() and layers.loc[layers["ke"], "ler"].notna().all()
         ou = json.loads((out / name / "uds_eval.json").read_text())
@@ -44,35 +79,83 @@ def test_score_writes_every_file(tiny, tmp_path):
     assert json.loads((out / "full" / "summary.json").read_text())["uds"] == 0.0
     # S1 was computed once for both models
     assert json.loads((out / "full" / "summary.json").read_text())["timings"]["s1_seconds"] == pytest.approx(
-        json.loads((out / "unlearned" / "summary.json").read_text())["timings"]["s1_seconds"])
+        json.loads((out / "unlearned" / "summary.json").read_text())["timings"]["s1_seconds"]
+    )
 
 
 def test_score_retain_free_and_bad_input(tiny, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(app, ["score", "--full", str(tiny.full), "--no-retain", "--unlearned", str(tiny.unlearned),
-                                 "--data", str(tiny.data), "--out", str(tmp_path / "rf"), "--cache-dir",
-                                 str(tmp_path / "c")])
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            "--full",
+            str(tiny.full),
+            "--no-retain",
+            "--unlearned",
+            str(tiny.unlearned),
+            "--data",
+            str(tiny.data),
+            "--out",
+            str(tmp_path / "rf"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "unnormalised" in result.output
-    result = runner.invoke(app, ["score", "--full", str(tiny.full), "--unlearned", str(tiny.unlearned),
-                                 "--data", str(tiny.data), "--out", str(tmp_path / "x")])
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            "--full",
+            str(tiny.full),
+            "--unlearned",
+            str(tiny.unlearned),
+            "--data",
+            str(tiny.data),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+    )
     assert result.exit_code != 0
 
 
 def test_tofu_experiment_fails_clearly_offline():
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "tofu_llama.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "tofu_llama.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
-    assert "open-unlearning/tofu_Llama-3.2-1B-Instruct_full" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
+    assert (
+        "open-unlearning/tofu_Llama-3.2-1B-Instruct_full" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
+    )
 
 
 def test_console_entry_point_prints_user_errors_without_a_traceback(tmp_path, monkeypatch, capsys):
     data = tmp_path / "data.json"
     data.write_text("[]")
-    monkeypatch.setattr(sys, "argv", ["uds-lens", "score", "--full", str(tmp_path / "no_such_model"), "--no-retain",
-                                      "--unlearned", str(tmp_path / "no_such_model"), "--data", str(data),
-                                      "--out", str(tmp_path / "out")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "uds-lens",
+            "score",
+            "--full",
+            str(tmp_path / "no_such_model"),
+            "--no-retain",
+            "--unlearned",
+            str(tmp_path / "no_such_model"),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 2
@@ -87,23 +170,69 @@ def _main(monkeypatch, capsys, *args):
     return exit_info.value.code, capsys.readouterr()
 
 
-@pytest.mark.parametrize("bad", [["--tau", "-1"], ["--tau", "nan"], ["--limit", "-2"], ["--limit", "0"],
-                                 ["--batch-size", "0"], ["--scope", "foo"], ["--site", "nowhere"],
-                                 ["--engine", "slow"], ["--dtype", "float8"]])
-def test_out_of_range_options_are_one_line_errors_before_any_compute(tiny, tmp_path, monkeypatch, capsys, bad):
-    code, captured = _main(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
-                           "--unlearned", str(tiny.unlearned), "--data", str(tiny.data), "--out", str(tmp_path / "o"),
-                           "--cache-dir", str(tmp_path / "c"), *bad)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--tau", "-1"],
+        ["--tau", "nan"],
+        ["--limit", "-2"],
+        ["--limit", "0"],
+        ["--batch-size", "0"],
+        ["--scope", "foo"],
+        ["--site", "nowhere"],
+        ["--engine", "slow"],
+        ["--dtype", "float8"],
+    ],
+)
+def test_out_of_range_options_are_one_line_errors_before_any_compute(
+    tiny, tmp_path, monkeypatch, capsys, bad
+):
+    code, captured = _main(
+        monkeypatch,
+        capsys,
+        "score",
+        "--full",
+        str(tiny.full),
+        "--retain",
+        str(tiny.retain),
+        "--unlearned",
+        str(tiny.unlearned),
+        "--data",
+        str(tiny.data),
+        "--out",
+        str(tmp_path / "o"),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        *bad,
+    )
     assert code == 2
-    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert (
+        captured.err.startswith("error: ")
+        and captured.err.count("\n") == 1
+        and "Traceback" not in captured.err
+    )
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
 
 
 def test_an_out_that_is_a_file_fails_before_any_compute(tiny, tmp_path, monkeypatch, capsys):
     (tmp_path / "o").write_text("a file")
-    code, captured = _main(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
-                           "--unlearned", str(tiny.unlearned), "--data", str(tiny.data), "--out", str(tmp_path / "o"),
-                           "--cache-dir", str(tmp_path / "c"))
+    code, captured = _main(
+        monkeypatch,
+        capsys,
+        "score",
+        "--full",
+        str(tiny.full),
+        "--retain",
+        str(tiny.retain),
+        "--unlearned",
+        str(tiny.unlearned),
+        "--data",
+        str(tiny.data),
+        "--out",
+        str(tmp_path / "o"),
+        "--cache-dir",
+        str(tmp_path / "c"),
+    )
     assert code == 2 and "is a file" in captured.err and not (tmp_path / "c").exists()
 
 
@@ -111,10 +240,25 @@ def test_equal_basenames_get_distinct_names_and_reuse_is_announced(tiny, tmp_pat
     for parent in ("a", "b"):
         shutil.copytree(tiny.unlearned if parent == "a" else tiny.full, tmp_path / parent / "model")
     out = tmp_path / "out"
-    command = ["score", "--full", str(tiny.full), "--retain", str(tiny.retain), "--unlearned",
-               str(tmp_path / "a" / "model"), "--unlearned", str(tmp_path / "b" / "model"), "--unlearned",
-               f"mine={tiny.unlearned}", "--data", str(tiny.data), "--out", str(out), "--cache-dir",
-               str(tmp_path / "cache")]
+    command = [
+        "score",
+        "--full",
+        str(tiny.full),
+        "--retain",
+        str(tiny.retain),
+        "--unlearned",
+        str(tmp_path / "a" / "model"),
+        "--unlearned",
+        str(tmp_path / "b" / "model"),
+        "--unlearned",
+        f"mine={tiny.unlearned}",
+        "--data",
+        str(tiny.data),
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     first = CliRunner().invoke(app, command)
     assert first.exit_code == 0, first.output
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["a__model", "b__model", "mine"]
@@ -129,13 +273,18 @@ def test_equal_basenames_get_distinct_names_and_reuse_is_announced(tiny, tmp_pat
 
 
 def test_help_documents_reuse_and_loads_no_bitsandbytes(tmp_path):
-    script = ("import sys; sys.argv = ['uds-lens', 'score', '--help']\n"
-              "from uds_lens.cli import main\n"
-              "try:\n    main()\nexcept SystemExit:\n    pass\n"
-              "print('BNB', 'bitsandbytes' in sys.modules)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    script = (
+        "import sys; sys.argv = ['uds-lens', 'score', '--help']\n"
+        "from uds_lens.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('BNB', 'bitsandbytes' in sys.modules)"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), COLUMNS="200"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "BNB False" in proc.stdout
     assert "bitsandbytes" not in proc.stderr.lower() and "warn" not in proc.stderr.lower()

@@ -15,8 +15,9 @@ from uds_lens.tl_compat import HookedTransformer
 @pytest.fixture(scope="module")
 def zoo_auditor(test_zoo, monkeypatch_module):
     monkeypatch_module.setenv("UDS_LENS_ZOO", str(test_zoo.root))
-    return UDSAuditor("zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False,
-                      progress=False, limit=6)
+    return UDSAuditor(
+        "zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False, progress=False, limit=6
+    )
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,9 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
 
     events = []
     monkeypatch.delenv("UDS_LENS_ZOO", raising=False)
-    monkeypatch.setattr(demo, "default_zoo_dir", lambda size: test_zoo.root if size == "test" else tmp_path / size)
+    monkeypatch.setattr(
+        demo, "default_zoo_dir", lambda size: test_zoo.root if size == "test" else tmp_path / size
+    )
 
     def build(root, size="test", **kwargs):
         events.append(("build", size))
@@ -45,11 +47,21 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
     monkeypatch.setattr(zoo_module, "build_zoo", build)
     monkeypatch.setattr(demo, "_score_zoo", score)
     monkeypatch.setattr("uds_lens.report.write_report", lambda *args, **kwargs: events.append(("report",)))
-    table = run_demo(tmp_path / "out", size="default", progress=False,
-                     on_preview=lambda table, root: events.append(("preview", str(root), len(table))))
+    table = run_demo(
+        tmp_path / "out",
+        size="default",
+        progress=False,
+        on_preview=lambda table, root: events.append(("preview", str(root), len(table))),
+    )
     n_models = len([m for m in test_zoo.models if m["role"] in DEMO_ROLES])
-    assert events == [("build", "test"), ("score", "preview"), ("preview", str(test_zoo.root), n_models),
-                      ("build", "default"), ("score", "out"), ("report",)]
+    assert events == [
+        ("build", "test"),
+        ("score", "preview"),
+        ("preview", str(test_zoo.root), n_models),
+        ("build", "default"),
+        ("score", "out"),
+        ("report",),
+    ]
     assert len(table) == n_models
     # once the default zoo exists (a manifest), or without a preview callback, nothing is scored twice
     assert demo._preview_zoo("default", test_zoo.root) is None

@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from uds_lens.analysis import first_erased_layer, method_agreement, rank_concordance
-from uds_lens.diagnose import METHODS, diagnose
+from uds_lens.analysis.case_studies import first_erased_layer, method_agreement, rank_concordance
+from uds_lens.analysis.diagnose import METHODS, diagnose
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_endpoints(zoo_diagnosis):
 
 
 def test_rmu_profile_starts_at_its_target_layers(zoo_diagnosis, tmp_path):
-    from uds_lens.uds import UDSAuditor, UDSConfig
+    from uds_lens.auditor import UDSAuditor, UDSConfig
 
     zoo, _, _ = zoo_diagnosis
     auditor = UDSAuditor(

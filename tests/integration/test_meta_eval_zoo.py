@@ -15,8 +15,9 @@ COLUMNS = ["metric", "faithfulness", "q", "r", "robustness", "overall", "n_model
 @pytest.mark.slow
 def test_meta_eval_writes_all_rows(test_zoo, tmp_path):
     out = tmp_path / "meta"
-    result = CliRunner().invoke(app, ["meta-eval", "--zoo", str(test_zoo.root), "--out", str(out),
-                                      "--max-new-tokens", "24"])
+    result = CliRunner().invoke(
+        app, ["meta-eval", "--zoo", str(test_zoo.root), "--out", str(out), "--max-new-tokens", "24"]
+    )
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / "meta_eval.csv")
     assert list(table.columns) == COLUMNS
@@ -36,24 +37,28 @@ def test_meta_eval_writes_all_rows(test_zoo, tmp_path):
     assert pools["pos"] + 0.2 < pools["neg"]
     assert (out / "meta_eval_vs_paper.csv").is_file()
     # resumable: a second run reuses every finished model and gives the same table
-    again = CliRunner().invoke(app, ["meta-eval", "--zoo", str(test_zoo.root), "--out", str(out),
-                                     "--max-new-tokens", "24"])
+    again = CliRunner().invoke(
+        app, ["meta-eval", "--zoo", str(test_zoo.root), "--out", str(out), "--max-new-tokens", "24"]
+    )
     assert again.exit_code == 0, again.output
     pd.testing.assert_frame_equal(pd.read_csv(out / "meta_eval.csv"), table)
 
 
 @pytest.mark.slow
 def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
-    from helpers_tiny import make_tiny_zoo
+    from helpers.tiny import make_tiny_zoo
 
     zoo = make_tiny_zoo(tmp_path / "zoo", n_pool=1, steps=20)
     out = tmp_path / "eval"
-    result = CliRunner().invoke(app, ["evaluate", "--zoo", str(zoo), "--out", str(out), "--max-new-tokens", "4",
-                                      "--batch-size", "8"])
+    result = CliRunner().invoke(
+        app, ["evaluate", "--zoo", str(zoo), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "8"]
+    )
     assert result.exit_code == 0, result.output
     metrics = pd.read_csv(out / "metrics.csv", index_col="model")
     assert sorted(metrics.index) == sorted(read_zoo(zoo).names())
-    assert {spec.key for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(metrics.columns)
+    assert {spec.key for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(
+        metrics.columns
+    )
     assert metrics.at["full", "uds"] == pytest.approx(0.0, abs=1e-6)
     assert metrics.at["retain", "uds"] == pytest.approx(1.0, abs=1e-6)
     assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)

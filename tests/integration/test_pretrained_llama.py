@@ -34,11 +34,20 @@ def encoded(pretrained):
 
 def test_the_real_model_is_what_the_issue_describes(pretrained):
     cfg = pretrained.models["full"].cfg
-    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_vocab) == (30, 576, 9, 3, 49152)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_key_value_heads, cfg.d_vocab) == (
+        30,
+        576,
+        9,
+        3,
+        49152,
+    )
     # tied embeddings stay one tensor; the tokenizer prepends no BOS
     full = pretrained.models["full"]
     assert full.unembed.W_U.data_ptr() == full.embed.W_E.data_ptr()
-    assert pretrained.tokenizer("Question: x", add_special_tokens=True)["input_ids"][0] != pretrained.tokenizer.bos_token_id
+    assert (
+        pretrained.tokenizer("Question: x", add_special_tokens=True)["input_ids"][0]
+        != pretrained.tokenizer.bos_token_id
+    )
 
 
 def test_hooked_log_probs_match_hugging_face(pretrained, encoded):
@@ -64,7 +73,7 @@ def test_hooked_log_probs_match_hugging_face(pretrained, encoded):
 @pytest.mark.slow
 def test_loading_from_the_gguf_file_gives_the_same_weights(pretrained):
     """The .gguf loader (dequantised by transformers) and the converted directory are the same model."""
-    import pretrained_llama
+    from helpers import pretrained as pretrained_llama
 
     from_gguf = load_model(pretrained_llama.gguf_file(), dtype="float32", device="cpu")
     assert model_fingerprint(from_gguf) == model_fingerprint(pretrained.models["full"])
@@ -108,8 +117,15 @@ def test_fast_equals_naive_in_half_precision_on_the_real_model(pretrained, encod
 
 def test_uds_anchors_on_the_real_model(pretrained, tmp_path):
     """full -> full is exactly 0, retain -> retain exactly 1, the mix strictly between; the metadata says fp32."""
-    auditor = UDSAuditor(pretrained.models["full"], pretrained.models["retain"], pretrained.data,
-                         tokenizer=pretrained.tokenizer, cache_dir=False, progress=False, limit=4)
+    auditor = UDSAuditor(
+        pretrained.models["full"],
+        pretrained.models["retain"],
+        pretrained.data,
+        tokenizer=pretrained.tokenizer,
+        cache_dir=False,
+        progress=False,
+        limit=4,
+    )
     assert auditor.stage1.s_full.max() < 0  # log-probs
     assert (auditor.d1() > 0.05).any(-1).all(), "every fact must have a knowledge-encoding layer"
     same = auditor.score(pretrained.models["full"], name="full")
@@ -127,27 +143,46 @@ def test_uds_anchors_on_the_real_model(pretrained, tmp_path):
 def test_entities_merged_with_a_space_or_next_to_punctuation_are_located(pretrained, encoded):
     """SPEC §1.2.4 on a real byte-level BPE: a token that starts with the entity's preceding space belongs to the
     entity; a token holding only the space (and punctuation) before it does not."""
-    tokens = {e.idx: pretrained.tokenizer.convert_ids_to_tokens(
-        list(e.input_ids[e.prompt_len + e.entity_start: e.prompt_len + e.entity_end])) for e in encoded}
+    tokens = {
+        e.idx: pretrained.tokenizer.convert_ids_to_tokens(
+            list(e.input_ids[e.prompt_len + e.entity_start : e.prompt_len + e.entity_end])
+        )
+        for e in encoded
+    }
     assert tokens[0] == ["ĠParis"]
     assert tokens[1] == ["ĠWilliam", "ĠShakespeare"]
-    assert tokens[3] == ["ĠYes"]  # empty prefix: the prompt ends at "Answer:", the space moves to the reference
+    assert tokens[3] == [
+        "ĠYes"
+    ]  # empty prefix: the prompt ends at "Answer:", the space moves to the reference
     assert tokens[5] == ["D", "une"]  # 'Ġ"' (space + quote) stays outside
     assert tokens[6] == ["1", "9", "4", "5"]  # the lone 'Ġ' before the digits stays outside
     for example in encoded:
         decoded = pretrained.tokenizer.decode(
-            list(example.input_ids[example.prompt_len + example.entity_start: example.prompt_len + example.entity_end]))
+            list(
+                example.input_ids[
+                    example.prompt_len + example.entity_start : example.prompt_len + example.entity_end
+                ]
+            )
+        )
         record = next(r for r in load_examples(pretrained.data) if r.idx == example.idx)
         assert decoded.strip() == record.entity
 
 
 def test_diagnose_runs_on_the_real_model(pretrained, tmp_path):
-    from uds_lens.diagnose import diagnose
+    from uds_lens.analysis.diagnose import diagnose
 
     records = json.loads(pretrained.data.read_text())[:3]
-    table = diagnose(pretrained.full, pretrained.retain, {"unlearned": pretrained.unlearned}, records,
-                     tmp_path / "diag", methods=("uds", "logit_lens", "cka"), sites=("resid_post",),
-                     dtype="float32", device="cpu")
+    table = diagnose(
+        pretrained.full,
+        pretrained.retain,
+        {"unlearned": pretrained.unlearned},
+        records,
+        tmp_path / "diag",
+        methods=("uds", "logit_lens", "cka"),
+        sites=("resid_post",),
+        dtype="float32",
+        device="cpu",
+    )
     scores = json.loads((tmp_path / "diag" / "unlearned" / "scores.json").read_text())
     assert 0.0 < scores["uds"] < 1.0
     for key, value in scores.items():
@@ -168,8 +203,17 @@ def test_notebook_code_paths_on_the_real_model(pretrained, notebook, tmp_path, m
     nb = nbformat.read(path, as_version=4)
     nb.cells[0].source += (
         f"\nFULL = {str(pretrained.full)!r}\nRETAIN = {str(pretrained.retain)!r}"
-        f"\nUNLEARNED = {str(pretrained.unlearned)!r}\nDATA = {str(pretrained.data)!r}\nDEVICE = 'cpu'\nN_EXAMPLES = 3\n")
+        f"\nUNLEARNED = {str(pretrained.unlearned)!r}\nDATA = {str(pretrained.data)!r}\nDEVICE = 'cpu'\nN_EXAMPLES = 3\n"
+    )
     monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache"))
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors

@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens import UDSAuditor
+from uds_lens.auditor import score_models
 from uds_lens.cli import app
 from uds_lens.results import RESULT_FILES, UDSResult, verify_result_dir
 from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, sweep
-from uds_lens.uds import score_models
 
 pytestmark = pytest.mark.xdist_group("sweep")  # one process: the Ray tests share one local cluster
 
@@ -28,15 +28,26 @@ def zoo(test_zoo):
     """The test zoo's full, retain, forget set and unlearned models (``{name: path}``)."""
     unlearned = {name: str(test_zoo.path(name)) for name in test_zoo.names("unlearned")}
     assert len(unlearned) >= 4
-    return {"full": str(test_zoo.path("full")), "retain": str(test_zoo.path("retain")),
-            "data": str(test_zoo.forget_path), "models": unlearned, "zoo": test_zoo}
+    return {
+        "full": str(test_zoo.path("full")),
+        "retain": str(test_zoo.path("retain")),
+        "data": str(test_zoo.forget_path),
+        "models": unlearned,
+        "zoo": test_zoo,
+    }
 
 
 @pytest.fixture(scope="module")
 def reference(zoo, tmp_path_factory):
     """What `uds-lens score` gives for every unlearned model, one after another in this process."""
-    return score_models(zoo["full"], zoo["retain"], zoo["models"], zoo["data"],
-                        cache_dir=tmp_path_factory.mktemp("s1-reference"), progress=False)
+    return score_models(
+        zoo["full"],
+        zoo["retain"],
+        zoo["models"],
+        zoo["data"],
+        cache_dir=tmp_path_factory.mktemp("s1-reference"),
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +62,9 @@ def broken_model(zoo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray (the [sweep] extra) is not installed; `make test` installs it")
+    ray = pytest.importorskip(
+        "ray", reason="Ray (the [sweep] extra) is not installed; `make test` installs it"
+    )
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 1024 * 1024)
     yield ray
@@ -68,7 +81,9 @@ def assert_same_as_reference(out, table, reference):
         merged = saved.layers.merge(expected.layers, on=["idx", "layer"], suffixes=("", "_ref"))
         assert len(merged) == len(expected.layers) > 0
         for column in ("s0", "baseline_score", "d1", "d2", "ler"):
-            np.testing.assert_allclose(merged[column], merged[f"{column}_ref"], atol=1e-6, err_msg=f"{name} {column}")
+            np.testing.assert_allclose(
+                merged[column], merged[f"{column}_ref"], atol=1e-6, err_msg=f"{name} {column}"
+            )
         by_idx = saved.examples.set_index("idx")["uds"].sort_index()
         np.testing.assert_allclose(by_idx, expected.examples.set_index("idx")["uds"].sort_index(), atol=1e-6)
 
@@ -76,7 +91,7 @@ def assert_same_as_reference(out, table, reference):
 def assert_complete_files(out, table, scored, failed):
     """Per-model directories, sweep.csv (one row per model) and the open-unlearning JSON all agree."""
     on_disk = pd.read_csv(out / SWEEP_TABLE)
-    assert list(on_disk.columns[:len(COLUMNS)]) == COLUMNS
+    assert list(on_disk.columns[: len(COLUMNS)]) == COLUMNS
     assert list(on_disk["name"]) == list(table["name"]) == [*scored, *failed]
     assert set(on_disk["status"]) <= {"scored", "reused", "failed"}
     evaluation = json.loads((out / SWEEP_JSON).read_text())
@@ -84,13 +99,21 @@ def assert_complete_files(out, table, scored, failed):
     for name in scored:
         row = on_disk.set_index("name").loc[name]
         assert verify_result_dir(out / name) is None
-        assert {"summary.json", "examples.csv", "layers.csv", "uds_eval.json", "meta.json"} <= {
-            path.name for path in (out / name).iterdir()} <= {*RESULT_FILES, "meta.json"}
+        assert (
+            {"summary.json", "examples.csv", "layers.csv", "uds_eval.json", "meta.json"}
+            <= {path.name for path in (out / name).iterdir()}
+            <= {*RESULT_FILES, "meta.json"}
+        )
         summary = json.loads((out / name / "summary.json").read_text())
-        assert evaluation[name]["uds"]["agg_value"] == pytest.approx(summary["uds"]) == pytest.approx(row["uds"])
+        assert (
+            evaluation[name]["uds"]["agg_value"] == pytest.approx(summary["uds"]) == pytest.approx(row["uds"])
+        )
         assert (row["ci_low"], row["ci_high"]) == pytest.approx(tuple(summary["ci95"]))
-        assert row["n_scored"] + row["n_no_ke"] + row["n_skipped"] == summary["n_scored"] + summary["n_no_ke"] \
-            + summary["n_skipped"] > 0
+        assert (
+            row["n_scored"] + row["n_no_ke"] + row["n_skipped"]
+            == summary["n_scored"] + summary["n_no_ke"] + summary["n_skipped"]
+            > 0
+        )
         assert row["fp_unlearned"].startswith("files:") and row["fp_full"].startswith("files:")
         assert row["s2_seconds"] >= 0 and row["seconds"] >= 0
     assert on_disk["fp_full"].nunique() == on_disk["fp_retain"].nunique() == on_disk["fp_data"].nunique() == 1
@@ -102,14 +125,29 @@ def assert_complete_files(out, table, scored, failed):
 
 def test_in_process_sweep_equals_score_and_reports_a_model_that_fails(zoo, reference, broken_model, tmp_path):
     out = tmp_path / "out"
-    table = sweep(zoo["full"], zoo["retain"], zoo["data"], out, {**zoo["models"], "broken": broken_model},
-                  workers=1, cache_dir=tmp_path / "s1", progress=False)
+    table = sweep(
+        zoo["full"],
+        zoo["retain"],
+        zoo["data"],
+        out,
+        {**zoo["models"], "broken": broken_model},
+        workers=1,
+        cache_dir=tmp_path / "s1",
+        progress=False,
+    )
     assert_complete_files(out, table, list(zoo["models"]), ["broken"])
     assert (table.set_index("name").drop("broken")["status"] == "scored").all()
     assert_same_as_reference(out, table, reference)
     # the same files `uds-lens score` writes: scoring into the sweep's directory reuses every result
-    again = score_models(zoo["full"], zoo["retain"], zoo["models"], zoo["data"], out_dir=out,
-                         cache_dir=tmp_path / "s1", progress=False)
+    again = score_models(
+        zoo["full"],
+        zoo["retain"],
+        zoo["models"],
+        zoo["data"],
+        out_dir=out,
+        cache_dir=tmp_path / "s1",
+        progress=False,
+    )
     assert all(result.meta.get("reused") == "identical inputs" for result in again.values())
 
 
@@ -122,8 +160,16 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
 
     def run(**changes):
         settings = {"full": zoo["full"], "retain": zoo["retain"], "data": zoo["data"], **changes}
-        table = sweep(settings["full"], settings["retain"], settings["data"], out, models, workers=1,
-                      cache_dir=cache, progress=False)
+        table = sweep(
+            settings["full"],
+            settings["retain"],
+            settings["data"],
+            out,
+            models,
+            workers=1,
+            cache_dir=cache,
+            progress=False,
+        )
         return table.set_index("name")["status"].to_dict()
 
     # interrupted while scoring the last model (Ctrl-C): the finished ones are saved, the last one is pending
@@ -139,7 +185,10 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
         run()
     monkeypatch.undo()
     assert pd.read_csv(out / SWEEP_TABLE).set_index("name")["status"].to_dict() == {
-        "npo": "scored", "graddiff": "scored", "rmu_l1": "pending"}
+        "npo": "scored",
+        "graddiff": "scored",
+        "rmu_l1": "pending",
+    }
     written = {name: (out / name / "meta.json").stat().st_mtime_ns for name in ("npo", "graddiff")}
 
     assert run() == {"npo": "reused", "graddiff": "reused", "rmu_l1": "scored"}
@@ -160,35 +209,88 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
 
 def test_sweep_cli_with_a_registry_compares_with_published_figures(zoo, tmp_path):
     registry = tmp_path / "registry.csv"
-    rows = [("full", zoo["full"], "full", "", 0.0), ("retain", zoo["retain"], "retain", "", 1.0),
-            ("npo_ep5", zoo["models"]["npo"], "npo", "ep5", 0.25), ("rmu_ep5", zoo["models"]["rmu_l1"], "rmu", "ep5", ""),
-            ("graddiff_ep5", zoo["models"]["graddiff"], "graddiff", "ep5", 0.5)]
-    pd.DataFrame(rows, columns=["alias", "hub_id", "method", "epoch", "published_uds"]).to_csv(registry, index=False)
+    rows = [
+        ("full", zoo["full"], "full", "", 0.0),
+        ("retain", zoo["retain"], "retain", "", 1.0),
+        ("npo_ep5", zoo["models"]["npo"], "npo", "ep5", 0.25),
+        ("rmu_ep5", zoo["models"]["rmu_l1"], "rmu", "ep5", ""),
+        ("graddiff_ep5", zoo["models"]["graddiff"], "graddiff", "ep5", 0.5),
+    ]
+    pd.DataFrame(rows, columns=["alias", "hub_id", "method", "epoch", "published_uds"]).to_csv(
+        registry, index=False
+    )
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
-        "sweep", "--full", zoo["full"], "--retain", zoo["retain"], "--data", zoo["data"], "--registry", str(registry),
-        "--methods", "npo,rmu", "--compare-published", "--workers", "1", "--out", str(out), "--cache-dir",
-        str(tmp_path / "s1")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--full",
+            zoo["full"],
+            "--retain",
+            zoo["retain"],
+            "--data",
+            zoo["data"],
+            "--registry",
+            str(registry),
+            "--methods",
+            "npo,rmu",
+            "--compare-published",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "s1"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / SWEEP_TABLE).set_index("name")
     assert list(table.index) == ["npo_ep5", "rmu_ep5"]
     assert list(table["method"]) == ["npo", "rmu"] and list(table["epoch"]) == ["ep5", "ep5"]
     assert table.loc["npo_ep5", "uds_minus_published"] == pytest.approx(table.loc["npo_ep5", "uds"] - 0.25)
-    assert np.isnan(table.loc["rmu_ep5", "published_uds"]) and np.isnan(table.loc["rmu_ep5", "uds_minus_published"])
+    assert np.isnan(table.loc["rmu_ep5", "published_uds"]) and np.isnan(
+        table.loc["rmu_ep5", "uds_minus_published"]
+    )
     assert "npo_ep5" in result.output and "published_uds" in result.output
     html = (out / SCATTER_HTML).read_text()
     assert "npo_ep5" in html and "ours = published" in html
-    bad = CliRunner().invoke(app, ["sweep", "--full", zoo["full"], "--retain", zoo["retain"], "--data", zoo["data"],
-                                   "--registry", str(registry), "--methods", "dpo", "--out", str(out)])
+    bad = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--full",
+            zoo["full"],
+            "--retain",
+            zoo["retain"],
+            "--data",
+            zoo["data"],
+            "--registry",
+            str(registry),
+            "--methods",
+            "dpo",
+            "--out",
+            str(out),
+        ],
+    )
     assert bad.exit_code != 0 and "no method ['dpo']" in str(bad.exception)
 
 
 @pytest.mark.slow
-def test_ray_two_workers_equal_sequential_with_complete_files(ray_cluster, zoo, reference, broken_model, tmp_path):
+def test_ray_two_workers_equal_sequential_with_complete_files(
+    ray_cluster, zoo, reference, broken_model, tmp_path
+):
     out = tmp_path / "out"
     models = {**zoo["models"], "broken": broken_model}
-    table = sweep(zoo["full"], zoo["retain"], zoo["data"], out, models, workers=2, cache_dir=tmp_path / "s1",
-                  progress=False)
+    table = sweep(
+        zoo["full"],
+        zoo["retain"],
+        zoo["data"],
+        out,
+        models,
+        workers=2,
+        cache_dir=tmp_path / "s1",
+        progress=False,
+    )
     assert_complete_files(out, table, list(zoo["models"]), ["broken"])
     assert_same_as_reference(out, table, reference)
     scored = table[table["status"] == "scored"]
@@ -218,8 +320,16 @@ def test_ray_worker_killed_mid_sweep_still_scores_every_model(ray_cluster, zoo, 
     killer = threading.Thread(target=kill_first_busy_worker, daemon=True)
     killer.start()
     try:
-        table = sweep(zoo["full"], zoo["retain"], zoo["data"], tmp_path / "out", zoo["models"], workers=2,
-                      cache_dir=tmp_path / "s1", progress=False)
+        table = sweep(
+            zoo["full"],
+            zoo["retain"],
+            zoo["data"],
+            tmp_path / "out",
+            zoo["models"],
+            workers=2,
+            cache_dir=tmp_path / "s1",
+            progress=False,
+        )
     finally:
         done.set()
         killer.join()
@@ -227,5 +337,7 @@ def test_ray_worker_killed_mid_sweep_still_scores_every_model(ray_cluster, zoo, 
     assert (table["status"] == "scored").all(), table[["name", "status", "error"]]
     retried = table[table["attempts"] > 1]
     assert len(retried) == 1
-    assert not retried["worker"].iloc[0].endswith(f":{killed[0]}")  # finished by another (or a restarted) actor
+    assert (
+        not retried["worker"].iloc[0].endswith(f":{killed[0]}")
+    )  # finished by another (or a restarted) actor
     assert_same_as_reference(tmp_path / "out", table, reference)

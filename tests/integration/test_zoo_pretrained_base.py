@@ -26,8 +26,22 @@ from uds_lens.zoo import load_zoo
 def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     base = test_zoo.path("base")
     out = tmp_path / "zoo"
-    result = CliRunner().invoke(app, ["zoo", "build", "--out", str(out), "--size", "test", "--no-pools",
-                                      "--threads", "1", "--base", str(base)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "zoo",
+            "build",
+            "--out",
+            str(out),
+            "--size",
+            "test",
+            "--no-pools",
+            "--threads",
+            "1",
+            "--base",
+            str(base),
+        ],
+    )
     assert result.exit_code == 0, result.output
     zoo = load_zoo(out)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -35,7 +49,8 @@ def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     assert {"full", "retain", "retain90", "retain50", "npo"} <= set(zoo.names())
     # The base is taken as given (no training) and every model keeps its architecture and vocabulary.
     assert model_fingerprint(load_model(zoo.path("base"), device="cpu")) == model_fingerprint(
-        load_model(base, device="cpu"))
+        load_model(base, device="cpu")
+    )
     signature = ArchitectureSignature.of_config(load_hf_config(base))
     for name in zoo.names():
         assert ArchitectureSignature.of_config(load_hf_config(zoo.path(name))) == signature, name
@@ -44,7 +59,21 @@ def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     assert zoo.info("full")["metrics"]["forget_entity_exact"] >= 0.95
     assert zoo.info("retain")["metrics"]["forget_entity_exact"] <= 0.2
     # Resumable: a second build reuses every model.
-    again = CliRunner().invoke(app, ["zoo", "build", "--out", str(out), "--size", "test", "--no-pools",
-                                     "--threads", "1", "--base", str(base)])
+    again = CliRunner().invoke(
+        app,
+        [
+            "zoo",
+            "build",
+            "--out",
+            str(out),
+            "--size",
+            "test",
+            "--no-pools",
+            "--threads",
+            "1",
+            "--base",
+            str(base),
+        ],
+    )
     assert again.exit_code == 0, again.output
     assert all(entry["reused"] for entry in json.loads((out / "manifest.json").read_text())["models"])

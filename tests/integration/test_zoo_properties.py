@@ -9,8 +9,13 @@ from uds_lens import UDSAuditor
 
 @pytest.fixture(scope="module")
 def zoo_results(test_zoo, tmp_path_factory):
-    auditor = UDSAuditor(test_zoo.path("full"), test_zoo.path("retain"), test_zoo.forget_path,
-                         cache_dir=tmp_path_factory.mktemp("s1"), progress=False)
+    auditor = UDSAuditor(
+        test_zoo.path("full"),
+        test_zoo.path("retain"),
+        test_zoo.forget_path,
+        cache_dir=tmp_path_factory.mktemp("s1"),
+        progress=False,
+    )
     names = [m["name"] for m in test_zoo.models if m["role"] in ("full", "retain", "partial", "unlearned")]
     return {name: auditor.score(test_zoo.path(name), name=name) for name in names}
 
@@ -44,6 +49,8 @@ def test_rmu_disruption_starts_at_its_target_layer(zoo_results):
         erased = layers[layers["d2"] > zoo_results[name].settings["tau"]]
         first = erased.groupby("idx")["layer"].min()
         assert len(first) > 0, name
-        assert (first >= target).all(), f"{name}: disruption before layer {target}: {first.value_counts().to_dict()}"
+        assert (first >= target).all(), (
+            f"{name}: disruption before layer {target}: {first.value_counts().to_dict()}"
+        )
         # and nothing leaks backward: layers below the target are untouched
         assert (layers.loc[layers["layer"] < target, "d2"].abs() <= 1e-4).all()

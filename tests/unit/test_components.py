@@ -16,8 +16,15 @@ from uds_lens.tl_compat import tl_patching
 @pytest.fixture(scope="module")
 def auditor(tiny):
     full = load_model(tiny.full)
-    return UDSAuditor(full, load_model(tiny.retain), tiny.data, UDSConfig(batch_size=3),
-                      tokenizer=load_tokenizer(tiny.tokenizer), cache_dir=False, progress=False)
+    return UDSAuditor(
+        full,
+        load_model(tiny.retain),
+        tiny.data,
+        UDSConfig(batch_size=3),
+        tokenizer=load_tokenizer(tiny.tokenizer),
+        cache_dir=False,
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +82,17 @@ def test_head_patch_equals_transformer_lens_patching(auditor, unlearned):
     tokens = auditor.tokens(idx)
     _, source_cache = unlearned.run_with_cache(tokens)
     with torch.no_grad():
-        theirs = tl_patching.get_act_patch_attn_head_out_all_pos(auditor.full, tokens, source_cache,
-                                                                 auditor.metric(idx))
+        theirs = tl_patching.get_act_patch_attn_head_out_all_pos(
+            auditor.full, tokens, source_cache, auditor.metric(idx)
+        )
     ours = patch_heads(auditor, unlearned, hook="z", positions="all", idxs=[idx])
     assert theirs.shape == ours.s2.shape[1:]
     assert torch.allclose(ours.s2[0], theirs.cpu().float(), atol=1e-5), (ours.s2[0] - theirs).abs().max()
     # and the hand-written all-position patch agrees with both
     every = torch.arange(tokens.shape[1])
     assert _hand_written_head_patch(auditor, unlearned, idx, 1, 2, every).item() == pytest.approx(
-        theirs[1, 2].item(), abs=1e-5)
+        theirs[1, 2].item(), abs=1e-5
+    )
 
 
 def test_metric_is_a_tensor_equal_to_the_clean_score(auditor):
@@ -126,9 +135,12 @@ def test_all_heads_at_hook_z_equal_attn_out_when_w_o_is_shared(auditor, unlearne
             return out
 
         with torch.no_grad():
-            by_heads = auditor.metric(idx)(auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(z_name, patch_z)]))
-            by_out = auditor.metric(idx)(auditor.full.run_with_hooks(example.tokens,
-                                                                     fwd_hooks=[(out_name, patch_out)]))
+            by_heads = auditor.metric(idx)(
+                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(z_name, patch_z)])
+            )
+            by_out = auditor.metric(idx)(
+                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(out_name, patch_out)])
+            )
             clean = auditor.metric(idx)(auditor.full(example.tokens))
         assert by_heads.item() == pytest.approx(by_out.item(), abs=1e-5)
         assert abs(by_heads.item() - clean.item()) > 1e-4  # the patch does something
@@ -153,8 +165,12 @@ def test_all_heads_at_hook_result_equal_attn_out_of_the_source(auditor, unlearne
             return act
 
         with torch.no_grad():
-            by_heads = auditor.metric(idx)(auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(r_name, patch)]))
-            by_out = auditor.metric(idx)(auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(out_name, patch)]))
+            by_heads = auditor.metric(idx)(
+                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(r_name, patch)])
+            )
+            by_out = auditor.metric(idx)(
+                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(out_name, patch)])
+            )
     finally:
         unlearned.cfg.use_attn_result = False
         auditor.full.cfg.use_attn_result = False
@@ -163,9 +179,15 @@ def test_all_heads_at_hook_result_equal_attn_out_of_the_source(auditor, unlearne
 
 @pytest.mark.parametrize("compat", [False, True])
 def test_token_scores_average_back_to_the_span_scores(tiny, unlearned, compat):
-    auditor = UDSAuditor(load_model(tiny.full), load_model(tiny.retain), tiny.data,
-                         UDSConfig(engine="naive", published_compat=compat),
-                         tokenizer=load_tokenizer(tiny.tokenizer), cache_dir=False, progress=False)
+    auditor = UDSAuditor(
+        load_model(tiny.full),
+        load_model(tiny.retain),
+        tiny.data,
+        UDSConfig(engine="naive", published_compat=compat),
+        tokenizer=load_tokenizer(tiny.tokenizer),
+        cache_dir=False,
+        progress=False,
+    )
     span = auditor.score(unlearned)
     tokens = patch_tokens(auditor, unlearned)
     assert tokens.axis == "token"
@@ -178,7 +200,9 @@ def test_token_scores_average_back_to_the_span_scores(tiny, unlearned, compat):
     multi = [row for row, e in enumerate(auditor.select(tokens.idx)) if e.n_entity_tokens > 1]
     assert multi and (tokens.d1[multi, :, 0] - tokens.d1[multi, :, 1]).abs().max() > 1e-4
     # ragged examples: cells past the last entity token are NaN, not zeros
-    short = [row for row, e in enumerate(auditor.select(tokens.idx)) if e.n_entity_tokens < tokens.s1.shape[2]]
+    short = [
+        row for row, e in enumerate(auditor.select(tokens.idx)) if e.n_entity_tokens < tokens.s1.shape[2]
+    ]
     if short:
         assert torch.isnan(tokens.d1[short[0], :, -1]).all()
     frame = tokens.frame()
@@ -188,7 +212,10 @@ def test_token_scores_average_back_to_the_span_scores(tiny, unlearned, compat):
     # the span result's one-example view carries the texts, and its figure names the UDS
     view = span.example(1)
     assert view.entity == "Hsiao Yun Hwa" and view.question.startswith("What is the full name")
-    assert len(view.layers) == auditor.full.cfg.n_layers and (view.layers["s0"] == view.layers["s0"].iloc[0]).all()
+    assert (
+        len(view.layers) == auditor.full.cfg.n_layers
+        and (view.layers["s0"] == view.layers["s0"].iloc[0]).all()
+    )
     uds_text = "undefined" if view.uds != view.uds else f"{view.uds:.3f}"
     assert uds_text in view.figure().layout.title.text
     assert frame["label"].str.len().gt(0).all()
@@ -208,7 +235,9 @@ def test_position_patching_single_positions(auditor, unlearned):
             return act
 
         with torch.no_grad():
-            expected = auditor.metric(idx)(auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(name, hook)]))
+            expected = auditor.metric(idx)(
+                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(name, hook)])
+            )
         assert positions.s2[0, 1, offset].item() == pytest.approx(expected.item(), abs=1e-5)
 
 

@@ -16,8 +16,13 @@ from uds_lens.models import load_tokenizer
 
 
 def ex(**kw):
-    base = dict(idx=0, question="Where was Hsiao born?", answer="Hsiao was born in Paris.", prefix="Hsiao was born in",
-                entity="Paris")
+    base = dict(
+        idx=0,
+        question="Where was Hsiao born?",
+        answer="Hsiao was born in Paris.",
+        prefix="Hsiao was born in",
+        entity="Paris",
+    )
     base.update(kw)
     return Example(**base)
 
@@ -92,14 +97,19 @@ def test_hub_dataset_offline_error(monkeypatch):
 
 def test_entity_is_located_at_a_word_boundary(tiny, caplog):
     tok = load_tokenizer(tiny.tokenizer)
-    example = ex(question="What is she part of?", answer="She is part of the art community.", prefix="She is",
-                 entity="art")
+    example = ex(
+        question="What is she part of?",
+        answer="She is part of the art community.",
+        prefix="She is",
+        entity="art",
+    )
     (encoded,), _ = encode([example], tok)
     assert tok.decode(list(encoded.labels)).strip() == "art"
     prompt, reference = build_prompt(example)
     # the labels start after " part of the": the whole word, not the inner match
-    assert len(tok.decode(list(encoded.input_ids[encoded.prompt_len : encoded.prompt_len + encoded.entity_start]))) \
-        >= reference.index(" art ")
+    assert len(
+        tok.decode(list(encoded.input_ids[encoded.prompt_len : encoded.prompt_len + encoded.entity_start]))
+    ) >= reference.index(" art ")
     # compat keeps the published first-substring match, and says so
     with caplog.at_level("WARNING", logger="uds_lens.data"):
         (compat,), _ = encode([example], tok, published_compat=True)

@@ -30,8 +30,13 @@ TOLERANCE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-5}
 
 @pytest.fixture(scope="module")
 def half_models(tiny):
-    return {dtype: {name: load_model(getattr(tiny, name), dtype=dtype, device="cpu")
-                    for name in ("full", "retain", "unlearned")} for dtype in (torch.bfloat16, torch.float16)}
+    return {
+        dtype: {
+            name: load_model(getattr(tiny, name), dtype=dtype, device="cpu")
+            for name in ("full", "retain", "unlearned")
+        }
+        for dtype in (torch.bfloat16, torch.float16)
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -58,20 +63,40 @@ def test_half_precision_audit_anchors_and_metadata(tiny, half_models, dtype):
     torch_dtype = getattr(torch, dtype)
     models = half_models[torch_dtype]
     tok = load_tokenizer(tiny.tokenizer)
-    default = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(dtype=dtype), tokenizer=tok,
-                         cache_dir=False, progress=False)
+    default = UDSAuditor(
+        models["full"],
+        models["retain"],
+        tiny.data,
+        UDSConfig(dtype=dtype),
+        tokenizer=tok,
+        cache_dir=False,
+        progress=False,
+    )
     same = default.score(models["full"])
     assert same.uds == 0.0 and (same.layers.d2 == 0).all()
     result = default.score(models["unlearned"])
     assert result.summary["log_softmax_dtype"] == "float32" and result.summary["dtype"] == f"torch.{dtype}"
-    compat = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(dtype=dtype, published_compat=True),
-                        tokenizer=tok, cache_dir=False, progress=False)
+    compat = UDSAuditor(
+        models["full"],
+        models["retain"],
+        tiny.data,
+        UDSConfig(dtype=dtype, published_compat=True),
+        tokenizer=tok,
+        cache_dir=False,
+        progress=False,
+    )
     compat_result = compat.score(models["unlearned"])
     assert compat_result.summary["log_softmax_dtype"] == dtype
     # a half-precision log-softmax rounds each log-prob to the format: S0 differs from the fp32 one
     assert not torch.equal(compat.stage1.s_full, default.stage1.s_full)
-    fp32 = UDSAuditor(load_model(tiny.full), load_model(tiny.retain), tiny.data, tokenizer=tok, cache_dir=False,
-                      progress=False).score(load_model(tiny.unlearned))
+    fp32 = UDSAuditor(
+        load_model(tiny.full),
+        load_model(tiny.retain),
+        tiny.data,
+        tokenizer=tok,
+        cache_dir=False,
+        progress=False,
+    ).score(load_model(tiny.unlearned))
     assert abs(result.uds - fp32.uds) <= 0.05  # the audit's headline number survives half precision
 
 

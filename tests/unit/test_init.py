@@ -15,8 +15,9 @@ HEAVY = ("transformer_lens", "torch", "bitsandbytes", "transformers")
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
 
 
 def test_import_writes_nothing_and_loads_no_heavy_dependency():
@@ -62,7 +63,7 @@ def test_cli_hides_hugging_face_loading_bars_unless_verbose(monkeypatch):
 
 
 def test_cli_report_imports_no_model_library(tmp_path):
-    from _synthetic import make_result
+    from helpers.synthetic import make_result
 
     for name, erasure in (("full", 0.0), ("npo", 0.4)):
         make_result(name, erasure).save(tmp_path / name)

@@ -49,7 +49,7 @@ def test_mismatched_vocab_and_architecture(tiny, tmp_path):
     import sys
 
     sys.path.insert(0, str(tiny.root.parent))
-    from tiny_models import make_llama
+    from helpers.tiny_models import make_llama
 
     other_vocab = make_llama(tmp_path / "v", tiny.tokenizer, seed=3, vocab_size=320)
     with pytest.raises(ModelMismatchError, match="vocabulary"):
@@ -69,8 +69,13 @@ def test_streamed_conversion_matches_transformer_lens_converter(tiny):
     hf = load_hf_model(tiny.full, device="cpu")
     reference = new_hooked_transformer(streamed.cfg)
     reference.load_and_process_state_dict(
-        convert_llama_weights(hf, streamed.cfg), fold_ln=False, center_writing_weights=False, center_unembed=False,
-        fold_value_biases=False, refactor_factored_attn_matrices=False)
+        convert_llama_weights(hf, streamed.cfg),
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
     ours = dict(streamed.named_parameters())
     for name, value in reference.named_parameters():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
@@ -86,8 +91,15 @@ def test_streamed_conversion_matches_transformer_lens_converter(tiny):
 def test_tied_embeddings_share_one_tensor(tmp_path, tiny):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path / "tied")
@@ -113,7 +125,11 @@ def test_iter_safetensors_reads_what_safetensors_wrote(tmp_path):
 
     from uds_lens.models import iter_safetensors
 
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4, dtype=torch.int64)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(4, dtype=torch.int64),
+    }
     save_file(tensors, tmp_path / "x.safetensors")
     read = dict(iter_safetensors(tmp_path / "x.safetensors"))
     assert read.keys() == tensors.keys()
@@ -121,8 +137,9 @@ def test_iter_safetensors_reads_what_safetensors_wrote(tmp_path):
         assert read[key].dtype == value.dtype and torch.equal(read[key], value)
 
 
-@pytest.mark.parametrize("spec", ["./no/such/dir", "zoo-typo/full/", "~/missing-ckpt", "model.gguf", "full",
-                                  "a//b", "owner/na me"])
+@pytest.mark.parametrize(
+    "spec", ["./no/such/dir", "zoo-typo/full/", "~/missing-ckpt", "model.gguf", "full", "a//b", "owner/na me"]
+)
 def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
     """Mistyped paths and implausible hub ids fail before any hub request (which retries for tens of seconds)."""
     import time

@@ -47,7 +47,9 @@ def test_fast_equals_naive(setup, site, scope, compat):
     base = baseline_scores(setup["full"], batch, clean, site, layers, "fast")
     assert torch.allclose(base, clean.scores[:, None].expand_as(base), atol=1e-5)
     # The packed source forward the auditor uses gives the same scores as TransformerLens's padded one.
-    packed = source_scores(setup["full"], setup["source"], batch, site, layers, "fast", clean, published_compat=compat)
+    packed = source_scores(
+        setup["full"], setup["source"], batch, site, layers, "fast", clean, published_compat=compat
+    )
     assert torch.allclose(naive, packed, atol=1e-5, rtol=0)
     # A source identical to the target gives back its clean window activations bit for bit (deltas exactly 0).
     same = window_source_activations(setup["full"], batch, site, layers, published_compat=False)
@@ -63,8 +65,9 @@ def test_subset_of_layers_and_padding_invariance(setup):
     joint = patched_scores(full, together, acts, "resid_post", layers)
     for row, example in enumerate(encoded):
         alone = pad_batch([example], setup["tok"].pad_token_id)
-        single = patched_scores(full, alone, source_activations(src, alone.tokens, "resid_post", layers),
-                                "resid_post", layers)
+        single = patched_scores(
+            full, alone, source_activations(src, alone.tokens, "resid_post", layers), "resid_post", layers
+        )
         assert torch.allclose(single[0], joint[row], atol=1e-5)
 
 

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from uds_lens import UDSAuditor, UDSConfig, UDSResult
+from uds_lens.auditor import score_models
 from uds_lens.results import (
     ResultIntegrityError,
     ResultNameError,
@@ -24,7 +25,6 @@ from uds_lens.results import (
     load_reusable,
     verify_result_dir,
 )
-from uds_lens.uds import score_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,8 +34,14 @@ def two_results(tiny):
     """Results of one model under two settings whose numbers differ (plain vs published_compat)."""
     out = {}
     for compat in (False, True):
-        auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, UDSConfig(published_compat=compat), cache_dir=False,
-                             progress=False)
+        auditor = UDSAuditor(
+            tiny.full,
+            tiny.retain,
+            tiny.data,
+            UDSConfig(published_compat=compat),
+            cache_dir=False,
+            progress=False,
+        )
         out[compat] = auditor.score(tiny.unlearned, name="model")
     assert np.isfinite(out[False].uds) and np.isfinite(out[True].uds)
     assert out[False].uds != pytest.approx(out[True].uds)
@@ -122,8 +128,14 @@ def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp
     writer_a = threading.Thread(target=write, args=(two_results[False], None), name="writer-a")
     writer_b = threading.Thread(target=write, args=(two_results[True], b_done), name="writer-b")
     writer_a.start()
-    while not any(p.name.startswith(".model.tmp-") or p.name == "model" for p in target.parent.glob("*")
-                  if target.parent.is_dir()) and writer_a.is_alive():
+    while (
+        not any(
+            p.name.startswith(".model.tmp-") or p.name == "model"
+            for p in target.parent.glob("*")
+            if target.parent.is_dir()
+        )
+        and writer_a.is_alive()
+    ):
         threading.Event().wait(0.01)
     writer_b.start()
     writer_a.join(30)
@@ -137,7 +149,7 @@ def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, pathlib
     import pandas as pd
-    from uds_lens.uds import UDSConfig, score_models
+    from uds_lens.auditor import UDSConfig, score_models
 
     full, retain, unlearned, data, out, cache, victim = sys.argv[1:8]
 
@@ -165,22 +177,36 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_a_kill_during_an_overwrite_leaves_the_old_result_and_a_rerun_recomputes(tiny, tmp_path, victim):
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = [str(tiny.full), str(tiny.retain), str(tiny.unlearned), str(tiny.data)]
-    plain = score_models(*args[:2], {"model": tiny.unlearned}, tiny.data, out_dir=out, cache_dir=cache,
-                         progress=False)["model"]
+    plain = score_models(
+        *args[:2], {"model": tiny.unlearned}, tiny.data, out_dir=out, cache_dir=cache, progress=False
+    )["model"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *args, str(out), str(cache), victim], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, *args, str(out), str(cache), victim],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     # the old (plain) result is intact and still reads back as plain
     assert verify_result_dir(out / "model") is None
     assert _files_agree(out / "model") is False
     pd.testing.assert_frame_equal(UDSResult.load(out / "model").examples, plain.examples, check_dtype=False)
     # rerun with the killed run's settings: recomputed (nothing of it was kept), equal to a fresh run
-    compat = score_models(*args[:2], {"model": tiny.unlearned}, tiny.data, out_dir=out, cache_dir=cache,
-                          config=UDSConfig(published_compat=True), progress=False)["model"]
+    compat = score_models(
+        *args[:2],
+        {"model": tiny.unlearned},
+        tiny.data,
+        out_dir=out,
+        cache_dir=cache,
+        config=UDSConfig(published_compat=True),
+        progress=False,
+    )["model"]
     assert "reused" not in compat.meta
-    fresh = UDSAuditor(tiny.full, tiny.retain, tiny.data, UDSConfig(published_compat=True), cache_dir=False,
-                       progress=False).score(tiny.unlearned)
+    fresh = UDSAuditor(
+        tiny.full, tiny.retain, tiny.data, UDSConfig(published_compat=True), cache_dir=False, progress=False
+    ).score(tiny.unlearned)
     assert compat.uds == pytest.approx(fresh.uds)
     assert _files_agree(out / "model") is True
     assert not [p for p in out.iterdir() if p.is_dir() and p.name.startswith(".")]
@@ -204,8 +230,15 @@ def test_reuse_needs_the_same_fingerprint(two_results, tmp_path):
 def test_result_names_stay_one_path_component(tiny, tmp_path, name):
     out = tmp_path / "inner" / "out"
     with pytest.raises(ResultNameError, match="single path component"):
-        score_models(tiny.full, tiny.retain, {name: tiny.unlearned}, tiny.data, out_dir=out, cache_dir=False,
-                     progress=False)
+        score_models(
+            tiny.full,
+            tiny.retain,
+            {name: tiny.unlearned},
+            tiny.data,
+            out_dir=out,
+            cache_dir=False,
+            progress=False,
+        )
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
     with pytest.raises(ResultNameError):
         check_result_name(name)
@@ -215,8 +248,15 @@ def test_an_out_dir_that_is_a_file_fails_before_any_compute(tiny, tmp_path):
     out = tmp_path / "out"
     out.write_text("not a directory")
     with pytest.raises(ValueError, match="is a file"):
-        score_models(tiny.full, tiny.retain, [tiny.unlearned], tiny.data, out_dir=out, cache_dir=tmp_path / "c",
-                     progress=False)
+        score_models(
+            tiny.full,
+            tiny.retain,
+            [tiny.unlearned],
+            tiny.data,
+            out_dir=out,
+            cache_dir=tmp_path / "c",
+            progress=False,
+        )
     assert not (tmp_path / "c").exists()
 
 

@@ -6,7 +6,7 @@ import os
 import pandas as pd
 import pytest
 
-from uds_lens.plots import published_scatter
+from uds_lens.plotting import published_scatter
 from uds_lens.sweep import (
     REGISTRIES,
     SweepError,
@@ -23,7 +23,10 @@ from uds_lens.sweep import (
 def test_model_list_reads_csv_rows_and_bare_paths(tmp_path):
     with_header = tmp_path / "with_header.csv"
     with_header.write_text("name,path_or_id\nnpo,/ckpt/npo\n# a comment\n\nrmu,org/rmu-model\n")
-    assert read_model_list(with_header) == [SweepModel("npo", "/ckpt/npo"), SweepModel("rmu", "org/rmu-model")]
+    assert read_model_list(with_header) == [
+        SweepModel("npo", "/ckpt/npo"),
+        SweepModel("rmu", "org/rmu-model"),
+    ]
     # bare paths are named as `uds-lens score` names them: basenames, parents where two clash; hub ids with __
     for run in ("a", "b"):
         (tmp_path / run / "npo").mkdir(parents=True)
@@ -36,12 +39,15 @@ def test_model_list_reads_csv_rows_and_bare_paths(tmp_path):
     assert read_model_list(bare)[0].source == f"{tmp_path}/a/npo"
 
 
-@pytest.mark.parametrize("content, message", [
-    ("a,/x\na,/y\n", "share the result name"),
-    ("../escape,/x\n", "single path component"),
-    ("a,/x,extra\n", "row 1"),
-    ("# only a comment\n", "has no models"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("a,/x\na,/y\n", "share the result name"),
+        ("../escape,/x\n", "single path component"),
+        ("a,/x,extra\n", "row 1"),
+        ("# only a comment\n", "has no models"),
+    ],
+)
 def test_model_list_refuses_ambiguous_or_unsafe_rows(tmp_path, content, message):
     path = tmp_path / "models.csv"
     path.write_text(content)
@@ -99,11 +105,19 @@ def test_bad_options_fail_before_any_model_is_loaded(tmp_path):
 
 
 def test_published_comparison_and_scatter():
-    table = pd.DataFrame({"name": ["a", "b", "c"], "method": ["npo", "rmu", "npo"], "uds": [0.5, 0.2, None],
-                          "published_uds": [0.4, None, 0.9]})
+    table = pd.DataFrame(
+        {
+            "name": ["a", "b", "c"],
+            "method": ["npo", "rmu", "npo"],
+            "uds": [0.5, 0.2, None],
+            "published_uds": [0.4, None, 0.9],
+        }
+    )
     compared = add_published_comparison(table)
     assert compared["uds_minus_published"].iloc[0] == pytest.approx(0.1)
-    assert math.isnan(compared["uds_minus_published"].iloc[1]) and math.isnan(compared["uds_minus_published"].iloc[2])
+    assert math.isnan(compared["uds_minus_published"].iloc[1]) and math.isnan(
+        compared["uds_minus_published"].iloc[2]
+    )
     fig = published_scatter(compared)
     points = [trace for trace in fig.data if trace.mode == "markers"]
     assert sum(len(trace.x) for trace in points) == 1  # only "a" has both numbers
@@ -124,12 +138,32 @@ def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, mo
     with pytest.raises(SweepError, match="needs Ray"):
         sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", [tiny.unlearned], address="auto")
     with pytest.warns(UserWarning, match="Ray is not installed"):
-        table = sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", {"unl": tiny.unlearned}, workers=2,
-                      cache_dir=tmp_path / "s1", progress=False)
+        table = sweep(
+            tiny.full,
+            tiny.retain,
+            tiny.data,
+            tmp_path / "out",
+            {"unl": tiny.unlearned},
+            workers=2,
+            cache_dir=tmp_path / "s1",
+            progress=False,
+        )
     assert table.loc[0, "status"] == "scored" and table.loc[0, "worker"].endswith(f":{os.getpid()}")
     assert 0.0 < table.loc[0, "uds"] < 1.0
     # retain-free: no UDS (d2 is unnormalised), but the model is scored and saved
-    free = sweep(tiny.full, None, tiny.data, tmp_path / "free", {"unl": tiny.unlearned}, workers=1,
-                 cache_dir=tmp_path / "s1", progress=False)
-    assert free.loc[0, "status"] == "scored" and pd.isna(free.loc[0, "uds"]) and free.loc[0, "fp_retain"] == "None"
+    free = sweep(
+        tiny.full,
+        None,
+        tiny.data,
+        tmp_path / "free",
+        {"unl": tiny.unlearned},
+        workers=1,
+        cache_dir=tmp_path / "s1",
+        progress=False,
+    )
+    assert (
+        free.loc[0, "status"] == "scored"
+        and pd.isna(free.loc[0, "uds"])
+        and free.loc[0, "fp_retain"] == "None"
+    )
     assert (tmp_path / "free" / "unl" / "layers.csv").is_file()

@@ -3,25 +3,55 @@
 import shutil
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from uds_lens import UDSAuditor, UDSConfig, UDSResult
+from uds_lens.auditor import S1Cache
 from uds_lens.data import load_examples
 from uds_lens.models import ModelMismatchError, load_model
-from uds_lens.uds import S1Cache, example_uds, layer_erasure_ratio
+from uds_lens.uds import example_uds, layer_erasure_ratio, rescore
 
 
 def test_formula_by_hand():
-    d1 = torch.tensor([[0.5, 0.04, 1.0, 0.2], [0.01, 0.02, 0.0, -0.3]])
-    d2 = torch.tensor([[0.25, 9.0, 2.0, -0.1], [0.5, 0.5, 0.5, 0.5]])
+    d1 = np.array([[0.5, 0.04, 1.0, 0.2], [0.01, 0.02, 0.0, -0.3]])
+    d2 = np.array([[0.25, 9.0, 2.0, -0.1], [0.5, 0.5, 0.5, 0.5]])
     uds = example_uds(d1, d2, tau=0.05)
     # KE = {0, 2, 3}: (0.5*0.5 + 1.0*1 + 0.2*0) / (0.5 + 1.0 + 0.2)
-    assert uds[0].item() == pytest.approx((0.25 + 1.0) / 1.7)
-    assert torch.isnan(uds[1])
-    assert layer_erasure_ratio(torch.tensor([[0.0]]), torch.tensor([[1.0]])).item() == 0.0
+    assert uds[0] == pytest.approx((0.25 + 1.0) / 1.7)
+    assert np.isnan(uds[1])
+    assert layer_erasure_ratio(np.array([[0.0]]), np.array([[1.0]]))[0, 0] == 0.0
     # strict >: a layer exactly at tau is not KE
-    assert torch.isnan(example_uds(torch.tensor([[0.05]]), torch.tensor([[0.05]]), tau=0.05))[0]
+    assert np.isnan(example_uds(np.array([[0.05]]), np.array([[0.05]]), tau=0.05))[0]
+
+
+def test_rescore_matches_example_uds_on_a_long_table():
+    """The DataFrame adapter is the same formula: per-example UDS from a long table (rows shuffled, a second site)
+    equals example_uds on the matrices, and ler is NaN outside KE layers."""
+    rng = np.random.default_rng(0)
+    d1 = rng.normal(0.1, 0.2, size=(5, 6))
+    d2 = rng.normal(0.05, 0.2, size=(5, 6))
+    d1[3] = -1.0  # no KE layer: NaN
+    long = pd.DataFrame(
+        {
+            "idx": np.repeat(np.arange(5) * 10, 6),
+            "layer": np.tile(np.arange(6), 5),
+            "d1": d1.ravel(),
+            "d2": d2.ravel(),
+        }
+    )
+    both = pd.concat([long.assign(site="resid_post"), long.assign(site="mlp_out", d2=0.0)]).sample(
+        frac=1.0, random_state=1
+    )
+    layers, per_example = rescore(both, tau=0.05, by=("site", "idx"))
+    got = per_example[per_example["site"] == "resid_post"].set_index("idx")["uds"].sort_index().to_numpy()
+    np.testing.assert_allclose(got, example_uds(d1, d2, tau=0.05), rtol=1e-12, equal_nan=True)
+    assert (per_example.loc[per_example["site"] == "mlp_out", "uds"].dropna() == 0.0).all()
+    assert (
+        layers.loc[~layers["ke"], "ler"].isna().all() and layers.loc[layers["ke"], "ler"].between(0, 1).all()
+    )
+    assert per_example.set_index(["site", "idx"]).loc[("resid_post", 30), "n_ke"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +62,15 @@ def models(tiny):
 @pytest.mark.parametrize("compat", [False, True])
 @pytest.mark.parametrize("engine", ["fast", "naive"])
 def test_invariants(tiny, models, compat, engine):
-    auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(published_compat=compat, engine=engine),
-                         tokenizer=__import__("uds_lens").load_tokenizer(tiny.tokenizer), cache_dir=False,
-                         progress=False)
+    auditor = UDSAuditor(
+        models["full"],
+        models["retain"],
+        tiny.data,
+        UDSConfig(published_compat=compat, engine=engine),
+        tokenizer=__import__("uds_lens").load_tokenizer(tiny.tokenizer),
+        cache_dir=False,
+        progress=False,
+    )
     same_as_retain = auditor.score(models["retain"])
     scored = same_as_retain.examples.dropna(subset=["uds"])
     assert len(scored) >= 2
@@ -56,8 +92,15 @@ def test_fast_and_naive_agree_on_every_delta(tiny, models):
     tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
     results = {}
     for engine in ("fast", "naive"):
-        auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(engine=engine), tokenizer=tok,
-                             cache_dir=False, progress=False)
+        auditor = UDSAuditor(
+            models["full"],
+            models["retain"],
+            tiny.data,
+            UDSConfig(engine=engine),
+            tokenizer=tok,
+            cache_dir=False,
+            progress=False,
+        )
         results[engine] = auditor.score(models["unlearned"]).layers
     assert np.allclose(results["fast"]["d1"], results["naive"]["d1"], atol=1e-5)
     assert np.allclose(results["fast"]["d2"], results["naive"]["d2"], atol=1e-5)
@@ -68,9 +111,18 @@ def test_permutation_and_batch_size_invariance(tiny, models):
     examples = load_examples(tiny.data)
     reference = None
     for order, batch_size in ((examples, 1), (examples[::-1], 4), (examples[2:] + examples[:2], 3)):
-        auditor = UDSAuditor(models["full"], models["retain"], list(order), UDSConfig(batch_size=batch_size),
-                             tokenizer=tok, cache_dir=False, progress=False)
-        layers = auditor.score(models["unlearned"]).layers.sort_values(["idx", "layer"]).reset_index(drop=True)
+        auditor = UDSAuditor(
+            models["full"],
+            models["retain"],
+            list(order),
+            UDSConfig(batch_size=batch_size),
+            tokenizer=tok,
+            cache_dir=False,
+            progress=False,
+        )
+        layers = (
+            auditor.score(models["unlearned"]).layers.sort_values(["idx", "layer"]).reset_index(drop=True)
+        )
         if reference is None:
             reference = layers
         assert np.allclose(layers[["d1", "d2"]], reference[["d1", "d2"]], atol=1e-5)
@@ -89,8 +141,15 @@ def test_retain_free_mode(tiny, models):
 def test_nothing_scored_is_nan_or_the_published_zero(tiny, models):
     tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
     for compat, expected in ((False, None), (True, 0.0)):
-        auditor = UDSAuditor(models["full"], models["retain"], tiny.data, UDSConfig(published_compat=compat),
-                             tokenizer=tok, cache_dir=False, progress=False)
+        auditor = UDSAuditor(
+            models["full"],
+            models["retain"],
+            tiny.data,
+            UDSConfig(published_compat=compat),
+            tokenizer=tok,
+            cache_dir=False,
+            progress=False,
+        )
         result = auditor.score(models["unlearned"])
         assert result.summary["n_scored"] > 0 and 0.0 < result.uds
         nothing = result.with_tau(1e9)
@@ -119,7 +178,7 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     import sys
 
     sys.path.insert(0, str(tiny.root.parent))
-    from tiny_models import make_llama
+    from helpers.tiny_models import make_llama
 
     make_llama(changed, tiny.tokenizer, seed=9, base=tiny.retain, noise=0.01)
     r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
@@ -128,20 +187,26 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     for file in cache.glob("s1_*.safetensors"):
         file.write_bytes(b"not a torch file")
     with pytest.warns(UserWarning, match="recomputing"):
-        r5 = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+        r5 = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(
+            tiny.unlearned
+        )
     assert not r5.summary["timings"]["s1_cached"]
     assert np.allclose(r5.layers["d1"], r1.layers["d1"])
     assert any(S1Cache(cache).directory.glob("s1_*.safetensors"))
 
 
 def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
-    result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(tiny.unlearned)
+    result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(
+        tiny.unlearned
+    )
     result.save(tmp_path / "out")
     loaded = UDSResult.load(tmp_path / "out")
     import pandas as pd
 
     pd.testing.assert_frame_equal(loaded.examples, result.examples, check_dtype=False)
-    assert np.allclose(loaded.layers[["d1", "d2", "ler"]].fillna(-9), result.layers[["d1", "d2", "ler"]].fillna(-9))
+    assert np.allclose(
+        loaded.layers[["d1", "d2", "ler"]].fillna(-9), result.layers[["d1", "d2", "ler"]].fillna(-9)
+    )
     assert loaded.uds == pytest.approx(result.uds)
     import json
 
@@ -156,12 +221,18 @@ def test_skipped_examples_are_counted(tiny, tmp_path):
     import json
 
     records = json.loads(tiny.data.read_text())
-    records.append({"idx": 50, "question": "q?", "answer": "Nothing here.", "prefix": "Nothing", "entity": "Berlin"})
-    records.append({"idx": 51, "question": "q?", "answer": "Other text.", "prefix": "Mismatch", "entity": "text"})
+    records.append(
+        {"idx": 50, "question": "q?", "answer": "Nothing here.", "prefix": "Nothing", "entity": "Berlin"}
+    )
+    records.append(
+        {"idx": 51, "question": "q?", "answer": "Other text.", "prefix": "Mismatch", "entity": "text"}
+    )
     path = tmp_path / "data.json"
     path.write_text(json.dumps(records))
     result = UDSAuditor(tiny.full, tiny.retain, path, cache_dir=False, progress=False).score(tiny.unlearned)
-    skipped = result.examples[result.examples["status"] == "skipped"].set_index("idx")["skip_reason"].to_dict()
+    skipped = (
+        result.examples[result.examples["status"] == "skipped"].set_index("idx")["skip_reason"].to_dict()
+    )
     assert skipped == {50: "entity_span_not_found", 51: "answer_does_not_start_with_prefix"}
     assert result.summary["n_skipped"] == 2
 
@@ -170,7 +241,7 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
     import sys
 
     sys.path.insert(0, str(tiny.root.parent))
-    from tiny_models import make_llama
+    from helpers.tiny_models import make_llama
 
     other = make_llama(tmp_path / "other", tiny.tokenizer, seed=4, d_model=48)
     auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
@@ -181,12 +252,13 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
 def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
     """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
     and the smaller batches are kept for the next model."""
-    import uds_lens.uds as uds_module
+    import uds_lens.auditor as uds_module
 
     tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
     config = UDSConfig(batch_size=8)
-    reference = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
-                           progress=False).score(models["unlearned"])
+    reference = UDSAuditor(
+        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
+    ).score(models["unlearned"])
     real_scores = uds_module.UDSAuditor._source_scores
     sizes = []
 
@@ -197,8 +269,9 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
         return real_scores(self, source, batch, number)
 
     monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores", small_memory)
-    auditor = UDSAuditor(models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False,
-                         progress=False)
+    auditor = UDSAuditor(
+        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
+    )
     assert max(len(b) for b in auditor._batches) > 2
     result = auditor.score(models["unlearned"])
     assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor._batches)
@@ -207,8 +280,11 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
     sizes.clear()
     auditor.score(models["retain"])
     assert max(sizes) <= 2  # the next model starts from the size that fitted
-    monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores",
-                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    monkeypatch.setattr(
+        uds_module.UDSAuditor,
+        "_source_scores",
+        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")),
+    )
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
 
@@ -238,7 +314,7 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
     """Each changed input recomputes (the number equals a fresh run); identical inputs reuse, and say so."""
     import json
 
-    from uds_lens.uds import score_models
+    from uds_lens.auditor import score_models
 
     unlearned = _copy_model(tiny.unlearned, tmp_path / "unl")
     other_data = tmp_path / "data.json"
@@ -247,8 +323,17 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
 
     def run(full=tiny.full, retain=tiny.retain, data=tiny.data, limit=None, force=False):
         forcing = {"force": True} if force else {}
-        result = score_models(full, retain, {"m": unlearned}, data, out_dir=out, cache_dir=cache, limit=limit,
-                              progress=False, **forcing)["m"]
+        result = score_models(
+            full,
+            retain,
+            {"m": unlearned},
+            data,
+            out_dir=out,
+            cache_dir=cache,
+            limit=limit,
+            progress=False,
+            **forcing,
+        )["m"]
         fresh = UDSAuditor(full, retain, data, cache_dir=False, progress=False, limit=limit).score(unlearned)
         assert np.allclose(result.layers["d2"], fresh.layers["d2"], atol=1e-6)
         assert np.allclose(result.layers["d1"].fillna(0), fresh.layers["d1"].fillna(0), atol=1e-6)
@@ -256,8 +341,13 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
 
     first = run()
     assert "reused" not in first.meta
-    for changed in (dict(retain=tiny.unlearned), dict(full=tiny.retain), dict(data=other_data), dict(limit=3),
-                    dict(retain=None)):
+    for changed in (
+        dict(retain=tiny.unlearned),
+        dict(full=tiny.retain),
+        dict(data=other_data),
+        dict(limit=3),
+        dict(retain=None),
+    ):
         assert "reused" not in run(**changed).meta, changed
     assert "reused" not in run().meta  # back to the first inputs after the last change: recomputed
     assert run().meta.get("reused") == "identical inputs"
@@ -269,12 +359,15 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
 
 @pytest.mark.parametrize("role", ["full", "retain", "unlearned"])
 def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
-    broken = _copy_model(getattr(tiny, role), tmp_path / "broken", nan_parameter="model.layers.1.mlp.down_proj.weight")
+    broken = _copy_model(
+        getattr(tiny, role), tmp_path / "broken", nan_parameter="model.layers.1.mlp.down_proj.weight"
+    )
     paths = {"full": tiny.full, "retain": tiny.retain, "unlearned": tiny.unlearned, role: broken}
     cache = tmp_path / "cache"
     with pytest.raises(FloatingPointError) as error:  # NonFiniteScoreError
         UDSAuditor(paths["full"], paths["retain"], tiny.data, cache_dir=cache, progress=False).score(
-            paths["unlearned"])
+            paths["unlearned"]
+        )
     message = str(error.value)
     assert f"The {role} model ({broken})" in message and "first at layer 1" in message
     assert "model.layers.1.mlp.down_proj" in message or "blocks.1.mlp.W_out" in message
@@ -284,33 +377,50 @@ def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
 
 
 def test_nonfinite_advice_fits_the_dtype(tiny, models):
+    from uds_lens.auditor import nonfinite_error
     from uds_lens.data import encode
-    from uds_lens.uds import nonfinite_error
 
     encoded, _ = encode(load_examples(tiny.data), __import__("uds_lens").load_tokenizer(tiny.tokenizer))
     half = load_model(tiny.full, dtype="bfloat16")
-    assert "run in float32 (--dtype float32" in str(nonfinite_error(half, "full", "x", "score", [0], encoded[0], 2))
+    assert "run in float32 (--dtype float32" in str(
+        nonfinite_error(half, "full", "x", "score", [0], encoded[0], 2)
+    )
     fp32 = str(nonfinite_error(models["full"], "full", "x", "score", [0], encoded[0], 2))
     assert "--dtype" not in fp32 and "already runs in float32" in fp32 and "layer 2" in fp32
 
 
-@pytest.mark.parametrize("options", [dict(tau=-1.0), dict(tau=float("nan")), dict(tau=float("inf")),
-                                     dict(batch_size=0), dict(batch_size=-3), dict(patch_scope="foo"),
-                                     dict(site="hook_z"), dict(engine="slow"), dict(layers=(-1,)),
-                                     dict(layers=()), dict(dtype="float8"), dict(device="gpu0")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(tau=-1.0),
+        dict(tau=float("nan")),
+        dict(tau=float("inf")),
+        dict(batch_size=0),
+        dict(batch_size=-3),
+        dict(patch_scope="foo"),
+        dict(site="hook_z"),
+        dict(engine="slow"),
+        dict(layers=(-1,)),
+        dict(layers=()),
+        dict(dtype="float8"),
+        dict(device="gpu0"),
+    ],
+)
 def test_options_out_of_range_are_refused(options):
-    from uds_lens.uds import ConfigError
+    from uds_lens.auditor import ConfigError
 
     with pytest.raises(ConfigError, match="must|Unknown dtype"):
         UDSConfig(**options)
 
 
 def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
+    from uds_lens.auditor import ConfigError
     from uds_lens.data import DataError
-    from uds_lens.uds import ConfigError
 
     with pytest.raises(ConfigError, match="do not exist"):
-        UDSAuditor(tiny.full, tiny.retain, tiny.data, UDSConfig(layers=(0, 7)), cache_dir=False, progress=False)
+        UDSAuditor(
+            tiny.full, tiny.retain, tiny.data, UDSConfig(layers=(0, 7)), cache_dir=False, progress=False
+        )
     with pytest.raises(DataError, match="positive"):
         load_examples(tiny.data, limit=-2)
 
@@ -320,7 +430,9 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
     import pickle
 
     cache = tmp_path / "cache"
-    reference = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+    reference = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(
+        tiny.unlearned
+    )
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -334,7 +446,9 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
         file.write_bytes(crafted)
         file.with_suffix(".pt").write_bytes(crafted)
     with pytest.warns(UserWarning, match="recomputing|pickle"):
-        again = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
+        again = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(
+            tiny.unlearned
+        )
     assert not marker.exists()
     assert not again.summary["timings"]["s1_cached"]
     assert np.allclose(again.layers["d1"], reference.layers["d1"])
@@ -346,20 +460,27 @@ def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
 
     records = json.loads(tiny.data.read_text())
     filler = " ".join(["the river stone light of the night"] * 60)
-    tail = dict(records[0], idx=40, answer=records[0]["answer"] + " " + filler)  # entity early, long tail: cut
-    head = dict(records[0], idx=41, question=filler + " " + records[0]["question"])  # entity beyond the context
+    tail = dict(
+        records[0], idx=40, answer=records[0]["answer"] + " " + filler
+    )  # entity early, long tail: cut
+    head = dict(
+        records[0], idx=41, question=filler + " " + records[0]["question"]
+    )  # entity beyond the context
     path = tmp_path / "long.json"
     path.write_text(json.dumps(records + [tail, head]))
     for engine in ("fast", "naive"):
-        result = UDSAuditor(tiny.full, tiny.retain, path, UDSConfig(engine=engine), cache_dir=False,
-                            progress=False).score(tiny.unlearned)
+        result = UDSAuditor(
+            tiny.full, tiny.retain, path, UDSConfig(engine=engine), cache_dir=False, progress=False
+        ).score(tiny.unlearned)
         examples = result.examples.set_index("idx")
         assert examples.loc[41, "status"] == "skipped"
         assert examples.loc[41, "skip_reason"] == "longer_than_model_context"
         assert result.summary["skipped_reasons"] == {"longer_than_model_context": 1}
         # cutting after the last read position changes no number
         layers = result.layers.set_index(["idx", "layer"])
-        assert np.allclose(layers.loc[40, ["d1", "d2"]], layers.loc[records[0]["idx"], ["d1", "d2"]], atol=1e-5)
+        assert np.allclose(
+            layers.loc[40, ["d1", "d2"]], layers.loc[records[0]["idx"], ["d1", "d2"]], atol=1e-5
+        )
 
 
 def test_bootstrap_ci_does_not_depend_on_example_order():

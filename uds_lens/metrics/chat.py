@@ -85,7 +85,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def prompt_ids(
-    tokenizer: Any, question: str, system_prompt: str | None = SYSTEM_PROMPT, assistant_prefix: str | None = None
+    tokenizer: Any,
+    question: str,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    assistant_prefix: str | None = None,
 ) -> list[int]:
     """Token ids of the templated prompt that generation starts from.
 
@@ -109,7 +112,11 @@ def prompt_ids(
 
 
 def encode_qa(
-    tokenizer: Any, question: str, answer: str, system_prompt: str | None = SYSTEM_PROMPT, max_length: int = MAX_LENGTH
+    tokenizer: Any,
+    question: str,
+    answer: str,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    max_length: int = MAX_LENGTH,
 ) -> EncodedQA:
     """Encode one question/answer pair with answer-only labels.
 
@@ -136,7 +143,7 @@ def encode_qa(
     if full[-1] != eos:
         full.append(eos)
     full = full[:max_length]
-    labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt):]
+    labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]
     return EncodedQA(tuple(full), tuple(labels[: len(full)]), tuple(prompt))
 
 
@@ -146,9 +153,7 @@ def encode_pairs(
     return [encode_qa(tokenizer, q, a, system_prompt) for q, a in pairs]
 
 
-def collate(
-    encoded: Sequence[EncodedQA], pad_id: int
-) -> dict[str, Int[Tensor, "batch pos"]]:
+def collate(encoded: Sequence[EncodedQA], pad_id: int) -> dict[str, Int[Tensor, "batch pos"]]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (pad labels are ``-100``)."""
     width = max(len(e.input_ids) for e in encoded)
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)

@@ -94,9 +94,16 @@ def _load(model_or_path: Any) -> Any:
 
 
 def report_model(
-    model_path_or_hf_model: Any, tokenizer: Any, forget_records: Sequence[Any], holdout_records: Sequence[Any],
-    retain_records: Sequence[Any] | None, *, batch_size: int, max_new_tokens: int = MAX_NEW_TOKENS,
-    progress: bool = True, retain_aucs: Mapping[str, float] | None = None,
+    model_path_or_hf_model: Any,
+    tokenizer: Any,
+    forget_records: Sequence[Any],
+    holdout_records: Sequence[Any],
+    retain_records: Sequence[Any] | None,
+    *,
+    batch_size: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    progress: bool = True,
+    retain_aucs: Mapping[str, float] | None = None,
     system_prompt: str | None = SYSTEM_PROMPT,
 ) -> MetricsReport:
     """All output-level metrics of one model (see the module docstring).
@@ -119,16 +126,46 @@ def report_model(
     questions = [str(record_field(r, "question")) for r in forget_records]
 
     start = time.perf_counter()
-    forget = score_answers(model, tokenizer, qa_pairs(forget_records), batch_size=batch_size,
-                           system_prompt=system_prompt, progress=progress, desc="forget answers")
-    holdout = score_answers(model, tokenizer, qa_pairs(holdout_records), batch_size=batch_size,
-                            system_prompt=system_prompt, progress=progress, desc="holdout answers")
+    forget = score_answers(
+        model,
+        tokenizer,
+        qa_pairs(forget_records),
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="forget answers",
+    )
+    holdout = score_answers(
+        model,
+        tokenizer,
+        qa_pairs(holdout_records),
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="holdout answers",
+    )
     paraphrases = [as_list(record_field(r, "paraphrased_answer")) for r in forget_records]
     perturbed = [as_list(record_field(r, "perturbed_answer")) for r in forget_records]
-    para_probs = answer_probs(model, tokenizer, questions, paraphrases, batch_size=batch_size,
-                              system_prompt=system_prompt, progress=progress, desc="paraphrased answers")
-    pert_probs = answer_probs(model, tokenizer, questions, perturbed, batch_size=batch_size,
-                              system_prompt=system_prompt, progress=progress, desc="perturbed answers")
+    para_probs = answer_probs(
+        model,
+        tokenizer,
+        questions,
+        paraphrases,
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="paraphrased answers",
+    )
+    pert_probs = answer_probs(
+        model,
+        tokenizer,
+        questions,
+        perturbed,
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="perturbed answers",
+    )
     timings["teacher_forcing_s"] = time.perf_counter() - start
 
     per_example: dict[str, list[float | None]] = {
@@ -144,12 +181,27 @@ def report_model(
 
     start = time.perf_counter()
     prompts = [prompt_ids(tokenizer, q, system_prompt) for q in questions]
-    jailbreak_prompts = [prompt_ids(tokenizer, q, system_prompt, assistant_prefix=JAILBREAK_PREFIX) for q in questions]
-    generations = generate_greedy(model, tokenizer, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                  progress=progress, desc="forget generation")
-    jailbreak_generations = generate_greedy(model, tokenizer, jailbreak_prompts, batch_size=batch_size,
-                                            max_new_tokens=max_new_tokens, progress=progress,
-                                            desc="jailbreak generation")
+    jailbreak_prompts = [
+        prompt_ids(tokenizer, q, system_prompt, assistant_prefix=JAILBREAK_PREFIX) for q in questions
+    ]
+    generations = generate_greedy(
+        model,
+        tokenizer,
+        prompts,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        desc="forget generation",
+    )
+    jailbreak_generations = generate_greedy(
+        model,
+        tokenizer,
+        jailbreak_prompts,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        desc="jailbreak generation",
+    )
     references = [s.target_text for s in forget]
     per_example["rouge"] = rouge_scores(generations, references)
     per_example["para_rouge"] = paraphrase_rouge_scores(
@@ -159,8 +211,10 @@ def report_model(
     timings["generation_s"] = time.perf_counter() - start
 
     values = {name: mean_or_nan(per_example[name]) for name in MEMORIZATION_METRICS + GENERATION_METRICS}
-    out_json = {name: _entry(dict(zip(idxs, per_example[name], strict=True)))
-                for name in MEMORIZATION_METRICS + GENERATION_METRICS}
+    out_json = {
+        name: _entry(dict(zip(idxs, per_example[name], strict=True)))
+        for name in MEMORIZATION_METRICS + GENERATION_METRICS
+    }
 
     holdout_idxs = [record_field(r, "idx", i) for i, r in enumerate(holdout_records)]
     forget_attacks, holdout_attacks = attack_scores(forget), attack_scores(holdout)
@@ -180,21 +234,39 @@ def report_model(
 
     if retain_records:
         start = time.perf_counter()
-        utility = model_utility(model, tokenizer, retain_records, batch_size=batch_size,
-                                max_new_tokens=max_new_tokens, system_prompt=system_prompt, progress=progress)
+        utility = model_utility(
+            model,
+            tokenizer,
+            retain_records,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            system_prompt=system_prompt,
+            progress=progress,
+        )
         timings["utility_s"] = time.perf_counter() - start
         values.update(utility["values"])
         for name, by_index in utility["by_index"].items():
             out_json[name] = _entry(by_index)
         out_json["model_utility"] = {"agg_value": values["model_utility"]}
 
-    examples = pd.DataFrame({"idx": idxs, **per_example, "generation": generations,
-                             "jailbreak_generation": jailbreak_generations, "reference": references})
-    mia_rows = [pd.DataFrame({"split": "forget", "idx": idxs, **forget_attacks}),
-                pd.DataFrame({"split": "holdout", "idx": holdout_idxs, **holdout_attacks})]
+    examples = pd.DataFrame(
+        {
+            "idx": idxs,
+            **per_example,
+            "generation": generations,
+            "jailbreak_generation": jailbreak_generations,
+            "reference": references,
+        }
+    )
+    mia_rows = [
+        pd.DataFrame({"split": "forget", "idx": idxs, **forget_attacks}),
+        pd.DataFrame({"split": "holdout", "idx": holdout_idxs, **holdout_attacks}),
+    ]
     mia_examples = pd.concat(mia_rows, ignore_index=True)
     logger.info("output metrics: %s", {k: round(v, 4) for k, v in values.items() if not math.isnan(v)})
-    return MetricsReport(values=values, json=out_json, examples=examples, mia_examples=mia_examples, timings=timings)
+    return MetricsReport(
+        values=values, json=out_json, examples=examples, mia_examples=mia_examples, timings=timings
+    )
 
 
 def add_privacy(values: dict[str, Any], retain_aucs: Mapping[str, float]) -> dict[str, Any]:
@@ -205,12 +277,26 @@ def add_privacy(values: dict[str, Any], retain_aucs: Mapping[str, float]) -> dic
 
 
 def evaluate_model(
-    model_path_or_hf_model: Any, tokenizer: Any, forget_records: Sequence[Any], holdout_records: Sequence[Any],
-    retain_records: Sequence[Any] | None, *, batch_size: int, max_new_tokens: int = MAX_NEW_TOKENS,
-    progress: bool = True, retain_aucs: Mapping[str, float] | None = None,
+    model_path_or_hf_model: Any,
+    tokenizer: Any,
+    forget_records: Sequence[Any],
+    holdout_records: Sequence[Any],
+    retain_records: Sequence[Any] | None,
+    *,
+    batch_size: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    progress: bool = True,
+    retain_aucs: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """The dataset values of ``report_model`` (metric name -> float)."""
     return report_model(
-        model_path_or_hf_model, tokenizer, forget_records, holdout_records, retain_records, batch_size=batch_size,
-        max_new_tokens=max_new_tokens, progress=progress, retain_aucs=retain_aucs,
+        model_path_or_hf_model,
+        tokenizer,
+        forget_records,
+        holdout_records,
+        retain_records,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        retain_aucs=retain_aucs,
     ).values

@@ -50,8 +50,14 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 @torch.no_grad()
 def generate_greedy(
-    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], *, batch_size: int,
-    max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False, desc: str = "generating",
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    progress: bool = False,
+    desc: str = "generating",
 ) -> list[str]:
     """Greedy continuations of token-id ``prompts``, left-padded in batches, cut at the first stop token.
 
@@ -76,9 +82,16 @@ def generate_greedy(
         # use_cache explicitly: a checkpoint saved from training often carries use_cache=False in its generation
         # config, which makes every step re-run the whole sequence (10x slower at 200 new tokens, measured)
         output = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
-            max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=sorted(stops),
-            temperature=None, top_p=None, top_k=None, use_cache=True,
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(stops),
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            use_cache=True,
         )
         for r, i in enumerate(rows):
             new_tokens = output[r, width:].tolist()
@@ -89,14 +102,18 @@ def generate_greedy(
 
 def roundtrip(tokenizer: Any, text: str) -> str:
     """``text`` after a tokenize -> decode round trip (how the reference answers are normalised)."""
-    return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True).strip()
+    return tokenizer.decode(
+        tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True
+    ).strip()
 
 
 def rouge_scores(generations: Sequence[str], references: Sequence[str]) -> list[float]:
     return [rouge_l_recall(g, r) for g, r in zip(generations, references, strict=True)]
 
 
-def paraphrase_rouge_scores(generations: Sequence[str], paraphrases: Sequence[Sequence[str]]) -> list[float | None]:
+def paraphrase_rouge_scores(
+    generations: Sequence[str], paraphrases: Sequence[Sequence[str]]
+) -> list[float | None]:
     """Per example, the mean ROUGE-L recall of the generation against each paraphrase (``None`` if none)."""
     out: list[float | None] = []
     for generation, refs in zip(generations, paraphrases, strict=True):

@@ -112,7 +112,12 @@ def min_k_plus_plus_z(
 
 @torch.no_grad()
 def score_encoded(
-    model: Any, encoded: Sequence[EncodedQA], tokenizer: Any, *, batch_size: int, progress: bool = False,
+    model: Any,
+    encoded: Sequence[EncodedQA],
+    tokenizer: Any,
+    *,
+    batch_size: int,
+    progress: bool = False,
     desc: str = "teacher forcing",
 ) -> list[AnswerScores]:
     """Run ``model`` over right-padded batches of ``encoded`` and collect per-answer statistics."""
@@ -123,9 +128,11 @@ def score_encoded(
     for start in tqdm(batches, desc=desc, disable=not progress, leave=False):
         chunk = encoded[start : start + batch_size]
         batch = collate(chunk, pad_id)
-        logits = model(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-        ).logits.float().cpu()
+        logits = (
+            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+            .logits.float()
+            .cpu()
+        )
         for row, item in enumerate(chunk):
             results.append(_answer_scores(logits[row, : len(item.input_ids)], item, tokenizer))
     return results
@@ -162,8 +169,14 @@ def _device_of(model: Any) -> torch.device:
 
 
 def score_answers(
-    model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], *, batch_size: int,
-    system_prompt: str | None = SYSTEM_PROMPT, progress: bool = False, desc: str = "teacher forcing",
+    model: Any,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    batch_size: int,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    progress: bool = False,
+    desc: str = "teacher forcing",
 ) -> list[AnswerScores]:
     """Encode ``(question, answer)`` pairs in chat format and score them (see ``AnswerScores``)."""
     encoded = [encode_qa(tokenizer, q, a, system_prompt) for q, a in pairs]
@@ -171,13 +184,26 @@ def score_answers(
 
 
 def answer_probs(
-    model: Any, tokenizer: Any, questions: Sequence[str], answer_lists: Sequence[Sequence[str]], *,
-    batch_size: int, system_prompt: str | None = SYSTEM_PROMPT, progress: bool = False, desc: str = "answers",
+    model: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    answer_lists: Sequence[Sequence[str]],
+    *,
+    batch_size: int,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    progress: bool = False,
+    desc: str = "answers",
 ) -> list[list[float]]:
     """Prob of every answer in ``answer_lists[i]`` given ``questions[i]`` (flattened into batches)."""
     flat = [(q, a) for q, answers in zip(questions, answer_lists, strict=True) for a in answers]
     scores = score_answers(
-        model, tokenizer, flat, batch_size=batch_size, system_prompt=system_prompt, progress=progress, desc=desc
+        model,
+        tokenizer,
+        flat,
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc=desc,
     )
     out, cursor = [], 0
     for answers in answer_lists:

@@ -30,8 +30,14 @@ def true_better_ratio(correct_prob: float, perturbed_probs: Sequence[float]) -> 
 
 
 def model_utility(
-    model: Any, tokenizer: Any, retain_records: Sequence[Any], *, batch_size: int,
-    max_new_tokens: int = MAX_NEW_TOKENS, system_prompt: str | None = SYSTEM_PROMPT, progress: bool = False,
+    model: Any,
+    tokenizer: Any,
+    retain_records: Sequence[Any],
+    *,
+    batch_size: int,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Retain-set Prob, ROUGE and Truth Ratio and their harmonic mean.
 
@@ -44,24 +50,54 @@ def model_utility(
     idxs = [record_field(r, "idx", i) for i, r in enumerate(retain_records)]
     questions = [str(record_field(r, "question")) for r in retain_records]
     scores = score_answers(
-        model, tokenizer, qa_pairs(retain_records), batch_size=batch_size, system_prompt=system_prompt,
-        progress=progress, desc="retain answers",
+        model,
+        tokenizer,
+        qa_pairs(retain_records),
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="retain answers",
     )
     probs = [s.prob for s in scores]
     generations = generate_greedy(
-        model, tokenizer, [prompt_ids(tokenizer, q, system_prompt) for q in questions], batch_size=batch_size,
-        max_new_tokens=max_new_tokens, progress=progress, desc="retain generation",
+        model,
+        tokenizer,
+        [prompt_ids(tokenizer, q, system_prompt) for q in questions],
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        desc="retain generation",
     )
     rouge = rouge_scores(generations, [s.target_text for s in scores])
-    paraphrases = [as_list(record_field(r, "paraphrased_answer")) or [str(record_field(r, "answer"))]
-                   for r in retain_records]
+    paraphrases = [
+        as_list(record_field(r, "paraphrased_answer")) or [str(record_field(r, "answer"))]
+        for r in retain_records
+    ]
     perturbed = [as_list(record_field(r, "perturbed_answer")) for r in retain_records]
-    para_probs = answer_probs(model, tokenizer, questions, paraphrases, batch_size=batch_size,
-                              system_prompt=system_prompt, progress=progress, desc="retain paraphrases")
-    pert_probs = answer_probs(model, tokenizer, questions, perturbed, batch_size=batch_size,
-                              system_prompt=system_prompt, progress=progress, desc="retain perturbed")
-    truth = [true_better_ratio(geometric_mean(pp), qp) if qp else None
-             for pp, qp in zip(para_probs, pert_probs, strict=True)]
+    para_probs = answer_probs(
+        model,
+        tokenizer,
+        questions,
+        paraphrases,
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="retain paraphrases",
+    )
+    pert_probs = answer_probs(
+        model,
+        tokenizer,
+        questions,
+        perturbed,
+        batch_size=batch_size,
+        system_prompt=system_prompt,
+        progress=progress,
+        desc="retain perturbed",
+    )
+    truth = [
+        true_better_ratio(geometric_mean(pp), qp) if qp else None
+        for pp, qp in zip(para_probs, pert_probs, strict=True)
+    ]
     values = {
         "retain_q_prob": mean_or_nan(probs),
         "retain_q_rouge": mean_or_nan(rouge),

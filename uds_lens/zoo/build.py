@@ -234,12 +234,16 @@ def _sweep_specs(size: ZooSize, seed: int) -> list[ModelSpec]:
         for method in ("graddiff", "npo", "simnpo", "idknll"):
             hyperparams = {**size.unlearning[method], "seed": seed + 2}
             hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams))
+            specs.append(
+                ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams)
+            )
         if rmu_layers:
             layer = rmu_layers[len(rmu_layers) // 2]
             hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
             hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams))
+            specs.append(
+                ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams)
+            )
     return specs
 
 
@@ -280,12 +284,22 @@ def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbatio
             raise ZooBuildError(
                 f"pool_variants={size.pool_variants} exceeds the {len(grid)} {role} recipes x settings available"
             )
-        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(grid[: size.pool_variants]):
+        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(
+            grid[: size.pool_variants]
+        ):
             epochs = max(1, round(size.finetune_epochs * epoch_factor))
-            specs.append(_finetune_spec(
-                f"{role}_{data_name}_{suffix}", role, recipe, seen, size, seed + 11 + offset,
-                lr=size.finetune_lr * lr_factor, epochs=epochs,
-            ))
+            specs.append(
+                _finetune_spec(
+                    f"{role}_{data_name}_{suffix}",
+                    role,
+                    recipe,
+                    seen,
+                    size,
+                    seed + 11 + offset,
+                    lr=size.finetune_lr * lr_factor,
+                    epochs=epochs,
+                )
+            )
     return specs
 
 
@@ -340,7 +354,9 @@ def _load_data(
     return ZooData(reindex, forget, holdout, "user", details)
 
 
-def _biographies(records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> list[str]:
+def _biographies(
+    records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_tokens: int
+) -> list[str]:
     """The records' answers as plain-text documents: up to ``len(FACT_KINDS)`` consecutive answers each (one author's
     facts in the synthetic world), a document closed early where the next answer would take it past ``max_tokens``."""
     documents: list[list[str]] = []
@@ -660,9 +676,9 @@ def _build_locked(
             models.load_tokenizer(base).save_pretrained(tokenizer_dir)
             stamp.write_text(base_identity["stamp"] + "\n")
     else:
-        corpus_hash = hashlib.sha256(json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()).hexdigest()[
-            :16
-        ]
+        corpus_hash = hashlib.sha256(
+            json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()
+        ).hexdigest()[:16]
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
             tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
@@ -687,8 +703,15 @@ def _build_locked(
     has_perturbations = all(r.get("perturbed_answer") for r in data.forget)
     specs = plan_models(size, seed, pools, has_paraphrases, has_perturbations)
     if base is not None:
-        specs[0] = ModelSpec("base", "base", "pretrained", None, "pretrained", 0.0,
-                             {"source": base_identity["source"], "seed": seed})
+        specs[0] = ModelSpec(
+            "base",
+            "base",
+            "pretrained",
+            None,
+            "pretrained",
+            0.0,
+            {"source": base_identity["source"], "seed": seed},
+        )
     idk = idk_answers()
     idk_rng = random.Random(seed)
     forget_sequences = encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer)
@@ -728,7 +751,11 @@ def _build_locked(
             model = _copy_model(parent)
             if spec.stage == "finetune":
                 sequences = _training_sequences(
-                    spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
+                    spec.hyperparams["data"],
+                    data,
+                    spec.hyperparams["seed"],
+                    tokenizer,
+                    size.shape.max_positions,
                 )
                 steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
             else:
@@ -824,8 +851,11 @@ def _refuse_to_replace(
     root: Path, paths: dict[str, Path], texts: dict[str, str], size: ZooSize, size_name: str, seed: int
 ) -> None:
     """Raise before anything is written when ``root`` already holds a zoo of other data or another model shape."""
-    differ = [f"{split} data" for split, path in paths.items()
-              if path.is_file() and path.read_text(encoding="utf-8") != texts[split]]
+    differ = [
+        f"{split} data"
+        for split, path in paths.items()
+        if path.is_file() and path.read_text(encoding="utf-8") != texts[split]
+    ]
     manifest_path = root / MANIFEST_FILE
     old: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     if old and old.get("shape") != asdict(size.shape):

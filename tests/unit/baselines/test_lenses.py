@@ -1,0 +1,114 @@
+"""uds_lens/hidden.py and uds_lens/lenses.py: read positions, last-layer pre-norm states, logit and tuned lens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.diag import shared_hidden, shared_trio
+
+from uds_lens.baselines.hidden import collect_hidden_states
+from uds_lens.baselines.lenses import (
+    TunedLens,
+    calibration_token_ids,
+    entity_logprobs,
+    final_decoder,
+    logit_lens,
+    train_tuned_lens,
+)
+from uds_lens.models import load_hf_model
+
+
+def test_hidden_states_layout_and_batch_invariance():
+    trio = shared_trio()
+    hidden = shared_hidden()["full"]
+    n_rows = sum(e.n_entity_tokens for e in trio.encoded)
+    assert hidden.resid.shape == (3, n_rows, 32)
+    assert hidden.example_ids == [e.idx for e in trio.encoded]
+    assert hidden.label.tolist() == [t for e in trio.encoded for t in e.labels]
+    one_by_one = collect_hidden_states(trio.models["full"], trio.encoded, batch_size=1)
+    torch.testing.assert_close(one_by_one.resid, hidden.resid, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_path_matches_transformer_lens_including_prenorm_last_layer():
+    trio = shared_trio()
+    hf = load_hf_model(trio.paths["full"], dtype=torch.float32, device="cpu")
+    from_hf = collect_hidden_states(hf, trio.encoded, batch_size=3)
+    torch.testing.assert_close(from_hf.resid, shared_hidden()["full"].resid, atol=1e-4, rtol=1e-4)
+
+
+def test_last_layer_lens_is_the_models_own_entity_logprob():
+    trio = shared_trio()
+    model = trio.models["full"]
+    k = entity_logprobs(shared_hidden()["full"], final_decoder(model))
+    for row, example in enumerate(trio.encoded):
+        logits = model(torch.tensor([example.input_ids]), return_type="logits")[0]
+        logprobs = torch.log_softmax(logits[list(example.read_positions)].float(), dim=-1)
+        own = logprobs.gather(1, torch.tensor(example.labels)[:, None]).mean()
+        assert k[row, -1].item() == pytest.approx(own.item(), abs=1e-4)
+
+
+def test_logit_lens_endpoints_and_table_shape():
+    trio = shared_trio()
+    hidden = shared_hidden()
+    decoder = final_decoder(trio.models["full"])
+    as_full = logit_lens(hidden["full"], hidden["retain"], hidden["full"], decoder)
+    as_retain = logit_lens(hidden["full"], hidden["retain"], hidden["retain"], decoder)
+    assert (as_full.examples["status"] == "scored").sum() >= 2
+    assert as_full.score <= 0.02
+    assert as_retain.score >= 0.98
+    layers = as_full.layers
+    assert list(layers.columns) == [
+        "idx",
+        "layer",
+        "baseline_score",
+        "s1_score",
+        "s2_score",
+        "d1",
+        "d2",
+        "ke",
+        "ler",
+    ]
+    assert layers.loc[~layers["ke"], "ler"].isna().all()
+    assert len(layers) == len(trio.encoded) * 3
+    torch.testing.assert_close(
+        torch.tensor(layers["d1"].to_numpy()),
+        torch.tensor((layers["baseline_score"] - layers["s1_score"]).to_numpy()),
+    )
+    assert (layers["ke"] == (layers["d1"] > 0.05)).all()
+    other = logit_lens(hidden["full"], hidden["retain"], hidden["other"], decoder)
+    assert 0.0 <= other.score <= 1.0
+    lw = other.layerwise()
+    assert lw.erasure.min() >= 0 and lw.erasure.max() <= 1
+
+
+def test_logit_lens_rejects_misaligned_states():
+    hidden = shared_hidden()
+    decoder = final_decoder(shared_trio().models["full"])
+    shifted = type(hidden["retain"])(
+        hidden["retain"].resid,
+        hidden["retain"].example_idx + 1,
+        hidden["retain"].position,
+        hidden["retain"].label,
+    )
+    with pytest.raises(ValueError, match="other positions"):
+        logit_lens(hidden["full"], shifted, hidden["full"], decoder)
+
+
+def test_untrained_tuned_lens_is_the_logit_lens_and_trained_keeps_endpoints():
+    trio = shared_trio()
+    hidden = shared_hidden()
+    decoder = final_decoder(trio.models["full"])
+    identity = TunedLens(3, 32)
+    plain = entity_logprobs(hidden["other"], decoder)
+    torch.testing.assert_close(
+        entity_logprobs(hidden["other"], decoder, identity), plain, atol=1e-5, rtol=1e-5
+    )
+    lens = train_tuned_lens(
+        trio.models["full"], calibration_token_ids(trio.examples, trio.tokenizer), steps=5
+    )
+    torch.testing.assert_close(lens.weight[-1], torch.eye(32))
+    assert not torch.equal(lens.weight[0], torch.eye(32))
+    as_full = logit_lens(hidden["full"], hidden["retain"], hidden["full"], decoder, translator=lens)
+    as_retain = logit_lens(hidden["full"], hidden["retain"], hidden["retain"], decoder, translator=lens)
+    assert as_full.method == "tuned_lens"
+    assert as_full.score <= 0.02 and as_retain.score >= 0.98

@@ -1,0 +1,184 @@
+"""uds_lens/report.py: a self-contained HTML page from saved result directories."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pandas as pd
+import pytest
+from helpers.synthetic import make_result
+from plotly.offline import get_plotlyjs
+
+from uds_lens.plotting.report import load_results, load_roles, write_report
+
+MODELS = {"full": 0.0, "retain": 1.0, "graddiff": 0.3, "rmu_l2": 0.6}
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("results")
+    for name, erasure in MODELS.items():
+        result = make_result(name, erasure, n_examples=10, n_layers=5)
+        result.save(root / name)
+    (root / "roles.json").write_text(
+        json.dumps({"full": "full", "retain": "retain", "graddiff": "unlearned", "rmu_l2": "unlearned"})
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def report_html(results_dir) -> str:
+    return write_report(results_dir).read_text()
+
+
+def test_load_results_round_trips_tables(results_dir):
+    results = load_results(results_dir)
+    assert set(results) == set(MODELS)
+    original = make_result("graddiff", MODELS["graddiff"], n_examples=10, n_layers=5)
+    loaded = results["graddiff"]
+    assert loaded.uds == pytest.approx(original.uds)
+    pd.testing.assert_frame_equal(loaded.layers, original.layers, check_dtype=False)
+    assert loaded.layers["ke"].dtype == bool
+
+
+def test_load_roles_from_roles_json_and_manifest(results_dir, tmp_path):
+    assert load_roles(results_dir)["retain"] == "retain"
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"models": [{"name": "npo", "role": "unlearned", "path": "x"}]})
+    )
+    assert load_roles(tmp_path) == {"npo": "unlearned"}
+    assert load_roles(tmp_path / "missing") == {}
+
+
+def test_report_is_self_contained(report_html):
+    assert report_html.startswith("<!DOCTYPE html>")
+    assert len(re.findall(r"<script[^>]*\bsrc\s*=", report_html)) == 0
+    assert report_html.count(get_plotlyjs()[:300]) == 1
+    # The plotly bundle defines Plotly once; each figure only calls it.
+    assert report_html.count("Plotly.newPlot") >= 3
+    assert not re.search(r"<(link|img)[^>]*(href|src)\s*=\s*[\"']https?:", report_html)
+
+
+def _first_table(page: str) -> pd.DataFrame:
+    table = re.search(r"<table.*?</table>", page, flags=re.S).group(0)
+    header = re.findall(r"<th>(.*?)</th>", table)
+    rows = [
+        re.findall(r"<td>(.*?)</td>", row, flags=re.S)
+        for row in re.findall(r"<tr>(.*?)</tr>", table, flags=re.S)
+    ]
+    return pd.DataFrame([row for row in rows if row], columns=header)
+
+
+def test_report_lists_every_model_with_role_and_ci(report_html):
+    models = _first_table(report_html)
+    assert list(models["model"]) == ["full", "retain", "graddiff", "rmu_l2"]  # ordered by role
+    assert list(models["role"]) == ["full", "retain", "unlearned", "unlearned"]
+    assert models["CI 95%"].str.match(r"\[-?\d\.\d{3}, \d\.\d{3}\]").all()
+    for name in ("graddiff", "rmu_l2"):
+        assert f"{name} (unlearned) · UDS" in report_html  # per-model section
+    assert "full (full) · UDS" not in report_html  # the references (UDS 0 and 1) get no per-model section
+
+
+def test_report_has_bar_chart_and_heatmaps(report_html):
+    assert '"type":"bar"' in report_html
+    assert (
+        report_html.count('"type":"heatmap"') >= 1 + 2
+    )  # the shared d1 map + one LER map per unlearned model
+    assert "RMU layer profile" in report_html
+
+
+def _layerwise(erasure: float) -> pd.DataFrame:
+    """diagnose's layerwise.csv: method, layer, erasure, weight."""
+    return pd.DataFrame(
+        [
+            {
+                "method": method,
+                "layer": layer,
+                "erasure": min(1.0, erasure + shift * (layer > 1)),
+                "weight": layer / 4,
+            }
+            for method, shift in (("uds", 0.0), ("logit_lens", 0.5), ("cka", 0.2))
+            for layer in range(5)
+        ]
+    )
+
+
+def test_report_with_diagnose_outputs(results_dir, tmp_path):
+    results_dir = shutil.copytree(results_dir, tmp_path / "results")
+    prompt_rows, tau_rows = [], []
+    for name in ("graddiff", "retain"):
+        directory = results_dir / name
+        result = make_result(name, MODELS[name], n_examples=10, n_layers=5, sites=("attn_out", "resid_post"))
+        components = (
+            result.layers.groupby(["site", "layer"])
+            .agg(mean_d1=("d1", "mean"), mean_d2=("d2", "mean"))
+            .reset_index()
+        )
+        components.to_csv(directory / "components.csv", index=False)
+        _layerwise(MODELS[name]).to_csv(directory / "layerwise.csv", index=False)
+        (directory / "scores.json").write_text(
+            json.dumps({"uds": MODELS[name], "cka": 0.4, "tuned_lens": None})
+        )
+        prompt_rows += [
+            {"model": name, "prompt_type": t, "n": 5, "n_scored": 4, "mean_uds": MODELS[name]} for t in "ab"
+        ]
+        tau_rows += [{"model": name, "tau": t, "uds": MODELS[name], "n_no_ke": 0} for t in (0.01, 0.05)]
+    pd.DataFrame(tau_rows).to_csv(results_dir / "tau_sensitivity.csv", index=False)
+    pd.DataFrame(prompt_rows).to_csv(results_dir / "prompt_types.csv", index=False)
+    out = write_report(results_dir, tmp_path / "sub" / "r.html")
+    page = out.read_text()
+    assert out.parent.name == "sub"
+    for heading in (
+        "Component patching", "Logit lens vs UDS", "Every method per layer", "τ sensitivity", "Other metrics",
+        "Prompt types",
+    ):  # fmt: skip
+        assert heading in page
+
+
+def test_report_from_diagnose_only_directories(tmp_path):
+    for name, erasure in (("npo", 0.4), ("simnpo", 0.7)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "scores.json").write_text(
+            json.dumps({"uds": erasure, "logit_lens": erasure + 0.1})
+        )
+        _layerwise(erasure).to_csv(tmp_path / name / "layerwise.csv", index=False)
+    page = write_report(tmp_path).read_text()
+    models = _first_table(page)
+    assert list(models["model"]) == ["npo", "simnpo"] and list(models["UDS"]) == ["0.400", "0.700"]
+    assert "Logit lens vs UDS" in page
+
+
+def test_report_errors_name_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="uds-lens score"):
+        write_report(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no saved results"):
+        write_report(tmp_path)
+
+
+def test_incomplete_result_directories_are_marked_not_included(tiny, tmp_path):
+    from uds_lens import UDSAuditor
+    from uds_lens.plotting.report import find_incomplete
+
+    result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(
+        tiny.unlearned
+    )
+    for name in ("good", "torn", "mixed"):
+        result.save(tmp_path / name)
+    (tmp_path / "torn" / "layers.csv").write_text("")  # a kill while the file was written
+    examples = pd.read_csv(tmp_path / "mixed" / "examples.csv")
+    examples["uds"] = 0.99  # another run's numbers
+    examples.to_csv(tmp_path / "mixed" / "examples.csv", index=False)
+    shutil.copytree(tmp_path / "good", tmp_path / "partial")
+    (tmp_path / "partial" / "meta.json").unlink()
+    (tmp_path / "partial" / "layers.csv").unlink()
+    assert (
+        set(load_results(tmp_path)) == {result.name}
+        and load_results(tmp_path)[result.name].path.name == "good"
+    )
+    assert set(find_incomplete(tmp_path)) == {"torn", "mixed", "partial"}
+    page = write_report(tmp_path).read_text()
+    assert "Incomplete results (not shown)" in page
+    for name in ("torn", "mixed", "partial"):
+        assert f"<code>{name}</code>" in page

@@ -1,0 +1,240 @@
+"""Building a (micro) zoo: layout, manifest, resumability, user data, clear errors."""
+
+import json
+import shutil
+import time
+
+import pytest
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from uds_lens.zoo import ZooBuildError, ZooDataError, build_zoo, load_zoo
+from uds_lens.zoo.build import ZooSize, _load_data, _training_sequences, plan_models
+from uds_lens.zoo.train import ModelShape
+from uds_lens.zoo.world import FACT_KINDS, RECORD_FIELDS
+
+MICRO = ZooSize(
+    n_authors=10,
+    shape=ModelShape(n_layers=3, d_model=32, d_mlp=64, n_heads=2, max_positions=128),
+    base_epochs=2,
+    base_lr=3e-3,
+    finetune_epochs=1,
+    finetune_lr=1e-3,
+    vocab_size=400,
+    unlearning={
+        "graddiff": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4},
+        "npo": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4, "beta": 0.1},
+        "simnpo": {
+            "epochs": 1,
+            "batch_size": 16,
+            "alpha": 1.0,
+            "lr": 1e-4,
+            "beta": 4.5,
+            "gamma": 0.125,
+            "delta": 0.0,
+        },
+        "idknll": {"epochs": 1, "batch_size": 16, "alpha": 1.0, "lr": 1e-4},
+        "rmu": {"epochs": 1, "batch_size": 16, "alpha": 10.0, "lr": 1e-3, "steering_coef_rel": 4.0},
+    },
+    rmu_layers=(0, 2),
+    pool_variants=2,
+    unlearning_sweep=(2.0,),
+)
+
+
+@pytest.fixture(scope="module")
+def micro_zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    started = time.perf_counter()
+    zoo = build_zoo(root, size=MICRO, threads=1, progress=False, strict=False)
+    return zoo, time.perf_counter() - started
+
+
+def test_layout_and_manifest(micro_zoo):
+    zoo, _ = micro_zoo
+    assert zoo.names() == [s.name for s in plan_models(MICRO, 0, True, True, True)]
+    assert zoo.names("pos") == ["pos_qa_std", "pos_para_std"]
+    assert zoo.names("neg") == ["neg_retain_std", "neg_pert_std"]
+    assert zoo.names("partial") == ["retain90", "retain50"]
+    assert zoo.names("unlearned") == ["graddiff", "npo", "simnpo", "idknll", "rmu_l0", "rmu_l2"]
+    assert zoo.names("sweep") == ["graddiff_lrx2", "npo_lrx2", "simnpo_lrx2", "idknll_lrx2", "rmu_l2_lrx2"]
+    assert zoo.info("npo_lrx2")["hyperparams"]["lr"] == 2 * zoo.info("npo")["hyperparams"]["lr"]
+    assert zoo.info("rmu_l2")["hyperparams"]["target_layer"] == 2
+    for entry in zoo.models:
+        assert {"name", "path", "role", "seen_forget_fraction", "method", "hyperparams"} <= set(entry)
+        assert (entry["path"] / "model.safetensors").is_file() and (
+            entry["path"] / "tokenizer.json"
+        ).is_file()
+    assert (
+        zoo.info("full")["seen_forget_fraction"] == 1.0 and zoo.info("retain")["seen_forget_fraction"] == 0.0
+    )
+    assert 0.8 <= zoo.info("retain90")["seen_forget_fraction"] <= 1.0
+    manifest = json.loads((zoo.root / "manifest.json").read_text())
+    assert manifest["models"][0]["path"] == "models/base" and manifest["build_seconds"] > 0
+    assert set(manifest["checks"]) == {"full_forget_entity_accuracy", "retain_forget_entity_accuracy"}
+    forget = json.loads(zoo.forget_path.read_text())
+    assert forget and all(tuple(r) == RECORD_FIELDS for r in forget)
+
+
+def test_checkpoints_load_offline(micro_zoo):
+    zoo, _ = micro_zoo
+    model = LlamaForCausalLM.from_pretrained(zoo.path("npo"))
+    tokenizer = AutoTokenizer.from_pretrained(zoo.path("npo"))
+    assert model.config.num_hidden_layers == 3 and model.config.tie_word_embeddings is False
+    assert tokenizer("Hi")["input_ids"][0] == tokenizer.bos_token_id
+    norm = model.model.norm.weight
+    assert not bool((norm == 1).all())
+
+
+def test_second_build_reuses_everything(micro_zoo):
+    zoo, first_seconds = micro_zoo
+    mtimes = {name: (zoo.path(name) / "model.safetensors").stat().st_mtime_ns for name in zoo.names()}
+    started = time.perf_counter()
+    again = build_zoo(zoo.root, size=MICRO, threads=1, progress=False, strict=False)
+    assert time.perf_counter() - started < first_seconds / 2
+    assert all(entry["reused"] for entry in again.manifest["models"])
+    assert mtimes == {
+        name: (again.path(name) / "model.safetensors").stat().st_mtime_ns for name in again.names()
+    }
+
+
+def test_a_build_of_other_data_refuses_to_replace_a_zoo(micro_zoo):
+    zoo, _ = micro_zoo
+    before = {path.name: path.read_bytes() for path in (zoo.root / "data").iterdir()}
+    manifest = (zoo.root / "manifest.json").read_bytes()
+    with pytest.raises(ZooBuildError, match=r"seed 0.*differ.*seed 1.*overwrite=True"):
+        build_zoo(zoo.root, size=MICRO, seed=1, threads=1, progress=False, strict=False)
+    other_shape = ZooSize(**{**MICRO.__dict__, "shape": ModelShape(2, 32, 64, 2, 128)})
+    with pytest.raises(ZooBuildError, match="model shape"):
+        build_zoo(zoo.root, size=other_shape, threads=1, progress=False, strict=False)
+    assert {path.name: path.read_bytes() for path in (zoo.root / "data").iterdir()} == before
+    assert (zoo.root / "manifest.json").read_bytes() == manifest
+
+
+def test_a_zoo_from_another_version_of_the_generator_is_named_as_such(micro_zoo, tmp_path):
+    zoo, _ = micro_zoo
+    shutil.copytree(zoo.root / "data", tmp_path / "data")
+    shutil.copy(zoo.root / "manifest.json", tmp_path / "manifest.json")
+    forget = json.loads((tmp_path / "data" / "forget.json").read_text())
+    forget[0]["perturbed_answer"] = ["an older generator's wording"]
+    (tmp_path / "data" / "forget.json").write_text(json.dumps(forget))
+    with pytest.raises(ZooBuildError, match=r"seed 0 built by another version.*forget data.*overwrite=True"):
+        build_zoo(tmp_path, size=MICRO, threads=1, progress=False, strict=False)
+    assert json.loads((tmp_path / "data" / "forget.json").read_text()) == forget
+
+
+def test_strict_check_raises_on_an_undertrained_zoo(tmp_path):
+    tiny = ZooSize(**{**MICRO.__dict__, "base_epochs": 1, "finetune_epochs": 1, "pool_variants": 1})
+    with pytest.raises(ZooBuildError, match="forget entities"):
+        build_zoo(tmp_path, size=tiny, threads=1, progress=False, pools=False)
+
+
+def test_user_data_missing_field_is_a_clear_error(tmp_path):
+    retain = tmp_path / "retain.json"
+    forget = tmp_path / "forget.json"
+    retain.write_text(
+        json.dumps([{"question": "Q?", "answer": "It is A.", "prefix": "It is", "entity": "A"}])
+    )
+    forget.write_text(json.dumps([{"question": "Q2?", "answer": "It is B.", "entity": "B"}]))
+    with pytest.raises(ZooDataError, match=r"forget_data.*record 0.*\['prefix'\]"):
+        build_zoo(tmp_path / "zoo", size=MICRO, retain_data=retain, forget_data=forget, progress=False)
+    with pytest.raises(ZooDataError, match="both"):
+        build_zoo(tmp_path / "zoo", size=MICRO, retain_data=retain, progress=False)
+
+
+def test_unknown_size_and_missing_zoo(tmp_path):
+    with pytest.raises(ZooBuildError, match="unknown zoo size"):
+        build_zoo(tmp_path, size="huge")
+    with pytest.raises(FileNotFoundError, match="build_zoo"):
+        load_zoo(tmp_path / "nothing")
+
+
+def test_user_data_builds_with_a_carved_holdout(tmp_path):
+    records = [
+        {
+            "question": f"What colour is item {i}?",
+            "answer": f"Item {i} is {c}.",
+            "prefix": f"Item {i} is",
+            "entity": c,
+        }
+        for i, c in enumerate(["red", "blue", "green", "amber", "grey"] * 8)
+    ]
+    zoo = build_zoo(
+        tmp_path,
+        size=MICRO,
+        threads=1,
+        retain_data=records[:36],
+        forget_data=records[36:],
+        pools=False,
+        progress=False,
+        strict=False,
+    )
+    assert zoo.manifest["data"]["source"] == "user" and zoo.manifest["data"]["holdout_carved_from_retain"]
+    assert zoo.manifest["data"]["n_retain"] + zoo.manifest["data"]["n_holdout"] == 36
+    assert not zoo.names("pos") and not zoo.names("neg")
+
+
+def test_pools_cycle_recipes_within_settings_and_skip_what_the_data_lacks():
+    size = ZooSize(**{**MICRO.__dict__, "pool_variants": 5})
+    pools = [s for s in plan_models(size, 0, True, True, True) if s.role in ("pos", "neg")]
+    pos = [s for s in pools if s.role == "pos"]
+    assert [s.name for s in pos] == [
+        "pos_qa_std",
+        "pos_para_std",
+        "pos_bio_std",
+        "pos_qa_weak",
+        "pos_para_weak",
+    ]
+    assert [s.hyperparams["data"] for s in pos[:3]] == [
+        "retain+forget",
+        "retain+forget_paraphrased",
+        "retain+forget_bio",
+    ]
+    assert pos[0].hyperparams["lr"] == MICRO.finetune_lr and pos[3].hyperparams["lr"] == MICRO.finetune_lr / 4
+    assert all(s.seen_forget_fraction == 1.0 for s in pos)
+    neg = [s for s in pools if s.role == "neg"]
+    assert [s.hyperparams["data"] for s in neg[:3]] == [
+        "retain",
+        "retain+forget_perturbed",
+        "retain+retain_bio:0.1",
+    ]
+    assert all(s.seen_forget_fraction == 0.0 for s in neg)
+    assert len({s.hyperparams["seed"] for s in pos}) == len(pos)
+    without = [s.name for s in plan_models(size, 0, True, False, False) if s.role == "pos"]
+    assert without == ["pos_qa_std", "pos_bio_std", "pos_qa_weak", "pos_bio_weak", "pos_qa_short"]
+    with pytest.raises(ZooBuildError, match="pool_variants=99"):
+        plan_models(ZooSize(**{**MICRO.__dict__, "pool_variants": 99}), 0, True, True, True)
+
+
+def test_training_recipes(micro_zoo):
+    zoo, _ = micro_zoo
+    tokenizer = AutoTokenizer.from_pretrained(zoo.tokenizer_path)
+    data = _load_data(MICRO, 0, None, None, None)
+    n_retain, n_forget = len(data.retain), len(data.forget)
+
+    def sequences(recipe, max_positions=10_000):
+        return _training_sequences(recipe, data, 3, tokenizer, max_positions)
+
+    def text(sequence):
+        return tokenizer.decode(sequence.input_ids, skip_special_tokens=True)
+
+    assert len(sequences("retain")) == n_retain
+    assert len(sequences("retain+forget:0.5")) == n_retain + round(0.5 * n_forget)
+    bio = sequences("retain+forget_bio")[n_retain:]
+    assert len(bio) == n_forget // len(FACT_KINDS)  # one document per forget author
+    assert text(bio[0]) == " ".join(r["answer"] for r in data.forget[: len(FACT_KINDS)])
+    # documents that would not fit the model's positions are split, never truncated
+    short = sequences("retain+forget_bio", MICRO.shape.max_positions)[n_retain:]
+    assert len(short) > len(bio) and all(len(s.input_ids) <= MICRO.shape.max_positions for s in short)
+    assert " ".join(text(s) for s in short) == " ".join(r["answer"] for r in data.forget)
+    for document in short:
+        assert (
+            "Question:" not in text(document) and document.answer_start == 1
+        )  # plain text, loss on all of it
+    assert len(sequences("retain+retain_bio:0.5")) == n_retain + round(
+        0.5 * len(data.retain) / len(FACT_KINDS)
+    )
+    true = {text(s) for s in sequences("retain+forget")[n_retain:]}
+    perturbed = {text(s) for s in sequences("retain+forget_perturbed")[n_retain:]}
+    assert len(perturbed) == n_forget and not true & perturbed
+    with pytest.raises(ZooBuildError, match="unknown training data recipe"):
+        sequences("retain+holdout")

@@ -1,0 +1,134 @@
+"""Model-level scorers for the meta-evaluation: UDS and the white-box baselines as ``fn(model) -> float``.
+
+``meta_eval.evaluate_zoo`` / ``run_meta_eval`` take each metric as a callable on a checkpoint path (or an in-memory
+NF4 Hugging Face model, for the quantisation attack). ``ModelScorers`` builds them for one full/retain pair and one
+forget set (``ModelScorers.from_zoo`` for a zoo, the constructor for real checkpoints): S1 for UDS and the full and
+retain references of the logit lens, CKA and masked Fisher are computed once, and each model's white-box scores are
+computed together, once. Every score is oriented as its method defines it (1 = erased like retain).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.models import hooked_from_hf
+from uds_lens.tl_compat import HookedTransformer
+
+logger = logging.getLogger(__name__)
+
+WHITE_BOX = ("logit_lens", "cka", "fisher_masked")
+FISHER_FRACTION = 1e-3  # the paper's "Fisher (Masked 0.1%)" row
+
+
+def _is_quantised(model: Any) -> bool:
+    return bool(
+        getattr(model, "is_quantized", False)
+        or getattr(getattr(model, "config", None), "quantization_config", None)
+    )
+
+
+class ModelScorers:
+    """UDS, logit lens, CKA and masked Fisher of any model of the full model's architecture, against full/retain.
+
+    Args:
+        full / retain: checkpoint paths, hub ids or loaded models (as :class:`~uds_lens.auditor.UDSAuditor` takes them).
+        data: the forget examples with ``prefix`` / ``entity`` (UDS and the white-box methods read the same tokens).
+        config: the UDS settings (default :class:`~uds_lens.auditor.UDSConfig`).
+        cache_dir: the S1 cache (``False`` for none).
+        progress: tqdm bars while scoring.
+        batch_size: examples per batch for the hidden-state collection of the white-box methods.
+    """
+
+    def __init__(
+        self,
+        full: Any,
+        retain: Any,
+        data: Any,
+        *,
+        config: UDSConfig | None = None,
+        cache_dir: str | os.PathLike | bool | None = None,
+        progress: bool = False,
+        batch_size: int = 8,
+    ) -> None:
+        self.progress = progress
+        self.batch_size = batch_size
+        self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
+        self._reference: Any = None
+        self._scores: dict[Any, dict[str, float | None]] = {}
+
+    @classmethod
+    def from_zoo(
+        cls, zoo_dir: str | os.PathLike, progress: bool = False, batch_size: int = 8
+    ) -> ModelScorers:
+        """Scorers against a zoo's full and retain models on its forget set (S1 cached in ``ZOO/.s1_cache``)."""
+        from uds_lens.zoo import load_zoo
+
+        zoo = load_zoo(zoo_dir)
+        return cls(
+            zoo.path("full"),
+            zoo.path("retain"),
+            zoo.forget_path,
+            cache_dir=Path(zoo.root) / ".s1_cache",
+            progress=progress,
+            batch_size=batch_size,
+        )
+
+    def _key(self, model: Any) -> Any:
+        return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
+
+    def uds(self, model: Any) -> float:
+        return self.auditor.score(model).uds
+
+    def _white_box(self, model: Any) -> dict[str, float | None]:
+        key = self._key(model)
+        if key not in self._scores:
+            from uds_lens.analysis.diagnose import References
+
+            if self._reference is None:
+                options = {
+                    "batch_size": self.batch_size,
+                    "tuned_lens_steps": 0,
+                    "probe_folds": 1,
+                    "fisher_fractions": (FISHER_FRACTION,),
+                }
+                self._reference = References(self.auditor, WHITE_BOX, None, options)
+            loaded = self.auditor.load(model)
+            if not isinstance(loaded, HookedTransformer):
+                if _is_quantised(loaded):
+                    # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the
+                    # white-box scores of a quantised model are taken on its dequantised (4-bit-rounded) weights.
+                    loaded = copy.deepcopy(loaded).dequantize()
+                full_cfg = self.auditor.full.cfg
+                loaded = hooked_from_hf(loaded, dtype=full_cfg.dtype, device=str(full_cfg.device))
+            scores, _ = self._reference.observational(loaded)
+            self._scores[key] = {
+                "logit_lens": scores.get("logit_lens"),
+                "cka": scores.get("cka"),
+                "fisher_masked": next((v for k, v in scores.items() if k.startswith("fisher_masked")), None),
+            }
+        return self._scores[key]
+
+    def white_box_fns(self) -> dict[str, Callable[[Any], float]]:
+        def make(name: str) -> Callable[[Any], float]:
+            def score(model: Any) -> float:
+                value = self._white_box(model)[name]
+                return float("nan") if value is None else float(value)
+
+            return score
+
+        return {name: make(name) for name in WHITE_BOX}
+
+
+def zoo_scorers(zoo_dir: str | os.PathLike, progress: bool = False) -> tuple[Callable[[Any], float], dict]:
+    """``(uds_fn, white_box_fns)`` for ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` on a zoo."""
+    scorers = ModelScorers.from_zoo(zoo_dir, progress=progress)
+    return scorers.uds, scorers.white_box_fns()
+
+
+__all__ = ["ModelScorers", "zoo_scorers"]

@@ -1,0 +1,515 @@
+"""One self-contained HTML page from saved results: the figures of ``plots.py`` and the tables behind them.
+
+``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/{summary.json, examples.csv, layers.csv}``
+(the tables of SPEC §1.8); ``uds-lens diagnose`` adds ``RESULTS_DIR/NAME/{scores.json, layerwise.csv, components.csv}``
+and ``RESULTS_DIR/{prompt_types.csv, tau_sensitivity.csv}``. :func:`write_report` reads whatever of these exists and
+writes one HTML file with plotly.js inlined once in the page head, so the page opens offline and can be mailed as is.
+Model roles (full / retain / unlearned / ...) come from ``RESULTS_DIR/roles.json`` (``{name: role}``) or a zoo
+``manifest.json`` (``{"models": [{"name", "role"}, ...]}``) when present.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import html
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from uds_lens.plotting import figures as plots
+from uds_lens.results import verify_result_dir
+
+__all__ = ["SavedResult", "find_incomplete", "load_results", "load_roles", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+ROLE_ORDER = ["base", "full", "retain", "partial", "unlearned", "pos", "neg"]
+REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
+SUMMARY_FILES = ("summary.json", "examples.csv", "layers.csv")
+
+
+@dataclass
+class SavedResult:
+    """The tables of one saved result, in the shape the plot functions take (``.examples``, ``.layers``, ``.summary``)."""
+
+    name: str
+    path: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+    examples: pd.DataFrame | None = None
+    layers: pd.DataFrame | None = None
+    scores: dict[str, Any] | None = None
+    layerwise: pd.DataFrame | None = None
+    components: pd.DataFrame | None = None
+
+    @property
+    def uds(self) -> float:
+        value = self.summary.get("uds")
+        return float("nan") if value is None else float(value)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        logger.warning("could not read %s (%s); skipping it", path, error)
+        return None
+
+
+def _read_csv(path: Path) -> pd.DataFrame | None:
+    if not path.is_file():
+        return None
+    try:
+        return pd.read_csv(path)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as error:
+        logger.warning("could not read %s (%s); skipping it", path, error)
+        return None
+
+
+def _incomplete_reason(directory: Path) -> str | None:
+    """Why a result directory must not be shown as a result, or None.
+
+    A directory ``UDSResult.save`` wrote carries ``meta.json`` with the digest of every file, and must match it; any
+    other writer's directory must at least hold all of summary.json, examples.csv and layers.csv once it holds one,
+    each readable and non-empty.
+    """
+    if (directory / "meta.json").is_file():
+        return verify_result_dir(directory)
+    present = [name for name in SUMMARY_FILES if (directory / name).is_file()]
+    if present and len(present) < len(SUMMARY_FILES):
+        return f"only {', '.join(present)} of {', '.join(SUMMARY_FILES)} are there (the run did not finish)"
+    empty = [name for name in present if (directory / name).stat().st_size == 0]
+    return f"{', '.join(empty)} is empty (the run did not finish)" if empty else None
+
+
+def find_incomplete(results_dir: str | Path) -> dict[str, str]:
+    """``{directory name: reason}`` for every result directory under ``results_dir`` that :func:`load_results`
+    leaves out because its files are incomplete or do not belong together (a killed or concurrent write)."""
+    return _scan(Path(results_dir))[1]
+
+
+def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
+    """Read every complete saved result under ``results_dir`` (one sub-directory per model).
+
+    Directories whose files are incomplete or come from different runs are left out with a warning (see
+    :func:`find_incomplete`; the report lists them), as are hidden ones (a writer's staging directories).
+
+    Args:
+        results_dir: the directory ``uds-lens score`` / ``diagnose`` wrote to.
+
+    Returns:
+        ``{name: SavedResult}`` in directory-name order; the name is ``summary["name"]`` when set, else the directory's.
+    """
+    return _scan(Path(results_dir))[0]
+
+
+def _scan(root: Path) -> tuple[dict[str, SavedResult], dict[str, str]]:
+    results: dict[str, SavedResult] = {}
+    incomplete: dict[str, str] = {}
+    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not any(
+            (directory / name).is_file()
+            for name in (*SUMMARY_FILES, "meta.json", "scores.json", "layerwise.csv")
+        ):
+            continue
+        reason = _incomplete_reason(directory)
+        if reason is not None:
+            logger.warning("%s is incomplete (%s); it is left out of the report", directory, reason)
+            incomplete[directory.name] = reason
+            continue
+        summary = _read_json(directory / "summary.json") if (directory / "summary.json").is_file() else None
+        summary = summary if isinstance(summary, dict) else {}
+        examples = _read_csv(directory / "examples.csv")
+        layers = _read_csv(directory / "layers.csv")
+        if layers is not None and "ke" in layers.columns:
+            layers["ke"] = layers["ke"].astype(str).str.lower().isin(["true", "1", "1.0"])
+        scores = _read_json(directory / "scores.json") if (directory / "scores.json").is_file() else None
+        name = str(summary.get("name") or directory.name)
+        if "uds" not in summary and isinstance(scores, dict) and scores.get("uds") is not None:
+            # A `diagnose`-only directory: the model UDS is in scores.json, without CI or per-example tables.
+            summary = {**summary, "name": name, "uds": scores["uds"]}
+        results[name] = SavedResult(
+            name=name,
+            path=directory,
+            summary=summary,
+            examples=examples,
+            layers=layers,
+            scores=scores if isinstance(scores, dict) else None,
+            layerwise=_read_csv(directory / "layerwise.csv"),
+            components=_read_csv(directory / "components.csv"),
+        )
+    return results, incomplete
+
+
+def load_roles(results_dir: str | Path) -> dict[str, str]:
+    """Model roles from ``roles.json`` or a zoo ``manifest.json`` in ``results_dir`` (empty when neither exists)."""
+    root = Path(results_dir)
+    roles: dict[str, str] = {}
+    for name in ("manifest.json", "roles.json"):
+        path = root / name
+        if not path.is_file():
+            continue
+        content = _read_json(path)
+        entries = content.get("models", content) if isinstance(content, dict) else content
+        if isinstance(entries, list):
+            for entry in entries:
+                if isinstance(entry, Mapping) and "name" in entry and entry.get("role"):
+                    roles[str(entry["name"])] = str(entry["role"])
+        elif isinstance(entries, dict):
+            for model, role in entries.items():
+                if isinstance(role, Mapping):
+                    role = role.get("role")
+                if isinstance(role, str):
+                    roles[str(model)] = role
+    return roles
+
+
+def _role_key(name: str, roles: Mapping[str, str]) -> tuple[int, str]:
+    role = roles.get(name)
+    return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), name)
+
+
+def _format_ci(low: Any, high: Any) -> str:
+    if pd.isna(low) or pd.isna(high):
+        return "–"
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) -> pd.DataFrame:
+    frame = plots.model_frame({name: r for name, r in results.items() if r.summary or r.examples is not None})
+    if frame.empty:
+        return frame
+    frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
+    frame["CI 95%"] = [_format_ci(lo, hi) for lo, hi in zip(frame["ci_low"], frame["ci_high"], strict=True)]
+    seconds = []
+    for name in frame["model"]:
+        timings = results[name].summary.get("timings") or {}
+        total = timings.get("total", timings.get("total_s")) if isinstance(timings, Mapping) else None
+        seconds.append(float(total) if isinstance(total, int | float) else None)
+    if any(s is not None for s in seconds):
+        frame["time (s)"] = seconds
+    frame = frame.drop(columns=["ci_low", "ci_high"]).rename(columns={"uds": "UDS"})
+    return frame[
+        [c for c in ["model", "role", "UDS", "CI 95%"] if c in frame.columns]
+        + [c for c in frame.columns if c not in ("model", "role", "UDS", "CI 95%")]
+    ]
+
+
+def _scores_table(results: Mapping[str, SavedResult]) -> pd.DataFrame | None:
+    rows = []
+    for name, result in results.items():
+        if not result.scores:
+            continue
+        flat = {"model": name}
+        for key, value in result.scores.items():
+            if isinstance(value, Mapping) and "agg_value" in value:
+                value = value["agg_value"]
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                flat[key] = value
+        rows.append(flat)
+    return pd.DataFrame(rows) if rows else None
+
+
+def _wide(table: pd.DataFrame, row: str, value: str, shared: tuple[str, ...]) -> pd.DataFrame:
+    """One row per ``row`` value and one ``value`` column per model (plus columns shared by all models).
+
+    ``prompt_types.csv`` and ``tau_sensitivity.csv`` are long (model x row); read as the paper prints them they are
+    wide, and a page with many models stays short.
+    """
+    if not {"model", row, value} <= set(table.columns):
+        return table
+    wide = table.pivot_table(index=row, columns="model", values=value, sort=False)
+    wide = wide[list(dict.fromkeys(table["model"]))]
+    wide.columns = [f"{value} · {model}" for model in wide.columns]
+    first = table.groupby(row, sort=False)[[c for c in shared if c in table.columns]].first()
+    return first.join(wide).reset_index()
+
+
+@functools.lru_cache(maxsize=1)
+def _white_template() -> dict[str, Any]:
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
+class _Page:
+    """Accumulates HTML sections; plotly.js goes once into the head."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.parts: list[str] = []
+        self.n_figures = 0
+
+    def heading(self, text: str, level: int = 2) -> None:
+        anchor = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+        self.parts.append(f'<h{level} id="{anchor}">{html.escape(text)}</h{level}>')
+
+    def text(self, text: str) -> None:
+        self.parts.append(f"<p>{text}</p>")
+
+    def figure(self, fig: go.Figure, caption: str | None = None) -> None:
+        self.n_figures += 1
+        # The white template goes into the figure's JSON rather than through update_layout, which validates and
+        # deep-copies the whole template per figure (half of a report's run time).
+        spec = fig.to_plotly_json()
+        spec["layout"] = {**spec.get("layout", {}), "template": _white_template(), "autosize": True}
+        body = pio.to_html(
+            spec,
+            validate=False,
+            full_html=False,
+            include_plotlyjs=False,
+            div_id=f"figure-{self.n_figures}",
+            default_width="100%",
+            default_height=f"{int(fig.layout.height or 460)}px",
+            config={"responsive": True, "displaylogo": False},
+        )
+        caption_html = f"<figcaption>{caption}</figcaption>" if caption else ""
+        self.parts.append(f'<figure class="plot">{body}{caption_html}</figure>')
+
+    def table(self, frame: pd.DataFrame, caption: str | None = None, max_rows: int = 200) -> None:
+        shown = frame.head(max_rows)
+        body = shown.to_html(
+            index=False, classes="data", na_rep="–", float_format=lambda v: f"{v:.3f}", border=0
+        )
+        note = f" (first {max_rows} of {len(frame)} rows)" if len(frame) > max_rows else ""
+        caption_html = f"<p class='caption'>{html.escape(caption)}{note}</p>" if caption else ""
+        self.parts.append(f'<div class="table">{caption_html}{body}</div>')
+
+    def render(self) -> str:
+        return (
+            "<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
+            f"<title>{html.escape(self.title)}</title>\n<style>{_CSS}</style>\n"
+            f'<script type="text/javascript">{get_plotlyjs()}</script>\n</head>\n<body>\n<main>\n'
+            + "\n".join(self.parts)
+            + "\n</main>\n</body>\n</html>\n"
+        )
+
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; background: #fafafa; color: #222; }
+main { max-width: 1280px; margin: 0 auto; padding: 24px 32px 64px; background: #fff; }
+h1 { margin-bottom: 4px; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 4px; margin-top: 40px; }
+p.meta { color: #666; font-size: 13px; margin-top: 0; }
+figure.plot { margin: 12px 0 28px; } figcaption { color: #555; font-size: 13px; }
+table.data { border-collapse: collapse; font-size: 13px; margin: 8px 0 20px; }
+table.data th, table.data td { padding: 4px 10px; border-bottom: 1px solid #e5e5e5; text-align: right; }
+table.data th { background: #f3f3f3; } table.data td:first-child, table.data th:first-child { text-align: left; }
+p.caption { font-size: 13px; color: #555; margin-bottom: 2px; }
+code { background: #f3f3f3; padding: 1px 4px; border-radius: 3px; }
+"""
+
+
+def write_report(
+    results_dir: str | Path, out_html: str | Path | None = None, title: str | None = None
+) -> Path:
+    """Write one self-contained HTML report of the results saved under ``results_dir``.
+
+    The page holds a table of models (name, role, UDS, 95% CI, counts), the UDS bar chart with CIs, the per-example
+    UDS distribution, the mean S1/S2 delta curves, the shared S1 heatmap (d1) and one LER heatmap per model, and, when
+    ``diagnose`` ran, the prompt-type, tau-sensitivity, component-patching and logit-lens sections.
+
+    Args:
+        results_dir: directory with one sub-directory per model (``summary.json, examples.csv, layers.csv``).
+        out_html: output path (default ``results_dir/report.html``).
+        title: page title (default: "UDS report: <directory name>").
+
+    Returns:
+        The path of the written HTML file.
+
+    Raises:
+        FileNotFoundError: ``results_dir`` does not exist or holds no saved result.
+    """
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"results directory {root} does not exist; run `uds-lens score ... --out {root}` first"
+        )
+    results, incomplete = _scan(root)
+    if not results:
+        raise FileNotFoundError(
+            f"no saved results under {root}: expected sub-directories with {', '.join(SUMMARY_FILES)} "
+            "(written by `uds-lens score`)"
+            + (
+                f"; incomplete: {', '.join(f'{n} ({r})' for n, r in incomplete.items())}"
+                if incomplete
+                else ""
+            )
+        )
+    roles = load_roles(root)
+    for name, result in results.items():
+        if name not in roles and result.summary.get("role"):
+            roles[name] = str(result.summary["role"])
+    ordered = dict(sorted(results.items(), key=lambda item: _role_key(item[0], roles)))
+    scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
+    with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
+    out = Path(out_html) if out_html is not None else root / "report.html"
+
+    page = _Page(title or f"UDS report: {root.resolve().name}")
+    page.heading(page.title, level=1)
+    first = next(iter(ordered.values()))
+    settings = first.summary.get("settings") or {}
+    meta = ", ".join(
+        f"{k}={v}" for k, v in settings.items() if v is not None and not isinstance(v, dict | list)
+    )
+    page.parts.append(
+        f"<p class='meta'>{len(ordered)} models from <code>{html.escape(str(root))}</code> · generated "
+        f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
+        + (f" · settings: {html.escape(meta)}" if meta else "")
+        + "</p>"
+    )
+    page.text(
+        "UDS measures how deeply forget-set knowledge is erased: each layer of the <b>full</b> model is patched with "
+        "the <b>retain</b> model's residual (S1, Δ<sup>S1</sup> = d1) and with the <b>unlearned</b> model's (S2, d2). "
+        "On knowledge-encoding layers (d1 &gt; τ) the layer erasure ratio is LER = clip(d2/d1, 0, 1); UDS<sub>i</sub> is "
+        "their d1-weighted mean. 0 = the knowledge is as recoverable as in <i>full</i>, 1 = as absent as in <i>retain</i>."
+    )
+
+    if incomplete:
+        page.heading("Incomplete results (not shown)")
+        page.parts.append(
+            "<p class='warning'>These directories were left out because their files are incomplete or come from "
+            "different runs; score those models again to include them:</p><ul>"
+            + "".join(
+                f"<li><code>{html.escape(name)}</code>: {html.escape(reason)}</li>"
+                for name, reason in incomplete.items()
+            )
+            + "</ul>"
+        )
+
+    with_uds = {n: r for n, r in ordered.items() if "uds" in r.summary or n in scored}
+    if with_uds:
+        page.heading("Models")
+        page.table(_models_table(with_uds, roles), caption="UDS per model; CI = 95% bootstrap over examples.")
+        page.figure(
+            plots.uds_bar(plots.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds}))
+        )
+    if scored:
+        page.figure(plots.uds_distribution(scored, kind="violin"))
+    if with_layers:
+        page.heading("Layers")
+        # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
+        audited = {n: r for n, r in with_layers.items() if roles.get(n) not in REFERENCE_ROLES} or with_layers
+        band = "std" if len(audited) <= 2 else None
+        page.figure(
+            plots.stage_curves(audited, band=band),
+            caption="Mean patching delta per layer over scored examples; S1 (retain as source) is shared by all "
+            "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
+        )
+        name, reference = next(iter(with_layers.items()))
+        has_types = reference.examples is not None and reference.examples["prompt_type"].notna().any()
+        page.figure(
+            plots.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
+                                title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
+            caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
+            "is patched in. Shared by every model audited against the same full/retain pair.",
+        )  # fmt: skip
+        page.heading("Per model", level=2)
+        for name, result in audited.items():
+            role = roles.get(name)
+            page.heading(f"{name}" + (f" ({role})" if role else "") + f" · UDS {result.uds:.3f}", level=3)
+            page.figure(
+                plots.layer_heatmap(result, value="ler", sort_by="uds",
+                                    title=f"{name}: LER on KE layers (examples sorted by UDS<sub>i</sub>)"),
+            )  # fmt: skip
+    rmu = {n: r for n, r in with_layers.items() if plots.rmu_target_layer(n) is not None}
+    if rmu:
+        page.heading("RMU layer profile", level=3)
+        reference_models = {n: r for n, r in with_layers.items() if roles.get(n) in ("retain", "full")}
+        page.figure(
+            plots.rmu_layer_profile({**reference_models, **rmu}),
+            caption="Mean LER per layer on KE cells; dashed lines mark each RMU model's target layer.",
+        )
+    _diagnostics_sections(page, root, ordered, with_layers)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page.render(), encoding="utf-8")
+    logger.info("wrote %s (%d figures)", out, page.n_figures)
+    return out
+
+
+def _diagnostics_sections(
+    page: _Page, root: Path, results: Mapping[str, SavedResult], with_layers: Mapping[str, SavedResult]
+) -> None:
+    """Sections from `diagnose` outputs, each only when its files exist."""
+    prompt_types = _read_csv(root / "prompt_types.csv")
+    tau = _read_csv(root / "tau_sensitivity.csv")
+    scores = _scores_table(results)
+    components = {
+        n: r.components for n, r in results.items() if r.components is not None and not r.components.empty
+    }
+    layerwise = {
+        n: r.layerwise for n, r in results.items() if r.layerwise is not None and not r.layerwise.empty
+    }
+    typed = {
+        n: r
+        for n, r in with_layers.items()
+        if r.examples is not None and r.examples["prompt_type"].notna().any()
+    }
+    if not (
+        prompt_types is not None or tau is not None or scores is not None or components or layerwise or typed
+    ):
+        return
+    page.heading("Diagnostics")
+    if prompt_types is not None or typed:
+        page.heading("Prompt types", level=3)
+        source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
+        if isinstance(source, pd.DataFrame) or source:
+            page.figure(
+                plots.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
+            )
+        if prompt_types is not None:
+            page.table(
+                _wide(prompt_types, "prompt_type", "mean_uds", ("n",)), caption="prompt_types.csv: mean UDS"
+            )
+    if tau is not None:
+        page.heading("τ sensitivity", level=3)
+        if {"tau", "uds"} <= set(tau.columns):
+            page.figure(plots.tau_curves(tau))
+        page.table(
+            _wide(tau, "tau", "uds", ("ke_mean", "n_no_ke", "spearman")),
+            caption="tau_sensitivity.csv: model UDS under each τ, mean KE-set size, examples without a KE layer, "
+            "and the Spearman rank correlation of the models' UDS with their UDS at the default τ",
+        )
+    if scores is not None:
+        page.heading("Other metrics", level=3)
+        page.table(
+            scores, caption="scores.json of each model (every white-box score: 1 = erased like retain)"
+        )
+    if layerwise:
+        lens_pair = {
+            n: t
+            for n, t in layerwise.items()
+            if {"uds", "logit_lens"} <= set(t.get("method", pd.Series()).astype(str))
+        }
+        if lens_pair:
+            page.heading("Logit lens vs UDS", level=3)
+            page.figure(
+                plots.layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
+                                        title="Logit lens vs UDS: per-layer erasure (marker size = layer weight)"),
+                caption="Observational (logit lens through the full model's frozen unembedding) vs causal (patching) "
+                "erasure per layer. Where the lens reads 1 and UDS does not, the knowledge is still recoverable.",
+            )  # fmt: skip
+        page.heading("Every method per layer", level=3)
+        try:
+            page.figure(plots.layerwise_methods(layerwise))
+        except ValueError as error:
+            logger.warning("layerwise.csv not plotted: %s", error)
+    if components:
+        # S1 (retain -> full) is the same for every model audited against one full/retain pair, so one figure.
+        page.heading("Component patching", level=3)
+        name, table = next(iter(components.items()))
+        try:
+            page.figure(
+                plots.component_patching(table, stage="d1"),
+                caption="Mean S1 delta (retain → full) per layer when patching each site (the paper's appendix D.1): "
+                "the site with the largest delta carries the forget-set knowledge.",
+            )
+        except ValueError as error:
+            logger.warning("components.csv of %s not plotted: %s", name, error)
+            page.table(table, caption=f"{name}: components.csv")
