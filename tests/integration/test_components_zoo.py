@@ -15,9 +15,9 @@ from uds_lens.tl_compat import HookedTransformer
 @pytest.fixture(scope="module")
 def zoo_auditor(test_zoo, monkeypatch_module):
     monkeypatch_module.setenv("UDS_LENS_ZOO", str(test_zoo.root))
-    return UDSAuditor(
-        "zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False, progress=False, limit=6
-    )
+    # The whole forget set (30 examples): one head carries less than a whole layer, and on 6 examples no head's d1
+    # cleared tau on every zoo build (the largest was 0.045 on one), so the head-level test had nothing to check.
+    return UDSAuditor("zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False, progress=False)
 
 
 @pytest.fixture(scope="module")
