@@ -23,7 +23,7 @@ from uds_lens.plotting.style import (
     LER_SCALE,
     STAGE_DASH,
     VALUE_LABELS,
-    add_band,
+    add_curve,
     layer_ticks,
     palette_colour,
 )
@@ -82,18 +82,9 @@ def component_patching(
                 f" · {'S1' if which == 'd1' else 'S2'}" if stage == "both" else ""
             )
             std_column = f"std_{which}"
-            if band and std_column in part.columns:
-                add_band(fig, part["layer"], part[column], part[std_column].fillna(0.0), colour, label)
-            fig.add_trace(
-                go.Scatter(
-                    x=part["layer"],
-                    y=part[column],
-                    mode="lines+markers",
-                    name=label,
-                    legendgroup=label,
-                    line={"color": colour, "dash": STAGE_DASH[which] if stage == "both" else "solid"},
-                )
-            )
+            half = part[std_column].fillna(0.0) if band and std_column in part.columns else None
+            dash = STAGE_DASH[which] if stage == "both" else "solid"
+            add_curve(fig, part["layer"], part[column], label, colour, dash, half)
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     fig.update_layout(
         title=title or "Mean patching delta per layer by patching site",

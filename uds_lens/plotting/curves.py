@@ -24,7 +24,7 @@ from uds_lens.plotting.style import (
     REFERENCE_LINE,
     S1_COLOUR,
     STAGE_DASH,
-    add_band,
+    add_curve,
     layer_band,
     layer_ticks,
     palette_colour,
@@ -84,32 +84,10 @@ def stage_curves(
             s1_name = "S1 (retain → full)" if shared_s1 else f"S1 · {name}"
             s1_colour = S1_COLOUR if shared_s1 else colour
             mean, half = layer_band(frame, s1_column, band)
-            if band:
-                add_band(fig, mean.index, mean, half, s1_colour, s1_name)
-            fig.add_trace(
-                go.Scatter(
-                    x=mean.index,
-                    y=mean,
-                    mode="lines+markers",
-                    name=s1_name,
-                    legendgroup=s1_name,
-                    line={"color": s1_colour, "dash": STAGE_DASH["d1"]},
-                )
-            )
+            add_curve(fig, mean.index, mean, s1_name, s1_colour, STAGE_DASH["d1"], half if band else None)
         mean, half = layer_band(frame, s2_column, band)
         s2_name = f"S2 · {name}" if len(frames) > 1 else "S2 (unlearned → full)"
-        if band:
-            add_band(fig, mean.index, mean, half, colour, s2_name)
-        fig.add_trace(
-            go.Scatter(
-                x=mean.index,
-                y=mean,
-                mode="lines+markers",
-                name=s2_name,
-                legendgroup=s2_name,
-                line={"color": colour, "dash": STAGE_DASH["d2"]},
-            )
-        )
+        add_curve(fig, mean.index, mean, s2_name, colour, STAGE_DASH["d2"], half if band else None)
     first = next(iter(frames.values()))
     if quantity == "score" and "s0" in first.columns:
         fig.add_hline(

@@ -27,17 +27,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from uds_lens.plotting.components import component_patching
-from uds_lens.plotting.curves import layerwise_methods, stage_curves, tau_curves
-from uds_lens.plotting.heatmaps import layer_heatmap
-from uds_lens.plotting.models import (
-    model_frame,
-    prompt_type_bar,
-    rmu_layer_profile,
-    rmu_target_layer,
-    uds_bar,
-    uds_distribution,
-)
+from uds_lens import plotting
 from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
 
 __all__ = ["SavedResult", "find_incomplete", "load_results", "load_roles", "write_report"]
@@ -189,7 +179,9 @@ def _format_ci(low: Any, high: Any) -> str:
 
 
 def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) -> pd.DataFrame:
-    frame = model_frame({name: r for name, r in results.items() if r.summary or r.examples is not None})
+    frame = plotting.model_frame(
+        {name: r for name, r in results.items() if r.summary or r.examples is not None}
+    )
     if frame.empty:
         return frame
     frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
@@ -396,23 +388,27 @@ def write_report(
     if with_uds:
         page.heading("Models")
         page.table(_models_table(with_uds, roles), caption="UDS per model; CI = 95% bootstrap over examples.")
-        page.figure(uds_bar(model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})))
+        page.figure(
+            plotting.uds_bar(
+                plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
+            )
+        )
     if scored:
-        page.figure(uds_distribution(scored, kind="violin"))
+        page.figure(plotting.uds_distribution(scored, kind="violin"))
     if with_layers:
         page.heading("Layers")
         # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
         audited = {n: r for n, r in with_layers.items() if roles.get(n) not in REFERENCE_ROLES} or with_layers
         band = "std" if len(audited) <= 2 else None
         page.figure(
-            stage_curves(audited, band=band),
+            plotting.stage_curves(audited, band=band),
             caption="Mean patching delta per layer over scored examples; S1 (retain as source) is shared by all "
             "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
         )
         name, reference = next(iter(with_layers.items()))
         has_types = reference.examples is not None and reference.examples["prompt_type"].notna().any()
         page.figure(
-            layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
+            plotting.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
                                 title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
             caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
             "is patched in. Shared by every model audited against the same full/retain pair.",
@@ -422,15 +418,15 @@ def write_report(
             role = roles.get(name)
             page.heading(f"{name}" + (f" ({role})" if role else "") + f" · UDS {result.uds:.3f}", level=3)
             page.figure(
-                layer_heatmap(result, value="ler", sort_by="uds",
+                plotting.layer_heatmap(result, value="ler", sort_by="uds",
                                     title=f"{name}: LER on KE layers (examples sorted by UDS<sub>i</sub>)"),
             )  # fmt: skip
-    rmu = {n: r for n, r in with_layers.items() if rmu_target_layer(n) is not None}
+    rmu = {n: r for n, r in with_layers.items() if plotting.rmu_target_layer(n) is not None}
     if rmu:
         page.heading("RMU layer profile", level=3)
         reference_models = {n: r for n, r in with_layers.items() if roles.get(n) in ("retain", "full")}
         page.figure(
-            rmu_layer_profile({**reference_models, **rmu}),
+            plotting.rmu_layer_profile({**reference_models, **rmu}),
             caption="Mean LER per layer on KE cells; dashed lines mark each RMU model's target layer.",
         )
     _diagnostics_sections(page, root, ordered, with_layers)
@@ -468,7 +464,9 @@ def _diagnostics_sections(
         page.heading("Prompt types", level=3)
         source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
         if isinstance(source, pd.DataFrame) or source:
-            page.figure(prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5).")
+            page.figure(
+                plotting.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
+            )
         if prompt_types is not None:
             page.table(
                 _wide(prompt_types, "prompt_type", "mean_uds", ("n",)), caption="prompt_types.csv: mean UDS"
@@ -476,7 +474,7 @@ def _diagnostics_sections(
     if tau is not None:
         page.heading("τ sensitivity", level=3)
         if {"tau", "uds"} <= set(tau.columns):
-            page.figure(tau_curves(tau))
+            page.figure(plotting.tau_curves(tau))
         page.table(
             _wide(tau, "tau", "uds", ("ke_mean", "n_no_ke", "spearman")),
             caption="tau_sensitivity.csv: model UDS under each τ, mean KE-set size, examples without a KE layer, "
@@ -496,14 +494,14 @@ def _diagnostics_sections(
         if lens_pair:
             page.heading("Logit lens vs UDS", level=3)
             page.figure(
-                layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
+                plotting.layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
                                         title="Logit lens vs UDS: per-layer erasure (marker size = layer weight)"),
                 caption="Observational (logit lens through the full model's frozen unembedding) vs causal (patching) "
                 "erasure per layer. Where the lens reads 1 and UDS does not, the knowledge is still recoverable.",
             )  # fmt: skip
         page.heading("Every method per layer", level=3)
         try:
-            page.figure(layerwise_methods(layerwise))
+            page.figure(plotting.layerwise_methods(layerwise))
         except ValueError as error:
             logger.warning("layerwise.csv not plotted: %s", error)
     if components:
@@ -512,7 +510,7 @@ def _diagnostics_sections(
         name, table = next(iter(components.items()))
         try:
             page.figure(
-                component_patching(table, stage="d1"),
+                plotting.component_patching(table, stage="d1"),
                 caption="Mean S1 delta (retain → full) per layer when patching each site (the paper's appendix D.1): "
                 "the site with the largest delta carries the forget-set knowledge.",
             )

@@ -75,7 +75,7 @@ def layer_band(frame: pd.DataFrame, column: str, kind: str | None) -> tuple[pd.S
     raise ValueError(f"band must be 'std', 'sem', 'ci95' or None, got {kind!r}")
 
 
-def add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, name: str, **cell: Any) -> None:
+def _add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, name: str, **cell: Any) -> None:
     """Shade ``mean ± half`` behind the curve ``name`` (same legend group, so toggling the curve toggles it)."""
     x = list(x)
     upper = list(np.asarray(mean) + np.asarray(half))
@@ -92,6 +92,25 @@ def add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, nam
             showlegend=False,
             legendgroup=name,
             name=f"{name} band",
+        ),
+        **cell,
+    )
+
+
+def add_curve(
+    fig: go.Figure, x: Any, y: Any, name: str, line_colour: str, dash: str, half: Any = None, **cell: Any
+) -> None:
+    """One per-layer curve (lines and markers) and, when ``half`` is given, its ``y ± half`` band behind it."""
+    if half is not None:
+        _add_band(fig, x, y, half, line_colour, name, **cell)
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=y,
+            mode="lines+markers",
+            name=name,
+            legendgroup=name,
+            line={"color": line_colour, "dash": dash},
         ),
         **cell,
     )

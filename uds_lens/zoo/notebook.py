@@ -115,17 +115,8 @@ def notebook_setup(
         raise ValueError(
             "Set UNLEARNED (a directory or hub id) when FULL is set: there is no zoo to pick one from."
         )
-    setup = NotebookSetup(
-        zoo=zoo,
-        full=full,
-        retain=retain,
-        data=data,
-        unlearned=unlearned,
-        name=Path(str(unlearned)).name,
-        auditor=UDSAuditor(
-            full, retain, data, config=UDSConfig(device=device), limit=limit, progress=progress
-        ),
-    )
+    auditor = UDSAuditor(full, retain, data, config=UDSConfig(device=device), limit=limit, progress=progress)
+    setup = NotebookSetup(zoo, full, retain, data, unlearned, Path(str(unlearned)).name, auditor)
     setup.unlearned = setup.resolve(unlearned)
     if score:
         setup.unlearned_model = load_model(setup.unlearned, device=setup.auditor.device)
