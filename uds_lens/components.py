@@ -52,7 +52,7 @@ from uds_lens.patching import (
     pad_batch,
     patched_scores,
 )
-from uds_lens.plotting import figures as plots
+from uds_lens.plotting.components import component_heatmap
 from uds_lens.tl_compat import HookedTransformer, HookPoint
 
 HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
@@ -268,7 +268,7 @@ class ComponentResult:
             grid = values[self.idx.index(idx)] if idx is not None else values.nanmean(0)
         else:
             raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
-        return plots.component_heatmap(
+        return component_heatmap(
             grid.double().numpy(),
             self.layers,
             self.axis,

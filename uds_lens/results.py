@@ -48,7 +48,7 @@ import pandas as pd
 from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Skip
-from uds_lens.plotting import figures as plots
+from uds_lens.plotting.curves import example_curves
 from uds_lens.uds import bootstrap_ci, rescore
 
 EXAMPLE_COLUMNS = [
@@ -460,8 +460,8 @@ class ExampleView:
         return self._get("status")
 
     def figure(self, title: str | None = None) -> Any:
-        """``plots.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
-        return plots.example_curves(self, self.idx, title=title)
+        """``plotting.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
+        return example_curves(self, self.idx, title=title)
 
 
 def _json_default(value: Any) -> Any:

@@ -1,44 +1,65 @@
-"""Figures: every plot takes a result (or its DataFrames) and returns a ``plotly.graph_objects.Figure``.
+"""Figures: every plot takes a result (or its DataFrames) and returns a ``plotly.graph_objects.Figure``; none shows it.
 
-``from uds_lens import plotting`` gives the figure functions (``layer_heatmap``, ``stage_curves``, ``uds_bar`` ...);
-``uds_lens.plotting.report.write_report`` assembles them into one offline HTML page. ``uds_lens.plots`` is the
-earlier name of this package and still works.
+``from uds_lens import plotting`` gives every figure function, by subject:
+
+- :mod:`~uds_lens.plotting.heatmaps`: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
+- :mod:`~uds_lens.plotting.curves`: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
+  ``lens_vs_uds_models``, ``layerwise_methods``;
+- :mod:`~uds_lens.plotting.models`: ``model_frame``, ``uds_bar``, ``uds_distribution``, ``prompt_type_bar``,
+  ``rmu_layer_profile``;
+- :mod:`~uds_lens.plotting.components`: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
+- :mod:`~uds_lens.plotting.meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
+- :mod:`~uds_lens.plotting.export`: ``save`` (PNG/SVG/PDF or offline HTML);
+- :mod:`~uds_lens.plotting.style`: the palette, dashes and scales they share.
+
+:func:`uds_lens.plotting.report.write_report` assembles them into one offline HTML page. ``uds_lens.plots`` is the
+earlier name of this package and still works. The names load their module on first use (PEP 562, as
+``uds_lens/__init__.py`` does), so ``results.py``, which needs one figure, and ``uds-lens report`` do not pay for the
+others (the meta-evaluation figures import scikit-learn).
 """
 
-from uds_lens.plotting.figures import (
-    DELTA_SCALE,
-    ERASURE_METRICS,
-    IMAGE_SUFFIXES,
-    KE_BAND,
-    LER_SCALE,
-    PALETTE,
-    REFERENCE_LINE,
-    S1_COLOUR,
-    STAGE_DASH,
-    VALUE_LABELS,
-    component_heatmap,
-    component_patching,
-    example_curves,
-    layer_heatmap,
-    layerwise_methods,
-    lens_vs_uds_example,
-    lens_vs_uds_models,
-    model_frame,
-    pool_histograms,
-    prompt_type_bar,
-    published_scatter,
-    rmu_layer_profile,
-    rmu_target_layer,
-    robustness_scatter,
-    save,
-    stage_curves,
-    tau_curves,
-    token_logprobs,
-    uds_bar,
-    uds_distribution,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "DELTA_SCALE": "style",
+    "KE_BAND": "style",
+    "LER_SCALE": "style",
+    "PALETTE": "style",
+    "REFERENCE_LINE": "style",
+    "S1_COLOUR": "style",
+    "STAGE_DASH": "style",
+    "VALUE_LABELS": "style",
+    "layer_heatmap": "heatmaps",
+    "example_curves": "curves",
+    "layerwise_methods": "curves",
+    "lens_vs_uds_example": "curves",
+    "lens_vs_uds_models": "curves",
+    "stage_curves": "curves",
+    "tau_curves": "curves",
+    "model_frame": "models",
+    "prompt_type_bar": "models",
+    "rmu_layer_profile": "models",
+    "rmu_target_layer": "models",
+    "uds_bar": "models",
+    "uds_distribution": "models",
+    "component_heatmap": "components",
+    "component_patching": "components",
+    "token_logprobs": "components",
+    "ATTACKS": "meta_eval",
+    "ERASURE_METRICS": "meta_eval",
+    "pool_histograms": "meta_eval",
+    "published_scatter": "meta_eval",
+    "robustness_scatter": "meta_eval",
+    "IMAGE_SUFFIXES": "export",
+    "save": "export",
+}
 
 __all__ = [
+    "ATTACKS",
     "DELTA_SCALE",
     "ERASURE_METRICS",
     "IMAGE_SUFFIXES",
@@ -70,3 +91,54 @@ __all__ = [
     "uds_bar",
     "uds_distribution",
 ]
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from uds_lens.plotting.components import component_heatmap, component_patching, token_logprobs
+    from uds_lens.plotting.curves import (
+        example_curves,
+        layerwise_methods,
+        lens_vs_uds_example,
+        lens_vs_uds_models,
+        stage_curves,
+        tau_curves,
+    )
+    from uds_lens.plotting.export import IMAGE_SUFFIXES, save
+    from uds_lens.plotting.heatmaps import layer_heatmap
+    from uds_lens.plotting.meta_eval import (
+        ATTACKS,
+        ERASURE_METRICS,
+        pool_histograms,
+        published_scatter,
+        robustness_scatter,
+    )
+    from uds_lens.plotting.models import (
+        model_frame,
+        prompt_type_bar,
+        rmu_layer_profile,
+        rmu_target_layer,
+        uds_bar,
+        uds_distribution,
+    )
+    from uds_lens.plotting.style import (
+        DELTA_SCALE,
+        KE_BAND,
+        LER_SCALE,
+        PALETTE,
+        REFERENCE_LINE,
+        S1_COLOUR,
+        STAGE_DASH,
+        VALUE_LABELS,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'uds_lens.plotting' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"uds_lens.plotting.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

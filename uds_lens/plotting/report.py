@@ -1,11 +1,13 @@
-"""One self-contained HTML page from saved results: the figures of ``plots.py`` and the tables behind them.
+"""One self-contained HTML page from saved results: the figures of :mod:`uds_lens.plotting` and the tables behind them.
 
-``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/{summary.json, examples.csv, layers.csv}``
-(the tables of SPEC §1.8); ``uds-lens diagnose`` adds ``RESULTS_DIR/NAME/{scores.json, layerwise.csv, components.csv}``
-and ``RESULTS_DIR/{prompt_types.csv, tau_sensitivity.csv}``. :func:`write_report` reads whatever of these exists and
-writes one HTML file with plotly.js inlined once in the page head, so the page opens offline and can be mailed as is.
-Model roles (full / retain / unlearned / ...) come from ``RESULTS_DIR/roles.json`` (``{name: role}``) or a zoo
-``manifest.json`` (``{"models": [{"name", "role"}, ...]}``) when present.
+``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/`` (``UDSResult.save``: the tables of
+SPEC §1.8 and ``meta.json`` with the digest of every file); ``uds-lens diagnose`` adds
+``RESULTS_DIR/NAME/{scores.json, layerwise.csv, components.csv}`` and ``RESULTS_DIR/{prompt_types.csv,
+tau_sensitivity.csv}``. :func:`write_report` reads whatever of these exists (results through ``UDSResult.load``, so
+the page shows exactly what ``load`` gives back) and writes one HTML file with plotly.js inlined once in the page
+head, so the page opens offline and can be mailed as is. Model roles (full / retain / unlearned / pos / neg ...) come
+from the caller, from ``RESULTS_DIR/roles.json`` (``{name: role}``, as ``uds-lens demo`` writes it) or from each
+result's summary.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import html
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from uds_lens.plotting import figures as plots
-from uds_lens.results import verify_result_dir
+from uds_lens import plotting
+from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
 
 __all__ = ["SavedResult", "find_incomplete", "load_results", "load_roles", "write_report"]
 
@@ -34,21 +36,45 @@ logger = logging.getLogger(__name__)
 
 ROLE_ORDER = ["base", "full", "retain", "partial", "unlearned", "pos", "neg"]
 REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
-SUMMARY_FILES = ("summary.json", "examples.csv", "layers.csv")
+RESULT_FILES = ("meta.json", "summary.json", "examples.csv", "layers.csv")
+DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 
 
 @dataclass
 class SavedResult:
-    """The tables of one saved result, in the shape the plot functions take (``.examples``, ``.layers``, ``.summary``)."""
+    """One result directory read back, in the shape the figures take (``.examples``, ``.layers``, ``.summary``).
+
+    Attributes:
+        name: the result's name (its directory's for a ``diagnose``-only directory).
+        path: the directory.
+        result: what ``UDSResult.load`` gives back; None where only ``diagnose`` wrote (then the model UDS comes
+            from ``scores.json``, without CI or per-example tables).
+        scores: ``diagnose``'s ``scores.json`` (every white-box score of the model).
+        layerwise: ``diagnose``'s ``layerwise.csv`` (``method, layer, erasure, weight``).
+        components: ``diagnose``'s ``components.csv`` (``site, layer, mean_d1, mean_d2``).
+    """
 
     name: str
     path: Path
-    summary: dict[str, Any] = field(default_factory=dict)
-    examples: pd.DataFrame | None = None
-    layers: pd.DataFrame | None = None
+    result: UDSResult | None = None
     scores: dict[str, Any] | None = None
     layerwise: pd.DataFrame | None = None
     components: pd.DataFrame | None = None
+
+    @functools.cached_property
+    def summary(self) -> dict[str, Any]:
+        if self.result is not None:
+            return self.result.summary
+        uds = (self.scores or {}).get("uds")
+        return {"name": self.name} if uds is None else {"name": self.name, "uds": uds}
+
+    @property
+    def examples(self) -> pd.DataFrame | None:
+        return self.result.examples if self.result is not None else None
+
+    @property
+    def layers(self) -> pd.DataFrame | None:
+        return self.result.layers if self.result is not None else None
 
     @property
     def uds(self) -> float:
@@ -74,22 +100,6 @@ def _read_csv(path: Path) -> pd.DataFrame | None:
         return None
 
 
-def _incomplete_reason(directory: Path) -> str | None:
-    """Why a result directory must not be shown as a result, or None.
-
-    A directory ``UDSResult.save`` wrote carries ``meta.json`` with the digest of every file, and must match it; any
-    other writer's directory must at least hold all of summary.json, examples.csv and layers.csv once it holds one,
-    each readable and non-empty.
-    """
-    if (directory / "meta.json").is_file():
-        return verify_result_dir(directory)
-    present = [name for name in SUMMARY_FILES if (directory / name).is_file()]
-    if present and len(present) < len(SUMMARY_FILES):
-        return f"only {', '.join(present)} of {', '.join(SUMMARY_FILES)} are there (the run did not finish)"
-    empty = [name for name in present if (directory / name).stat().st_size == 0]
-    return f"{', '.join(empty)} is empty (the run did not finish)" if empty else None
-
-
 def find_incomplete(results_dir: str | Path) -> dict[str, str]:
     """``{directory name: reason}`` for every result directory under ``results_dir`` that :func:`load_results`
     leaves out because its files are incomplete or do not belong together (a killed or concurrent write)."""
@@ -99,49 +109,48 @@ def find_incomplete(results_dir: str | Path) -> dict[str, str]:
 def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
     """Read every complete saved result under ``results_dir`` (one sub-directory per model).
 
-    Directories whose files are incomplete or come from different runs are left out with a warning (see
-    :func:`find_incomplete`; the report lists them), as are hidden ones (a writer's staging directories).
+    Directories whose files ``UDSResult.load`` refuses (incomplete, or from different runs) are left out with a
+    warning (see :func:`find_incomplete`; the report lists them), as are hidden ones (a writer's staging directories).
 
     Args:
         results_dir: the directory ``uds-lens score`` / ``diagnose`` wrote to.
 
     Returns:
-        ``{name: SavedResult}`` in directory-name order; the name is ``summary["name"]`` when set, else the directory's.
+        ``{name: SavedResult}`` in directory-name order; the name is the result's own, else the directory's.
     """
     return _scan(Path(results_dir))[0]
+
+
+def _read_result(directory: Path) -> tuple[UDSResult | None, str | None]:
+    """The result ``UDSResult.save`` wrote in ``directory`` (or None if it holds none), or why it cannot be shown."""
+    if not any((directory / name).is_file() for name in RESULT_FILES):
+        return None, None
+    reason = verify_result_dir(directory)
+    if reason is not None:
+        return None, reason
+    try:
+        return UDSResult.load(directory), None
+    except ResultIntegrityError as error:  # rewritten between the check and the read
+        return None, str(error)
 
 
 def _scan(root: Path) -> tuple[dict[str, SavedResult], dict[str, str]]:
     results: dict[str, SavedResult] = {}
     incomplete: dict[str, str] = {}
     for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if not any(
-            (directory / name).is_file()
-            for name in (*SUMMARY_FILES, "meta.json", "scores.json", "layerwise.csv")
-        ):
-            continue
-        reason = _incomplete_reason(directory)
+        result, reason = _read_result(directory)
         if reason is not None:
             logger.warning("%s is incomplete (%s); it is left out of the report", directory, reason)
             incomplete[directory.name] = reason
             continue
-        summary = _read_json(directory / "summary.json") if (directory / "summary.json").is_file() else None
-        summary = summary if isinstance(summary, dict) else {}
-        examples = _read_csv(directory / "examples.csv")
-        layers = _read_csv(directory / "layers.csv")
-        if layers is not None and "ke" in layers.columns:
-            layers["ke"] = layers["ke"].astype(str).str.lower().isin(["true", "1", "1.0"])
+        if result is None and not any((directory / name).is_file() for name in DIAGNOSE_FILES):
+            continue
         scores = _read_json(directory / "scores.json") if (directory / "scores.json").is_file() else None
-        name = str(summary.get("name") or directory.name)
-        if "uds" not in summary and isinstance(scores, dict) and scores.get("uds") is not None:
-            # A `diagnose`-only directory: the model UDS is in scores.json, without CI or per-example tables.
-            summary = {**summary, "name": name, "uds": scores["uds"]}
+        name = result.name if result is not None else directory.name
         results[name] = SavedResult(
             name=name,
             path=directory,
-            summary=summary,
-            examples=examples,
-            layers=layers,
+            result=result,
             scores=scores if isinstance(scores, dict) else None,
             layerwise=_read_csv(directory / "layerwise.csv"),
             components=_read_csv(directory / "components.csv"),
@@ -150,26 +159,12 @@ def _scan(root: Path) -> tuple[dict[str, SavedResult], dict[str, str]]:
 
 
 def load_roles(results_dir: str | Path) -> dict[str, str]:
-    """Model roles from ``roles.json`` or a zoo ``manifest.json`` in ``results_dir`` (empty when neither exists)."""
-    root = Path(results_dir)
-    roles: dict[str, str] = {}
-    for name in ("manifest.json", "roles.json"):
-        path = root / name
-        if not path.is_file():
-            continue
-        content = _read_json(path)
-        entries = content.get("models", content) if isinstance(content, dict) else content
-        if isinstance(entries, list):
-            for entry in entries:
-                if isinstance(entry, Mapping) and "name" in entry and entry.get("role"):
-                    roles[str(entry["name"])] = str(entry["role"])
-        elif isinstance(entries, dict):
-            for model, role in entries.items():
-                if isinstance(role, Mapping):
-                    role = role.get("role")
-                if isinstance(role, str):
-                    roles[str(model)] = role
-    return roles
+    """Model roles from ``roles.json`` (``{name: role}``) in ``results_dir``; empty when there is none."""
+    path = Path(results_dir) / "roles.json"
+    content = _read_json(path) if path.is_file() else None
+    if not isinstance(content, dict):
+        return {}
+    return {str(name): role for name, role in content.items() if isinstance(role, str)}
 
 
 def _role_key(name: str, roles: Mapping[str, str]) -> tuple[int, str]:
@@ -184,7 +179,9 @@ def _format_ci(low: Any, high: Any) -> str:
 
 
 def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) -> pd.DataFrame:
-    frame = plots.model_frame({name: r for name, r in results.items() if r.summary or r.examples is not None})
+    frame = plotting.model_frame(
+        {name: r for name, r in results.items() if r.summary or r.examples is not None}
+    )
     if frame.empty:
         return frame
     frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
@@ -306,7 +303,10 @@ code { background: #f3f3f3; padding: 1px 4px; border-radius: 3px; }
 
 
 def write_report(
-    results_dir: str | Path, out_html: str | Path | None = None, title: str | None = None
+    results_dir: str | Path,
+    out_html: str | Path | None = None,
+    title: str | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> Path:
     """Write one self-contained HTML report of the results saved under ``results_dir``.
 
@@ -318,6 +318,8 @@ def write_report(
         results_dir: directory with one sub-directory per model (``summary.json, examples.csv, layers.csv``).
         out_html: output path (default ``results_dir/report.html``).
         title: page title (default: "UDS report: <directory name>").
+        roles: ``{name: role}`` (from a zoo: ``{m["name"]: m["role"] for m in zoo.models}``); default the
+            directory's ``roles.json``, and for models it does not name, the role in their summary.
 
     Returns:
         The path of the written HTML file.
@@ -333,7 +335,7 @@ def write_report(
     results, incomplete = _scan(root)
     if not results:
         raise FileNotFoundError(
-            f"no saved results under {root}: expected sub-directories with {', '.join(SUMMARY_FILES)} "
+            f"no saved results under {root}: expected sub-directories with {', '.join(RESULT_FILES)} "
             "(written by `uds-lens score`)"
             + (
                 f"; incomplete: {', '.join(f'{n} ({r})' for n, r in incomplete.items())}"
@@ -341,7 +343,7 @@ def write_report(
                 else ""
             )
         )
-    roles = load_roles(root)
+    roles = dict(roles) if roles is not None else load_roles(root)
     for name, result in results.items():
         if name not in roles and result.summary.get("role"):
             roles[name] = str(result.summary["role"])
@@ -387,24 +389,26 @@ def write_report(
         page.heading("Models")
         page.table(_models_table(with_uds, roles), caption="UDS per model; CI = 95% bootstrap over examples.")
         page.figure(
-            plots.uds_bar(plots.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds}))
+            plotting.uds_bar(
+                plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
+            )
         )
     if scored:
-        page.figure(plots.uds_distribution(scored, kind="violin"))
+        page.figure(plotting.uds_distribution(scored, kind="violin"))
     if with_layers:
         page.heading("Layers")
         # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
         audited = {n: r for n, r in with_layers.items() if roles.get(n) not in REFERENCE_ROLES} or with_layers
         band = "std" if len(audited) <= 2 else None
         page.figure(
-            plots.stage_curves(audited, band=band),
+            plotting.stage_curves(audited, band=band),
             caption="Mean patching delta per layer over scored examples; S1 (retain as source) is shared by all "
             "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
         )
         name, reference = next(iter(with_layers.items()))
         has_types = reference.examples is not None and reference.examples["prompt_type"].notna().any()
         page.figure(
-            plots.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
+            plotting.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
                                 title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
             caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
             "is patched in. Shared by every model audited against the same full/retain pair.",
@@ -414,15 +418,15 @@ def write_report(
             role = roles.get(name)
             page.heading(f"{name}" + (f" ({role})" if role else "") + f" · UDS {result.uds:.3f}", level=3)
             page.figure(
-                plots.layer_heatmap(result, value="ler", sort_by="uds",
+                plotting.layer_heatmap(result, value="ler", sort_by="uds",
                                     title=f"{name}: LER on KE layers (examples sorted by UDS<sub>i</sub>)"),
             )  # fmt: skip
-    rmu = {n: r for n, r in with_layers.items() if plots.rmu_target_layer(n) is not None}
+    rmu = {n: r for n, r in with_layers.items() if plotting.rmu_target_layer(n) is not None}
     if rmu:
         page.heading("RMU layer profile", level=3)
         reference_models = {n: r for n, r in with_layers.items() if roles.get(n) in ("retain", "full")}
         page.figure(
-            plots.rmu_layer_profile({**reference_models, **rmu}),
+            plotting.rmu_layer_profile({**reference_models, **rmu}),
             caption="Mean LER per layer on KE cells; dashed lines mark each RMU model's target layer.",
         )
     _diagnostics_sections(page, root, ordered, with_layers)
@@ -461,7 +465,7 @@ def _diagnostics_sections(
         source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
         if isinstance(source, pd.DataFrame) or source:
             page.figure(
-                plots.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
+                plotting.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
             )
         if prompt_types is not None:
             page.table(
@@ -470,7 +474,7 @@ def _diagnostics_sections(
     if tau is not None:
         page.heading("τ sensitivity", level=3)
         if {"tau", "uds"} <= set(tau.columns):
-            page.figure(plots.tau_curves(tau))
+            page.figure(plotting.tau_curves(tau))
         page.table(
             _wide(tau, "tau", "uds", ("ke_mean", "n_no_ke", "spearman")),
             caption="tau_sensitivity.csv: model UDS under each τ, mean KE-set size, examples without a KE layer, "
@@ -490,14 +494,14 @@ def _diagnostics_sections(
         if lens_pair:
             page.heading("Logit lens vs UDS", level=3)
             page.figure(
-                plots.layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
+                plotting.layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
                                         title="Logit lens vs UDS: per-layer erasure (marker size = layer weight)"),
                 caption="Observational (logit lens through the full model's frozen unembedding) vs causal (patching) "
                 "erasure per layer. Where the lens reads 1 and UDS does not, the knowledge is still recoverable.",
             )  # fmt: skip
         page.heading("Every method per layer", level=3)
         try:
-            page.figure(plots.layerwise_methods(layerwise))
+            page.figure(plotting.layerwise_methods(layerwise))
         except ValueError as error:
             logger.warning("layerwise.csv not plotted: %s", error)
     if components:
@@ -506,7 +510,7 @@ def _diagnostics_sections(
         name, table = next(iter(components.items()))
         try:
             page.figure(
-                plots.component_patching(table, stage="d1"),
+                plotting.component_patching(table, stage="d1"),
                 caption="Mean S1 delta (retain → full) per layer when patching each site (the paper's appendix D.1): "
                 "the site with the largest delta carries the forget-set knowledge.",
             )

@@ -43,13 +43,14 @@ def test_load_results_round_trips_tables(results_dir):
     assert loaded.layers["ke"].dtype == bool
 
 
-def test_load_roles_from_roles_json_and_manifest(results_dir, tmp_path):
+def test_roles_come_from_roles_json_or_the_caller(results_dir, tmp_path):
     assert load_roles(results_dir)["retain"] == "retain"
-    (tmp_path / "manifest.json").write_text(
-        json.dumps({"models": [{"name": "npo", "role": "unlearned", "path": "x"}]})
-    )
-    assert load_roles(tmp_path) == {"npo": "unlearned"}
     assert load_roles(tmp_path / "missing") == {}
+    page = write_report(
+        results_dir, tmp_path / "r.html", roles={"graddiff": "pos", "rmu_l2": "neg"}
+    ).read_text()
+    models = _first_table(page).set_index("model")
+    assert models.loc["graddiff", "role"] == "pos" and models.loc["full", "role"] == "–"
 
 
 def test_report_is_self_contained(report_html):

@@ -1,0 +1,93 @@
+"""uds_lens/plotting/models.py on synthetic UDSResults: the model table, UDS bars and CIs, distributions, prompt types, RMU profile."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from helpers.synthetic import make_result
+
+from uds_lens import plotting
+
+
+@pytest.mark.parametrize("kind, trace_type", [("violin", "violin"), ("histogram", "histogram")])
+def test_uds_distribution(results, kind, trace_type):
+    fig = plotting.uds_distribution(results, kind=kind)
+    assert [t.type for t in fig.data] == [trace_type] * 3
+    assert [t.name for t in fig.data] == list(results)
+    values = fig.data[1].y if kind == "violin" else fig.data[1].x
+    assert len(values) == results["npo"].examples["uds"].notna().sum()
+
+
+def test_uds_bar_has_ci_error_bars(results):
+    fig = plotting.uds_bar(results)
+    bar = fig.data[0]
+    assert bar.type == "bar" and list(bar.x) == list(results)
+    summary = results["npo"].summary
+    assert bar.y[1] == pytest.approx(summary["uds"])
+    assert bar.error_y.array[1] == pytest.approx(summary["ci95"][1] - summary["uds"])
+    assert bar.error_y.arrayminus[1] == pytest.approx(summary["uds"] - summary["ci95"][0])
+
+
+def test_uds_bar_by_role(results):
+    fig = plotting.uds_bar(results, roles={"full": "full", "npo": "unlearned", "retain": "retain"})
+    assert [t.name for t in fig.data] == ["full", "unlearned", "retain"]
+    npo = fig.data[1]
+    low, high = npo.customdata[0]
+    assert (low, high) == pytest.approx(results["npo"].ci95) and low < npo.y[0] < high
+
+
+def test_model_frame_without_summary_uses_the_package_bootstrap(results):
+    """A table of examples alone gets the UDS and CI that UDSResult reports for the same examples."""
+    bare = {name: SimpleNamespace(examples=r.examples) for name, r in results.items()}
+    frame = plotting.model_frame(bare).set_index("model")
+    for name, result in results.items():
+        assert frame.loc[name, "uds"] == pytest.approx(result.uds)
+        assert (frame.loc[name, "ci_low"], frame.loc[name, "ci_high"]) == pytest.approx(result.ci95)
+    assert (frame.loc["npo", ["n_scored", "n_no_ke", "n_skipped"]] == [10, 1, 1]).all()
+
+
+def test_model_frame_counts(results):
+    frame = plotting.model_frame(results)
+    row = frame.set_index("model").loc["npo"]
+    assert (row.n_scored, row.n_no_ke, row.n_skipped) == (10, 1, 1)
+
+
+def test_prompt_type_bar(results):
+    fig = plotting.prompt_type_bar(results)
+    assert [t.name for t in fig.data] == list(results)
+    examples = results["npo"].examples.dropna(subset=["uds"])
+    expected = examples.groupby("prompt_type", sort=False)["uds"].mean()
+    got = dict(zip(fig.data[1].x, fig.data[1].y, strict=True))
+    assert got == pytest.approx(expected.to_dict())
+
+
+def test_prompt_type_bar_from_summary_table():
+    table = pd.DataFrame(
+        {
+            "model": ["m"] * 3,
+            "prompt_type": ["yes_no", "name", "overall"],
+            "n_scored": [3, 4, 7],
+            "mean_uds": [0.6, 0.1, 0.3],
+        }
+    )
+    fig = plotting.prompt_type_bar(table)
+    assert list(fig.data[0].x) == ["yes_no", "name", "overall"] and list(fig.data[0].text) == [
+        "n=3",
+        "n=4",
+        "n=7",
+    ]
+
+
+def test_rmu_layer_profile_marks_targets():
+    results = {
+        "rmu_l1": make_result(erasure=0.3),
+        "rmu_l4": make_result(erasure=0.6),
+        "retain": make_result(erasure=1),
+    }
+    fig = plotting.rmu_layer_profile(results)
+    assert [t.name for t in fig.data] == list(results)
+    assert sorted(shape.x0 for shape in fig.layout.shapes) == [1, 4]
+    fig = plotting.rmu_layer_profile(results, target_layers={"retain": 2})
+    assert [shape.x0 for shape in fig.layout.shapes] == [2]

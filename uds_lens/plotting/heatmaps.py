@@ -1,0 +1,263 @@
+"""The layer x example heatmap: one per-layer quantity of every example, the KE cells marked.
+
+The shape TransformerLens/ARENA users read activation-patching results in: ``px.imshow`` with y = layer and x =
+example, ``d1``/``d2`` on ``RdBu`` with midpoint 0 (``d1[l] = s0 - s_S1[l]``: blue where patching the retain model's
+layer ``l`` in removes the fact, so where the knowledge lives), ``ler`` on a sequential 0-1 scale and blank outside
+the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio of noise. Examples can be sorted by their ``UDS_i`` or
+grouped by prompt type, and every cell's hover names the example's question and entity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from uds_lens.plotting.style import DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
+from uds_lens.plotting.tables import ke_cells, one_site, result_tables
+
+
+def layer_heatmap(
+    result: Any,
+    value: str = "d1",
+    examples: pd.DataFrame | None = None,
+    data: Any = None,
+    sort_by: str | None = None,
+    mark_ke: bool | None = None,
+    ke_only: bool | None = None,
+    site: str | None = None,
+    tau: float = 0.05,
+    title: str | None = None,
+) -> go.Figure:
+    """Heatmap of one per-layer quantity, y = layer, x = example, with KE cells marked.
+
+    Args:
+        result: a ``UDSResult`` (uses ``.layers`` and ``.examples``) or the long layers table.
+        value: ``"d1"``, ``"d2"`` (RdBu, midpoint 0), ``"ler"`` (sequential 0-1) or any numeric column.
+        examples: the examples table (for sorting and hover) when ``result`` is a bare layers table.
+        data: optional examples with ``idx, question, entity`` (``list[Example]`` or a DataFrame) for hover text.
+        sort_by: ``"uds"`` (ascending, undefined last), ``"prompt_type"`` (grouped, then UDS) or ``"idx"``; default
+            ``"uds"`` when an examples table is available, else ``"idx"``.
+        mark_ke: overlay a marker on every KE cell (``ke`` column, else ``d1 > tau``); default: unless ``ke_only``,
+            where the blank non-KE cells already mark them.
+        ke_only: blank the non-KE cells (default: True for ``ler``, whose value outside KE layers is noise).
+        site: which patching site to show when the table has several (default resid_post).
+        tau: KE threshold, used only when the table has no ``ke`` column.
+        title: figure title.
+
+    Returns:
+        The figure: trace 0 is the heatmap, trace 1 (if ``mark_ke``) the KE markers.
+    """
+    layers, result_examples = result_tables(result)
+    examples = examples if examples is not None else result_examples
+    layers = one_site(layers, site)
+    if value not in layers.columns:
+        raise ValueError(f"column {value!r} is not in the layers table (columns: {list(layers.columns)})")
+    if ke_only is None:
+        ke_only = value == "ler"
+    if mark_ke is None:
+        mark_ke = not ke_only
+    layers = layers.assign(_ke=ke_cells(layers, tau).to_numpy())
+    info = _hover_frame(examples, data)
+    if sort_by is None:
+        sort_by = "uds" if info is not None and "uds" in info.columns else "idx"
+    order = _example_order(list(pd.unique(layers["idx"])), info, sort_by)
+    layer_ids = sorted(pd.unique(layers["layer"]))
+
+    # One (layer, example) cell per row, placed by integer index: pandas' pivot_table took a third of a report.
+    cells = layers.drop_duplicates(["layer", "idx"])
+    cell_row = cells["layer"].map({layer: i for i, layer in enumerate(layer_ids)}).to_numpy()
+    cell_col = cells["idx"].map({idx: j for j, idx in enumerate(order)}).to_numpy()
+
+    def grid(column: str) -> pd.DataFrame:
+        values = np.full((len(layer_ids), len(order)), np.nan)
+        values[cell_row, cell_col] = cells[column].to_numpy(dtype=float)
+        return pd.DataFrame(values, index=layer_ids, columns=order)
+
+    z = grid(value).astype(float)
+    ke = grid("_ke").fillna(False).astype(bool)
+    if ke_only:
+        z = z.where(ke)
+    labels = [str(i) for i in order]
+
+    if value in ("ler", "uds"):
+        colour = {"color_continuous_scale": LER_SCALE, "zmin": 0.0, "zmax": 1.0}
+    elif value in ("d1", "d2"):
+        # d1 and d2 of one result share one symmetric scale, so their heatmaps can be compared cell by cell.
+        both = layers[[c for c in ("d1", "d2") if c in layers.columns]].to_numpy(dtype=float)
+        bound = float(np.nanmax(np.abs(both))) if np.isfinite(both).any() else 1.0
+        colour = {"color_continuous_scale": DELTA_SCALE, "zmin": -bound, "zmax": bound}
+    else:
+        colour = {"color_continuous_scale": LER_SCALE}
+    fig = px.imshow(
+        z.to_numpy(),
+        x=labels,
+        y=layer_ids,
+        origin="lower",
+        aspect="auto",
+        labels={"x": "example (idx)", "y": "layer", "color": VALUE_LABELS.get(value, value)},
+        **colour,
+    )
+    if value in ("d1", "d2"):
+        fig.update_layout(coloraxis_cmid=0.0)
+
+    # Hover: one row of facts per example, repeated over layers.
+    columns = {"uds": [], "prompt_type": [], "question": [], "entity": []}
+    for idx in order:
+        row = info.loc[idx] if info is not None and idx in info.index else None
+        for key in columns:
+            item = row.get(key) if row is not None else None
+            if key == "uds":
+                item = "undefined" if item is None or pd.isna(item) else f"{float(item):.3f}"
+            columns[key].append(
+                "" if item is None or (isinstance(item, float) and np.isnan(item)) else str(item)
+            )
+    values = {
+        name: grid(name).astype(float).to_numpy() for name in ("d1", "d2", "ler") if name in layers.columns
+    }
+    custom = np.empty((len(layer_ids), len(order), 9), dtype=object)
+    for j, idx in enumerate(order):
+        for i in range(len(layer_ids)):
+            custom[i, j] = [
+                str(idx),
+                columns["prompt_type"][j],
+                columns["uds"][j],
+                columns["question"][j][:120],
+                columns["entity"][j],
+                _fmt(values.get("d1"), i, j),
+                _fmt(values.get("d2"), i, j),
+                _fmt(values.get("ler"), i, j),
+                "yes" if ke.iat[i, j] else "no",
+            ]
+    fig.data[0].customdata = custom
+    fig.data[0].hovertemplate = (
+        "example %{customdata[0]} · layer %{y}<br>"
+        "type: %{customdata[1]} · UDS<sub>i</sub>: %{customdata[2]}<br>"
+        "Q: %{customdata[3]}<br>entity: %{customdata[4]}<br>"
+        "d1 = %{customdata[5]} · d2 = %{customdata[6]} · LER = %{customdata[7]} · KE: %{customdata[8]}"
+        "<extra></extra>"
+    )
+
+    if mark_ke:
+        rows, cols = np.nonzero(ke.to_numpy())
+        fig.add_trace(
+            go.Scatter(
+                x=[labels[j] for j in cols],
+                y=[layer_ids[i] for i in rows],
+                mode="markers",
+                marker={
+                    "symbol": "square-open",
+                    "size": 6,
+                    "color": "rgba(0,0,0,0.55)",
+                    "line": {"width": 1},
+                },
+                name="KE layer (d1 > τ)",
+                hoverinfo="skip",
+                showlegend=True,
+            )
+        )
+
+    if sort_by == "prompt_type" and info is not None:
+        _mark_groups(fig, order, info)
+
+    # Explicit ranges: the KE marker trace would otherwise pad the category axis with an empty column each side.
+    fig.update_xaxes(
+        type="category", range=[-0.5, len(order) - 0.5], showticklabels=len(order) <= 60, tickangle=-90
+    )
+    fig.update_yaxes(
+        range=[min(layer_ids) - 0.5, max(layer_ids) + 0.5], showgrid=False, **layer_ticks(layer_ids)
+    )
+    fig.update_xaxes(showgrid=False, zeroline=False)
+    fig.update_yaxes(zeroline=False)
+    fig.update_layout(
+        title=title or f"{VALUE_LABELS.get(value, value)} per layer and example",
+        plot_bgcolor="#e5e5e5",
+        # Above the prompt-type group labels, which sit on the top edge of the heatmap.
+        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
+        margin={"t": 90},
+    )
+    return fig
+
+
+def _fmt(grid: np.ndarray | None, i: int, j: int) -> str:
+    if grid is None or not np.isfinite(grid[i, j]):
+        return "–"
+    return f"{grid[i, j]:.3f}"
+
+
+def _mark_groups(fig: go.Figure, order: list[Any], info: pd.DataFrame) -> None:
+    """Separate prompt-type groups with vertical lines and name them above the heatmap."""
+    types = info.reindex(order).get("prompt_type")
+    if types is None:
+        return
+    types = types.fillna("(none)").astype(str).tolist()
+    start = 0
+    for position in range(1, len(order) + 1):
+        if position == len(order) or types[position] != types[start]:
+            fig.add_annotation(
+                x=(start + position - 1) / 2,
+                y=1.0,
+                yref="paper",
+                yanchor="bottom",
+                text=types[start],
+                showarrow=False,
+                font={"size": 10},
+            )
+            if position < len(order):
+                fig.add_vline(x=position - 0.5, line={"color": "white", "width": 2})
+            start = position
+
+
+def _hover_frame(examples: pd.DataFrame | None, data: Any) -> pd.DataFrame | None:
+    """Per-example hover columns (question, entity, prompt_type, uds) indexed by idx."""
+    parts = []
+    if isinstance(examples, pd.DataFrame) and "idx" in examples.columns:
+        parts.append(examples.set_index("idx"))
+    if data is not None:
+        if isinstance(data, pd.DataFrame):
+            records = data
+        else:
+            records = pd.DataFrame(
+                [
+                    {key: getattr(item, key, None) for key in ("idx", "question", "entity", "prompt_type")}
+                    if not isinstance(item, Mapping)
+                    else dict(item)
+                    for item in data
+                ]
+            )
+        if "idx" in records.columns:
+            records = records.set_index("idx")
+            if parts:  # texts passed explicitly win over those the result carries
+                parts[0] = parts[0][[c for c in parts[0].columns if c not in records.columns or c == "uds"]]
+                records = records[[c for c in records.columns if c not in parts[0].columns]]
+            parts.append(records)
+    if not parts:
+        return None
+    merged = parts[0] if len(parts) == 1 else parts[0].join(parts[1], how="outer")
+    return merged[~merged.index.duplicated()]
+
+
+def _example_order(idxs: Sequence[Any], info: pd.DataFrame | None, sort_by: str | None) -> list[Any]:
+    if sort_by in (None, "idx"):
+        return sorted(idxs)
+    if info is None:
+        raise ValueError(f"sort_by={sort_by!r} needs the examples table (pass examples= or a UDSResult)")
+    frame = info.reindex(idxs)
+    empty = pd.Series(np.nan, index=frame.index)
+    keys = pd.DataFrame(
+        {
+            "prompt_type": frame.get("prompt_type", empty).fillna("(none)").astype(str).to_numpy(),
+            "uds": pd.to_numeric(frame.get("uds", empty), errors="coerce").to_numpy(dtype=float),
+            "idx": list(idxs),
+        }
+    )
+    # Undefined UDS (no KE layer) goes last.
+    if sort_by == "uds":
+        return list(keys.sort_values(["uds", "idx"], na_position="last")["idx"])
+    if sort_by == "prompt_type":
+        return list(keys.sort_values(["prompt_type", "uds", "idx"], na_position="last")["idx"])
+    raise ValueError(f"sort_by must be None, 'idx', 'uds' or 'prompt_type', got {sort_by!r}")

@@ -1,0 +1,116 @@
+"""One visual language for every figure: colours, dashes, scales, reference lines, layer ticks and bands.
+
+**Colour** says which thing is compared (a model, a patching site, a readout): :data:`PALETTE` in order, so one model
+keeps one colour across figures, and S1, shared by all models audited against one full/retain pair, in grey
+(:data:`S1_COLOUR`). **Dash** says which stage (:data:`STAGE_DASH`: S1 / ``d1`` solid, S2 / ``d2`` dashed).
+Thresholds and references (``tau``) are dotted grey lines, the KE layers of one example a shaded band. Heatmaps
+follow the TransformerLens/ARENA convention: :data:`DELTA_SCALE` (RdBu, white at 0) for deltas, where a positive
+delta (the patch removed knowledge) is blue, and the sequential :data:`LER_SCALE` on 0-1 for LER and UDS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+PALETTE = px.colors.qualitative.Plotly
+S1_COLOUR = "#444444"
+DELTA_SCALE = "RdBu"
+STAGE_DASH = {"d1": "solid", "d2": "dash"}
+REFERENCE_LINE = {"color": "grey", "dash": "dot", "width": 1}
+KE_BAND = "rgba(255, 190, 0, 0.16)"
+LER_SCALE = "Viridis"
+VALUE_LABELS = {
+    "d1": "Δ<sup>S1</sup> (retain → full)",
+    "d2": "Δ<sup>S2</sup> (unlearned → full)",
+    "ler": "LER",
+    "s1_score": "S1 score",
+    "s2_score": "S2 score",
+    "s0": "S0 (clean full)",
+    "baseline_score": "baseline (unpatched)",
+}
+
+
+def palette_colour(position: int) -> str:
+    """The palette colour of the ``position``-th compared thing (wrapping around)."""
+    return PALETTE[position % len(PALETTE)]
+
+
+def _rgba(hex_colour: str, alpha: float) -> str:
+    """``#rrggbb`` as a translucent ``rgba(...)`` (band fills)."""
+    red, green, blue = (int(hex_colour.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({red},{green},{blue},{alpha})"
+
+
+def layer_ticks(layers: Iterable[Any]) -> dict[str, Any]:
+    """Integer layer ticks (plotly would otherwise label 0.5, 1.5 ... on a few-layer model)."""
+    values = pd.unique(pd.Series(list(layers)).dropna())
+    span = int(values.max() - values.min()) + 1 if len(values) else 1
+    return {"tickmode": "linear", "tick0": 0, "dtick": max(1, -(-span // 16))}
+
+
+def layer_band(frame: pd.DataFrame, column: str, kind: str | None) -> tuple[pd.Series, pd.Series]:
+    """Per-layer mean of ``column`` and the half-width of the band around it.
+
+    ``kind`` is ``"std"`` (±1 standard deviation over examples), ``"sem"`` (standard error of the mean), ``"ci95"``
+    (1.96 s.e.m.) or None (no band: half-width 0).
+    """
+    grouped = frame.groupby("layer")[column]
+    mean = grouped.mean()
+    if kind is None:
+        return mean, mean * 0.0
+    std = grouped.std(ddof=1).fillna(0.0)
+    if kind == "std":
+        return mean, std
+    sem = std / np.sqrt(grouped.count().clip(lower=1))
+    if kind == "sem":
+        return mean, sem
+    if kind == "ci95":
+        return mean, 1.96 * sem
+    raise ValueError(f"band must be 'std', 'sem', 'ci95' or None, got {kind!r}")
+
+
+def _add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, name: str, **cell: Any) -> None:
+    """Shade ``mean ± half`` behind the curve ``name`` (same legend group, so toggling the curve toggles it)."""
+    x = list(x)
+    upper = list(np.asarray(mean) + np.asarray(half))
+    lower = list(np.asarray(mean) - np.asarray(half))
+    fig.add_trace(
+        go.Scatter(
+            x=x + x[::-1],
+            y=upper + lower[::-1],
+            mode="lines",
+            fill="toself",
+            fillcolor=_rgba(line_colour, 0.18),
+            line={"width": 0},
+            hoverinfo="skip",
+            showlegend=False,
+            legendgroup=name,
+            name=f"{name} band",
+        ),
+        **cell,
+    )
+
+
+def add_curve(
+    fig: go.Figure, x: Any, y: Any, name: str, line_colour: str, dash: str, half: Any = None, **cell: Any
+) -> None:
+    """One per-layer curve (lines and markers) and, when ``half`` is given, its ``y ± half`` band behind it."""
+    if half is not None:
+        _add_band(fig, x, y, half, line_colour, name, **cell)
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=y,
+            mode="lines+markers",
+            name=name,
+            legendgroup=name,
+            line={"color": line_colour, "dash": dash},
+        ),
+        **cell,
+    )

@@ -1,0 +1,102 @@
+"""How figures read results: anything carrying UDS tables in, plain DataFrames out.
+
+A figure takes a ``UDSResult`` (or anything with the same ``.layers`` / ``.examples`` / ``.summary``, such as a
+saved result read back by :mod:`uds_lens.plotting.report`), a bare long ``layers`` table, or several of them as
+``{name: result}``. The objects are read by attribute, not by type, because ``results.py`` itself imports the figures
+(``UDSResult.example(idx).figure()``) and must not be imported back. The tables (SPEC §1.8):
+
+- examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (+ ``question``, ``entity``);
+- layers (long, one row per example x layer x site): ``idx, layer, site, s0, baseline_score, s1_score, s2_score,
+  d1, d2, ke, ler``; lens tables have the same ``idx, layer, d1, d2, ke, ler`` columns.
+
+Nothing here computes UDS: KE masks come from the table's ``ke`` column or :func:`uds_lens.uds.ke_mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from uds_lens.uds import ke_mask
+
+
+def result_tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """``(layers, examples)`` of a result, or ``(layers, None)`` for a bare layers table."""
+    if isinstance(result, pd.DataFrame):
+        return result, None
+    layers = getattr(result, "layers", None)
+    if not isinstance(layers, pd.DataFrame):
+        raise TypeError(
+            f"expected a layers DataFrame or an object with a .layers DataFrame (a UDSResult), got {type(result).__name__}"
+        )
+    examples = getattr(result, "examples", None)
+    return layers, examples if isinstance(examples, pd.DataFrame) else None
+
+
+def one_site(layers: pd.DataFrame, site: str | None) -> pd.DataFrame:
+    """Keep one patching site of a long layers table (the requested one, else resid_post, else the first)."""
+    if "site" not in layers.columns:
+        return layers
+    sites = list(dict.fromkeys(layers["site"].dropna()))
+    if site is None:
+        if len(sites) <= 1:
+            return layers
+        site = "resid_post" if "resid_post" in sites else sites[0]
+    if site not in sites:
+        raise ValueError(f"site {site!r} is not in the layers table (sites: {sites})")
+    return layers[layers["site"] == site]
+
+
+def named_results(results: Any) -> dict[str, Any]:
+    """One result, a sequence of results or a ``{name: result}`` mapping as ``{name: result}``.
+
+    A result is named by its ``summary["name"]``, else by its position (``"model 0"``).
+    """
+    if isinstance(results, Mapping):
+        return {str(name): value for name, value in results.items()}
+    if isinstance(results, pd.DataFrame) or hasattr(results, "layers") or hasattr(results, "examples"):
+        return {_result_name(results, 0): results}
+    if isinstance(results, Sequence) and not isinstance(results, str):
+        return {_result_name(r, i): r for i, r in enumerate(results)}
+    raise TypeError(
+        f"expected a result, a list of results or a {{name: result}} mapping, got {type(results).__name__}"
+    )
+
+
+def _result_name(result: Any, position: int) -> str:
+    summary = getattr(result, "summary", None)
+    if isinstance(summary, Mapping) and summary.get("name"):
+        return str(summary["name"])
+    return f"model {position}"
+
+
+def long_by_model(tables: Any, attribute: str = "layers") -> pd.DataFrame:
+    """Per-model tables (``.{attribute}`` of each result) stacked into one with a ``model`` column.
+
+    A DataFrame that already has a ``model`` column is returned as it is.
+    """
+    if isinstance(tables, pd.DataFrame) and "model" in tables.columns:
+        return tables
+    frames = []
+    for name, value in named_results(tables).items():
+        frame = value if isinstance(value, pd.DataFrame) else getattr(value, attribute, None)
+        if not isinstance(frame, pd.DataFrame):
+            raise TypeError(f"model {name!r}: expected a DataFrame or an object with .{attribute}")
+        frames.append(frame.assign(model=name))
+    if not frames:
+        raise ValueError("no results given")
+    return pd.concat(frames, ignore_index=True)
+
+
+def ke_cells(layers: pd.DataFrame, tau: float) -> pd.Series:
+    """The KE cells of a layers table: its ``ke`` column as the result computed it, else ``d1 > tau``."""
+    if "ke" in layers.columns:
+        return layers["ke"].fillna(False).astype(bool)
+    return pd.Series(ke_mask(layers["d1"].to_numpy(dtype=float), tau), index=layers.index)
+
+
+def mean_ler_on_ke(layers: pd.DataFrame, tau: float) -> pd.Series:
+    """Mean of the table's ``ler`` per layer over its KE cells (the layer erasure profile of a model or a lens)."""
+    return layers[ke_cells(layers, tau).to_numpy()].groupby("layer")["ler"].mean()

@@ -1,0 +1,124 @@
+"""The first cell of every notebook: your checkpoints, or the embedded zoo when none are given, and an auditor on them.
+
+A notebook in ``notebooks/`` runs on real checkpoints (``full``, ``retain``, one ``unlearned``, a forget set) when its
+parameter cell names them, and on the embedded test zoo otherwise (built once into ``zoo_dir``, a few minutes on a
+CPU, then reused), which is how the test suite executes every notebook. :func:`notebook_setup` makes that choice once
+for all of them and returns the pieces they go on with: the :class:`~uds_lens.auditor.UDSAuditor` of full and
+retain on the forget set, and, when asked to score, the unlearned model and its ``UDSResult``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.models import load_model
+from uds_lens.results import UDSResult
+from uds_lens.zoo.build import Zoo, build_zoo, load_zoo
+
+# The zoo's unlearned model a notebook shows when none is named (NPO: a method whose erasure is partial).
+DEFAULT_UNLEARNED = "npo"
+
+
+@dataclass
+class NotebookSetup:
+    """What a notebook works with after its setup cell.
+
+    Attributes:
+        zoo: the embedded zoo, or None when the notebook runs on its own checkpoints.
+        full, retain, data: the checkpoints (directories or hub ids) and the forget set the auditor was built on.
+        unlearned: the unlearned model's directory or hub id (a zoo name resolved to its directory).
+        name: the unlearned model's name in results and figures (its directory's name).
+        auditor: ``UDSAuditor(full, retain, data)`` with the notebook's device and example limit.
+        unlearned_model: the loaded unlearned model (a ``HookedTransformer``), when the setup scored it.
+        result: its ``UDSResult``, when the setup scored it.
+    """
+
+    zoo: Zoo | None
+    full: Any
+    retain: Any
+    data: Any
+    unlearned: Any
+    name: str
+    auditor: UDSAuditor
+    unlearned_model: Any = None
+    result: UDSResult | None = None
+
+    def __str__(self) -> str:
+        """The checkpoints in use and, once scored, the model UDS with its CI (what the setup cell prints)."""
+        lines = [
+            f"full: {self.full}",
+            f"retain: {self.retain}",
+            f"unlearned: {self.unlearned}",
+            f"forget set: {self.data}",
+        ]
+        if self.result is not None:
+            low, high = self.result.ci95
+            lines.append(f"{self.name}: UDS = {self.result.uds:.3f} (95% CI {low:.3f} to {high:.3f})")
+        return "\n".join(lines)
+
+    def resolve(self, model: Any) -> Any:
+        """A zoo model name -> its checkpoint directory; anything else (a directory, a hub id) as it is."""
+        if self.zoo is not None and isinstance(model, str) and model in self.zoo.names():
+            return self.zoo.path(model)
+        return model
+
+
+def notebook_setup(
+    full: Any = None,
+    retain: Any = None,
+    unlearned: Any = None,
+    data: Any = None,
+    *,
+    zoo_dir: str | Path,
+    device: str | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+    score: bool = True,
+) -> NotebookSetup:
+    """Resolve a notebook's parameters, build its auditor and (by default) score its unlearned model.
+
+    Args:
+        full: the model trained with the forget set (patch target); None = the zoo's ``full`` (and then ``retain``
+            and ``data`` are the zoo's too).
+        retain: the model that never saw the forget set (Stage-1 source).
+        unlearned: the unlearned model: a zoo name, a directory or a hub id; None = the zoo's NPO model (or its first
+            unlearned model).
+        data: the forget set (JSON / JSONL records, or a hub dataset id).
+        zoo_dir: where the embedded zoo is, or is built when it is not there yet.
+        device: None = cuda when available, else cpu.
+        limit: score only the first ``limit`` examples (None = all).
+        progress: progress bars while scoring.
+        score: load the unlearned model and score it (``unlearned_model``, ``result``).
+
+    Returns:
+        The :class:`NotebookSetup` (``print`` it to show the checkpoints and the score).
+    """
+    # A notebook cell should show what it computes: no tqdm-without-ipywidgets warning, no transformers chatter.
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    zoo = None
+    if full is None:
+        zoo_dir = Path(zoo_dir)
+        zoo = load_zoo(zoo_dir) if (zoo_dir / "manifest.json").exists() else build_zoo(zoo_dir, size="test")
+        full, retain, data = zoo.path("full"), zoo.path("retain"), zoo.forget_path
+        if unlearned is None:
+            names = zoo.names(role="unlearned")
+            unlearned = DEFAULT_UNLEARNED if DEFAULT_UNLEARNED in names else names[0]
+    if unlearned is None:
+        raise ValueError(
+            "Set UNLEARNED (a directory or hub id) when FULL is set: there is no zoo to pick one from."
+        )
+    auditor = UDSAuditor(full, retain, data, config=UDSConfig(device=device), limit=limit, progress=progress)
+    setup = NotebookSetup(zoo, full, retain, data, unlearned, Path(str(unlearned)).name, auditor)
+    setup.unlearned = setup.resolve(unlearned)
+    if score:
+        setup.unlearned_model = load_model(setup.unlearned, device=setup.auditor.device)
+        setup.result = setup.auditor.score(setup.unlearned_model, name=setup.name)
+    return setup
