@@ -175,12 +175,7 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     # same path, different weights: a miss
     changed = tmp_path / "retain"
     shutil.copytree(tiny.retain, changed)
-    import sys
-
-    sys.path.insert(0, str(tiny.root.parent))
-    from helpers.tiny_models import make_llama
-
-    make_llama(changed, tiny.tokenizer, seed=9, base=tiny.retain, noise=0.01)
+    tiny.variant(changed, seed=9, base=tiny.retain, noise=0.01)
     r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r4.summary["timings"]["s1_cached"]
     # a corrupt cache file is rebuilt with a warning
@@ -238,12 +233,7 @@ def test_skipped_examples_are_counted(tiny, tmp_path):
 
 
 def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(tiny.root.parent))
-    from helpers.tiny_models import make_llama
-
-    other = make_llama(tmp_path / "other", tiny.tokenizer, seed=4, d_model=48)
+    other = tiny.variant(tmp_path / "other", seed=4, d_model=48)
     auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
     with pytest.raises(ModelMismatchError, match="d_model"):
         auditor.score(other)
