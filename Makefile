@@ -40,14 +40,20 @@ bench: setup-bench
 demo: setup
 	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)
 
-test: setup-dev
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
+# The core modules every UDS computation passes through are type-checked (those that exist: sources.py is new).
+MYPY_CORE := $(wildcard uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching.py uds_lens/uds.py \
+	uds_lens/auditor.py uds_lens/results.py)
+
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments
+	$(VENV)/bin/ruff format --check uds_lens tests experiments
+	$(VENV)/bin/mypy $(MYPY_CORE)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

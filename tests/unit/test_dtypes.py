@@ -23,7 +23,7 @@ import torch
 from uds_lens import UDSAuditor, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_model, load_tokenizer
-from uds_lens.patching import SITES, pad_batch, patched_scores, source_activations
+from uds_lens.patching import SITES, available_memory_bytes, pad_batch, patched_scores, source_activations
 
 TOLERANCE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-5}
 
@@ -120,7 +120,5 @@ def test_bf16_on_cuda_fast_equals_naive(tiny, cuda_device, scope):
 
 @pytest.mark.gpu
 def test_cuda_batch_size_comes_from_free_gpu_memory(tiny, cuda_device):
-    from uds_lens.patching import available_memory_bytes
-
     free, _ = torch.cuda.mem_get_info()
     assert abs(available_memory_bytes(cuda_device) - free) < 256 << 20

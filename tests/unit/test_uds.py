@@ -1,17 +1,22 @@
 """UDS invariants (SPEC §1.6), the score formula, retain-free mode and the S1 cache (SPEC §1.7)."""
 
+import json
+import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from uds_lens import UDSAuditor, UDSConfig, UDSResult
-from uds_lens.auditor import S1Cache
-from uds_lens.data import load_examples
+import uds_lens.auditor as auditor_module
+from uds_lens import UDSAuditor, UDSConfig, UDSResult, load_tokenizer
+from uds_lens.auditor import ConfigError, S1Cache, nonfinite_error, score_models
+from uds_lens.data import DataError, encode, load_examples
 from uds_lens.models import ModelMismatchError, load_model
-from uds_lens.uds import example_uds, layer_erasure_ratio, rescore
+from uds_lens.uds import bootstrap_ci, example_uds, layer_erasure_ratio, rescore
 
 
 def test_formula_by_hand():
@@ -67,7 +72,7 @@ def test_invariants(tiny, models, compat, engine):
         models["retain"],
         tiny.data,
         UDSConfig(published_compat=compat, engine=engine),
-        tokenizer=__import__("uds_lens").load_tokenizer(tiny.tokenizer),
+        tokenizer=load_tokenizer(tiny.tokenizer),
         cache_dir=False,
         progress=False,
     )
@@ -89,7 +94,7 @@ def test_invariants(tiny, models, compat, engine):
 
 
 def test_fast_and_naive_agree_on_every_delta(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    tok = load_tokenizer(tiny.tokenizer)
     results = {}
     for engine in ("fast", "naive"):
         auditor = UDSAuditor(
@@ -107,7 +112,7 @@ def test_fast_and_naive_agree_on_every_delta(tiny, models):
 
 
 def test_permutation_and_batch_size_invariance(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    tok = load_tokenizer(tiny.tokenizer)
     examples = load_examples(tiny.data)
     reference = None
     for order, batch_size in ((examples, 1), (examples[::-1], 4), (examples[2:] + examples[:2], 3)):
@@ -129,7 +134,7 @@ def test_permutation_and_batch_size_invariance(tiny, models):
 
 
 def test_retain_free_mode(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    tok = load_tokenizer(tiny.tokenizer)
     auditor = UDSAuditor(models["full"], None, tiny.data, tokenizer=tok, cache_dir=False, progress=False)
     result = auditor.score(models["unlearned"])
     summary = result.summary
@@ -139,7 +144,7 @@ def test_retain_free_mode(tiny, models):
 
 
 def test_nothing_scored_is_nan_or_the_published_zero(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    tok = load_tokenizer(tiny.tokenizer)
     for compat, expected in ((False, None), (True, 0.0)):
         auditor = UDSAuditor(
             models["full"],
@@ -171,7 +176,7 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     r3 = third.score(tiny.unlearned)
     assert r3.summary["timings"]["s1_cached"]
     assert r3.examples["n_ke"].sum() <= r1.examples["n_ke"].sum()
-    __import__("pandas").testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
+    pd.testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
     # same path, different weights: a miss
     changed = tmp_path / "retain"
     shutil.copytree(tiny.retain, changed)
@@ -196,15 +201,11 @@ def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
     )
     result.save(tmp_path / "out")
     loaded = UDSResult.load(tmp_path / "out")
-    import pandas as pd
-
     pd.testing.assert_frame_equal(loaded.examples, result.examples, check_dtype=False)
     assert np.allclose(
         loaded.layers[["d1", "d2", "ler"]].fillna(-9), result.layers[["d1", "d2", "ler"]].fillna(-9)
     )
     assert loaded.uds == pytest.approx(result.uds)
-    import json
-
     ou = json.loads((tmp_path / "out" / "uds_eval.json").read_text())
     assert ou["uds"]["agg_value"] == pytest.approx(result.uds)
     assert set(ou["uds"]["value_by_index"]) == {str(i) for i in result.examples.dropna(subset=["uds"])["idx"]}
@@ -213,8 +214,6 @@ def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
 
 
 def test_skipped_examples_are_counted(tiny, tmp_path):
-    import json
-
     records = json.loads(tiny.data.read_text())
     records.append(
         {"idx": 50, "question": "q?", "answer": "Nothing here.", "prefix": "Nothing", "entity": "Berlin"}
@@ -242,39 +241,37 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
 def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
     """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
     and the smaller batches are kept for the next model."""
-    import uds_lens.auditor as uds_module
-
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+    tok = load_tokenizer(tiny.tokenizer)
     config = UDSConfig(batch_size=8)
     reference = UDSAuditor(
         models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
     ).score(models["unlearned"])
-    real_scores = uds_module.UDSAuditor._source_scores
+    real_scores = auditor_module.source_scores
     sizes = []
 
-    def small_memory(self, source, batch, number):
+    def small_memory(full, source, batch, *args):
         sizes.append(batch.size)
         if batch.size > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_scores(self, source, batch, number)
+        return real_scores(full, source, batch, *args)
 
-    monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores", small_memory)
+    monkeypatch.setattr(auditor_module, "source_scores", small_memory)
     auditor = UDSAuditor(
         models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
     )
-    assert max(len(b) for b in auditor._batches) > 2
+    assert max(len(b) for b in auditor.batches) > 2
     result = auditor.score(models["unlearned"])
-    assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor._batches)
+    assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor.batches)
     assert np.allclose(result.layers["d1"], reference.layers["d1"], atol=1e-6)
     assert np.allclose(result.layers["d2"], reference.layers["d2"], atol=1e-6)
     sizes.clear()
     auditor.score(models["retain"])
     assert max(sizes) <= 2  # the next model starts from the size that fitted
-    monkeypatch.setattr(
-        uds_module.UDSAuditor,
-        "_source_scores",
-        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")),
-    )
+
+    def shape_mismatch(*args):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(auditor_module, "source_scores", shape_mismatch)
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
 
@@ -285,8 +282,6 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
 
 def _copy_model(source, target, nan_parameter: str | None = None, noise: float = 0.0, seed: int = 0):
     """A copy of a tiny checkpoint, optionally with one weight set to NaN or all weights nudged."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(source)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -302,10 +297,6 @@ def _copy_model(source, target, nan_parameter: str | None = None, noise: float =
 
 def test_stale_results_are_never_reused(tiny, tmp_path):
     """Each changed input recomputes (the number equals a fresh run); identical inputs reuse, and say so."""
-    import json
-
-    from uds_lens.auditor import score_models
-
     unlearned = _copy_model(tiny.unlearned, tmp_path / "unl")
     other_data = tmp_path / "data.json"
     other_data.write_text(json.dumps(json.loads(tiny.data.read_text())[1:]))
@@ -367,10 +358,7 @@ def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
 
 
 def test_nonfinite_advice_fits_the_dtype(tiny, models):
-    from uds_lens.auditor import nonfinite_error
-    from uds_lens.data import encode
-
-    encoded, _ = encode(load_examples(tiny.data), __import__("uds_lens").load_tokenizer(tiny.tokenizer))
+    encoded, _ = encode(load_examples(tiny.data), load_tokenizer(tiny.tokenizer))
     half = load_model(tiny.full, dtype="bfloat16")
     assert "run in float32 (--dtype float32" in str(
         nonfinite_error(half, "full", "x", "score", [0], encoded[0], 2)
@@ -397,16 +385,11 @@ def test_nonfinite_advice_fits_the_dtype(tiny, models):
     ],
 )
 def test_options_out_of_range_are_refused(options):
-    from uds_lens.auditor import ConfigError
-
     with pytest.raises(ConfigError, match="must|Unknown dtype"):
         UDSConfig(**options)
 
 
 def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
-    from uds_lens.auditor import ConfigError
-    from uds_lens.data import DataError
-
     with pytest.raises(ConfigError, match="do not exist"):
         UDSAuditor(
             tiny.full, tiny.retain, tiny.data, UDSConfig(layers=(0, 7)), cache_dir=False, progress=False
@@ -417,8 +400,6 @@ def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
 
 def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
     """A pickle in the cache directory (under the current or the old file name) is never unpickled."""
-    import pickle
-
     cache = tmp_path / "cache"
     reference = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(
         tiny.unlearned
@@ -427,7 +408,7 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
 
     class Payload:
         def __reduce__(self):
-            return (__import__("pathlib").Path.touch, (marker,))
+            return (Path.touch, (marker,))
 
     crafted = pickle.dumps({"format": 2, "payload": Payload()})
     files = list(cache.glob("s1_*"))
@@ -446,8 +427,6 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
 
 
 def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
-    import json
-
     records = json.loads(tiny.data.read_text())
     filler = " ".join(["the river stone light of the night"] * 60)
     tail = dict(
@@ -474,7 +453,5 @@ def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
 
 
 def test_bootstrap_ci_does_not_depend_on_example_order():
-    from uds_lens.uds import bootstrap_ci
-
     values = np.random.default_rng(1).uniform(0, 1, 25)
     assert bootstrap_ci(values) == bootstrap_ci(values[::-1]) == bootstrap_ci(np.roll(values, 7))
