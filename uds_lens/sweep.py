@@ -424,10 +424,6 @@ class SweepWorker:
             self.shipped = ShippedStage.of(self.auditor)
             self.auditor.retain = None  # Stage 1 is all a sweep needs the retain model for
 
-    def ready(self) -> str:
-        """Where this worker runs (``host:pid``); answers once the full model is loaded."""
-        return _worker_label()
-
     def stage(self) -> ShippedStage:
         """The Stage 1 this worker computed, to ship to the others."""
         if self.shipped is None:

@@ -1,5 +1,6 @@
 """The CLI end to end on tiny local Llama directories, and the real-model experiment's offline error path."""
 
+import inspect
 import json
 import os
 import shutil
@@ -11,7 +12,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens.cli import app, main
+from uds_lens.auditor import UDSConfig
+from uds_lens.cli import app, main, score, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +83,26 @@ def test_score_writes_every_file(tiny, tmp_path):
     assert json.loads((out / "full" / "summary.json").read_text())["timings"]["s1_seconds"] == pytest.approx(
         json.loads((out / "unlearned" / "summary.json").read_text())["timings"]["s1_seconds"]
     )
+
+
+@pytest.mark.parametrize("command", [score, sweep])
+def test_uds_option_defaults_are_the_configs(command):
+    """The defaults of the shared UDS options, written out in cli.py so that `--help` imports no torch, are
+    UDSConfig's."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(command).parameters.items()}
+    config = UDSConfig()
+    option_of_field = {"patch_scope": "scope"}
+    for field in (
+        "tau",
+        "patch_scope",
+        "site",
+        "published_compat",
+        "batch_size",
+        "dtype",
+        "device",
+        "engine",
+    ):
+        assert defaults[option_of_field.get(field, field)] == getattr(config, field), field
 
 
 def test_score_retain_free_and_bad_input(tiny, tmp_path):
