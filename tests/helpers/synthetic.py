@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from uds_lens.uds import example_uds, ke_mask, layer_erasure_ratio
+
 PROMPT_TYPES = ["yes_no", "person_name", "book_title", "descriptive"]
 TAU = 0.05
 
@@ -63,9 +65,9 @@ def make_result(
         if idx == 1:
             d1 = np.full(n_layers, 0.01)
         d2 = erasure * d1 + s2_rng.normal(0, 0.03, n_layers)
-        ke = d1 > TAU
-        ler = np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0, 1)
-        uds = float((d1[ke] * ler[ke]).sum() / d1[ke].sum()) if ke.any() else np.nan
+        ke = ke_mask(d1, TAU)
+        ler = layer_erasure_ratio(d1, d2)
+        uds = float(example_uds(d1[None], d2[None], TAU)[0])
         for site_position, site in enumerate(sites):
             scale = 1.0 if site == "resid_post" else 0.2 + 0.1 * site_position
             for layer in range(n_layers):
