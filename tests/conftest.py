@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ import torch
 from helpers import pretrained as pretrained_llama
 from helpers.tiny import Trio, make_tiny_llama, make_tiny_tokenizer, make_trio, write_forget_set
 
+from uds_lens.auditor import UDSAuditor, UDSConfig
 from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.zoo import build_zoo
@@ -54,6 +56,29 @@ class Tiny:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     return Tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_auditor(tiny: Tiny) -> Callable[..., UDSAuditor]:
+    """``tiny_auditor(models, config=None, data=None, retain=True)``: a UDSAuditor of already loaded models
+    (``models["full"]``, ``models["retain"]``) on the tiny forget set (or ``data``), with no disk cache and no
+    progress bars."""
+    tokenizer = load_tokenizer(tiny.tokenizer)
+
+    def make(
+        models: dict[str, Any], config: UDSConfig | None = None, data: Any = None, retain: bool = True
+    ) -> UDSAuditor:
+        return UDSAuditor(
+            models["full"],
+            models["retain"] if retain else None,
+            tiny.data if data is None else data,
+            config or UDSConfig(),
+            tokenizer=tokenizer,
+            cache_dir=False,
+            progress=False,
+        )
+
+    return make
 
 
 @pytest.fixture(scope="session")

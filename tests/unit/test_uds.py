@@ -66,16 +66,8 @@ def models(tiny):
 
 @pytest.mark.parametrize("compat", [False, True])
 @pytest.mark.parametrize("engine", ["fast", "naive"])
-def test_invariants(tiny, models, compat, engine):
-    auditor = UDSAuditor(
-        models["full"],
-        models["retain"],
-        tiny.data,
-        UDSConfig(published_compat=compat, engine=engine),
-        tokenizer=load_tokenizer(tiny.tokenizer),
-        cache_dir=False,
-        progress=False,
-    )
+def test_invariants(models, compat, engine, tiny_auditor):
+    auditor = tiny_auditor(models, UDSConfig(published_compat=compat, engine=engine))
     same_as_retain = auditor.score(models["retain"])
     scored = same_as_retain.examples.dropna(subset=["uds"])
     assert len(scored) >= 2
@@ -93,38 +85,20 @@ def test_invariants(tiny, models, compat, engine):
     assert 0.0 < real.uds < 1.0
 
 
-def test_fast_and_naive_agree_on_every_delta(tiny, models):
-    tok = load_tokenizer(tiny.tokenizer)
+def test_fast_and_naive_agree_on_every_delta(models, tiny_auditor):
     results = {}
     for engine in ("fast", "naive"):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            tiny.data,
-            UDSConfig(engine=engine),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(engine=engine))
         results[engine] = auditor.score(models["unlearned"]).layers
     assert np.allclose(results["fast"]["d1"], results["naive"]["d1"], atol=1e-5)
     assert np.allclose(results["fast"]["d2"], results["naive"]["d2"], atol=1e-5)
 
 
-def test_permutation_and_batch_size_invariance(tiny, models):
-    tok = load_tokenizer(tiny.tokenizer)
+def test_permutation_and_batch_size_invariance(tiny, models, tiny_auditor):
     examples = load_examples(tiny.data)
     reference = None
     for order, batch_size in ((examples, 1), (examples[::-1], 4), (examples[2:] + examples[:2], 3)):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            list(order),
-            UDSConfig(batch_size=batch_size),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(batch_size=batch_size), data=list(order))
         layers = (
             auditor.score(models["unlearned"]).layers.sort_values(["idx", "layer"]).reset_index(drop=True)
         )
@@ -133,9 +107,8 @@ def test_permutation_and_batch_size_invariance(tiny, models):
         assert np.allclose(layers[["d1", "d2"]], reference[["d1", "d2"]], atol=1e-5)
 
 
-def test_retain_free_mode(tiny, models):
-    tok = load_tokenizer(tiny.tokenizer)
-    auditor = UDSAuditor(models["full"], None, tiny.data, tokenizer=tok, cache_dir=False, progress=False)
+def test_retain_free_mode(models, tiny_auditor):
+    auditor = tiny_auditor(models, retain=False)
     result = auditor.score(models["unlearned"])
     summary = result.summary
     assert summary["uds"] is None and summary["retain_free"] and "unnormalised" in summary["note"]
@@ -143,18 +116,9 @@ def test_retain_free_mode(tiny, models):
     assert summary["d2_summary"]["mean_d2"] == pytest.approx(result.layers["d2"].mean())
 
 
-def test_nothing_scored_is_nan_or_the_published_zero(tiny, models):
-    tok = load_tokenizer(tiny.tokenizer)
+def test_nothing_scored_is_nan_or_the_published_zero(models, tiny_auditor):
     for compat, expected in ((False, None), (True, 0.0)):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            tiny.data,
-            UDSConfig(published_compat=compat),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(published_compat=compat))
         result = auditor.score(models["unlearned"])
         assert result.summary["n_scored"] > 0 and 0.0 < result.uds
         nothing = result.with_tau(1e9)
@@ -238,14 +202,11 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
         auditor.score(other)
 
 
-def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
+def test_out_of_memory_halves_the_batch_and_retries(models, monkeypatch, tiny_auditor):
     """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
     and the smaller batches are kept for the next model."""
-    tok = load_tokenizer(tiny.tokenizer)
     config = UDSConfig(batch_size=8)
-    reference = UDSAuditor(
-        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
-    ).score(models["unlearned"])
+    reference = tiny_auditor(models, config).score(models["unlearned"])
     real_scores = auditor_module.source_scores
     sizes = []
 
@@ -256,9 +217,7 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
         return real_scores(full, source, batch, *args)
 
     monkeypatch.setattr(auditor_module, "source_scores", small_memory)
-    auditor = UDSAuditor(
-        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
-    )
+    auditor = tiny_auditor(models, config)
     assert max(len(b) for b in auditor.batches) > 2
     result = auditor.score(models["unlearned"])
     assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor.batches)
