@@ -41,7 +41,7 @@ def test_cli_help_imports_no_model_library(command):
         f"print('LOADED:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
     assert probe.returncode == 0, probe.stderr
-    assert ("report" if not command else "--published-compat") in probe.stdout  # the help text itself
+    assert ("report" if not command else "--tau") in probe.stdout  # the help text itself
     assert probe.stdout.strip().endswith("LOADED:"), probe.stdout[-200:]
     assert probe.stderr == ""
 
