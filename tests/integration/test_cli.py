@@ -1,5 +1,6 @@
 """The CLI end to end on tiny local Llama directories, and the real-model experiment's offline error path."""
 
+import inspect
 import json
 import os
 import shutil
@@ -11,33 +12,23 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens.cli import app, main
+from uds_lens.auditor import UDSConfig
+from uds_lens.cli import app, main, score, sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def score_argv(tiny, out: Path, cache: Path, *unlearned: str | Path, retain: bool = True) -> list[str]:
+    """``uds-lens score`` arguments on the tiny checkpoints, scoring ``unlearned`` (default: ``tiny.unlearned``)."""
+    retain_args = ["--retain", str(tiny.retain)] if retain else ["--no-retain"]
+    unlearned_args = [arg for model in unlearned or (tiny.unlearned,) for arg in ("--unlearned", str(model))]
+    return ["score", "--full", str(tiny.full), *retain_args, *unlearned_args, "--data", str(tiny.data),
+            "--out", str(out), "--cache-dir", str(cache)]  # fmt: skip
+
+
 def test_score_writes_every_file(tiny, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app,
-        [
-            "score",
-            "--full",
-            str(tiny.full),
-            "--retain",
-            str(tiny.retain),
-            "--unlearned",
-            str(tiny.unlearned),
-            "--unlearned",
-            str(tiny.full),
-            "--data",
-            str(tiny.data),
-            "--out",
-            str(out),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-        ],
-    )
+    result = CliRunner().invoke(app, score_argv(tiny, out, tmp_path / "cache", tiny.unlearned, tiny.full))
     assert result.exit_code == 0, result.output
     assert "unlearned" in result.output
     for name in ("unlearned", "full"):
@@ -83,25 +74,21 @@ def test_score_writes_every_file(tiny, tmp_path):
     )
 
 
+@pytest.mark.parametrize("command", [score, sweep])
+def test_uds_option_defaults_are_the_configs(command):
+    """The defaults of the shared UDS options, written out in cli.py so that `--help` imports no torch, are
+    UDSConfig's."""
+    defaults = {name: parameter.default for name, parameter in inspect.signature(command).parameters.items()}
+    config = UDSConfig()
+    expected = {"tau": config.tau, "scope": config.patch_scope, "site": config.site, "engine": config.engine,
+                "published_compat": config.published_compat, "batch_size": config.batch_size,
+                "dtype": config.dtype, "device": config.device}  # fmt: skip
+    assert {name: defaults[name] for name in expected} == expected
+
+
 def test_score_retain_free_and_bad_input(tiny, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(
-        app,
-        [
-            "score",
-            "--full",
-            str(tiny.full),
-            "--no-retain",
-            "--unlearned",
-            str(tiny.unlearned),
-            "--data",
-            str(tiny.data),
-            "--out",
-            str(tmp_path / "rf"),
-            "--cache-dir",
-            str(tmp_path / "c"),
-        ],
-    )
+    result = runner.invoke(app, score_argv(tiny, tmp_path / "rf", tmp_path / "c", retain=False))
     assert result.exit_code == 0, result.output
     assert "unnormalised" in result.output
     result = runner.invoke(
@@ -187,24 +174,7 @@ def _main(monkeypatch, capsys, *args):
 def test_out_of_range_options_are_one_line_errors_before_any_compute(
     tiny, tmp_path, monkeypatch, capsys, bad
 ):
-    code, captured = _main(
-        monkeypatch,
-        capsys,
-        "score",
-        "--full",
-        str(tiny.full),
-        "--retain",
-        str(tiny.retain),
-        "--unlearned",
-        str(tiny.unlearned),
-        "--data",
-        str(tiny.data),
-        "--out",
-        str(tmp_path / "o"),
-        "--cache-dir",
-        str(tmp_path / "c"),
-        *bad,
-    )
+    code, captured = _main(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"), *bad)
     assert code == 2
     assert (
         captured.err.startswith("error: ")
@@ -216,23 +186,7 @@ def test_out_of_range_options_are_one_line_errors_before_any_compute(
 
 def test_an_out_that_is_a_file_fails_before_any_compute(tiny, tmp_path, monkeypatch, capsys):
     (tmp_path / "o").write_text("a file")
-    code, captured = _main(
-        monkeypatch,
-        capsys,
-        "score",
-        "--full",
-        str(tiny.full),
-        "--retain",
-        str(tiny.retain),
-        "--unlearned",
-        str(tiny.unlearned),
-        "--data",
-        str(tiny.data),
-        "--out",
-        str(tmp_path / "o"),
-        "--cache-dir",
-        str(tmp_path / "c"),
-    )
+    code, captured = _main(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"))
     assert code == 2 and "is a file" in captured.err and not (tmp_path / "c").exists()
 
 
@@ -240,25 +194,8 @@ def test_equal_basenames_get_distinct_names_and_reuse_is_announced(tiny, tmp_pat
     for parent in ("a", "b"):
         shutil.copytree(tiny.unlearned if parent == "a" else tiny.full, tmp_path / parent / "model")
     out = tmp_path / "out"
-    command = [
-        "score",
-        "--full",
-        str(tiny.full),
-        "--retain",
-        str(tiny.retain),
-        "--unlearned",
-        str(tmp_path / "a" / "model"),
-        "--unlearned",
-        str(tmp_path / "b" / "model"),
-        "--unlearned",
-        f"mine={tiny.unlearned}",
-        "--data",
-        str(tiny.data),
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(tmp_path / "cache"),
-    ]
+    models = (tmp_path / "a" / "model", tmp_path / "b" / "model", f"mine={tiny.unlearned}")
+    command = score_argv(tiny, out, tmp_path / "cache", *models)
     first = CliRunner().invoke(app, command)
     assert first.exit_code == 0, first.output
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["a__model", "b__model", "mine"]

@@ -1,4 +1,4 @@
-"""A real pretrained Llama (SmolLM2-135M-Instruct from its .gguf, see tests/pretrained_llama.py) through the whole
+"""A real pretrained Llama (SmolLM2-135M-Instruct from its .gguf, see tests/helpers/pretrained.py) through the whole
 pipeline: what the tiny random models cannot show (30 layers, GQA, tied embeddings, a no-BOS byte-level tokenizer,
 weights that know facts)."""
 
@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
+from helpers import pretrained as pretrained_llama
+from nbclient import NotebookClient
 
 from uds_lens import UDSAuditor
+from uds_lens.analysis.diagnose import diagnose
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, model_fingerprint, verify_parity
 from uds_lens.patching import (
@@ -73,8 +78,6 @@ def test_hooked_log_probs_match_hugging_face(pretrained, encoded):
 @pytest.mark.slow
 def test_loading_from_the_gguf_file_gives_the_same_weights(pretrained):
     """The .gguf loader (dequantised by transformers) and the converted directory are the same model."""
-    from helpers import pretrained as pretrained_llama
-
     from_gguf = load_model(pretrained_llama.gguf_file(), dtype="float32", device="cpu")
     assert model_fingerprint(from_gguf) == model_fingerprint(pretrained.models["full"])
 
@@ -169,8 +172,6 @@ def test_entities_merged_with_a_space_or_next_to_punctuation_are_located(pretrai
 
 
 def test_diagnose_runs_on_the_real_model(pretrained, tmp_path):
-    from uds_lens.analysis.diagnose import diagnose
-
     records = json.loads(pretrained.data.read_text())[:3]
     table = diagnose(
         pretrained.full,
@@ -194,11 +195,6 @@ def test_diagnose_runs_on_the_real_model(pretrained, tmp_path):
 @pytest.mark.parametrize("notebook", ["01_quickstart", "02_layer_diagnostics", "03_component_patching"])
 def test_notebook_code_paths_on_the_real_model(pretrained, notebook, tmp_path, monkeypatch):
     """The notebooks' "your own checkpoints" path, with the real model and three examples."""
-    from pathlib import Path
-
-    import nbformat
-    from nbclient import NotebookClient
-
     path = Path(__file__).resolve().parents[2] / "notebooks" / f"{notebook}.ipynb"
     nb = nbformat.read(path, as_version=4)
     nb.cells[0].source += (

@@ -220,29 +220,13 @@ def test_sweep_cli_with_a_registry_compares_with_published_figures(zoo, tmp_path
         registry, index=False
     )
     out = tmp_path / "out"
+    from_registry = ["sweep", "--full", zoo["full"], "--retain", zoo["retain"], "--data", zoo["data"],
+                     "--registry", str(registry), "--out", str(out)]  # fmt: skip
     result = CliRunner().invoke(
         app,
-        [
-            "sweep",
-            "--full",
-            zoo["full"],
-            "--retain",
-            zoo["retain"],
-            "--data",
-            zoo["data"],
-            "--registry",
-            str(registry),
-            "--methods",
-            "npo,rmu",
-            "--compare-published",
-            "--workers",
-            "1",
-            "--out",
-            str(out),
-            "--cache-dir",
-            str(tmp_path / "s1"),
-        ],
-    )
+        [*from_registry, "--methods", "npo,rmu", "--compare-published", "--workers", "1",
+         "--cache-dir", str(tmp_path / "s1")],
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     table = pd.read_csv(out / SWEEP_TABLE).set_index("name")
     assert list(table.index) == ["npo_ep5", "rmu_ep5"]
@@ -254,24 +238,7 @@ def test_sweep_cli_with_a_registry_compares_with_published_figures(zoo, tmp_path
     assert "npo_ep5" in result.output and "published_uds" in result.output
     html = (out / SCATTER_HTML).read_text()
     assert "npo_ep5" in html and "ours = published" in html
-    bad = CliRunner().invoke(
-        app,
-        [
-            "sweep",
-            "--full",
-            zoo["full"],
-            "--retain",
-            zoo["retain"],
-            "--data",
-            zoo["data"],
-            "--registry",
-            str(registry),
-            "--methods",
-            "dpo",
-            "--out",
-            str(out),
-        ],
-    )
+    bad = CliRunner().invoke(app, [*from_registry, "--methods", "dpo"])
     assert bad.exit_code != 0 and "no method ['dpo']" in str(bad.exception)
 
 

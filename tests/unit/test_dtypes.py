@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from uds_lens import UDSAuditor, UDSConfig
+from uds_lens import UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_model, load_tokenizer
-from uds_lens.patching import SITES, pad_batch, patched_scores, source_activations
+from uds_lens.patching import SITES, available_memory_bytes, pad_batch, patched_scores, source_activations
 
 TOLERANCE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-5}
 
@@ -57,46 +57,23 @@ def test_fast_equals_naive_within_the_dtype_tolerance(tiny, half_models, dtype, 
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_audit_anchors_and_metadata(tiny, half_models, dtype):
+def test_half_precision_audit_anchors_and_metadata(tiny, half_models, dtype, tiny_auditor):
     """full -> full is exactly 0 in any dtype (the engine's own baseline); the metadata names the log-softmax
     dtype: fp32 by default, the model's dtype in published-compat mode, which changes the numbers."""
     torch_dtype = getattr(torch, dtype)
     models = half_models[torch_dtype]
-    tok = load_tokenizer(tiny.tokenizer)
-    default = UDSAuditor(
-        models["full"],
-        models["retain"],
-        tiny.data,
-        UDSConfig(dtype=dtype),
-        tokenizer=tok,
-        cache_dir=False,
-        progress=False,
-    )
+    default = tiny_auditor(models, UDSConfig(dtype=dtype))
     same = default.score(models["full"])
     assert same.uds == 0.0 and (same.layers.d2 == 0).all()
     result = default.score(models["unlearned"])
     assert result.summary["log_softmax_dtype"] == "float32" and result.summary["dtype"] == f"torch.{dtype}"
-    compat = UDSAuditor(
-        models["full"],
-        models["retain"],
-        tiny.data,
-        UDSConfig(dtype=dtype, published_compat=True),
-        tokenizer=tok,
-        cache_dir=False,
-        progress=False,
-    )
+    compat = tiny_auditor(models, UDSConfig(dtype=dtype, published_compat=True))
     compat_result = compat.score(models["unlearned"])
     assert compat_result.summary["log_softmax_dtype"] == dtype
     # a half-precision log-softmax rounds each log-prob to the format: S0 differs from the fp32 one
     assert not torch.equal(compat.stage1.s_full, default.stage1.s_full)
-    fp32 = UDSAuditor(
-        load_model(tiny.full),
-        load_model(tiny.retain),
-        tiny.data,
-        tokenizer=tok,
-        cache_dir=False,
-        progress=False,
-    ).score(load_model(tiny.unlearned))
+    fp32_models = {name: load_model(getattr(tiny, name)) for name in ("full", "retain", "unlearned")}
+    fp32 = tiny_auditor(fp32_models).score(fp32_models["unlearned"])
     assert abs(result.uds - fp32.uds) <= 0.05  # the audit's headline number survives half precision
 
 
@@ -119,8 +96,6 @@ def test_bf16_on_cuda_fast_equals_naive(tiny, cuda_device, scope):
 
 
 @pytest.mark.gpu
-def test_cuda_batch_size_comes_from_free_gpu_memory(tiny, cuda_device):
-    from uds_lens.patching import available_memory_bytes
-
+def test_cuda_batch_size_comes_from_free_gpu_memory(cuda_device):
     free, _ = torch.cuda.mem_get_info()
     assert abs(available_memory_bytes(cuda_device) - free) < 256 << 20

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.synthetic import make_result
+
+import uds_lens
+from uds_lens import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("transformer_lens", "torch", "bitsandbytes", "transformers")
@@ -27,23 +31,22 @@ def test_import_writes_nothing_and_loads_no_heavy_dependency():
     assert probe.stdout.strip() == "", f"`import uds_lens` imported {probe.stdout.strip()}"
 
 
-def test_cli_help_imports_no_model_library():
+@pytest.mark.parametrize("command", [[], ["score"], ["sweep"]])
+def test_cli_help_imports_no_model_library(command):
     probe = _run(
         "import sys\n"
-        "sys.argv = ['uds-lens', '--help']\n"
+        f"sys.argv = ['uds-lens', *{command!r}, '--help']\n"
         "from uds_lens import cli\n"
         "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
         f"print('LOADED:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
     assert probe.returncode == 0, probe.stderr
-    assert "score" in probe.stdout and "report" in probe.stdout  # the help text itself
+    assert ("report" if not command else "--tau") in probe.stdout  # the help text itself
     assert probe.stdout.strip().endswith("LOADED:"), probe.stdout[-200:]
     assert probe.stderr == ""
 
 
 def test_public_names_resolve_lazily_and_unknown_names_fail():
-    import uds_lens
-
     assert uds_lens.UDSConfig().tau == 0.05
     assert set(uds_lens.__all__) <= set(dir(uds_lens))
     for name in uds_lens.__all__:
@@ -52,19 +55,17 @@ def test_public_names_resolve_lazily_and_unknown_names_fail():
         uds_lens.no_such_name  # noqa: B018
 
 
-def test_cli_hides_hugging_face_loading_bars_unless_verbose(monkeypatch):
-    from uds_lens.cli import _quiet_model_loading
-
+@pytest.mark.parametrize(("flags", "hidden"), [(["--verbose"], False), (["-v"], False), ([], True)])
+def test_cli_hides_hugging_face_loading_bars_unless_verbose(monkeypatch, capsys, flags, hidden):
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
-    _quiet_model_loading(["score", "--verbose"])
-    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
-    _quiet_model_loading(["score", "--full", "F"])
-    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.setattr(sys, "argv", ["uds-lens", "score", *flags, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 0 and "--verbose" in capsys.readouterr().out
+    assert (os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1") is hidden
 
 
 def test_cli_report_imports_no_model_library(tmp_path):
-    from helpers.synthetic import make_result
-
     for name, erasure in (("full", 0.0), ("npo", 0.4)):
         make_result(name, erasure).save(tmp_path / name)
     probe = _run(

@@ -46,15 +46,10 @@ def test_directory_without_config(tmp_path):
 
 
 def test_mismatched_vocab_and_architecture(tiny, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(tiny.root.parent))
-    from helpers.tiny_models import make_llama
-
-    other_vocab = make_llama(tmp_path / "v", tiny.tokenizer, seed=3, vocab_size=320)
+    other_vocab = tiny.variant(tmp_path / "v", seed=3, vocab_size=320)
     with pytest.raises(ModelMismatchError, match="vocabulary"):
         check_compatible(load_model(tiny.full), load_model(other_vocab))
-    deeper = make_llama(tmp_path / "d", tiny.tokenizer, seed=3, n_layers=4)
+    deeper = tiny.variant(tmp_path / "d", seed=3, n_layers=4)
     with pytest.raises(ModelMismatchError, match="architecture"):
         check_compatible(load_model(tiny.full), load_model(deeper))
 

@@ -1,17 +1,22 @@
 """UDS invariants (SPEC §1.6), the score formula, retain-free mode and the S1 cache (SPEC §1.7)."""
 
+import json
+import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from uds_lens import UDSAuditor, UDSConfig, UDSResult
-from uds_lens.auditor import S1Cache
-from uds_lens.data import load_examples
+import uds_lens.auditor as auditor_module
+from uds_lens import UDSAuditor, UDSConfig, UDSResult, load_tokenizer
+from uds_lens.auditor import ConfigError, S1Cache, nonfinite_error, score_models
+from uds_lens.data import DataError, encode, load_examples
 from uds_lens.models import ModelMismatchError, load_model
-from uds_lens.uds import example_uds, layer_erasure_ratio, rescore
+from uds_lens.uds import bootstrap_ci, example_uds, layer_erasure_ratio, rescore
 
 
 def test_formula_by_hand():
@@ -61,16 +66,8 @@ def models(tiny):
 
 @pytest.mark.parametrize("compat", [False, True])
 @pytest.mark.parametrize("engine", ["fast", "naive"])
-def test_invariants(tiny, models, compat, engine):
-    auditor = UDSAuditor(
-        models["full"],
-        models["retain"],
-        tiny.data,
-        UDSConfig(published_compat=compat, engine=engine),
-        tokenizer=__import__("uds_lens").load_tokenizer(tiny.tokenizer),
-        cache_dir=False,
-        progress=False,
-    )
+def test_invariants(models, compat, engine, tiny_auditor):
+    auditor = tiny_auditor(models, UDSConfig(published_compat=compat, engine=engine))
     same_as_retain = auditor.score(models["retain"])
     scored = same_as_retain.examples.dropna(subset=["uds"])
     assert len(scored) >= 2
@@ -88,38 +85,20 @@ def test_invariants(tiny, models, compat, engine):
     assert 0.0 < real.uds < 1.0
 
 
-def test_fast_and_naive_agree_on_every_delta(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+def test_fast_and_naive_agree_on_every_delta(models, tiny_auditor):
     results = {}
     for engine in ("fast", "naive"):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            tiny.data,
-            UDSConfig(engine=engine),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(engine=engine))
         results[engine] = auditor.score(models["unlearned"]).layers
     assert np.allclose(results["fast"]["d1"], results["naive"]["d1"], atol=1e-5)
     assert np.allclose(results["fast"]["d2"], results["naive"]["d2"], atol=1e-5)
 
 
-def test_permutation_and_batch_size_invariance(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+def test_permutation_and_batch_size_invariance(tiny, models, tiny_auditor):
     examples = load_examples(tiny.data)
     reference = None
     for order, batch_size in ((examples, 1), (examples[::-1], 4), (examples[2:] + examples[:2], 3)):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            list(order),
-            UDSConfig(batch_size=batch_size),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(batch_size=batch_size), data=list(order))
         layers = (
             auditor.score(models["unlearned"]).layers.sort_values(["idx", "layer"]).reset_index(drop=True)
         )
@@ -128,9 +107,8 @@ def test_permutation_and_batch_size_invariance(tiny, models):
         assert np.allclose(layers[["d1", "d2"]], reference[["d1", "d2"]], atol=1e-5)
 
 
-def test_retain_free_mode(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
-    auditor = UDSAuditor(models["full"], None, tiny.data, tokenizer=tok, cache_dir=False, progress=False)
+def test_retain_free_mode(models, tiny_auditor):
+    auditor = tiny_auditor(models, retain=False)
     result = auditor.score(models["unlearned"])
     summary = result.summary
     assert summary["uds"] is None and summary["retain_free"] and "unnormalised" in summary["note"]
@@ -138,18 +116,9 @@ def test_retain_free_mode(tiny, models):
     assert summary["d2_summary"]["mean_d2"] == pytest.approx(result.layers["d2"].mean())
 
 
-def test_nothing_scored_is_nan_or_the_published_zero(tiny, models):
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
+def test_nothing_scored_is_nan_or_the_published_zero(models, tiny_auditor):
     for compat, expected in ((False, None), (True, 0.0)):
-        auditor = UDSAuditor(
-            models["full"],
-            models["retain"],
-            tiny.data,
-            UDSConfig(published_compat=compat),
-            tokenizer=tok,
-            cache_dir=False,
-            progress=False,
-        )
+        auditor = tiny_auditor(models, UDSConfig(published_compat=compat))
         result = auditor.score(models["unlearned"])
         assert result.summary["n_scored"] > 0 and 0.0 < result.uds
         nothing = result.with_tau(1e9)
@@ -171,16 +140,11 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     r3 = third.score(tiny.unlearned)
     assert r3.summary["timings"]["s1_cached"]
     assert r3.examples["n_ke"].sum() <= r1.examples["n_ke"].sum()
-    __import__("pandas").testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
+    pd.testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
     # same path, different weights: a miss
     changed = tmp_path / "retain"
     shutil.copytree(tiny.retain, changed)
-    import sys
-
-    sys.path.insert(0, str(tiny.root.parent))
-    from helpers.tiny_models import make_llama
-
-    make_llama(changed, tiny.tokenizer, seed=9, base=tiny.retain, noise=0.01)
+    tiny.variant(changed, seed=9, base=tiny.retain, noise=0.01)
     r4 = UDSAuditor(tiny.full, changed, tiny.data, cache_dir=cache, progress=False).score(tiny.unlearned)
     assert not r4.summary["timings"]["s1_cached"]
     # a corrupt cache file is rebuilt with a warning
@@ -201,15 +165,11 @@ def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
     )
     result.save(tmp_path / "out")
     loaded = UDSResult.load(tmp_path / "out")
-    import pandas as pd
-
     pd.testing.assert_frame_equal(loaded.examples, result.examples, check_dtype=False)
     assert np.allclose(
         loaded.layers[["d1", "d2", "ler"]].fillna(-9), result.layers[["d1", "d2", "ler"]].fillna(-9)
     )
     assert loaded.uds == pytest.approx(result.uds)
-    import json
-
     ou = json.loads((tmp_path / "out" / "uds_eval.json").read_text())
     assert ou["uds"]["agg_value"] == pytest.approx(result.uds)
     assert set(ou["uds"]["value_by_index"]) == {str(i) for i in result.examples.dropna(subset=["uds"])["idx"]}
@@ -218,8 +178,6 @@ def test_result_round_trip_and_open_unlearning_json(tiny, tmp_path):
 
 
 def test_skipped_examples_are_counted(tiny, tmp_path):
-    import json
-
     records = json.loads(tiny.data.read_text())
     records.append(
         {"idx": 50, "question": "q?", "answer": "Nothing here.", "prefix": "Nothing", "entity": "Berlin"}
@@ -238,53 +196,41 @@ def test_skipped_examples_are_counted(tiny, tmp_path):
 
 
 def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(tiny.root.parent))
-    from helpers.tiny_models import make_llama
-
-    other = make_llama(tmp_path / "other", tiny.tokenizer, seed=4, d_model=48)
+    other = tiny.variant(tmp_path / "other", seed=4, d_model=48)
     auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
     with pytest.raises(ModelMismatchError, match="d_model"):
         auditor.score(other)
 
 
-def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
+def test_out_of_memory_halves_the_batch_and_retries(models, monkeypatch, tiny_auditor):
     """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
     and the smaller batches are kept for the next model."""
-    import uds_lens.auditor as uds_module
-
-    tok = __import__("uds_lens").load_tokenizer(tiny.tokenizer)
     config = UDSConfig(batch_size=8)
-    reference = UDSAuditor(
-        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
-    ).score(models["unlearned"])
-    real_scores = uds_module.UDSAuditor._source_scores
+    reference = tiny_auditor(models, config).score(models["unlearned"])
+    real_scores = auditor_module.source_scores
     sizes = []
 
-    def small_memory(self, source, batch, number):
+    def small_memory(full, source, batch, *args):
         sizes.append(batch.size)
         if batch.size > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_scores(self, source, batch, number)
+        return real_scores(full, source, batch, *args)
 
-    monkeypatch.setattr(uds_module.UDSAuditor, "_source_scores", small_memory)
-    auditor = UDSAuditor(
-        models["full"], models["retain"], tiny.data, config, tokenizer=tok, cache_dir=False, progress=False
-    )
-    assert max(len(b) for b in auditor._batches) > 2
+    monkeypatch.setattr(auditor_module, "source_scores", small_memory)
+    auditor = tiny_auditor(models, config)
+    assert max(len(b) for b in auditor.batches) > 2
     result = auditor.score(models["unlearned"])
-    assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor._batches)
+    assert max(sizes) > 2 and all(len(b) <= 2 for b in auditor.batches)
     assert np.allclose(result.layers["d1"], reference.layers["d1"], atol=1e-6)
     assert np.allclose(result.layers["d2"], reference.layers["d2"], atol=1e-6)
     sizes.clear()
     auditor.score(models["retain"])
     assert max(sizes) <= 2  # the next model starts from the size that fitted
-    monkeypatch.setattr(
-        uds_module.UDSAuditor,
-        "_source_scores",
-        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")),
-    )
+
+    def shape_mismatch(*args):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(auditor_module, "source_scores", shape_mismatch)
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
 
@@ -295,8 +241,6 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, models, monkeypatch):
 
 def _copy_model(source, target, nan_parameter: str | None = None, noise: float = 0.0, seed: int = 0):
     """A copy of a tiny checkpoint, optionally with one weight set to NaN or all weights nudged."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(source)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -312,10 +256,6 @@ def _copy_model(source, target, nan_parameter: str | None = None, noise: float =
 
 def test_stale_results_are_never_reused(tiny, tmp_path):
     """Each changed input recomputes (the number equals a fresh run); identical inputs reuse, and say so."""
-    import json
-
-    from uds_lens.auditor import score_models
-
     unlearned = _copy_model(tiny.unlearned, tmp_path / "unl")
     other_data = tmp_path / "data.json"
     other_data.write_text(json.dumps(json.loads(tiny.data.read_text())[1:]))
@@ -377,10 +317,7 @@ def test_nan_in_any_model_is_refused_and_never_cached(tiny, tmp_path, role):
 
 
 def test_nonfinite_advice_fits_the_dtype(tiny, models):
-    from uds_lens.auditor import nonfinite_error
-    from uds_lens.data import encode
-
-    encoded, _ = encode(load_examples(tiny.data), __import__("uds_lens").load_tokenizer(tiny.tokenizer))
+    encoded, _ = encode(load_examples(tiny.data), load_tokenizer(tiny.tokenizer))
     half = load_model(tiny.full, dtype="bfloat16")
     assert "run in float32 (--dtype float32" in str(
         nonfinite_error(half, "full", "x", "score", [0], encoded[0], 2)
@@ -407,16 +344,11 @@ def test_nonfinite_advice_fits_the_dtype(tiny, models):
     ],
 )
 def test_options_out_of_range_are_refused(options):
-    from uds_lens.auditor import ConfigError
-
     with pytest.raises(ConfigError, match="must|Unknown dtype"):
         UDSConfig(**options)
 
 
 def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
-    from uds_lens.auditor import ConfigError
-    from uds_lens.data import DataError
-
     with pytest.raises(ConfigError, match="do not exist"):
         UDSAuditor(
             tiny.full, tiny.retain, tiny.data, UDSConfig(layers=(0, 7)), cache_dir=False, progress=False
@@ -427,8 +359,6 @@ def test_layers_beyond_the_model_and_negative_limits_are_refused(tiny):
 
 def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
     """A pickle in the cache directory (under the current or the old file name) is never unpickled."""
-    import pickle
-
     cache = tmp_path / "cache"
     reference = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).score(
         tiny.unlearned
@@ -437,7 +367,7 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
 
     class Payload:
         def __reduce__(self):
-            return (__import__("pathlib").Path.touch, (marker,))
+            return (Path.touch, (marker,))
 
     crafted = pickle.dumps({"format": 2, "payload": Payload()})
     files = list(cache.glob("s1_*"))
@@ -456,8 +386,6 @@ def test_a_crafted_cache_file_never_runs(tiny, tmp_path):
 
 
 def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
-    import json
-
     records = json.loads(tiny.data.read_text())
     filler = " ".join(["the river stone light of the night"] * 60)
     tail = dict(
@@ -484,7 +412,5 @@ def test_an_example_longer_than_the_context_is_cut_or_skipped(tiny, tmp_path):
 
 
 def test_bootstrap_ci_does_not_depend_on_example_order():
-    from uds_lens.uds import bootstrap_ci
-
     values = np.random.default_rng(1).uniform(0, 1, 25)
     assert bootstrap_ci(values) == bootstrap_ci(values[::-1]) == bootstrap_ci(np.roll(values, 7))

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from helpers.diag import shared_trio
 from helpers.synthetic import make_lens_layers, make_result
 
 from uds_lens.analysis.case_studies import (
@@ -40,8 +39,7 @@ def test_rescore_at_default_tau_matches_the_results_own_uds():
         rescore_uds(make_result(sites=("resid_post", "mlp_out")).layers)
 
 
-def test_tau_reapplied_equals_recomputation_with_the_core():
-    trio = shared_trio()
+def test_tau_reapplied_equals_recomputation_with_the_core(trio):
     results = {}
     for tau in (0.05, 0.2, 0.0):
         auditor = UDSAuditor(trio.models["full"], trio.models["retain"], trio.records, config=UDSConfig(tau=tau),

@@ -6,7 +6,6 @@ import json
 
 import pandas as pd
 import pytest
-from helpers.diag import shared_trio
 
 from uds_lens.analysis.diagnose import METHODS, diagnose
 
@@ -20,8 +19,7 @@ def _check_endpoints(scores: pd.DataFrame) -> None:
         assert scores.at["retain", method] >= 0.98, method
 
 
-def test_diagnose_writes_the_files(tmp_path):
-    trio = shared_trio()
+def test_diagnose_writes_the_files(trio, tmp_path):
     unlearned = {"full": trio.models["full"], "retain": trio.paths["retain"], "other": trio.models["other"]}
     scores = diagnose(trio.models["full"], trio.models["retain"], unlearned, trio.records, tmp_path,
                       methods=("uds", "logit_lens", "cka"), sites=("resid_post", "mlp_out"), cache_dir=False)  # fmt: skip
@@ -45,15 +43,13 @@ def test_diagnose_writes_the_files(tmp_path):
     assert (tau_table.loc[tau_table["tau"] == 0.05, "spearman"] == 1.0).all()
 
 
-def test_diagnose_rejects_unknown_methods(tmp_path):
-    trio = shared_trio()
+def test_diagnose_rejects_unknown_methods(trio, tmp_path):
     with pytest.raises(ValueError, match="unknown methods"):
         diagnose(trio.paths["full"], trio.paths["retain"], {}, trio.records, tmp_path, methods=("nope",))
 
 
 @pytest.mark.slow
-def test_diagnose_every_method_and_site(tmp_path):
-    trio = shared_trio()
+def test_diagnose_every_method_and_site(trio, tmp_path):
     unlearned = {"full": trio.paths["full"], "retain": trio.paths["retain"], "other": trio.paths["other"]}
     scores = diagnose(trio.paths["full"], trio.paths["retain"], unlearned, trio.records, tmp_path, methods=METHODS,
                       sites=("attn_out", "mlp_out", "resid_mid", "resid_post"), calibration=trio.examples,

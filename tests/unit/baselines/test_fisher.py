@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from helpers.diag import shared_trio
 
 from uds_lens.baselines.fisher import (
     FisherDiagonal,
@@ -18,9 +15,8 @@ from uds_lens.baselines.fisher import (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def _fishers() -> dict[str, FisherDiagonal]:
-    trio = shared_trio()
+@pytest.fixture(scope="module")
+def fishers(trio) -> dict[str, FisherDiagonal]:
     return {name: diagonal_fisher(trio.models[name], trio.encoded[:3]) for name in ("full", "retain")}
 
 
@@ -32,10 +28,9 @@ def test_method_keys():
     ]
 
 
-def test_diagonal_fisher_is_mean_squared_gradient_of_block_parameters():
-    trio = shared_trio()
+def test_diagonal_fisher_is_mean_squared_gradient_of_block_parameters(trio, fishers):
     model = trio.models["full"]
-    fisher = _fishers()["full"]
+    fisher = fishers["full"]
     assert len(fisher.per_layer) == 3
     assert fisher.per_layer[1].numel() == sum(p.numel() for p in model.blocks[1].parameters())
     assert not any(p.requires_grad for p in model.parameters())  # restored after the backward passes
@@ -76,8 +71,7 @@ def test_layer_without_signal_gets_erasure_one_and_no_weight():
     assert result.erasure.item() == 1.0 and result.weight.item() == 0.0
 
 
-def test_masked_fisher_endpoints_on_models():
-    fishers = _fishers()
+def test_masked_fisher_endpoints_on_models(fishers):
     as_full = masked_fisher_scores(fishers["full"], fishers["retain"], fishers["full"])
     as_retain = masked_fisher_scores(fishers["full"], fishers["retain"], fishers["retain"])
     mixed = FisherDiagonal(

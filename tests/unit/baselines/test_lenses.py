@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.diag import shared_hidden, shared_trio
 
 from uds_lens.baselines.hidden import collect_hidden_states
 from uds_lens.baselines.lenses import (
@@ -18,9 +17,8 @@ from uds_lens.baselines.lenses import (
 from uds_lens.models import load_hf_model
 
 
-def test_hidden_states_layout_and_batch_invariance():
-    trio = shared_trio()
-    hidden = shared_hidden()["full"]
+def test_hidden_states_layout_and_batch_invariance(trio, trio_hidden):
+    hidden = trio_hidden["full"]
     n_rows = sum(e.n_entity_tokens for e in trio.encoded)
     assert hidden.resid.shape == (3, n_rows, 32)
     assert hidden.example_ids == [e.idx for e in trio.encoded]
@@ -29,17 +27,15 @@ def test_hidden_states_layout_and_batch_invariance():
     torch.testing.assert_close(one_by_one.resid, hidden.resid, atol=1e-5, rtol=1e-5)
 
 
-def test_hf_path_matches_transformer_lens_including_prenorm_last_layer():
-    trio = shared_trio()
+def test_hf_path_matches_transformer_lens_including_prenorm_last_layer(trio, trio_hidden):
     hf = load_hf_model(trio.paths["full"], dtype=torch.float32, device="cpu")
     from_hf = collect_hidden_states(hf, trio.encoded, batch_size=3)
-    torch.testing.assert_close(from_hf.resid, shared_hidden()["full"].resid, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_hf.resid, trio_hidden["full"].resid, atol=1e-4, rtol=1e-4)
 
 
-def test_last_layer_lens_is_the_models_own_entity_logprob():
-    trio = shared_trio()
+def test_last_layer_lens_is_the_models_own_entity_logprob(trio, trio_hidden):
     model = trio.models["full"]
-    k = entity_logprobs(shared_hidden()["full"], final_decoder(model))
+    k = entity_logprobs(trio_hidden["full"], final_decoder(model))
     for row, example in enumerate(trio.encoded):
         logits = model(torch.tensor([example.input_ids]), return_type="logits")[0]
         logprobs = torch.log_softmax(logits[list(example.read_positions)].float(), dim=-1)
@@ -47,9 +43,8 @@ def test_last_layer_lens_is_the_models_own_entity_logprob():
         assert k[row, -1].item() == pytest.approx(own.item(), abs=1e-4)
 
 
-def test_logit_lens_endpoints_and_table_shape():
-    trio = shared_trio()
-    hidden = shared_hidden()
+def test_logit_lens_endpoints_and_table_shape(trio, trio_hidden):
+    hidden = trio_hidden
     decoder = final_decoder(trio.models["full"])
     as_full = logit_lens(hidden["full"], hidden["retain"], hidden["full"], decoder)
     as_retain = logit_lens(hidden["full"], hidden["retain"], hidden["retain"], decoder)
@@ -81,9 +76,9 @@ def test_logit_lens_endpoints_and_table_shape():
     assert lw.erasure.min() >= 0 and lw.erasure.max() <= 1
 
 
-def test_logit_lens_rejects_misaligned_states():
-    hidden = shared_hidden()
-    decoder = final_decoder(shared_trio().models["full"])
+def test_logit_lens_rejects_misaligned_states(trio, trio_hidden):
+    hidden = trio_hidden
+    decoder = final_decoder(trio.models["full"])
     shifted = type(hidden["retain"])(
         hidden["retain"].resid,
         hidden["retain"].example_idx + 1,
@@ -94,9 +89,8 @@ def test_logit_lens_rejects_misaligned_states():
         logit_lens(hidden["full"], shifted, hidden["full"], decoder)
 
 
-def test_untrained_tuned_lens_is_the_logit_lens_and_trained_keeps_endpoints():
-    trio = shared_trio()
-    hidden = shared_hidden()
+def test_untrained_tuned_lens_is_the_logit_lens_and_trained_keeps_endpoints(trio, trio_hidden):
+    hidden = trio_hidden
     decoder = final_decoder(trio.models["full"])
     identity = TunedLens(3, 32)
     plain = entity_logprobs(hidden["other"], decoder)

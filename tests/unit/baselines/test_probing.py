@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.diag import shared_hidden
 
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.probing import fit_probes, linear_probe_score, probe_layerwise
 
 
-def test_probe_endpoints_on_models():
-    hidden = shared_hidden()
+def test_probe_endpoints_on_models(trio_hidden):
+    hidden = trio_hidden
     probes = fit_probes(hidden["full"])
     as_full = linear_probe_score(hidden["full"], hidden["retain"], hidden["full"], probes=probes)
     as_retain = linear_probe_score(hidden["full"], hidden["retain"], hidden["retain"], probes=probes)
@@ -21,8 +20,8 @@ def test_probe_endpoints_on_models():
     assert (probes.loss(hidden["full"]) < probes.loss(hidden["retain"])).all()
 
 
-def test_cross_fitted_probe_scores_are_bounded():
-    hidden = shared_hidden()
+def test_cross_fitted_probe_scores_are_bounded(trio_hidden):
+    hidden = trio_hidden
     probes = fit_probes(hidden["full"], folds=2, max_iter=20)
     assert not probes.in_sample
     result = linear_probe_score(hidden["full"], hidden["retain"], hidden["other"], probes=probes)

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers.diag import shared_hidden
 from scipy import stats
 
 from uds_lens.baselines.hidden import HiddenStates
@@ -94,8 +93,8 @@ def test_layerwise_frame():
 
 
 @pytest.mark.parametrize("method", ["cka", "rsa", "svcca", "pwcca"])
-def test_similarity_scores_on_models(method):
-    hidden = shared_hidden()
+def test_similarity_scores_on_models(trio_hidden, method):
+    hidden = trio_hidden
     as_full = similarity_score(hidden["full"], hidden["retain"], hidden["full"], method)
     as_retain = similarity_score(hidden["full"], hidden["retain"], hidden["retain"], method)
     as_other = similarity_score(hidden["full"], hidden["retain"], hidden["other"], method)
