@@ -451,7 +451,9 @@ class UDSAuditor:
         self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
-        n_ctx = min(as_source(model).context_length for model in (self.full, self.retain) if model is not None)
+        n_ctx = min(
+            as_source(model).context_length for model in (self.full, self.retain) if model is not None
+        )
         self.encoded, too_long = fit_context(self.encoded, n_ctx)
         self.skipped = self.skipped + too_long
         n_layers = self.full.cfg.n_layers
