@@ -98,16 +98,12 @@ class ActivationSource(ABC):
         return next(self.model.parameters()).dtype
 
     @abstractmethod
-    def _activations(
-        self,
-        tokens: Tensor,
-        site: str,
-        layers: list[int],
-        attention_mask: Tensor | None,
-        normalise_last: bool,
-    ) -> list[Tensor]:
-        """Per layer, the activation at ``site``; the last block's final-norm output in its place when
-        ``normalise_last`` (the caller checked that the site is ``resid_post`` and the last block is read)."""
+    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
+        """One forward (no gradients) keeping, per layer of ``layers``, the activation at ``site``."""
+
+    @abstractmethod
+    def final_norm(self, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        """The model's final norm (``ln_final`` / ``model.model.norm``)."""
 
     def activations(
         self,
@@ -129,16 +125,12 @@ class ActivationSource(ABC):
         """
         layers = [int(layer) for layer in layers]
         hook_name(site, 0)  # validates the site before any forward
-        last = self.n_layers - 1
-        normalise_last = final_norm_last and site == "resid_post" and last in layers
+        mask = None if attention_mask is None else attention_mask.to(self.device)
         with torch.no_grad():
-            acts = self._activations(
-                tokens.to(self.device),
-                site,
-                layers,
-                None if attention_mask is None else attention_mask.to(self.device),
-                normalise_last,
-            )
+            acts = self._read(tokens.to(self.device), site, layers, mask)
+            last = self.n_layers - 1
+            if final_norm_last and site == "resid_post" and last in layers:
+                acts[layers.index(last)] = self.final_norm(acts[layers.index(last)])
         return torch.stack(acts)
 
     def residual_stream(
@@ -191,27 +183,19 @@ class HookedSource(ActivationSource):
     def dtype(self) -> torch.dtype:
         return self.model.cfg.dtype
 
-    def _activations(
-        self,
-        tokens: Tensor,
-        site: str,
-        layers: list[int],
-        attention_mask: Tensor | None,
-        normalise_last: bool,
-    ) -> list[Tensor]:
+    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
         names = {hook_name(site, layer) for layer in layers}
         # Blocks above the highest requested layer cannot change what is read: stop the forward there.
         _, cache = self.model.run_with_cache(
             tokens,
-            attention_mask=attention_mask,
+            attention_mask=mask,
             names_filter=lambda name: name in names,
             stop_at_layer=max(layers) + 1,
         )
-        acts = [cache[hook_name(site, layer)] for layer in layers]
-        if normalise_last:
-            last = layers.index(self.n_layers - 1)
-            acts[last] = self.model.ln_final(acts[last])
-        return acts
+        return [cache[hook_name(site, layer)] for layer in layers]
+
+    def final_norm(self, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        return self.model.ln_final(resid)
 
     def blocks(self) -> list[nn.Module]:
         return list(self.model.blocks)
@@ -224,7 +208,7 @@ class HookedSource(ActivationSource):
         batched = rearrange(
             resid.to(device=self.device, dtype=self.dtype), "token d_model -> 1 token d_model"
         )
-        return self.model.unembed(self.model.ln_final(batched))[0].float()
+        return self.model.unembed(self.final_norm(batched))[0].float()
 
     def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
         return self.model
@@ -241,27 +225,15 @@ class HFSource(ActivationSource):
     def context_length(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
-    def _activations(
-        self,
-        tokens: Tensor,
-        site: str,
-        layers: list[int],
-        attention_mask: Tensor | None,
-        normalise_last: bool,
-    ) -> list[Tensor]:
+    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
         store: dict[int, Tensor] = {}
         with self._capture(site, layers, store):
-            # hidden_states[L] is the final-norm output: collect the hidden states only when it is needed.
-            outputs = self.model(
-                input_ids=tokens,
-                attention_mask=attention_mask,
-                output_hidden_states=normalise_last,
-                use_cache=False,
-            )
-        acts = [store[layer] for layer in layers]
-        if normalise_last:
-            acts[layers.index(self.n_layers - 1)] = outputs.hidden_states[self.n_layers]
-        return acts
+            self.model(input_ids=tokens, attention_mask=mask, use_cache=False)
+        return [store[layer] for layer in layers]
+
+    def final_norm(self, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        # The same module on the same tensor as inside the forward: equal to Hugging Face's hidden_states[L].
+        return self.model.model.norm(resid)
 
     @contextmanager
     def _capture(self, site: str, layers: Sequence[int], store: dict[int, Tensor]) -> Iterator[None]:
@@ -306,9 +278,7 @@ class HFSource(ActivationSource):
         return self.model(input_ids=tokens, use_cache=False).logits
 
     def decode(self, resid: Float[Tensor, "token d_model"]) -> Float[Tensor, "token vocab"]:
-        return self.model.lm_head(
-            self.model.model.norm(resid.to(device=self.device, dtype=self.dtype))
-        ).float()
+        return self.model.lm_head(self.final_norm(resid.to(device=self.device, dtype=self.dtype))).float()
 
     def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
         return hooked_from_hf(self.model, dtype=dtype, device=device)
