@@ -340,12 +340,12 @@ def lens_vs_uds(
         tau: KE threshold for both.
     """
     columns = ["layer", "d1", "d2"]
-    uds = _single_site(uds_layers, None)
-    uds = uds[uds["idx"] == idx][columns].set_index("layer")
+    patching = _single_site(uds_layers, None)
+    patching = patching[patching["idx"] == idx][columns].set_index("layer")
     lens = lens_layers[lens_layers["idx"] == idx][columns].set_index("layer")
-    if uds.empty or lens.empty:
-        raise ValueError(f"example {idx} is missing from the {'UDS' if uds.empty else 'lens'} table")
-    table = uds.add_prefix("uds_").join(lens.add_prefix("lens_"), how="outer")
+    if patching.empty or lens.empty:
+        raise ValueError(f"example {idx} is missing from the {'UDS' if patching.empty else 'lens'} table")
+    table = patching.add_prefix("uds_").join(lens.add_prefix("lens_"), how="outer")
     for prefix in ("uds_", "lens_"):
         d1, d2 = table[f"{prefix}d1"].to_numpy(float), table[f"{prefix}d2"].to_numpy(float)
         ke = uds.ke_mask(d1, tau)
