@@ -251,19 +251,21 @@ class HFSource(ActivationSource):
 
             return hook
 
+        # the module whose input (resid_pre, resid_mid) or output (the others) is the site's activation
+        module_name = {
+            "resid_pre": "",
+            "resid_mid": "post_attention_layernorm",
+            "resid_post": "",
+            "attn_out": "self_attn",
+            "mlp_out": "mlp",
+        }[site]
+        blocks = self.blocks()
         handles = []
         for layer in layers:
-            block = self.blocks()[layer]
-            if site == "resid_pre":
-                handles.append(block.register_forward_pre_hook(input_of(layer), with_kwargs=True))
-            elif site == "resid_mid":
-                handles.append(
-                    block.post_attention_layernorm.register_forward_pre_hook(
-                        input_of(layer), with_kwargs=True
-                    )
-                )
+            module = blocks[layer].get_submodule(module_name)
+            if site in ("resid_pre", "resid_mid"):
+                handles.append(module.register_forward_pre_hook(input_of(layer), with_kwargs=True))
             else:
-                module = {"resid_post": block, "attn_out": block.self_attn, "mlp_out": block.mlp}[site]
                 handles.append(module.register_forward_hook(output_of(layer)))
         try:
             yield
