@@ -28,7 +28,7 @@ _EXPORTS = {
     "load_hf_model": "uds_lens.models",
     "load_model": "uds_lens.models",
     "load_tokenizer": "uds_lens.models",
-    "verify_parity": "uds_lens.models",
+    "verify_parity": "uds_lens.sources",
     "UDSResult": "uds_lens.results",
     "UDSAuditor": "uds_lens.auditor",
     "UDSConfig": "uds_lens.auditor",
@@ -69,8 +69,9 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.auditor import UDSAuditor, UDSConfig
     from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
-    from uds_lens.models import load_hf_model, load_model, load_tokenizer, verify_parity
+    from uds_lens.models import load_hf_model, load_model, load_tokenizer
     from uds_lens.results import UDSResult
+    from uds_lens.sources import verify_parity
     from uds_lens.uds import bootstrap_ci, example_uds, model_uds
     from uds_lens.zoo import load_zoo
 

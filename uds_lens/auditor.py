@@ -48,11 +48,10 @@ from uds_lens.patching import (
     clean_run,
     pad_batch,
     plan_batches,
-    source_activations,
     source_scores,
 )
 from uds_lens.results import UDSResult, check_result_name, load_reusable
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.sources import as_source
 
 logger = logging.getLogger(__name__)
 
@@ -342,8 +341,8 @@ def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "device"):
         settings.pop(volatile)
-    if isinstance(full, HookedTransformer):
-        settings["dtype"] = str(full.cfg.dtype)
+    if full is not None and not isinstance(full, (str, os.PathLike)):
+        settings["dtype"] = str(as_source(full).dtype)
     else:
         settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
     return settings
@@ -454,7 +453,7 @@ class UDSAuditor:
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
         n_ctx = min(
-            model.cfg.n_ctx for model in (self.full, self.retain) if isinstance(model, HookedTransformer)
+            as_source(model).context_length for model in (self.full, self.retain) if model is not None
         )
         self.encoded, too_long = fit_context(self.encoded, n_ctx)
         self.skipped = self.skipped + too_long
@@ -499,13 +498,9 @@ class UDSAuditor:
         return self.sources[key]
 
     def _load(self, model: Any, role: str) -> Any:
-        if isinstance(model, (str, os.PathLike)):
-            if str(model) in getattr(self, "sources", {}):
-                return self.sources[str(model)]
-            return models.load_model(model, dtype=self.config.dtype, device=self.device)
-        if isinstance(model, HookedTransformer) or hasattr(model, "config"):
-            return model
-        raise TypeError(f"{role} must be a checkpoint path, hub id, HookedTransformer or Hugging Face model.")
+        if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
+            return self.sources[str(model)]
+        return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
 
     @property
     def upcast(self) -> bool:
@@ -911,8 +906,9 @@ class NonFiniteScoreError(FloatingPointError):
 
 def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
     """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
-    n_layers = model.cfg.n_layers if isinstance(model, HookedTransformer) else model.config.num_hidden_layers
-    acts = source_activations(model, torch.tensor([list(example.input_ids)]), "resid_post", range(n_layers))
+    source = as_source(model)
+    n_layers = source.n_layers
+    acts = source.activations(torch.tensor([list(example.input_ids)]), "resid_post", range(n_layers))
     bad = [layer for layer in range(n_layers) if not bool(torch.isfinite(acts[layer]).all())]
     return bad[0] if bad else None
 
@@ -946,7 +942,7 @@ def nonfinite_error(
         else ""
     )
     parameter = _first_nonfinite_parameter(model)
-    dtype = model.cfg.dtype if isinstance(model, HookedTransformer) else next(model.parameters()).dtype
+    dtype = as_source(model).dtype
     if parameter is not None:
         advice = (
             f"its weights are already non-finite ({parameter}): the checkpoint is broken (a diverged training "

@@ -427,12 +427,11 @@ def diagnose(
     from uds_lens.analysis.diagnose import diagnose as run_diagnose
 
     _check_out_dir(out)
-    table = run_diagnose(
+    diagnosis = run_diagnose(
         full,
         retain,
         _unlearned_models(unlearned),
         data,
-        out,
         methods=tuple(methods) if methods else METHODS,
         sites=tuple(sites) if sites else ("resid_post",),
         tau=tau,
@@ -442,8 +441,8 @@ def diagnose(
         calibration=calibration,
         progress=True,
     )
-    typer.echo(table.to_string(float_format=lambda v: f"{v:.3f}"))
-    typer.echo(f"results in {out}")
+    typer.echo(diagnosis.scores.to_string(float_format=lambda v: f"{v:.3f}"))
+    typer.echo(f"results in {diagnosis.save(out)}")
 
 
 @app.command()

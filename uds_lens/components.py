@@ -22,8 +22,8 @@ one call per head over all layers. Everything else (other hook names, all positi
 ``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
 naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
 
-Sources must be ``HookedTransformer`` models here (a head is a TransformerLens notion); ``auditor.load_source``
-loads a path or zoo name as one.
+Sources are run as ``HookedTransformer`` models here (a head is a TransformerLens notion): ``auditor.load_source``
+loads a path or zoo name as one, and a Hugging Face source is converted (``sources.ActivationSource.hooked``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from uds_lens.patching import (
     patched_scores,
 )
 from uds_lens.plotting.components import component_heatmap
+from uds_lens.sources import as_source
 from uds_lens.tl_compat import HookedTransformer, HookPoint
 
 HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
@@ -557,13 +558,11 @@ def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
 # The public calls
 
 
-def _check_source(source: Any, role: str) -> HookedTransformer:
-    if not isinstance(source, HookedTransformer):
-        raise TypeError(
-            f"{role}: component patching needs a HookedTransformer source (got {type(source).__name__}); load it "
-            "with auditor.load_source(path) or uds_lens.load_model(path)."
-        )
-    return source
+def _hooked_source(auditor: Any, source: Any) -> HookedTransformer:
+    """The source as a HookedTransformer: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
+    is converted (an NF4 one from a dequantised copy) into the full model's dtype and device."""
+    full = auditor.full.cfg
+    return as_source(source).hooked(dtype=full.dtype, device=str(full.device))
 
 
 def _stage_scores(
@@ -573,7 +572,7 @@ def _stage_scores(
     store = auditor.component_cache if role == "retain" else None
     if store is not None and key in store:
         return store[key]
-    scores = compute(_check_source(source, role))
+    scores = compute(_hooked_source(auditor, source))
     if store is not None:
         store[key] = scores
     return scores

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ from typing import Any
 
 import einops
 import torch
-from jaxtyping import Int
+from safetensors.torch import save_file
 from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from uds_lens.data import looks_like_local_path
 from uds_lens.tl_compat import (
@@ -231,8 +233,6 @@ ZOO_PREFIX = "zoo:"
 
 def _zoo_entries(root: Path) -> dict[str, str]:
     """``{model name: path relative to the zoo}`` of a built zoo's manifest (empty when there is none)."""
-    import json
-
     manifest = root / "manifest.json"
     if not manifest.is_file():
         return {}
@@ -284,8 +284,6 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
 
 def load_hf_config(path_or_id: str | os.PathLike) -> Any:
     """The Hugging Face config of a checkpoint (directory, ``.gguf`` or hub id), offline for local sources."""
-    from transformers import AutoConfig
-
     source = resolve_source(path_or_id)
     if source.kind == "gguf":
         _check_gguf(source)
@@ -358,6 +356,7 @@ def load_hf_model(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     quantization: Any = None,
+    attn_implementation: str | None = None,
 ) -> Any:
     """A Hugging Face ``LlamaForCausalLM`` in eval mode (local sources are read offline).
 
@@ -366,9 +365,8 @@ def load_hf_model(
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
+        attn_implementation: passed through (``"eager"`` for training: the zoo's numbers are pinned to it).
     """
-    from transformers import AutoModelForCausalLM
-
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -379,6 +377,8 @@ def load_hf_model(
     kwargs["dtype"] = torch_dtype
     if quantization is not None:
         kwargs["quantization_config"] = quantization
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
     except (OSError, ValueError) as err:
@@ -626,14 +626,42 @@ def load_model(
     return model
 
 
+def load(
+    model: Any,
+    hooked: bool = True,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    quantization: Any = None,
+    role: str = "model",
+) -> Any:
+    """The one way every part of uds_lens turns a model argument into a model.
+
+    A checkpoint reference (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME``) is loaded as a
+    ``HookedTransformer`` (``load_model``: the patch target, and the usual source) or, with ``hooked=False``, as a
+    plain Hugging Face model (``load_hf_model``: a source read through ``sources.HFSource``; NF4 with
+    ``quantization``). A model already in memory (``HookedTransformer`` or Hugging Face) is returned as is.
+
+    Raises:
+        TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        if hooked:
+            return load_model(model, dtype=dtype, device=device)
+        return load_hf_model(model, dtype=dtype, device=device, quantization=quantization)
+    if isinstance(model, HookedTransformer) or hasattr(model, "config"):
+        return model
+    raise TypeError(
+        f"{role} must be a checkpoint path, hub id, HookedTransformer or Hugging Face model "
+        f"(got {type(model).__name__})."
+    )
+
+
 def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities).
 
     For a ``.gguf`` file, ``transformers`` rebuilds the tokenizer from the file's vocabulary (slow: seconds);
     ``gguf_to_hf`` saves it once as a regular directory.
     """
-    from transformers import AutoTokenizer
-
     source = resolve_source(path_or_id, weights=False)
     first, kwargs = source.from_pretrained_args()
     try:
@@ -662,8 +690,6 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
     # config without the GGUF quantisation entry are a plain fp32 checkpoint.
-    from safetensors.torch import save_file
-
     config = hf_model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = {
@@ -678,8 +704,6 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     tokenizer.save_pretrained(tmp)
     del hf_model, state
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
@@ -764,78 +788,6 @@ def model_fingerprint(model: Any) -> str:
     return digest.hexdigest()[:24]
 
 
-def verify_parity(
-    hooked: HookedTransformer, hf_model: Any, tokens: Int[Tensor, "batch pos"]
-) -> dict[str, float]:
-    """Max absolute differences between TransformerLens and Hugging Face on the same tokens.
-
-    Returns ``{"resid_post": max over layers l < L-1 of |blocks.l.hook_resid_post - hidden_states[l+1]|,
-    "final_norm": |ln_final(resid_post[L-1]) - hidden_states[L]|, "logits": max |logit difference|}``.
-    """
-    n_layers = hooked.cfg.n_layers
-    with torch.no_grad():
-        hf_out = hf_model(tokens.to(next(hf_model.parameters()).device), output_hidden_states=True)
-        logits, cache = hooked.run_with_cache(
-            tokens.to(hooked.cfg.device),
-            names_filter=lambda name: name.endswith("hook_resid_post") or name == "ln_final.hook_normalized",
-        )
-    resid = (
-        max(
-            (
-                cache[f"blocks.{layer}.hook_resid_post"].float().cpu()
-                - hf_out.hidden_states[layer + 1].float().cpu()
-            )
-            .abs()
-            .max()
-            .item()
-            for layer in range(n_layers - 1)
-        )
-        if n_layers > 1
-        else 0.0
-    )
-    final = (
-        (cache["ln_final.hook_normalized"].float().cpu() - hf_out.hidden_states[n_layers].float().cpu())
-        .abs()
-        .max()
-    )
-    logit_diff = (logits.float().cpu() - hf_out.logits.float().cpu()).abs().max()
-    return {"resid_post": float(resid), "final_norm": float(final), "logits": float(logit_diff)}
-
-
-def config_summary(model: HookedTransformer) -> dict[str, Any]:
-    c = model.cfg
-    return {
-        "n_layers": c.n_layers,
-        "d_model": c.d_model,
-        "n_heads": c.n_heads,
-        "n_key_value_heads": c.n_key_value_heads,
-        "d_vocab": c.d_vocab,
-        "dtype": str(c.dtype).replace("torch.", ""),
-    }
-
-
-def weight_files_digest(path: str | os.PathLike) -> str | None:
-    """Hash of a local checkpoint's weight files (size + content), or None for non-local sources."""
-    root = Path(path).expanduser()
-    if root.is_file() and root.suffix.lower() == ".gguf":
-        files = [root]
-    elif not root.is_dir():
-        return None
-    else:
-        files = sorted(
-            p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file()
-        )
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        with file.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:24]
-
-
 def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
     """A cheap identity of a checkpoint for result caches: a local directory's files (name, size, modification time:
     retrained weights or a new chat template change it), a ``.gguf`` file's own, or a hub id as itself."""
@@ -874,9 +826,9 @@ __all__ = [
     "gguf_architecture",
     "gguf_to_hf",
     "is_local",
+    "load",
     "iter_safetensors",
     "resolve_source",
-    "config_summary",
     "default_device",
     "default_dtype",
     "describe",
@@ -889,8 +841,6 @@ __all__ = [
     "model_fingerprint",
     "resolve_dtype",
     "resolve_zoo_name",
-    "verify_parity",
-    "weight_files_digest",
 ]
 
 

@@ -28,7 +28,7 @@ def zoo_diagnosis(request, tmp_path_factory):
     scores = diagnose(
         zoo.path("full"), zoo.path("retain"), {name: zoo.path(name) for name in names}, zoo.forget_path, out,
         methods=METHODS, sites=("resid_post",), calibration=zoo.retain_path, tuned_lens_steps=100, cache_dir=False,
-    )  # fmt: skip
+    ).scores  # fmt: skip
     return zoo, scores, out
 
 

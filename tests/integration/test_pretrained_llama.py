@@ -17,7 +17,7 @@ from nbclient import NotebookClient
 from uds_lens import UDSAuditor
 from uds_lens.analysis.diagnose import diagnose
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_hf_model, load_model, model_fingerprint, verify_parity
+from uds_lens.models import load_hf_model, load_model, model_fingerprint
 from uds_lens.patching import (
     SITES,
     baseline_scores,
@@ -26,6 +26,7 @@ from uds_lens.patching import (
     patched_scores,
     source_activations,
 )
+from uds_lens.sources import verify_parity
 
 pytestmark = pytest.mark.xdist_group("pretrained_llama")
 

@@ -8,19 +8,24 @@ from uds_lens.models import (
     ModelLoadError,
     ModelMismatchError,
     check_compatible,
+    load,
     load_hf_model,
     load_model,
-    verify_parity,
 )
+from uds_lens.sources import verify_parity
+from uds_lens.tl_compat import HookedTransformer
 
 
-def test_parity_with_hugging_face(tiny):
-    hooked, hf = load_model(tiny.full), load_hf_model(tiny.full)
-    tokens = torch.tensor([[0, 5, 17, 33, 2, 90, 41, 7, 8], [0, 6, 6, 19, 77, 3, 12, 250, 9]])
-    parity = verify_parity(hooked, hf, tokens)
-    assert parity["resid_post"] < 1e-4 and parity["logits"] < 1e-4
-    # hidden_states[L] is the final-norm output, not block L-1's residual (the published last-layer quirk)
-    assert parity["final_norm"] > 1e-2
+def test_load_is_the_one_entry_point(tiny):
+    """A checkpoint reference becomes a HookedTransformer (or, with ``hooked=False``, a Hugging Face model); a model
+    in memory comes back as is; anything else is refused with the role in the message."""
+    hooked = load(tiny.full, device="cpu")
+    assert isinstance(hooked, HookedTransformer) and hooked.uds_source == str(tiny.full)
+    hf = load(str(tiny.full), hooked=False, device="cpu")
+    assert type(hf).__name__ == "LlamaForCausalLM" and not hf.training
+    assert load(hooked) is hooked and load(hf, hooked=False) is hf
+    with pytest.raises(TypeError, match="retain must be a checkpoint path.*int"):
+        load(3, role="retain")
 
 
 def test_hub_id_offline_names_the_id(monkeypatch):

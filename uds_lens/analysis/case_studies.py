@@ -26,11 +26,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 from scipy import stats
 
-from uds_lens.baselines.layerwise import delta_erasure
-from uds_lens.uds import bootstrap_ci
+from uds_lens import uds
+from uds_lens.uds import DEFAULT_TAU, bootstrap_ci
 
 __all__ = [
     "DEFAULT_TAU",
@@ -52,7 +51,6 @@ __all__ = [
     "uds_by_entity_length",
 ]
 
-DEFAULT_TAU = 0.05
 TAUS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1)
 """The thresholds of the paper's appendix D.3."""
 
@@ -79,25 +77,9 @@ def rescore_uds(layers: pd.DataFrame, tau: float = DEFAULT_TAU, site: str | None
     Returns:
         ``idx, n_ke, uds, status`` (``scored`` or ``no_ke``), one row per example in the table.
     """
-    table = _single_site(layers, site)
-    d1 = table.pivot(index="idx", columns="layer", values="d1").sort_index(axis=1)
-    d2 = table.pivot(index="idx", columns="layer", values="d2").reindex_like(d1)
-    result = delta_erasure(
-        torch.tensor(d1.to_numpy(), dtype=torch.float64),
-        torch.tensor(d2.to_numpy(), dtype=torch.float64),
-        tau=tau,
-        eps=0.0,
-        min_weight=0.0,
-    )
-    uds = result.per_example.numpy()
-    return pd.DataFrame(
-        {
-            "idx": d1.index.to_numpy(),
-            "n_ke": result.ke.sum(dim=1).numpy(),
-            "uds": uds,
-            "status": np.where(np.isnan(uds), "no_ke", "scored"),
-        }
-    )
+    _, per_example = uds.rescore(_single_site(layers, site), tau)
+    per_example = per_example.sort_values("idx", kind="stable", ignore_index=True)
+    return per_example.assign(status=np.where(per_example["uds"].isna(), "no_ke", "scored"))
 
 
 def _nanmean(values: pd.Series | np.ndarray) -> float:
@@ -277,19 +259,15 @@ def layer_profile(layers: pd.DataFrame, tau: float = DEFAULT_TAU, site: str | No
         ``layer, mean_d1, mean_d2, mean_ler_ke`` (LER averaged over KE rows), ``frac_ke``, ``frac_d2_above_tau`` and
         ``n_onset`` (examples whose first ``d2 > tau`` layer is this one).
     """
-    table = _single_site(layers, site).copy()
-    table["ke_now"] = table["d1"] > tau
-    table["ler_now"] = np.where(
-        table["ke_now"], np.clip(table["d2"] / table["d1"].where(table["ke_now"]), 0, 1), np.nan
-    )
+    table, _ = uds.rescore(_single_site(layers, site), tau)
     onset = first_erased_layer(table, tau)["onset"].dropna().astype(int).value_counts()
     grouped = table.groupby("layer")
     profile = pd.DataFrame(
         {
             "mean_d1": grouped["d1"].mean(),
             "mean_d2": grouped["d2"].mean(),
-            "mean_ler_ke": grouped["ler_now"].mean(),
-            "frac_ke": grouped["ke_now"].mean(),
+            "mean_ler_ke": grouped["ler"].mean(),
+            "frac_ke": grouped["ke"].mean(),
             "frac_d2_above_tau": grouped["d2"].apply(lambda d2: float((d2 > tau).mean())),
         }
     )
@@ -362,16 +340,15 @@ def lens_vs_uds(
         tau: KE threshold for both.
     """
     columns = ["layer", "d1", "d2"]
-    uds = _single_site(uds_layers, None)
-    uds = uds[uds["idx"] == idx][columns].set_index("layer")
+    patching = _single_site(uds_layers, None)
+    patching = patching[patching["idx"] == idx][columns].set_index("layer")
     lens = lens_layers[lens_layers["idx"] == idx][columns].set_index("layer")
-    if uds.empty or lens.empty:
-        raise ValueError(f"example {idx} is missing from the {'UDS' if uds.empty else 'lens'} table")
-    table = uds.add_prefix("uds_").join(lens.add_prefix("lens_"), how="outer")
+    if patching.empty or lens.empty:
+        raise ValueError(f"example {idx} is missing from the {'UDS' if patching.empty else 'lens'} table")
+    table = patching.add_prefix("uds_").join(lens.add_prefix("lens_"), how="outer")
     for prefix in ("uds_", "lens_"):
-        ke = table[f"{prefix}d1"] > tau
+        d1, d2 = table[f"{prefix}d1"].to_numpy(float), table[f"{prefix}d2"].to_numpy(float)
+        ke = uds.ke_mask(d1, tau)
         table[f"{prefix}ke"] = ke
-        table[f"{prefix}ler"] = np.where(
-            ke, np.clip(table[f"{prefix}d2"] / table[f"{prefix}d1"], 0, 1), np.nan
-        )
+        table[f"{prefix}ler"] = np.where(ke, uds.layer_erasure_ratio(d1, d2), np.nan)
     return table.reset_index()

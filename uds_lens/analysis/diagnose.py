@@ -1,9 +1,10 @@
-"""``diagnose``: UDS, component patching and every white-box baseline for several unlearned models, written to disk.
+"""``diagnose``: UDS, component patching and every white-box baseline for several unlearned models, in one result.
 
 One call scores each unlearned model with UDS (through ``UDSAuditor``, S1 computed once per site) and with the
 observational baselines (logit and tuned lens, CKA, RSA, SVCCA/PWCCA, masked Fisher, linear probe), reusing the full
-and retain models' hidden states and Fisher across models (one forward per model for the representation methods,
-one backward per example for Fisher). It writes::
+and retain models' statistics across models (``baselines.references.References``: one forward per model for the
+representation methods, one backward per example for Fisher). It returns a :class:`DiagnoseResult`, whose
+``save(out_dir)`` writes (each model directory atomically)::
 
     OUT/NAME/scores.json       one key per method: uds, logit_lens, tuned_lens, cka, rsa, svcca, pwcca,
                                fisher_masked_0.0001, fisher_masked_0.001, fisher_masked_0.01, linear_probe
@@ -13,162 +14,91 @@ one backward per example for Fisher). It writes::
     OUT/tau_sensitivity.csv    UDS under each tau and Spearman rank vs the default, across models (appendix D.3)
 
 For UDS and the lenses, ``layerwise.csv`` pools the examples per layer (``erasure = sum KE d1 LER / sum KE d1``,
-``weight = mean KE d1``); their ``scores.json`` value is the mean of per-example scores, as in the paper.
+``weight = mean KE d1``; ``baselines.layerwise.pooled_layerwise``); their ``scores.json`` value is the mean of
+per-example scores, as in the paper.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
-from uds_lens import models
+from uds_lens import models, uds
 from uds_lens.analysis.case_studies import TAUS, component_summary, prompt_type_uds, tau_sensitivity
 from uds_lens.auditor import UDSAuditor, UDSConfig
-from uds_lens.baselines.fisher import FISHER_FRACTIONS, diagonal_fisher, fisher_anchor, masked_fisher
-from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
-from uds_lens.baselines.layerwise import LayerwiseErasure, delta_erasure
-from uds_lens.baselines.lenses import (
-    calibration_token_ids,
-    entity_logprobs,
-    final_decoder,
-    lens_result,
-    train_tuned_lens,
-)
-from uds_lens.baselines.probing import fit_probes, probe_layerwise
-from uds_lens.baselines.similarity import layer_similarities, similarity_layerwise
-from uds_lens.data import load_examples
+from uds_lens.baselines.fisher import FISHER_FRACTIONS
+from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
+from uds_lens.baselines.references import SIMILARITY_METHODS, References, json_score
+from uds_lens.results import UDSResult, atomic_result_dir
 
 logger = logging.getLogger(__name__)
 
-SIMILARITY_METHODS = ("cka", "rsa", "svcca", "pwcca")
 METHODS = ("uds", "logit_lens", "tuned_lens", *SIMILARITY_METHODS, "fisher_masked", "linear_probe")
 """Method groups ``diagnose`` knows; ``fisher_masked`` expands to one key per fraction."""
 SITES = ("attn_out", "mlp_out", "resid_mid", "resid_post")
-HIDDEN_METHODS = ("logit_lens", "tuned_lens", *SIMILARITY_METHODS, "linear_probe")
+LAYERWISE_COLUMNS = ["method", "layer", "erasure", "weight"]
+COMPONENT_COLUMNS = ["site", "layer", "mean_d1", "mean_d2"]
 
 
-def _json_value(value: float) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+@dataclass(frozen=True)
+class DiagnoseResult:
+    """Every table ``diagnose`` computes, for the unlearned models in the order they were given.
 
+    Attributes:
+        scores: One row per model (index = name), one column per method key (``scores.json``); NaN where a method
+            is undefined (no layer or example with signal, or a tuned lens without calibration data).
+        layerwise: Model -> ``method, layer, erasure, weight``: every method's per-layer erasure and weight.
+        components: Model -> ``site, layer, mean_d1, mean_d2`` of the patching sites asked for (empty without).
+        uds_results: Model -> its ``resid_post`` ``UDSResult`` (empty when no patching ran).
+        prompt_types: Per-prompt-type UDS of every model (``case_studies.prompt_type_uds``), None without UDS.
+        tau_sensitivity: UDS under each tau against the default, across models (``case_studies.tau_sensitivity``),
+            None without UDS.
+    """
 
-def _load(model: Any, dtype: str | None, device: str | None) -> Any:
-    if isinstance(model, (str, os.PathLike)):
-        return models.load_model(model, dtype=dtype, device=device)
-    return model
+    scores: pd.DataFrame
+    layerwise: dict[str, pd.DataFrame]
+    components: dict[str, pd.DataFrame]
+    uds_results: dict[str, UDSResult]
+    prompt_types: pd.DataFrame | None
+    tau_sensitivity: pd.DataFrame | None
 
-
-class References:
-    """What the full and retain models contribute once, reused for every unlearned model."""
-
-    def __init__(
-        self, auditor: UDSAuditor, methods: Sequence[str], calibration: Any, options: dict[str, Any]
-    ):
-        self.auditor = auditor
-        self.methods = methods
-        self.options = options
-        full, retain, encoded = auditor.full, auditor.retain, auditor.encoded
-        self.hidden: dict[str, HiddenStates] = {}
-        if any(m in methods for m in HIDDEN_METHODS):
-            self.hidden = {name: self.collect(model) for name, model in (("full", full), ("retain", retain))}
-        self.decoder = final_decoder(full)
-        self.k: dict[str, dict[str, torch.Tensor]] = {}
-        if "logit_lens" in methods:
-            self.k["logit_lens"] = {name: entity_logprobs(h, self.decoder) for name, h in self.hidden.items()}
-        self.tuned = None
-        if "tuned_lens" in methods:
-            if calibration is None:
-                logger.warning(
-                    "tuned_lens needs calibration data (the retain set); pass calibration=... Skipping it."
-                )
-            else:
-                examples = load_examples(calibration) if not isinstance(calibration, list) else calibration
-                tokens = calibration_token_ids(examples, auditor.tokenizer)
-                self.tuned = train_tuned_lens(full, tokens, steps=options["tuned_lens_steps"])
-                self.k["tuned_lens"] = {
-                    name: entity_logprobs(h, self.decoder, self.tuned) for name, h in self.hidden.items()
-                }
-        self.sim_full = {
-            m: layer_similarities(self.hidden["retain"], self.hidden["full"], m)
-            for m in SIMILARITY_METHODS
-            if m in methods
-        }
-        self.probes = None
-        if "linear_probe" in methods:
-            self.probes = fit_probes(self.hidden["full"], folds=options["probe_folds"])
-            self.probe_loss = {name: self.probes.loss(h) for name, h in self.hidden.items()}
-        self.anchors = []
-        if "fisher_masked" in methods:
-            fisher_full = diagonal_fisher(full, encoded)
-            fisher_retain = diagonal_fisher(retain, encoded)
-            self.anchors = [fisher_anchor(fisher_full, fisher_retain, p) for p in options["fisher_fractions"]]
-
-    def collect(self, model: Any) -> HiddenStates:
-        return collect_hidden_states(
-            model, self.auditor.encoded, batch_size=self.options["batch_size"], pad_id=self.auditor.pad_id
-        )
-
-    def observational(self, model: Any) -> tuple[dict[str, float | None], list[LayerwiseErasure]]:
-        """Scores and layerwise erasures of every non-patching method for one unlearned model."""
-        scores: dict[str, float | None] = {}
-        layerwise: list[LayerwiseErasure] = []
-        hidden = self.collect(model) if self.hidden else None
-        for method in ("logit_lens", "tuned_lens"):
-            if method not in self.methods:
-                continue
-            if method not in self.k:
-                scores[method] = None
-                continue
-            k = self.k[method]
-            result = lens_result(
-                k["full"],
-                k["retain"],
-                entity_logprobs(hidden, self.decoder, self.tuned if method == "tuned_lens" else None),
-                self.hidden["full"].example_ids,
-                method=method,
-            )
-            scores[method] = _json_value(result.score)
-            layerwise.append(result.layerwise())
-        for method, sim_full in self.sim_full.items():
-            result = similarity_layerwise(
-                layer_similarities(self.hidden["retain"], hidden, method), sim_full, method
-            )
-            scores[method] = _json_value(result.score)
-            layerwise.append(result)
-        if self.anchors:
-            fisher = diagonal_fisher(model, self.auditor.encoded)
-            for anchor in self.anchors:
-                result = masked_fisher(anchor, fisher)
-                scores[result.method] = _json_value(result.score)
-                layerwise.append(result)
-        if self.probes is not None:
-            result = probe_layerwise(
-                self.probe_loss["full"], self.probe_loss["retain"], self.probes.loss(hidden)
-            )
-            scores[result.method] = _json_value(result.score)
-            layerwise.append(result)
-        return scores, layerwise
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """Write the tables (layout in the module docstring); each ``OUT/NAME`` is replaced as one step."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in self.layerwise:
+            row = self.scores.loc[name] if name in self.scores.index else pd.Series(dtype=float)
+            with atomic_result_dir(out / name) as staging:
+                scores = {str(method): json_score(value) for method, value in row.items()}
+                (staging / "scores.json").write_text(json.dumps(scores, indent=2))
+                self.layerwise[name].to_csv(staging / "layerwise.csv", index=False)
+                self.components[name].to_csv(staging / "components.csv", index=False)
+        if self.prompt_types is not None:
+            self.prompt_types.to_csv(out / "prompt_types.csv", index=False)
+        if self.tau_sensitivity is not None:
+            self.tau_sensitivity.to_csv(out / "tau_sensitivity.csv", index=False)
+        return out
 
 
 def uds_layerwise(layers: pd.DataFrame, tau: float) -> LayerwiseErasure:
     """UDS pooled per layer from a one-site ``UDSResult.layers`` table (``erasure = sum KE d1 LER / sum KE d1``)."""
     d1 = layers.pivot(index="idx", columns="layer", values="d1").sort_index(axis=1)
     d2 = layers.pivot(index="idx", columns="layer", values="d2").reindex_like(d1)
-    erasure = delta_erasure(
-        torch.tensor(d1.to_numpy(), dtype=torch.float64),
-        torch.tensor(d2.to_numpy(), dtype=torch.float64),
-        tau=tau,
-        eps=0.0,
-        min_weight=0.0,
+    d1_values, d2_values = d1.to_numpy(dtype=float), d2.to_numpy(dtype=float)
+    return pooled_layerwise(
+        "uds",
+        torch.tensor(d1_values, dtype=torch.float64),
+        torch.tensor(uds.ke_mask(d1_values, tau)),
+        torch.tensor(uds.layer_erasure_ratio(d1_values, d2_values), dtype=torch.float64),
     )
-    return erasure.layerwise("uds")
 
 
 def diagnose(
@@ -176,7 +106,7 @@ def diagnose(
     retain: Any,
     unlearned: Mapping[str, Any],
     data: Any,
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
     methods: Sequence[str] = METHODS,
     sites: Sequence[str] = ("resid_post",),
     tau: float = 0.05,
@@ -192,15 +122,15 @@ def diagnose(
     dtype: str | None = None,
     device: str | None = None,
     progress: bool = False,
-) -> pd.DataFrame:
-    """Score unlearned models with UDS, component patching and the white-box baselines; write the tables.
+) -> DiagnoseResult:
+    """Score unlearned models with UDS, component patching and the white-box baselines.
 
     Args:
         full: Full model (checkpoint dir, hub id or loaded ``HookedTransformer``).
         retain: Retain model (same forms); required, every method here is retain-normalised.
         unlearned: Name -> unlearned model (same forms); the name is the output subdirectory.
         data: Forget set (path, hub id, records or ``Example`` list).
-        out_dir: Output directory.
+        out_dir: If given, the result is also saved there (``DiagnoseResult.save``).
         methods: Any of ``METHODS`` (``fisher_masked`` gives one key per fraction).
         sites: Patching sites for ``components.csv`` (``attn_out``, ``mlp_out``, ``resid_mid``, ``resid_post``);
             UDS itself is always the ``resid_post`` score.
@@ -219,7 +149,7 @@ def diagnose(
         progress: Progress bars.
 
     Returns:
-        Scores table: one row per unlearned model, one column per method key.
+        Every table, one field each (``DiagnoseResult``).
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -229,8 +159,6 @@ def diagnose(
         raise ValueError(f"unknown sites {bad_sites}; choose from {list(SITES)}")
     if retain is None:
         raise ValueError("diagnose needs a retain model: every method it reports is normalised by retain")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = UDSConfig(
         tau=tau, published_compat=published_compat, batch_size=batch_size, dtype=dtype, device=device
     )
@@ -256,19 +184,22 @@ def diagnose(
                 cache_dir=cache_dir,
                 progress=progress,
             )
-    options = {
-        "batch_size": batch_size,
-        "tuned_lens_steps": tuned_lens_steps,
-        "probe_folds": probe_folds,
-        "fisher_fractions": tuple(fisher_fractions),
-    }
-    reference = References(main, methods, calibration, options)
+    reference = References(
+        main,
+        methods,
+        calibration,
+        batch_size=batch_size,
+        tuned_lens_steps=tuned_lens_steps,
+        probe_folds=probe_folds,
+        fisher_fractions=tuple(fisher_fractions),
+    )
     all_scores: dict[str, dict[str, float | None]] = {}
-    examples_by_model: dict[str, pd.DataFrame] = {}
-    layers_by_model: dict[str, pd.DataFrame] = {}
+    layerwise_by_model: dict[str, pd.DataFrame] = {}
+    components_by_model: dict[str, pd.DataFrame] = {}
+    uds_results: dict[str, UDSResult] = {}
     for name, source in unlearned.items():
         logger.info("diagnosing %s", name)
-        model = _load(source, dtype, device or main.device)
+        model = models.load(source, dtype=dtype, device=device or main.device, role=name)
         scores: dict[str, float | None] = {}
         layerwise: list[LayerwiseErasure] = []
         site_layers = []
@@ -279,35 +210,38 @@ def diagnose(
                     continue
                 result = auditor.score(model, name=name)
                 if site == "resid_post":
-                    examples_by_model[name] = result.examples
-                    layers_by_model[name] = result.layers
+                    uds_results[name] = result
                     if "uds" in methods:
-                        scores["uds"] = _json_value(result.uds)
+                        scores["uds"] = json_score(result.uds)
                         layerwise.append(uds_layerwise(result.layers, tau))
                 if site in sites:
                     site_layers.append(result.layers)
         observational, observational_layerwise = reference.observational(model)
         scores.update(observational)
         layerwise += observational_layerwise
-        model_dir = out / name
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "scores.json").write_text(json.dumps(scores, indent=2))
-        layer_table = pd.concat([lw.to_frame() for lw in layerwise], ignore_index=True) if layerwise else None
-        if layer_table is None:
-            layer_table = pd.DataFrame(columns=["method", "layer", "erasure", "weight"])
-        layer_table.to_csv(model_dir / "layerwise.csv", index=False)
-        components = (
+        layerwise_by_model[name] = (
+            pd.concat([lw.to_frame() for lw in layerwise], ignore_index=True)
+            if layerwise
+            else pd.DataFrame(columns=LAYERWISE_COLUMNS)
+        )
+        components_by_model[name] = (
             component_summary(pd.concat(site_layers, ignore_index=True))
             if site_layers
-            else pd.DataFrame(columns=["site", "layer", "mean_d1", "mean_d2"])
+            else pd.DataFrame(columns=COMPONENT_COLUMNS)
         )
-        components.to_csv(model_dir / "components.csv", index=False)
         all_scores[name] = scores
         if model is not source:
             del model
-    if examples_by_model:
-        prompt_type_uds(examples_by_model).to_csv(out / "prompt_types.csv", index=False)
-        tau_sensitivity(layers_by_model, taus=taus, default_tau=tau).to_csv(
-            out / "tau_sensitivity.csv", index=False
-        )
-    return pd.DataFrame.from_dict(all_scores, orient="index")
+    examples_by_model = {name: result.examples for name, result in uds_results.items()}
+    layers_by_model = {name: result.layers for name, result in uds_results.items()}
+    diagnosis = DiagnoseResult(
+        scores=pd.DataFrame.from_dict(all_scores, orient="index"),
+        layerwise=layerwise_by_model,
+        components=components_by_model,
+        uds_results=uds_results,
+        prompt_types=prompt_type_uds(examples_by_model) if uds_results else None,
+        tau_sensitivity=tau_sensitivity(layers_by_model, taus=taus, default_tau=tau) if uds_results else None,
+    )
+    if out_dir is not None:
+        diagnosis.save(out_dir)
+    return diagnosis

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from uds_lens.baselines.hidden import model_device
 from uds_lens.baselines.layerwise import MIN_WEIGHT, LayerwiseErasure
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.sources import as_source
 
 FISHER_FRACTIONS = (1e-4, 1e-3, 1e-2)
 FISHER_EPS = 1e-8
@@ -40,13 +39,6 @@ FISHER_EPS = 1e-8
 def fisher_method_key(fraction: float) -> str:
     """``scores.json`` key of a masked-Fisher fraction: ``fisher_masked_0.001`` etc."""
     return f"fisher_masked_{fraction:g}"
-
-
-def block_modules(model: Any) -> list[nn.Module]:
-    """The decoder blocks (``blocks`` in TransformerLens, ``model.layers`` in Hugging Face Llama)."""
-    if isinstance(model, HookedTransformer):
-        return list(model.blocks)
-    return list(model.model.layers)
 
 
 @contextlib.contextmanager
@@ -59,12 +51,6 @@ def _trainable(parameters: list[nn.Parameter]) -> Iterator[None]:
     finally:
         for p, flag in zip(parameters, flags, strict=True):
             p.requires_grad_(flag)
-
-
-def _logits(model: Any, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    if isinstance(model, HookedTransformer):
-        return model(tokens, return_type="logits")
-    return model(input_ids=tokens, use_cache=False).logits
 
 
 @dataclass(frozen=True)
@@ -84,7 +70,7 @@ def diagonal_fisher(model: Any, examples: Sequence[Any], progress: bool = False)
     """Per-layer diagonal Fisher of ``model`` on the encoded examples, one backward per example.
 
     Args:
-        model: TransformerLens ``HookedTransformer`` or Hugging Face Llama-style model (dequantise first).
+        model: Anything ``sources.as_source`` takes with trainable weights (a quantised model: dequantise first).
         examples: Encoded examples (``idx``, ``input_ids``, ``read_positions``, ``labels``).
         progress: Show a progress bar.
 
@@ -93,17 +79,17 @@ def diagonal_fisher(model: Any, examples: Sequence[Any], progress: bool = False)
     """
     if not examples:
         raise ValueError("diagonal_fisher got no examples: every example was skipped or the data is empty")
-    blocks = block_modules(model)
-    parameters = [list(block.parameters()) for block in blocks]
+    source = as_source(model)
+    parameters = [list(block.parameters()) for block in source.blocks()]
     flat = [p for layer in parameters for p in layer]
     sums = [torch.zeros(sum(p.numel() for p in layer), dtype=torch.float32) for layer in parameters]
-    device = model_device(model)
+    device = source.device
     with _trainable(flat):
         for example in tqdm(examples, desc="fisher", disable=not progress, leave=False):
             tokens = torch.tensor([example.input_ids], dtype=torch.long, device=device)
             positions = torch.tensor(list(example.read_positions), dtype=torch.long, device=device)
             labels = torch.tensor(list(example.labels), dtype=torch.long, device=device)
-            logprobs = torch.log_softmax(_logits(model, tokens)[0, positions].float(), dim=-1)
+            logprobs = torch.log_softmax(source.logits(tokens)[0, positions].float(), dim=-1)
             loss = -logprobs.gather(1, labels[:, None]).mean()
             grads = torch.autograd.grad(loss, flat, allow_unused=True)
             offset = 0

@@ -5,8 +5,7 @@ stream at the positions UDS scores: for example ``i`` with prompt length ``P`` a
 reference, the positions ``P - 1 + s .. P - 1 + e - 1``, whose logits predict the entity tokens. For layer
 ``l < L - 1`` the vector is the output of block ``l`` (``blocks.l.hook_resid_post``, Hugging Face
 ``hidden_states[l + 1]``); for the last layer it is the **pre-final-norm** residual (TransformerLens
-``blocks.{L-1}.hook_resid_post``; in Hugging Face the input of ``model.model.norm``, because ``hidden_states[L]`` is
-already normalised). All read positions of all examples are stacked on one ``token`` axis, with an index saying
+``blocks.{L-1}.hook_resid_post``; ``sources.ActivationSource.residual_stream`` reads both model kinds that way). All read positions of all examples are stacked on one ``token`` axis, with an index saying
 which example and position each row came from.
 """
 
@@ -20,7 +19,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.sources import as_source
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -87,46 +86,6 @@ def _pad(examples: Sequence[Any], pad_id: int) -> tuple[Int[Tensor, "batch pos"]
     return tokens, mask
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Device of a model's first parameter."""
-    return next(model.parameters()).device
-
-
-def residual_stream(
-    model: Any, tokens: Int[Tensor, "batch pos"], attention_mask: Int[Tensor, "batch pos"]
-) -> Float[Tensor, "layer batch pos d_model"]:
-    """Raw residual after every block (pre-final-norm at the last block), fp32, on the model's device.
-
-    Args:
-        model: A TransformerLens ``HookedTransformer`` or a Hugging Face decoder whose final norm is
-            ``model.model.norm`` (Llama-style).
-        tokens: Right-padded token ids.
-        attention_mask: 1 on real tokens, 0 on padding.
-    """
-    device = model_device(model)
-    tokens, attention_mask = tokens.to(device), attention_mask.to(device)
-    if isinstance(model, HookedTransformer):
-        names = [f"blocks.{layer}.hook_resid_post" for layer in range(model.cfg.n_layers)]
-        _, cache = model.run_with_cache(
-            tokens, attention_mask=attention_mask, return_type=None, names_filter=lambda name: name in names
-        )
-        return torch.stack([cache[name].float() for name in names])
-    captured: list[Tensor] = []
-
-    def capture_norm_input(module: torch.nn.Module, args: tuple[Tensor, ...]) -> None:
-        captured.append(args[0])
-
-    handle = model.model.norm.register_forward_pre_hook(capture_norm_input)
-    try:
-        outputs = model(
-            input_ids=tokens, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-        )
-    finally:
-        handle.remove()
-    hidden = outputs.hidden_states
-    return torch.stack([h.float() for h in hidden[1:-1]] + [captured[-1].float()])
-
-
 @torch.no_grad()
 def collect_hidden_states(
     model: Any, examples: Sequence[Any], batch_size: int = DEFAULT_BATCH_SIZE, pad_id: int = 0
@@ -134,7 +93,7 @@ def collect_hidden_states(
     """One forward of ``model`` over ``examples``; keep every layer's residual at the read positions.
 
     Args:
-        model: TransformerLens ``HookedTransformer`` or Hugging Face Llama-style causal LM.
+        model: Anything ``sources.as_source`` takes (``HookedTransformer``, Hugging Face Llama, NF4).
         examples: Encoded examples (``uds_lens.data.EncodedExample`` or anything with ``idx``, ``input_ids``,
             ``read_positions`` and ``labels``).
         batch_size: Examples per forward (right padding; results do not depend on it).
@@ -147,13 +106,13 @@ def collect_hidden_states(
         raise ValueError(
             "collect_hidden_states got no examples: every example was skipped or the data is empty"
         )
+    source = as_source(model)
     chunks = []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         tokens, mask = _pad(batch, pad_id)
-        resid = residual_stream(model, tokens, mask).cpu()
         _, rows, positions, _ = _read_layout(batch)
-        chunks.append(resid[:, torch.tensor(rows), torch.tensor(positions)])
+        chunks.append(source.residuals_at(tokens, mask, torch.tensor(rows), torch.tensor(positions)))
     example_idx, _, positions, labels = _read_layout(examples)
     return HiddenStates(
         resid=torch.cat(chunks, dim=1),

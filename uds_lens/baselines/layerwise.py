@@ -12,11 +12,14 @@ Two normalisations feed it:
 * similarity-based methods (CKA, RSA, SVCCA, PWCCA), from a similarity ``S`` in [0, 1] to the retain model:
   ``e_l = clip((S(unl, ret) - S(full, ret)) / (1 - S(full, ret) + 1e-8), 0, 1)``, ``w_l = max(1 - S(full, ret), 0)``
   (the published CKA baseline; see SPEC §3);
-* delta-based, UDS-shaped methods (logit and tuned lens), per example ``i`` with ``d1 = k_full - k_ret`` and
-  ``d2 = k_full - k_unl``: KE layers ``d1 > tau``, ``LER = clip(d2 / (d1 + eps), 0, 1)``,
-  ``score_i = sum_KE d1 * LER / sum_KE d1``; the model score is the mean over defined ``score_i``.
+* delta-based, UDS-shaped methods (UDS itself, logit and tuned lens), per example ``i`` and layer ``l`` with
+  ``d1 = k_full - k_ret``, ``d2 = k_full - k_unl``, a KE mask and a LER: pooled over examples per layer
+  (:func:`pooled_layerwise`), ``e_l = sum_i KE d1 LER / sum_i KE d1`` and ``w_l = sum_i KE d1 / n``.
 
-Both live here, once, so every method aggregates the same way.
+The per-example aggregation of UDS is ``uds.example_uds``, written once there. The lenses use the published lens
+variant of it (SPEC §3), which differs in two places and is :func:`lens_erasure` here: ``LER = clip(d2 / (d1 +
+1e-8), 0, 1)`` (``eps`` in the ratio) and an example is scored only when its KE weight ``sum_KE d1`` exceeds 1e-8
+(UDS: when it has any KE layer).
 """
 
 from __future__ import annotations
@@ -97,16 +100,40 @@ def similarity_erasure(
     return erasure, weight
 
 
+def pooled_layerwise(
+    method: str,
+    d1: Float[Tensor, "example layer"],
+    ke: Bool[Tensor, "example layer"],
+    ler: Float[Tensor, "example layer"],
+) -> LayerwiseErasure:
+    """Pool a UDS-shaped table over examples, per layer: ``e_l = sum_i KE d1 LER / sum_i KE d1`` (1 where no example
+    is KE), ``w_l = sum_i KE d1 / n``.
+
+    The weighted mean of this view is the d1-pooled score, not the mean of per-example scores a model score is;
+    it is what the layerwise plots and ``layerwise.csv`` show. ``ler`` is read on KE entries only.
+    """
+    ke_d1 = torch.where(ke, d1, torch.zeros_like(d1)).double()
+    total = ke_d1.sum(dim=0)
+    on_ke = torch.where(ke, ler.double(), torch.zeros_like(ke_d1))
+    erasure = torch.where(total > 0, (ke_d1 * on_ke).sum(dim=0) / total.clamp(min=1e-30), 1.0)
+    weight = total / max(d1.shape[0], 1)
+    return LayerwiseErasure(method, erasure.float(), weight.float())
+
+
+LENS_EPS = 1e-8
+"""Added to ``d1`` in the lens LER, and the KE weight an example needs to be scored (the published lens)."""
+
+
 @dataclass(frozen=True)
-class DeltaErasure:
-    """UDS-shaped per-example, per-layer erasure (used by the lenses; same algebra as UDS).
+class LensErasure:
+    """The lens variant of UDS's aggregation, per example and layer (see the module docstring).
 
     Attributes:
         d1: ``k_full - k_ret`` per example and layer.
         d2: ``k_full - k_unl`` per example and layer.
         ke: KE layers, ``d1 > tau``.
-        ler: ``clip(d2 / (d1 + eps), 0, 1)`` (meaningful on KE layers only).
-        per_example: ``sum_KE d1 * LER / sum_KE d1``, NaN when the KE weight is too small (see ``delta_erasure``).
+        ler: ``clip(d2 / (d1 + 1e-8), 0, 1)`` (meaningful on KE layers only).
+        per_example: ``sum_KE d1 * LER / sum_KE d1``, NaN when ``sum_KE d1 <= 1e-8``.
     """
 
     d1: Float[Tensor, "example layer"]
@@ -122,42 +149,24 @@ class DeltaErasure:
         return float(defined.double().mean()) if defined.numel() else math.nan
 
     def layerwise(self, method: str) -> LayerwiseErasure:
-        """Pool the examples per layer: ``e_l = sum_i KE d1 LER / sum_i KE d1``, ``w_l = sum_i KE d1 / n``.
-
-        The weighted mean of this layerwise view is the d1-pooled score, not the mean of per-example scores that
-        ``score`` reports; it is what the layerwise plots and ``layerwise.csv`` show.
-        """
-        ke_d1 = torch.where(self.ke, self.d1, torch.zeros_like(self.d1)).double()
-        total = ke_d1.sum(dim=0)
-        erasure = torch.where(total > 0, (ke_d1 * self.ler.double()).sum(dim=0) / total.clamp(min=1e-30), 1.0)
-        weight = total / max(self.d1.shape[0], 1)
-        return LayerwiseErasure(method, erasure.float(), weight.float())
+        """Per-layer erasure pooled over examples (:func:`pooled_layerwise`)."""
+        return pooled_layerwise(method, self.d1, self.ke, self.ler)
 
 
-def delta_erasure(
-    d1: Float[Tensor, "example layer"],
-    d2: Float[Tensor, "example layer"],
-    tau: float = 0.05,
-    eps: float = 1e-8,
-    min_weight: float = MIN_WEIGHT,
-) -> DeltaErasure:
-    """UDS-shaped aggregation of per-layer deltas (SPEC §1.4 with ``eps`` in the ratio, SPEC §3 logit lens).
+def lens_erasure(
+    d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"], tau: float = 0.05
+) -> LensErasure:
+    """The published lens aggregation of per-layer deltas (SPEC §3): UDS's form with ``eps`` in the ratio.
 
     Args:
         d1: Retain deltas ``k_full - k_ret``.
         d2: Unlearned deltas ``k_full - k_unl``.
         tau: KE threshold (strict ``d1 > tau``).
-        eps: Added to ``d1`` in the ratio (1e-8 for the lenses as published; 0 reproduces UDS exactly).
-        min_weight: An example is scored only if its KE weight ``sum_KE d1`` exceeds this (1e-8 for the lenses as
-            published; 0 gives UDS's rule, undefined exactly when there is no KE layer).
-
-    Returns:
-        The per-layer KE mask, LER and per-example scores.
     """
     ke = d1 > tau
-    ler = (d2 / (d1 + eps)).nan_to_num(nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
+    ler = (d2 / (d1 + LENS_EPS)).nan_to_num(nan=0.0, posinf=1.0, neginf=0.0).clamp(0.0, 1.0)
     ke_d1 = torch.where(ke, d1, torch.zeros_like(d1)).double()
     denominator = ke_d1.sum(dim=1)
     numerator = (ke_d1 * ler.double()).sum(dim=1)
-    per_example = torch.where(denominator > min_weight, numerator / denominator.clamp(min=1e-30), math.nan)
-    return DeltaErasure(d1=d1, d2=d2, ke=ke, ler=ler, per_example=per_example.to(d1.dtype))
+    per_example = torch.where(denominator > LENS_EPS, numerator / denominator.clamp(min=1e-30), math.nan)
+    return LensErasure(d1=d1, d2=d2, ke=ke, ler=ler, per_example=per_example.to(d1.dtype))

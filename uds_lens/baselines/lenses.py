@@ -8,7 +8,8 @@ positions the per-layer score of model ``m`` on example ``i`` is the mean entity
 
 With ``d1 = k_full - k_ret`` and ``d2 = k_full - k_unl`` the score is UDS's formula with the lens in place of
 patching (SPEC §3): KE layers ``d1 > 0.05``, ``LER = clip(d2 / (d1 + 1e-8), 0, 1)``,
-``score_i = sum_KE d1 * LER / sum_KE d1`` and the model score is the mean over scored examples. The table has
+``score_i = sum_KE d1 * LER / sum_KE d1`` and the model score is the mean over scored examples
+(``layerwise.lens_erasure``, which says where this differs from ``uds.example_uds``). The table has
 UDS's long shape and column names (``idx, layer, baseline_score, s1_score, s2_score, d1, d2, ke, ler`` with
 ``baseline_score = k_full``, ``s1_score = k_ret``, ``s2_score = k_unl``, LER NaN outside KE layers; examples
 ``idx, n_ke, uds, status`` with the lens's score in the ``uds`` column), so the paper's Table 4 (lens against
@@ -30,17 +31,15 @@ from typing import Any
 
 import pandas as pd
 import torch
-from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from uds_lens.baselines.hidden import HiddenStates, model_device, residual_stream
-from uds_lens.baselines.layerwise import DeltaErasure, LayerwiseErasure, delta_erasure
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.baselines.hidden import HiddenStates
+from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
+from uds_lens.sources import as_source
 
 LENS_TAU = 0.05
-LENS_EPS = 1e-8
 DEFAULT_CHUNK = 512
 
 Decoder = Callable[[Tensor], Tensor]
@@ -50,24 +49,10 @@ def final_decoder(full: Any) -> Decoder:
     """The full model's final norm followed by its unembedding, as a function ``h -> logits`` (fp32 out).
 
     Args:
-        full: TransformerLens ``HookedTransformer`` (``ln_final`` + ``unembed``; a folded norm is folded into
-            ``W_U``, so the pair still computes the model's own logits) or Hugging Face Llama-style model
-            (``model.norm`` + ``lm_head``).
+        full: Anything ``sources.as_source`` takes (``ActivationSource.decode`` of a HookedTransformer or a
+            Hugging Face Llama).
     """
-    device = model_device(full)
-    dtype = next(full.parameters()).dtype
-    if isinstance(full, HookedTransformer):
-
-        def decode_tl(resid: Tensor) -> Tensor:
-            batched = rearrange(resid.to(device=device, dtype=dtype), "token d_model -> 1 token d_model")
-            return full.unembed(full.ln_final(batched))[0].float()
-
-        return decode_tl
-
-    def decode_hf(resid: Tensor) -> Tensor:
-        return full.lm_head(full.model.norm(resid.to(device=device, dtype=dtype))).float()
-
-    return decode_hf
+    return as_source(full).decode
 
 
 class TunedLens(nn.Module):
@@ -130,7 +115,7 @@ class LensResult:
     k_full: Float[Tensor, "example layer"]
     k_retain: Float[Tensor, "example layer"]
     k_unlearned: Float[Tensor, "example layer"]
-    erasure: DeltaErasure
+    erasure: LensErasure
     tau: float
 
     @property
@@ -175,7 +160,7 @@ class LensResult:
         )
 
     def layerwise(self) -> LayerwiseErasure:
-        """Per-layer erasure pooled over examples (see ``DeltaErasure.layerwise``)."""
+        """Per-layer erasure pooled over examples (``layerwise.pooled_layerwise``)."""
         return self.erasure.layerwise(self.method)
 
 
@@ -196,7 +181,7 @@ def lens_result(
         k_full=k_full,
         k_retain=k_retain,
         k_unlearned=k_unlearned,
-        erasure=delta_erasure(d1, d2, tau=tau, eps=LENS_EPS),
+        erasure=lens_erasure(d1, d2, tau=tau),
         tau=tau,
     )
 
@@ -286,7 +271,8 @@ def train_tuned_lens(
         raise ValueError("train_tuned_lens needs calibration sequences (e.g. the retain set); got none")
     generator = torch.Generator().manual_seed(seed)
     states, targets = [], []
-    decoder = final_decoder(model)
+    source = as_source(model)
+    decoder = source.decode
     with torch.no_grad():
         for start in range(0, len(calibration), batch_size):
             batch = [list(ids) for ids in calibration[start : start + batch_size]]
@@ -296,7 +282,7 @@ def train_tuned_lens(
             for row, ids in enumerate(batch):
                 tokens[row, : len(ids)] = torch.tensor(ids)
                 mask[row, : len(ids)] = 1
-            resid = residual_stream(model, tokens, mask).cpu()
+            resid = source.residual_stream(tokens, mask).cpu()
             states.append(resid[:, mask.bool()])
         hidden = torch.cat(states, dim=1)
         if hidden.shape[1] > max_tokens:

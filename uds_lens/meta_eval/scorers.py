@@ -9,7 +9,6 @@ computed together, once. Every score is oriented as its method defines it (1 = e
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Callable
@@ -17,20 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from uds_lens.auditor import UDSAuditor, UDSConfig
-from uds_lens.models import hooked_from_hf
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.baselines.references import References
+from uds_lens.sources import as_source
+from uds_lens.zoo import load_zoo
 
 logger = logging.getLogger(__name__)
 
 WHITE_BOX = ("logit_lens", "cka", "fisher_masked")
 FISHER_FRACTION = 1e-3  # the paper's "Fisher (Masked 0.1%)" row
-
-
-def _is_quantised(model: Any) -> bool:
-    return bool(
-        getattr(model, "is_quantized", False)
-        or getattr(getattr(model, "config", None), "quantization_config", None)
-    )
 
 
 class ModelScorers:
@@ -59,7 +52,7 @@ class ModelScorers:
         self.progress = progress
         self.batch_size = batch_size
         self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
-        self._reference: Any = None
+        self._reference: References | None = None
         self._scores: dict[Any, dict[str, float | None]] = {}
 
     @classmethod
@@ -67,8 +60,6 @@ class ModelScorers:
         cls, zoo_dir: str | os.PathLike, progress: bool = False, batch_size: int = 8
     ) -> ModelScorers:
         """Scorers against a zoo's full and retain models on its forget set (S1 cached in ``ZOO/.s1_cache``)."""
-        from uds_lens.zoo import load_zoo
-
         zoo = load_zoo(zoo_dir)
         return cls(
             zoo.path("full"),
@@ -88,24 +79,21 @@ class ModelScorers:
     def _white_box(self, model: Any) -> dict[str, float | None]:
         key = self._key(model)
         if key not in self._scores:
-            from uds_lens.analysis.diagnose import References
-
             if self._reference is None:
-                options = {
-                    "batch_size": self.batch_size,
-                    "tuned_lens_steps": 0,
-                    "probe_folds": 1,
-                    "fisher_fractions": (FISHER_FRACTION,),
-                }
-                self._reference = References(self.auditor, WHITE_BOX, None, options)
-            loaded = self.auditor.load(model)
-            if not isinstance(loaded, HookedTransformer):
-                if _is_quantised(loaded):
-                    # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the
-                    # white-box scores of a quantised model are taken on its dequantised (4-bit-rounded) weights.
-                    loaded = copy.deepcopy(loaded).dequantize()
-                full_cfg = self.auditor.full.cfg
-                loaded = hooked_from_hf(loaded, dtype=full_cfg.dtype, device=str(full_cfg.device))
+                self._reference = References(
+                    self.auditor,
+                    WHITE_BOX,
+                    batch_size=self.batch_size,
+                    tuned_lens_steps=0,
+                    fisher_fractions=(FISHER_FRACTION,),
+                )
+            # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the white-box
+            # scores of a Hugging Face model are taken on its HookedTransformer conversion (an NF4 model's from its
+            # dequantised, 4-bit-rounded weights).
+            full_cfg = self.auditor.full.cfg
+            loaded = as_source(self.auditor.load(model)).hooked(
+                dtype=full_cfg.dtype, device=str(full_cfg.device)
+            )
             scores, _ = self._reference.observational(loaded)
             self._scores[key] = {
                 "logit_lens": scores.get("logit_lens"),

@@ -20,11 +20,11 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from uds_lens import models
 from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, as_list, prompt_ids, qa_pairs, record_field
 from uds_lens.metrics.generation import (
     MAX_NEW_TOKENS,
@@ -85,14 +85,6 @@ def _entry(values_by_index: Mapping[Any, float | None], agg_value: float | None 
     }
 
 
-def _load(model_or_path: Any) -> Any:
-    if isinstance(model_or_path, (str, Path)):
-        from uds_lens.models import load_hf_model
-
-        return load_hf_model(model_or_path)
-    return model_or_path
-
-
 def report_model(
     model_path_or_hf_model: Any,
     tokenizer: Any,
@@ -120,7 +112,7 @@ def report_model(
         retain_aucs: the retain model's MIA AUCs; when given, ``s_mia_*`` and ``privacy`` are added.
         system_prompt: the system turn ("You are a helpful assistant." in the meta-evaluation).
     """
-    model = _load(model_path_or_hf_model)
+    model = models.load(model_path_or_hf_model, hooked=False)
     timings: dict[str, float] = {}
     idxs = [record_field(r, "idx", i) for i, r in enumerate(forget_records)]
     questions = [str(record_field(r, "question")) for r in forget_records]

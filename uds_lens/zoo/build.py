@@ -544,7 +544,7 @@ def _refresh_tokenizer_files(tokenizer_dir: Path, model_dir: Path) -> None:
 
 
 def _load_model(model_dir: Path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    model = models.load_hf_model(model_dir, dtype=torch.float32, device="cpu", attn_implementation="eager")
     model.config.use_cache = False
     model.eval()
     return model

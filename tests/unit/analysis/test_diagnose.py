@@ -21,17 +21,24 @@ def _check_endpoints(scores: pd.DataFrame) -> None:
 
 def test_diagnose_writes_the_files(trio, tmp_path):
     unlearned = {"full": trio.models["full"], "retain": trio.paths["retain"], "other": trio.models["other"]}
-    scores = diagnose(trio.models["full"], trio.models["retain"], unlearned, trio.records, tmp_path,
+    result = diagnose(trio.models["full"], trio.models["retain"], unlearned, trio.records,
                       methods=("uds", "logit_lens", "cka"), sites=("resid_post", "mlp_out"), cache_dir=False)  # fmt: skip
+    assert not any(tmp_path.iterdir())  # nothing is written without out_dir
+    scores = result.scores
+    assert list(scores.index) == list(unlearned)
     assert set(scores.columns) == {"uds", "logit_lens", "cka"}
     _check_endpoints(scores)
+    assert list(result.uds_results) == list(unlearned)
+    assert result.uds_results["other"].uds == pytest.approx(scores.at["other", "uds"])
+    assert result.save(tmp_path) == tmp_path
     for name in unlearned:
         written = json.loads((tmp_path / name / "scores.json").read_text())
-        assert set(written) == {"uds", "logit_lens", "cka"}
+        assert written == pytest.approx(scores.loc[name].to_dict())
         layerwise = pd.read_csv(tmp_path / name / "layerwise.csv")
         assert list(layerwise.columns) == ["method", "layer", "erasure", "weight"]
         assert set(layerwise["method"]) == {"uds", "logit_lens", "cka"}
         assert layerwise["erasure"].between(0, 1).all()
+        pd.testing.assert_frame_equal(layerwise, result.layerwise[name], check_dtype=False)
         components = pd.read_csv(tmp_path / name / "components.csv")
         assert list(components.columns) == ["site", "layer", "mean_d1", "mean_d2"]
         assert set(components["site"]) == {"resid_post", "mlp_out"}
@@ -53,7 +60,7 @@ def test_diagnose_every_method_and_site(trio, tmp_path):
     unlearned = {"full": trio.paths["full"], "retain": trio.paths["retain"], "other": trio.paths["other"]}
     scores = diagnose(trio.paths["full"], trio.paths["retain"], unlearned, trio.records, tmp_path, methods=METHODS,
                       sites=("attn_out", "mlp_out", "resid_mid", "resid_post"), calibration=trio.examples,
-                      tuned_lens_steps=10, cache_dir=False)  # fmt: skip
+                      tuned_lens_steps=10, cache_dir=False).scores  # fmt: skip
     assert set(scores.columns) == set(RETAIN_NORMALISED)
     _check_endpoints(scores)
     assert scores.loc["other"].between(0, 1).all()

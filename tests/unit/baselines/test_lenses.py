@@ -1,11 +1,10 @@
-"""uds_lens/hidden.py and uds_lens/lenses.py: read positions, last-layer pre-norm states, logit and tuned lens."""
+"""uds_lens/baselines/lenses.py: the logit and tuned lens, scored in UDS's shape."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from uds_lens.baselines.hidden import collect_hidden_states
 from uds_lens.baselines.lenses import (
     TunedLens,
     calibration_token_ids,
@@ -14,23 +13,6 @@ from uds_lens.baselines.lenses import (
     logit_lens,
     train_tuned_lens,
 )
-from uds_lens.models import load_hf_model
-
-
-def test_hidden_states_layout_and_batch_invariance(trio, trio_hidden):
-    hidden = trio_hidden["full"]
-    n_rows = sum(e.n_entity_tokens for e in trio.encoded)
-    assert hidden.resid.shape == (3, n_rows, 32)
-    assert hidden.example_ids == [e.idx for e in trio.encoded]
-    assert hidden.label.tolist() == [t for e in trio.encoded for t in e.labels]
-    one_by_one = collect_hidden_states(trio.models["full"], trio.encoded, batch_size=1)
-    torch.testing.assert_close(one_by_one.resid, hidden.resid, atol=1e-5, rtol=1e-5)
-
-
-def test_hf_path_matches_transformer_lens_including_prenorm_last_layer(trio, trio_hidden):
-    hf = load_hf_model(trio.paths["full"], dtype=torch.float32, device="cpu")
-    from_hf = collect_hidden_states(hf, trio.encoded, batch_size=3)
-    torch.testing.assert_close(from_hf.resid, trio_hidden["full"].resid, atol=1e-4, rtol=1e-4)
 
 
 def test_last_layer_lens_is_the_models_own_entity_logprob(trio, trio_hidden):
