@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
+from uds_lens.zoo.train import Optimisation, TrainingBatch, constant, fit
 
 BOS = "<|begin_of_text|>"
 EOS = "<|eot_id|>"
@@ -201,23 +204,23 @@ def train_on_records(
     lr: float = 3e-3,
     seed: int = 0,
 ) -> Path:
-    """Fine-tune a tiny checkpoint on ``records`` (chat format, answer-only loss) and save it to ``out_dir``."""
-    from transformers import AutoModelForCausalLM
+    """Fine-tune a tiny checkpoint on ``records`` (chat format, answer-only loss) and save it to ``out_dir``.
 
-    from uds_lens.metrics.chat import build_qa_batch, qa_pairs
-
+    Full-batch AdamW at a constant learning rate, ``steps`` steps, with the package's one training loop.
+    """
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    batch = build_qa_batch(tokenizer, qa_pairs(records))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
+    pad_id = pad_id_of(tokenizer)
+    fit(
+        model,
+        encode_pairs(tokenizer, qa_pairs(records)),
+        lambda chunk: TrainingBatch(**collate(chunk, pad_id)),
+        Optimisation(lr, constant),
+        epochs=steps,
+        batch_size=len(records),
+        seed=seed,
+    )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return Path(out_dir)

@@ -25,7 +25,9 @@ from typing import Any
 
 import pandas as pd
 
-from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, as_list, prompt_ids, qa_pairs, record_field
+from uds_lens.data import as_list, record_field
+from uds_lens.metrics import registry
+from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import (
     MAX_NEW_TOKENS,
     generate_greedy,
@@ -38,20 +40,20 @@ from uds_lens.metrics.memorization import (
     exact_memorization,
     extraction_strength,
     geometric_mean,
-    mean_or_nan,
     memorization_score,
     score_answers,
     truth_ratio,
 )
 from uds_lens.metrics.privacy import ATTACKS, attack_scores, mia_auc, normalised_mia_all, privacy_score
+from uds_lens.metrics.registry import MetricResult, mean_or_nan
 from uds_lens.metrics.utility import model_utility
 
 logger = logging.getLogger(__name__)
 
-MEMORIZATION_METRICS = ("es", "em", "prob", "paraprob", "truth_ratio")
-GENERATION_METRICS = ("rouge", "para_rouge", "jailbreak_rouge")
+MEMORIZATION_METRICS = registry.names(registry.OUTPUT, group="Memorization")
+GENERATION_METRICS = registry.names(registry.OUTPUT, group="Generation")
 OUTPUT_METRICS = MEMORIZATION_METRICS + GENERATION_METRICS + ATTACKS
-S_MIA_METRICS = tuple(f"s_{a}" for a in ATTACKS)
+S_MIA_METRICS = registry.names(registry.RETAIN_REFERENCED)
 
 
 @dataclass
@@ -78,11 +80,8 @@ class MetricsReport:
         return {a: self.values[a] for a in ATTACKS}
 
 
-def _entry(values_by_index: Mapping[Any, float | None], agg_value: float | None = None) -> dict[str, Any]:
-    return {
-        "agg_value": mean_or_nan(list(values_by_index.values())) if agg_value is None else agg_value,
-        "value_by_index": {str(i): {"score": v} for i, v in values_by_index.items()},
-    }
+def _entry(values_by_index: Mapping[Any, float | None]) -> dict[str, Any]:
+    return MetricResult.from_values(values_by_index).to_json()
 
 
 def _load(model_or_path: Any) -> Any:

@@ -71,11 +71,6 @@ def harmonic_mean(values: Sequence[float | None], eps: float = HM_EPS) -> float:
     return len(kept) / sum(1.0 / (v + eps) for v in kept)
 
 
-def mean_or_nan(values: Sequence[float | None]) -> float:
-    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    return sum(kept) / len(kept) if kept else float("nan")
-
-
 def exact_memorization(predictions: Int[Tensor, " token"], targets: Int[Tensor, " token"]) -> float | None:
     """Share of positions whose greedy prediction equals the target; ``None`` for at most one position."""
     n = targets.shape[0]

@@ -13,15 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from uds_lens.metrics.chat import SYSTEM_PROMPT, as_list, prompt_ids, qa_pairs, record_field
+from uds_lens.data import as_list, record_field
+from uds_lens.metrics.chat import SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import MAX_NEW_TOKENS, generate_greedy, rouge_scores
 from uds_lens.metrics.memorization import (
     answer_probs,
     geometric_mean,
     harmonic_mean,
-    mean_or_nan,
     score_answers,
 )
+from uds_lens.metrics.registry import mean_or_nan
 
 
 def true_better_ratio(correct_prob: float, perturbed_probs: Sequence[float]) -> float:
