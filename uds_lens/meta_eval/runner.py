@@ -33,7 +33,7 @@ from uds_lens.meta_eval.formulas import (
     meta_evaluate,
     robustness_table,
 )
-from uds_lens.meta_eval.paper import compare_with_paper
+from uds_lens.meta_eval.paper import METRICS, compare_with_paper
 from uds_lens.metrics import registry
 from uds_lens.metrics.evaluate import add_privacy, report_model
 from uds_lens.metrics.privacy import ATTACKS, paper_privacy
@@ -318,6 +318,7 @@ def run_meta_eval(
     apply_faithfulness_filter: bool = True,
     progress: bool = True,
     resume: bool = True,
+    metrics: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """The whole meta-evaluation on a zoo: metrics, NF4 and relearning attacks, and ``OUT/meta_eval.csv``.
 
@@ -332,9 +333,12 @@ def run_meta_eval(
     Table 3 (:func:`compare_with_paper`). Every stage is cached per model, so ``resume`` restarts where a
     crashed run stopped.
 
+    ``metrics`` names the rows (registered metrics, :mod:`uds_lens.metrics.registry`; default: the paper's 20).
+
     Returns:
         The meta-evaluation table (``META_EVAL_COLUMNS``).
     """
+    rows = METRICS if metrics is None else tuple(registry.spec(name) for name in metrics)
     zoo = load_zoo(zoo_dir)
     out = Path(out_dir)
     metrics_df = evaluate_zoo(
@@ -376,9 +380,10 @@ def run_meta_eval(
         relearn_df,
         unlearned=unlearned,
         apply_faithfulness_filter=apply_faithfulness_filter,
+        metrics=rows,
     )
     robustness.to_csv(out / "robustness.csv", index=False)
-    table = meta_evaluate(metrics_df, pools, robustness)
+    table = meta_evaluate(metrics_df, pools, robustness, rows)
     table.to_csv(out / "meta_eval.csv", index=False)
     compare_with_paper(table).to_csv(out / "meta_eval_vs_paper.csv")
     return table

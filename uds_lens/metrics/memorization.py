@@ -207,6 +207,35 @@ def answer_probs(
     return out
 
 
+def paraphrased_and_perturbed_probs(
+    model: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    paraphrases: Sequence[Sequence[str]],
+    perturbed: Sequence[Sequence[str]],
+    *,
+    batch_size: int,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    progress: bool = False,
+    desc: str = "",
+) -> tuple[list[list[float]], list[list[float]]]:
+    """:func:`answer_probs` of the paraphrased and of the perturbed answers: what a Truth Ratio compares."""
+
+    def probs(answers: Sequence[Sequence[str]], kind: str) -> list[list[float]]:
+        return answer_probs(
+            model,
+            tokenizer,
+            questions,
+            answers,
+            batch_size=batch_size,
+            system_prompt=system_prompt,
+            progress=progress,
+            desc=f"{desc} {kind}".strip(),
+        )
+
+    return probs(paraphrases, "paraphrased answers"), probs(perturbed, "perturbed answers")
+
+
 def geometric_mean(probs: Sequence[float]) -> float:
     """Geometric mean of probabilities (of their per-answer ``exp(-avg_loss)``); NaN for none."""
     if not probs:

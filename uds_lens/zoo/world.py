@@ -31,7 +31,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from uds_lens import data
+from uds_lens.data import DataError
+from uds_lens.data import read_records as read_record_file
 
 FACT_KINDS: tuple[str, ...] = (
     "birthplace",
@@ -399,8 +400,8 @@ def read_records(source: str | Path | Sequence[dict[str, Any]], name: str) -> li
     """Read QA records (:func:`uds_lens.data.read_records`) or take an in-memory list, and validate them."""
     if isinstance(source, (str, Path)):
         try:
-            loaded = data.read_records(source)
-        except data.DataError as error:
+            loaded = read_record_file(source)
+        except DataError as error:
             raise ZooDataError(f"{name}: {error}") from error
         return validate_records(loaded, f"{name} ({source})")
     return validate_records(list(source), name)

@@ -71,6 +71,11 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     again = run_meta_eval(zoo, out, **kwargs)
     assert len(calls) == n_calls  # everything came from the per-model caches
     pd.testing.assert_frame_equal(again, table)
+    # rows are registry names: a subset gives the same numbers for those rows
+    subset = run_meta_eval(zoo, out, metrics=["uds", "prob"], **kwargs)
+    expected = table.set_index("metric").loc[["uds", "prob"]].reset_index()
+    pd.testing.assert_frame_equal(subset, expected)
+    assert len(calls) == n_calls
     # a retrained pool model (new weight files at the same path) is scored again; nothing else is
     weights = load_zoo(zoo).path(load_zoo(zoo).names("pos")[0]) / "model.safetensors"
     weights.write_bytes(weights.read_bytes())
