@@ -447,7 +447,11 @@ def meta_eval(
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
     from uds_lens.meta_eval.scorers import zoo_scorers
+    from uds_lens.metrics import registry
 
+    unknown = [name for name in metric or () if name not in registry.names()]
+    if unknown:
+        raise typer.BadParameter(f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric")
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,

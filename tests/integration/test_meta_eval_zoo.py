@@ -65,3 +65,12 @@ def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
     assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)
     saved = json.loads((out / "models" / "full" / "metrics.json").read_text())
     assert set(saved["json"]["prob"]) == {"agg_value", "value_by_index"}  # the open-unlearning shape
+
+
+def test_meta_eval_refuses_an_unregistered_metric_before_loading_anything(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        ["meta-eval", "--zoo", str(tmp_path / "no-zoo"), "--out", str(tmp_path / "out"), "--metric", "rogue"],
+    )
+    assert result.exit_code == 2 and "rogue" in result.output and "rouge" in result.output
+    assert not (tmp_path / "out").exists()
