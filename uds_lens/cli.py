@@ -451,7 +451,9 @@ def meta_eval(
 
     unknown = [name for name in metric or () if name not in registry.names()]
     if unknown:
-        raise typer.BadParameter(f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric")
+        raise typer.BadParameter(
+            f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
+        )
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,
