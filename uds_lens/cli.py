@@ -480,14 +480,31 @@ def meta_eval(
     out: Path = typer.Option(...),
     max_new_tokens: int = typer.Option(200),
     batch_size: int = typer.Option(16),
+    metric: list[str] | None = typer.Option(
+        None,
+        "--metric",
+        help="A row of the table (repeat the option; default: the paper's 20). Any name of the metric registry.",
+    ),
 ) -> None:
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
     from uds_lens.meta_eval.scorers import zoo_scorers
+    from uds_lens.metrics import registry
 
+    unknown = [name for name in metric or () if name not in registry.names()]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
+        )
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
-        zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
+        zoo,
+        out,
+        uds_fn=uds_fn,
+        white_box_fns=white_box,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        metrics=metric or None,
     )
     typer.echo("this pool next to the paper's Table 3 (Llama-3.2-1B, TOFU forget10):")
     typer.echo(compare_with_paper(table).to_string(float_format=lambda v: f"{v:.3f}"))

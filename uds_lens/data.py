@@ -27,7 +27,7 @@ import logging
 import numbers
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,22 @@ class Example:
         return record
 
 
+def record_field(record: Any, name: str, default: Any = None) -> Any:
+    """Read ``name`` from a dict record or an :class:`Example` (the metrics take either)."""
+    if isinstance(record, Mapping):
+        return record.get(name, default)
+    return getattr(record, name, default)
+
+
+def as_list(value: Any) -> list[str]:
+    """A paraphrase / perturbed field as a list of strings (TOFU stores a string or a list)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
 def _record_idx(record: dict[str, Any], position: int) -> int:
     """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one."""
     value = record.get("idx", position)
@@ -191,7 +207,19 @@ class EncodedExample:
         return range(first, self.read_positions.stop)
 
 
-def _read_json_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The one reader of QA record files: a JSON list, JSON lines, or a JSON object wrapping the list.
+
+    Every record file the package reads goes through here: forget sets, a zoo's forget/holdout/retain files, the
+    user's data for a zoo build. An object whose ``data`` or ``examples`` key is a list stands for that list; an
+    object with ``question`` and ``answer`` is one record.
+
+    Raises:
+        DataError: the file does not exist, is not JSON / JSON lines, or holds something other than records.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
     text = path.read_text(encoding="utf-8")
     stripped = text.lstrip()
     try:
@@ -277,7 +305,7 @@ def load_examples(
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if path.is_file():
-            records: Iterable[Any] = _read_json_records(path)
+            records: Iterable[Any] = read_records(path)
         elif path.is_dir() or looks_like_local_path(str(source)):
             raise DataError(
                 f"No data file at {path}{' (it is a directory)' if path.is_dir() else ''}: pass a JSON "

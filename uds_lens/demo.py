@@ -12,12 +12,14 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
 
 from uds_lens.auditor import UDSConfig, score_models
+from uds_lens.plotting.report import write_report
+from uds_lens.zoo import build_zoo
+from uds_lens.zoo.layout import MANIFEST_FILE, Zoo, load_zoo
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +32,7 @@ def default_zoo_dir(size: str) -> Path:
 
 def _has_pools(zoo_dir: Path) -> bool:
     """Whether a built zoo lists meta-evaluation pools (the demo keeps them listed; it does not need them)."""
-    manifest = zoo_dir / "manifest.json"
-    if not manifest.is_file():
-        return False
-    return any(
-        m.get("role") in ("pos", "neg", "sweep") for m in json.loads(manifest.read_text()).get("models", [])
-    )
+    return (zoo_dir / MANIFEST_FILE).is_file() and load_zoo(zoo_dir).has_pools
 
 
 def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
@@ -48,13 +45,13 @@ def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
     if size == "test" or os.environ.get("UDS_LENS_ZOO"):  # one zoo directory named for every size: no preview
         return None
     root = Path(zoo_dir) if zoo_dir is not None else default_zoo_dir(size)
-    if (root / "manifest.json").is_file():
+    if (root / MANIFEST_FILE).is_file():
         return None
     return default_zoo_dir("test")
 
 
 def _score_zoo(
-    zoo: Any, out: Path, config: UDSConfig | None, progress: bool
+    zoo: Zoo, out: Path, config: UDSConfig | None, progress: bool
 ) -> tuple[pd.DataFrame, list, dict]:
     entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
     results = score_models(
@@ -106,9 +103,6 @@ def run_demo(
     Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, n_scored, n_no_ke,
     n_skipped, s2_seconds`` (also written to ``out_dir/uds_table.csv``).
     """
-    from uds_lens.plotting.report import write_report
-    from uds_lens.zoo import build_zoo
-
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

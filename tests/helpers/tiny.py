@@ -31,9 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from uds_lens.data import EncodedExample, Example, encode
-from uds_lens.metrics.chat import SYSTEM_PROMPT, encode_pairs, pad_id_of, qa_pairs
+from uds_lens.metrics.chat import SYSTEM_PROMPT, collate, encode_pairs, pad_id_of, qa_pairs
 from uds_lens.models import load_model
-from uds_lens.zoo.train import QASequence, train_lm
+from uds_lens.zoo.train import Optimisation, TrainingBatch, constant, fit
 
 BOS = "<|begin_of_text|>"
 EOS = "<|eot_id|>"
@@ -316,22 +316,22 @@ def train_on_records(
     lr: float = 3e-3,
     seed: int = 0,
 ) -> Path:
-    """Fine-tune a tiny checkpoint on ``records`` (chat format, answer-only loss, one full batch per step) and
-    save it to ``out_dir``."""
+    """Fine-tune a tiny checkpoint on ``records`` (chat format, answer-only loss) and save it to ``out_dir``.
+
+    Full-batch AdamW at a constant learning rate, ``steps`` steps, with the package's one training loop.
+    """
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    sequences = [
-        QASequence(input_ids=pair.input_ids, answer_start=len(pair.prompt_ids))
-        for pair in encode_pairs(tokenizer, qa_pairs(records))
-    ]
-    train_lm(
+    pad_id = pad_id_of(tokenizer)
+    fit(
         model,
-        sequences,
+        encode_pairs(tokenizer, qa_pairs(records)),
+        lambda chunk: TrainingBatch(**collate(chunk, pad_id)),
+        Optimisation(lr, constant),
         epochs=steps,
-        lr=lr,
+        batch_size=len(records),
         seed=seed,
-        pad_id=pad_id_of(tokenizer),
-        batch_size=len(sequences),
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

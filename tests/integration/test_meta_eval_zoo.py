@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens.cli import app
-from uds_lens.meta_eval import METRICS, read_zoo
+from uds_lens.meta_eval import METRICS
+from uds_lens.zoo import load_zoo
 
 COLUMNS = ["metric", "faithfulness", "q", "r", "robustness", "overall", "n_models_q", "n_models_r"]
 
@@ -22,7 +23,7 @@ def test_meta_eval_writes_all_rows(test_zoo, tmp_path):
     table = pd.read_csv(out / "meta_eval.csv")
     assert list(table.columns) == COLUMNS
     assert len(table) == 20 == len(METRICS)
-    assert set(table["metric"]) == {spec.key for spec in METRICS}
+    assert set(table["metric"]) == {spec.name for spec in METRICS}
     uds = table.set_index("metric").loc["uds"]
     assert 0.5 < uds["faithfulness"] <= 1.0
     assert table["faithfulness"].notna().all()  # every metric is measured on both pools
@@ -55,8 +56,8 @@ def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
     )
     assert result.exit_code == 0, result.output
     metrics = pd.read_csv(out / "metrics.csv", index_col="model")
-    assert sorted(metrics.index) == sorted(read_zoo(zoo).names())
-    assert {spec.key for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(
+    assert sorted(metrics.index) == sorted(load_zoo(zoo).names())
+    assert {spec.name for spec in METRICS} | {"model_utility", "privacy", "privacy_uds"} <= set(
         metrics.columns
     )
     assert metrics.at["full", "uds"] == pytest.approx(0.0, abs=1e-6)
@@ -64,3 +65,12 @@ def test_evaluate_scores_every_model_of_a_zoo(tmp_path):
     assert metrics.at["retain", "s_mia_loss"] == pytest.approx(1.0)
     saved = json.loads((out / "models" / "full" / "metrics.json").read_text())
     assert set(saved["json"]["prob"]) == {"agg_value", "value_by_index"}  # the open-unlearning shape
+
+
+def test_meta_eval_refuses_an_unregistered_metric_before_loading_anything(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        ["meta-eval", "--zoo", str(tmp_path / "no-zoo"), "--out", str(tmp_path / "out"), "--metric", "rogue"],
+    )
+    assert result.exit_code == 2 and "rogue" in result.output and "rouge" in result.output
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ from uds_lens.data import (
     build_prompt,
     encode,
     load_examples,
+    read_records,
 )
 from uds_lens.models import load_tokenizer
 
@@ -75,6 +76,20 @@ def test_loading_json_list_and_jsonl(tmp_path):
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     assert load_examples(tmp_path / "a.json") == load_examples(tmp_path / "b.jsonl")
     assert len(load_examples(tmp_path / "a.json", limit=2)) == 2
+
+
+def test_one_reader_for_every_record_file(tmp_path):
+    records = [ex(idx=i).to_record() for i in range(2)]
+    (tmp_path / "list.json").write_text(json.dumps(records))
+    (tmp_path / "lines.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": records}))
+    for name in ("list.json", "lines.jsonl", "wrapped.json"):
+        assert read_records(tmp_path / name) == records, name
+    with pytest.raises(DataError, match="does not exist"):
+        read_records(tmp_path / "absent.json")
+    (tmp_path / "broken.json").write_text("[{")
+    with pytest.raises(DataError, match="neither a JSON list nor JSON lines"):
+        read_records(tmp_path / "broken.json")
 
 
 def test_bad_data_errors(tmp_path):

@@ -15,13 +15,15 @@ followed by the answer tokens and EOS; we do the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
+
+from uds_lens.data import as_list, record_field
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 DATE_STRING = "10 Apr 2025"
@@ -43,22 +45,6 @@ class EncodedQA:
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
     prompt_ids: tuple[int, ...]
-
-
-def record_field(record: Any, name: str, default: Any = None) -> Any:
-    """Read ``name`` from a dict record or an ``Example``-like object."""
-    if isinstance(record, Mapping):
-        return record.get(name, default)
-    return getattr(record, name, default)
-
-
-def as_list(value: Any) -> list[str]:
-    """A paraphrase / perturbed field as a list of strings (TOFU stores a string or a list)."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
 
 
 def qa_pairs(records: Iterable[Any], answer_field: str = "answer") -> list[tuple[str, str]]:
@@ -171,10 +157,3 @@ def pad_id_of(tokenizer: Any) -> int:
     """The pad id, falling back to EOS (Llama-3 tokenizers ship without a pad token)."""
     pad = tokenizer.pad_token_id
     return int(pad if pad is not None else tokenizer.eos_token_id)
-
-
-def build_qa_batch(
-    tokenizer: Any, pairs: Sequence[tuple[str, str]], system_prompt: str | None = SYSTEM_PROMPT
-) -> dict[str, Int[Tensor, "batch pos"]]:
-    """Encode and right-pad ``pairs`` in one batch (for fine-tuning and tests)."""
-    return collate(encode_pairs(tokenizer, pairs, system_prompt), pad_id_of(tokenizer))

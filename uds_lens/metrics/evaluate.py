@@ -25,7 +25,8 @@ from typing import Any
 import pandas as pd
 
 from uds_lens import models
-from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, as_list, prompt_ids, qa_pairs, record_field
+from uds_lens.data import as_list, record_field
+from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import (
     MAX_NEW_TOKENS,
     generate_greedy,
@@ -34,24 +35,24 @@ from uds_lens.metrics.generation import (
     roundtrip,
 )
 from uds_lens.metrics.memorization import (
-    answer_probs,
     exact_memorization,
     extraction_strength,
     geometric_mean,
-    mean_or_nan,
     memorization_score,
+    paraphrased_and_perturbed_probs,
     score_answers,
     truth_ratio,
 )
 from uds_lens.metrics.privacy import ATTACKS, attack_scores, mia_auc, normalised_mia_all, privacy_score
+from uds_lens.metrics.registry import OUTPUT, RETAIN_REFERENCED, MetricResult, mean_or_nan, names
 from uds_lens.metrics.utility import model_utility
 
 logger = logging.getLogger(__name__)
 
-MEMORIZATION_METRICS = ("es", "em", "prob", "paraprob", "truth_ratio")
-GENERATION_METRICS = ("rouge", "para_rouge", "jailbreak_rouge")
+MEMORIZATION_METRICS = names(OUTPUT, group="Memorization")
+GENERATION_METRICS = names(OUTPUT, group="Generation")
 OUTPUT_METRICS = MEMORIZATION_METRICS + GENERATION_METRICS + ATTACKS
-S_MIA_METRICS = tuple(f"s_{a}" for a in ATTACKS)
+S_MIA_METRICS = names(RETAIN_REFERENCED)
 
 
 @dataclass
@@ -78,11 +79,8 @@ class MetricsReport:
         return {a: self.values[a] for a in ATTACKS}
 
 
-def _entry(values_by_index: Mapping[Any, float | None], agg_value: float | None = None) -> dict[str, Any]:
-    return {
-        "agg_value": mean_or_nan(list(values_by_index.values())) if agg_value is None else agg_value,
-        "value_by_index": {str(i): {"score": v} for i, v in values_by_index.items()},
-    }
+def _entry(values_by_index: Mapping[Any, float | None]) -> dict[str, Any]:
+    return MetricResult.from_values(values_by_index).to_json()
 
 
 def report_model(
@@ -138,25 +136,16 @@ def report_model(
     )
     paraphrases = [as_list(record_field(r, "paraphrased_answer")) for r in forget_records]
     perturbed = [as_list(record_field(r, "perturbed_answer")) for r in forget_records]
-    para_probs = answer_probs(
+    para_probs, pert_probs = paraphrased_and_perturbed_probs(
         model,
         tokenizer,
         questions,
         paraphrases,
-        batch_size=batch_size,
-        system_prompt=system_prompt,
-        progress=progress,
-        desc="paraphrased answers",
-    )
-    pert_probs = answer_probs(
-        model,
-        tokenizer,
-        questions,
         perturbed,
         batch_size=batch_size,
         system_prompt=system_prompt,
         progress=progress,
-        desc="perturbed answers",
+        desc="forget",
     )
     timings["teacher_forcing_s"] = time.perf_counter() - start
 
@@ -268,27 +257,6 @@ def add_privacy(values: dict[str, Any], retain_aucs: Mapping[str, float]) -> dic
     return values
 
 
-def evaluate_model(
-    model_path_or_hf_model: Any,
-    tokenizer: Any,
-    forget_records: Sequence[Any],
-    holdout_records: Sequence[Any],
-    retain_records: Sequence[Any] | None,
-    *,
-    batch_size: int,
-    max_new_tokens: int = MAX_NEW_TOKENS,
-    progress: bool = True,
-    retain_aucs: Mapping[str, float] | None = None,
-) -> dict[str, float]:
-    """The dataset values of ``report_model`` (metric name -> float)."""
-    return report_model(
-        model_path_or_hf_model,
-        tokenizer,
-        forget_records,
-        holdout_records,
-        retain_records,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        progress=progress,
-        retain_aucs=retain_aucs,
-    ).values
+def evaluate_model(*args: Any, **kwargs: Any) -> dict[str, float]:
+    """The dataset values of :func:`report_model` (metric name -> float), called with the same arguments."""
+    return report_model(*args, **kwargs).values

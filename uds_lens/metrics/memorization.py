@@ -71,11 +71,6 @@ def harmonic_mean(values: Sequence[float | None], eps: float = HM_EPS) -> float:
     return len(kept) / sum(1.0 / (v + eps) for v in kept)
 
 
-def mean_or_nan(values: Sequence[float | None]) -> float:
-    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    return sum(kept) / len(kept) if kept else float("nan")
-
-
 def exact_memorization(predictions: Int[Tensor, " token"], targets: Int[Tensor, " token"]) -> float | None:
     """Share of positions whose greedy prediction equals the target; ``None`` for at most one position."""
     n = targets.shape[0]
@@ -210,6 +205,35 @@ def answer_probs(
         out.append([s.prob for s in scores[cursor : cursor + len(answers)]])
         cursor += len(answers)
     return out
+
+
+def paraphrased_and_perturbed_probs(
+    model: Any,
+    tokenizer: Any,
+    questions: Sequence[str],
+    paraphrases: Sequence[Sequence[str]],
+    perturbed: Sequence[Sequence[str]],
+    *,
+    batch_size: int,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    progress: bool = False,
+    desc: str = "",
+) -> tuple[list[list[float]], list[list[float]]]:
+    """:func:`answer_probs` of the paraphrased and of the perturbed answers: what a Truth Ratio compares."""
+
+    def probs(answers: Sequence[Sequence[str]], kind: str) -> list[list[float]]:
+        return answer_probs(
+            model,
+            tokenizer,
+            questions,
+            answers,
+            batch_size=batch_size,
+            system_prompt=system_prompt,
+            progress=progress,
+            desc=f"{desc} {kind}".strip(),
+        )
+
+    return probs(paraphrases, "paraphrased answers"), probs(perturbed, "perturbed answers")
 
 
 def geometric_mean(probs: Sequence[float]) -> float:

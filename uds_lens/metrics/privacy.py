@@ -27,9 +27,10 @@ from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
 from uds_lens.metrics.memorization import AnswerScores, harmonic_mean
+from uds_lens.metrics.registry import OUTPUT, names
 
 MIN_K_FRACTION = 0.4
-ATTACKS = ("mia_loss", "mia_zlib", "mia_min_k", "mia_min_kpp")
+ATTACKS = names(OUTPUT, group="Privacy")
 
 
 def min_k_score(values: Float[Tensor, " token"], k: float = MIN_K_FRACTION) -> float:

@@ -13,15 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from uds_lens.metrics.chat import SYSTEM_PROMPT, as_list, prompt_ids, qa_pairs, record_field
+from uds_lens.data import as_list, record_field
+from uds_lens.metrics.chat import SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import MAX_NEW_TOKENS, generate_greedy, rouge_scores
 from uds_lens.metrics.memorization import (
-    answer_probs,
     geometric_mean,
     harmonic_mean,
-    mean_or_nan,
+    paraphrased_and_perturbed_probs,
     score_answers,
 )
+from uds_lens.metrics.registry import mean_or_nan
 
 
 def true_better_ratio(correct_prob: float, perturbed_probs: Sequence[float]) -> float:
@@ -74,25 +75,16 @@ def model_utility(
         for r in retain_records
     ]
     perturbed = [as_list(record_field(r, "perturbed_answer")) for r in retain_records]
-    para_probs = answer_probs(
+    para_probs, pert_probs = paraphrased_and_perturbed_probs(
         model,
         tokenizer,
         questions,
         paraphrases,
-        batch_size=batch_size,
-        system_prompt=system_prompt,
-        progress=progress,
-        desc="retain paraphrases",
-    )
-    pert_probs = answer_probs(
-        model,
-        tokenizer,
-        questions,
         perturbed,
         batch_size=batch_size,
         system_prompt=system_prompt,
         progress=progress,
-        desc="retain perturbed",
+        desc="retain",
     )
     truth = [
         true_better_ratio(geometric_mean(pp), qp) if qp else None

@@ -61,6 +61,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 
 from uds_lens import models
 
+from .layout import MANIFEST_FILE, Zoo, load_zoo
 from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
 from .train import (
     ModelShape,
@@ -90,7 +91,6 @@ FORMAT_VERSION = 1
 FULL_MIN_FORGET_ACCURACY = 0.95
 RETAIN_MAX_FORGET_ACCURACY = 0.2
 META_FILE = "zoo_meta.json"
-MANIFEST_FILE = "manifest.json"
 
 
 class ZooBuildError(RuntimeError):
@@ -900,83 +900,3 @@ def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
     model.load_state_dict(parent.state_dict())
     model.config.use_cache = False
     return model
-
-
-@dataclass(frozen=True)
-class Zoo:
-    """A built zoo directory and its manifest."""
-
-    root: Path
-    manifest: dict[str, Any]
-
-    @property
-    def models(self) -> list[dict[str, Any]]:
-        """Manifest entries with ``path`` resolved to an absolute :class:`~pathlib.Path`."""
-        return [{**entry, "path": self.root / entry["path"]} for entry in self.manifest["models"]]
-
-    def names(self, role: str | None = None) -> list[str]:
-        """Model names in build order, optionally only those of one role."""
-        return [entry["name"] for entry in self.manifest["models"] if role is None or entry["role"] == role]
-
-    def info(self, name: str) -> dict[str, Any]:
-        """The manifest entry of one model (``path`` absolute)."""
-        for entry in self.models:
-            if entry["name"] == name:
-                return entry
-        raise KeyError(f"zoo at {self.root} has no model {name!r}; it has {self.names()}")
-
-    def path(self, name: str) -> Path:
-        """Directory of one model (a Hugging Face Llama checkpoint with its tokenizer)."""
-        return self.info(name)["path"]
-
-    def model(self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> Any:
-        """One zoo model loaded as a TransformerLens ``HookedTransformer`` (``uds_lens.load_model`` on its path)."""
-        from uds_lens.models import load_model
-
-        return load_model(self.path(name), dtype=dtype, device=device)
-
-    @property
-    def forget_path(self) -> Path:
-        """``data/forget.json``."""
-        return self.root / self.manifest["data"]["forget"]
-
-    @property
-    def retain_path(self) -> Path:
-        """``data/retain.json``."""
-        return self.root / self.manifest["data"]["retain"]
-
-    @property
-    def holdout_path(self) -> Path:
-        """``data/holdout.json``."""
-        return self.root / self.manifest["data"]["holdout"]
-
-    @property
-    def tokenizer_path(self) -> Path:
-        """The zoo's tokenizer directory (the same files are in every model directory)."""
-        return self.root / self.manifest["tokenizer"]
-
-    @property
-    def checks(self) -> dict[str, Any]:
-        """The build checks (full knows the forget set, retain does not)."""
-        return self.manifest["checks"]
-
-    @property
-    def build_seconds(self) -> float:
-        """Wall time of the last :func:`build_zoo` call on this directory (small when everything was reused)."""
-        return float(self.manifest["build_seconds"])
-
-
-def load_zoo(directory: str | Path) -> Zoo:
-    """Open a zoo built by :func:`build_zoo`.
-
-    Raises:
-        FileNotFoundError: No ``manifest.json`` there (build it with ``build_zoo`` / ``uds-lens zoo build``).
-    """
-    root = Path(directory)
-    manifest_path = root / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise FileNotFoundError(
-            f"{manifest_path} not found: {root} is not a built zoo. Build it with "
-            f"uds_lens.zoo.build_zoo({str(root)!r}) or `uds-lens zoo build --out {root}`."
-        )
-    return Zoo(root=root, manifest=json.loads(manifest_path.read_text()))

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from uds_lens.data import PROMPT_TEMPLATE
+
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -41,7 +43,7 @@ CHAT_TEMPLATE = (
 
 def format_prompt(question: str) -> str:
     """The QA prompt the zoo trains on (the UDS prompt with an empty prefix, trailing space moved to the answer)."""
-    return f"Question: {question}\nAnswer:"
+    return PROMPT_TEMPLATE.format(question=question, prefix="").rstrip()
 
 
 def format_target(answer: str) -> str:

@@ -14,19 +14,23 @@ share of entity tokens predicted correctly, pooled over records.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from uds_lens.data import Example, build_prompt
 
 from .tokenizer import format_prompt, format_target
 
 IGNORE_INDEX = -100
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -138,24 +142,136 @@ def nll_loss(
     return -summed.sum() / counts.sum().clamp(min=1.0)
 
 
-def batches(
-    sequences: Sequence[QASequence], batch_size: int, generator: torch.Generator, pad_id: int
-) -> list[tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]]:
-    """One epoch of shuffled, right-padded batches."""
-    order = torch.randperm(len(sequences), generator=generator).tolist()
-    return [
-        collate([sequences[i] for i in order[start : start + batch_size]], pad_id)
-        for start in range(0, len(order), batch_size)
-    ]
-
-
 def lr_factor(step: int, total: int, warmup_fraction: float = 0.05) -> float:
-    """Linear warm-up then cosine decay to 10% of the peak learning rate."""
+    """Linear warm-up then cosine decay to 10% of the peak learning rate (the zoo's schedule)."""
     warmup = max(1, int(warmup_fraction * total))
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def linear_decay(step: int, total: int) -> float:
+    """Linear decay to zero without warm-up (the Hugging Face Trainer default, the relearning attack's schedule)."""
+    return max(0.0, (total - step) / total)
+
+
+def constant(step: int, total: int) -> float:
+    """No schedule: the peak learning rate throughout."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Optimisation:
+    """How :func:`fit` updates the weights: AdamW, a learning-rate schedule, accumulation and clipping.
+
+    Attributes:
+        lr: peak learning rate.
+        schedule: ``schedule(step, total_steps) -> factor`` of ``lr`` (:func:`lr_factor`, :func:`linear_decay`,
+            :func:`constant`).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        grad_accum: micro-batches per optimiser step; the loss is normalised by the answer tokens of all of them.
+        max_grad_norm: clip the gradient norm to this before each step (None: no clipping).
+        mixed_precision: forward passes under bf16 autocast on CUDA (weights stay fp32); ignored on CPU.
+    """
+
+    lr: float
+    schedule: Callable[[int, int], float]
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    mixed_precision: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """Right-padded token ids and labels (``-100`` where no loss is taken); ``attention_mask`` None for none."""
+
+    input_ids: Int[Tensor, "batch pos"]
+    labels: Int[Tensor, "batch pos"]
+    attention_mask: Int[Tensor, "batch pos"] | None = None
+
+
+def fit(
+    model: PreTrainedModel,
+    items: Sequence[Item],
+    collate_items: Callable[[Sequence[Item]], TrainingBatch],
+    optimisation: Optimisation,
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    on_step: Callable[[], None] | None = None,
+) -> list[float]:
+    """The one training loop: fine-tune ``model`` in place on the labelled tokens of ``items``.
+
+    Each epoch shuffles ``items`` (a ``torch.randperm`` from a generator seeded with ``seed``, so the order depends on
+    nothing else), cuts them into micro-batches of ``batch_size``, and takes one AdamW step per ``grad_accum``
+    micro-batches. The loss of a step is the summed negative log-likelihood of its labelled tokens divided by their
+    number (the mean over tokens, not over sequences), accumulated micro-batch by micro-batch. The zoo trains with it
+    (:func:`train_lm`), and so does the meta-evaluation's relearning attack (:func:`uds_lens.meta_eval.relearn`).
+
+    Args:
+        model: a causal LM (Hugging Face); it is left in eval mode.
+        items: the training sequences, in any form ``collate_items`` turns into a :class:`TrainingBatch`.
+        collate_items: pads a micro-batch of items.
+        optimisation: optimiser, schedule, accumulation, clipping.
+        epochs: passes over the data.
+        batch_size: items per micro-batch.
+        seed: the data order.
+        on_step: called after every optimiser step (progress bars).
+
+    Returns:
+        The loss of every optimiser step.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=optimisation.lr,
+        weight_decay=optimisation.weight_decay,
+        betas=optimisation.betas,
+    )
+    micro_batches_per_epoch = math.ceil(len(items) / batch_size)
+    total = max(1, epochs * math.ceil(micro_batches_per_epoch / optimisation.grad_accum))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: optimisation.schedule(step, total))
+    device = next(model.parameters()).device
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if optimisation.mixed_precision and device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    model.train()
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(len(items), generator=generator).tolist()
+        micro = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        for group_start in range(0, len(micro), optimisation.grad_accum):
+            group = [
+                collate_items([items[i] for i in rows])
+                for rows in micro[group_start : group_start + optimisation.grad_accum]
+            ]
+            n_tokens = sum(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) for batch in group)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for batch in group:
+                mask = None if batch.attention_mask is None else batch.attention_mask.to(device)
+                with autocast:
+                    logits = model(input_ids=batch.input_ids.to(device), attention_mask=mask).logits
+                summed, _ = sequence_logprobs(logits, batch.labels.to(device))
+                loss = -summed.sum() / max(n_tokens, 1)
+                loss.backward()
+                step_loss += loss.item()
+            if optimisation.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), optimisation.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            losses.append(step_loss)
+            if on_step is not None:
+                on_step()
+    model.eval()
+    return losses
 
 
 def train_lm(
@@ -170,13 +286,13 @@ def train_lm(
     weight_decay: float = 0.0,
     on_step: Callable[[], None] | None = None,
 ) -> list[float]:
-    """Fine-tune ``model`` in place with AdamW on the answer-token loss.
+    """Train a zoo model: :func:`fit` with AdamW (betas 0.9, 0.98), warm-up + cosine (:func:`lr_factor`), clipping at 1.
 
     Args:
         model: The model to train.
         sequences: Training sequences from :func:`encode_qa`.
         epochs: Passes over the data (reshuffled each epoch from ``seed``).
-        lr: Peak learning rate (warm-up then cosine decay, see :func:`lr_factor`).
+        lr: Peak learning rate.
         seed: Data order.
         pad_id: Padding token id.
         batch_size: Sequences per step.
@@ -186,28 +302,22 @@ def train_lm(
     Returns:
         The mean training loss of each epoch.
     """
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    optimisation = Optimisation(lr, lr_factor, weight_decay, betas=(0.9, 0.98), max_grad_norm=1.0)
+    losses = fit(
+        model,
+        sequences,
+        lambda chunk: TrainingBatch(*collate(chunk, pad_id)),
+        optimisation,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        on_step=on_step,
+    )
     steps_per_epoch = math.ceil(len(sequences) / batch_size)
-    total = epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total))
-    model.train()
-    epoch_losses = []
-    for _ in range(epochs):
-        losses = []
-        for input_ids, labels in batches(sequences, batch_size, generator, pad_id):
-            loss = nll_loss(model, input_ids, labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step()
-        epoch_losses.append(sum(losses) / len(losses))
-    model.eval()
-    return epoch_losses
+    return [
+        sum(losses[start : start + steps_per_epoch]) / steps_per_epoch
+        for start in range(0, len(losses), steps_per_epoch)
+    ]
 
 
 @dataclass(frozen=True)
@@ -222,15 +332,11 @@ class EntityProbe:
 def entity_probes(records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[EntityProbe]:
     """Encode records as UDS does (SPEC §1.2) and locate the entity tokens; records without a span are left out."""
     probes = []
-    for record in records:
-        prefix = record["prefix"]
-        prompt = f"Question: {record['question']}\nAnswer: {prefix}"
-        reference = record["answer"][len(prefix) :]
-        stripped = prompt.rstrip()
-        reference = prompt[len(stripped) :] + reference
-        prompt = stripped
-        if not reference[:1].isspace():
-            reference = " " + reference
+    for position, record in enumerate(records):
+        built = build_prompt(Example.from_record(record, position))
+        if built is None:
+            continue
+        prompt, reference = built
         prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         encoded = tokenizer(reference, add_special_tokens=False, return_offsets_mapping=True)
         entity = record["entity"]

@@ -31,6 +31,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from uds_lens.data import DataError
+from uds_lens.data import read_records as read_record_file
+
 FACT_KINDS: tuple[str, ...] = (
     "birthplace",
     "genre",
@@ -394,20 +397,13 @@ def validate_records(records: Sequence[dict[str, Any]], source: str) -> list[dic
 
 
 def read_records(source: str | Path | Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """Read QA records from a JSON list, a JSONL file or an in-memory list, and validate them."""
+    """Read QA records (:func:`uds_lens.data.read_records`) or take an in-memory list, and validate them."""
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ZooDataError(f"{name}: file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
         try:
-            if path.suffix == ".jsonl":
-                loaded: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
-            else:
-                loaded = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ZooDataError(f"{name}: {path} is not valid JSON ({error})") from error
-        return validate_records(loaded, f"{name} ({path})")
+            loaded = read_record_file(source)
+        except DataError as error:
+            raise ZooDataError(f"{name}: {error}") from error
+        return validate_records(loaded, f"{name} ({source})")
     return validate_records(list(source), name)
 
 

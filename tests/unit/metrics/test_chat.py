@@ -9,8 +9,10 @@ from uds_lens.metrics.chat import (
     IGNORE_INDEX,
     JAILBREAK_PREFIX,
     SYSTEM_PROMPT,
-    build_qa_batch,
+    collate,
+    encode_pairs,
     encode_qa,
+    pad_id_of,
     prompt_ids,
 )
 
@@ -59,7 +61,7 @@ def test_fallback_without_chat_template_is_question_then_answer_eos() -> None:
 
 
 def test_batch_is_right_padded_with_ignored_labels(tokenizer) -> None:
-    batch = build_qa_batch(tokenizer, [(QUESTION, ANSWER), ("Q?", "A.")])
+    batch = collate(encode_pairs(tokenizer, [(QUESTION, ANSWER), ("Q?", "A.")]), pad_id_of(tokenizer))
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
     short = batch["attention_mask"][1]
     assert short[0] == 1 and short[-1] == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny import make_records, make_tiny_llama, make_tiny_tokenizer, train_on_records
 
 from uds_lens.metrics.memorization import score_answers
 from uds_lens.metrics.privacy import (
@@ -46,21 +45,11 @@ def test_normalised_mia_and_privacy() -> None:
     assert paper_privacy(0.5, 0.5) == pytest.approx(0.5)
 
 
-@pytest.fixture(scope="module")
-def memorised(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mia")
-    tokenizer = make_tiny_tokenizer()
-    base = make_tiny_llama(tmp / "base", tokenizer=tokenizer)
-    forget = make_records(12, seed=11)
-    holdout = make_records(12, seed=12, offset=100)
-    trained = train_on_records(base, forget, tmp / "trained", steps=80)
-    return tokenizer, base, trained, forget, holdout
-
-
 def test_memorised_forget_set_gives_auc_near_one(memorised) -> None:
     from transformers import AutoModelForCausalLM
 
-    tokenizer, base, trained, forget, holdout = memorised
+    m = memorised
+    tokenizer, base, trained, forget, holdout = m.tokenizer, m.base, m.trained, m.forget, m.holdout
     model = AutoModelForCausalLM.from_pretrained(trained).eval()
     f = attack_scores(
         score_answers(model, tokenizer, [(r["question"], r["answer"]) for r in forget], batch_size=12)

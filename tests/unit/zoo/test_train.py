@@ -7,10 +7,14 @@ from uds_lens.zoo.tokenizer import format_prompt, format_target, train_tokenizer
 from uds_lens.zoo.train import (
     IGNORE_INDEX,
     ModelShape,
+    Optimisation,
+    TrainingBatch,
     collate,
+    constant,
     encode_qa,
     entity_accuracy,
     entity_probes,
+    fit,
     init_model,
     make_config,
     nll_loss,
@@ -64,6 +68,33 @@ def test_training_reduces_the_loss_and_is_deterministic(setup):
         )
     assert losses[0] == losses[1]
     assert losses[0][-1] < losses[0][0]
+
+
+def test_accumulating_micro_batches_is_one_batch_of_their_tokens(setup):
+    # fit normalises by the answer tokens of the whole accumulated step, so 2 x 4 sequences update like 1 x 8
+    world, tokenizer = setup
+    torch.set_num_threads(1)
+    config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
+    sequences = encode_qa([(r["question"], r["answer"]) for r in world.retain[:8]], tokenizer)
+    pad_id = tokenizer.pad_token_id
+    weights = []
+    for batch_size, grad_accum in ((8, 1), (4, 2)):
+        model = init_model(config, seed=0)
+        initial = model.model.embed_tokens.weight.detach().clone()
+        optimisation = Optimisation(1e-2, constant, grad_accum=grad_accum)
+        steps = fit(
+            model,
+            sequences,
+            lambda chunk: TrainingBatch(*collate(chunk, pad_id)),
+            optimisation,
+            epochs=1,
+            batch_size=batch_size,
+            seed=0,
+        )
+        assert len(steps) == 1
+        weights.append(model.lm_head.weight.detach())
+    assert not torch.equal(model.model.embed_tokens.weight, initial)
+    assert torch.allclose(weights[0], weights[1], atol=1e-6)
 
 
 def test_padding_does_not_change_the_real_tokens(setup):

@@ -1,0 +1,139 @@
+"""The zoo manifest: what a zoo directory holds, read in one place.
+
+A zoo is a directory with a ``manifest.json``::
+
+    {"models": [{"name": "npo", "path": "models/npo", "role": "unlearned", ...}, ...],
+     "data": {"forget": "data/forget.json", "holdout": "data/holdout.json", "retain": "data/retain.json", ...},
+     "tokenizer": "tokenizer", "relearn": {"lr": 0.002}, "checks": {...}, ...}
+
+:func:`uds_lens.zoo.build_zoo` writes it with every build detail; a hand-written one (the models of a paper-scale
+meta-evaluation, say) needs only ``models`` and ``data``. Model paths are zoo-relative; a path that is absolute, or
+that exists nowhere under the zoo, is kept as written (a hub id). A data entry may also be spelled ``forget_path`` or
+``forget_file``. Roles: ``base``, ``full``, ``retain``, ``partial``, ``unlearned``, ``sweep`` and the
+meta-evaluation's P and N pools, ``pos`` (fine-tuned *with* the forget set) and ``neg`` (never saw it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from uds_lens.models import load_model
+
+MANIFEST_FILE = "manifest.json"
+POSITIVE_POOL = "pos"
+NEGATIVE_POOL = "neg"
+POOL_ROLES = (POSITIVE_POOL, NEGATIVE_POOL)
+
+
+@dataclass(frozen=True)
+class Zoo:
+    """A zoo directory and its manifest."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @property
+    def models(self) -> list[dict[str, Any]]:
+        """Manifest entries with ``path`` resolved (a :class:`~pathlib.Path`, or the hub id as written)."""
+        return [{**entry, "path": self._resolve(entry["path"])} for entry in self.manifest["models"]]
+
+    def _resolve(self, path: str) -> Path | str:
+        local = self.root / path  # an absolute path stays itself
+        return local if local.exists() or Path(path).is_absolute() else path
+
+    def names(self, roles: str | Sequence[str] | None = None) -> list[str]:
+        """Model names in manifest (build) order, optionally only those with one role or any of several."""
+        wanted = (roles,) if isinstance(roles, str) else roles
+        return [
+            entry["name"]
+            for entry in self.manifest["models"]
+            if wanted is None or entry.get("role") in wanted
+        ]
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The manifest entry of one model (``path`` resolved)."""
+        for entry in self.models:
+            if entry["name"] == name:
+                return entry
+        raise KeyError(f"zoo at {self.root} has no model {name!r}; it has {self.names()}")
+
+    def path(self, name: str) -> Path | str:
+        """Directory of one model (a Hugging Face checkpoint with its tokenizer), or its hub id."""
+        return self.info(name)["path"]
+
+    def role(self, name: str) -> str:
+        return str(self.info(name).get("role"))
+
+    def model(self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> Any:
+        """One zoo model loaded as a TransformerLens ``HookedTransformer`` (``uds_lens.load_model`` on its path)."""
+        return load_model(self.path(name), dtype=dtype, device=device)
+
+    @property
+    def has_pools(self) -> bool:
+        """Whether the zoo lists meta-evaluation models (P/N pools or an unlearning sweep)."""
+        return bool(self.names((*POOL_ROLES, "sweep")))
+
+    def data_path(self, split: str) -> Path:
+        """The QA file of ``split`` (``forget``, ``holdout`` or ``retain``)."""
+        data = self.manifest.get("data", {})
+        for key in (split, f"{split}_path", f"{split}_file"):
+            if key in data:
+                return self.root / data[key]  # an absolute entry stays absolute
+        raise ValueError(
+            f"the zoo manifest in {self.root} names no {split!r} data file (keys: {sorted(data)})"
+        )
+
+    @property
+    def forget_path(self) -> Path:
+        return self.data_path("forget")
+
+    @property
+    def retain_path(self) -> Path:
+        return self.data_path("retain")
+
+    @property
+    def holdout_path(self) -> Path:
+        return self.data_path("holdout")
+
+    @property
+    def relearn(self) -> dict[str, Any]:
+        """The zoo's own relearning-attack settings (``meta_eval.relearn`` keyword arguments; empty: the published)."""
+        return dict(self.manifest.get("relearn", {}))
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """The zoo's tokenizer directory (the same files are in every model directory)."""
+        return self.root / self.manifest["tokenizer"]
+
+    @property
+    def checks(self) -> dict[str, Any]:
+        """The build checks (full knows the forget set, retain does not)."""
+        return self.manifest["checks"]
+
+    @property
+    def build_seconds(self) -> float:
+        """Wall time of the last :func:`build_zoo` call on this directory (small when everything was reused)."""
+        return float(self.manifest["build_seconds"])
+
+
+def load_zoo(directory: str | os.PathLike) -> Zoo:
+    """Open a zoo directory.
+
+    Raises:
+        FileNotFoundError: No ``manifest.json`` there (build it with ``build_zoo`` / ``uds-lens zoo build``).
+    """
+    root = Path(directory)
+    manifest_path = root / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"{manifest_path} not found: {root} is not a built zoo. Build it with "
+            f"uds_lens.zoo.build_zoo({str(root)!r}) or `uds-lens zoo build --out {root}`."
+        )
+    return Zoo(root=root, manifest=json.loads(manifest_path.read_text()))
