@@ -782,9 +782,8 @@ class UDSAuditor:
                 "engine": self.config.engine,
                 "timings": timings,
                 "fingerprint": self.fingerprint(unlearned),
-                "prompt_types": {e.idx: e.prompt_type for e in self.examples},
-                "texts": {e.idx: {"question": e.question, "entity": e.entity} for e in self.examples},
             },
+            records=self.examples,
         )
 
     # -- hooks of your own ------------------------------------------------------------------------------------

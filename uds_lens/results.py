@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
-from uds_lens.data import EncodedExample, Skip
+from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.plotting.curves import example_curves
 from uds_lens.uds import bootstrap_ci, rescore
 
@@ -144,10 +144,12 @@ class UDSResult:
         s2: Any,
         config: Any,
         meta: dict[str, Any],
+        records: Sequence[Example] = (),
     ) -> UDSResult:
         """Tables from the stages' CPU tensors: ``s_full`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
-        retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. (Annotated ``Any`` so this
-        module, and with it ``uds-lens report``, never imports torch.)"""
+        retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. ``records`` are the forget-set
+        examples (scored and skipped), whose prompt type, question and entity the examples table shows. (Tensors are
+        annotated ``Any`` so this module, and with it ``uds-lens report``, never imports torch.)"""
         n, n_layers = len(encoded), len(layers)
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)
@@ -166,8 +168,7 @@ class UDSResult:
             }
         )
         meta = dict(meta)
-        prompt_types = meta.pop("prompt_types", {})
-        texts = meta.pop("texts", {})
+        by_idx = {record.idx: record for record in records}
         info = pd.DataFrame(
             [
                 {"idx": e.idx, "prompt_type": e.prompt_type, "n_entity_tokens": e.n_entity_tokens}
@@ -176,7 +177,7 @@ class UDSResult:
             + [
                 {
                     "idx": s.idx,
-                    "prompt_type": prompt_types.get(s.idx),
+                    "prompt_type": by_idx[s.idx].prompt_type if s.idx in by_idx else None,
                     "n_entity_tokens": 0,
                     "skip_reason": s.reason,
                 }
@@ -184,8 +185,8 @@ class UDSResult:
             ],
             columns=["idx", "prompt_type", "n_entity_tokens", "skip_reason"],
         )
-        info["question"] = [texts.get(i, {}).get("question") for i in info["idx"]]
-        info["entity"] = [texts.get(i, {}).get("entity") for i in info["idx"]]
+        info["question"] = [by_idx[i].question if i in by_idx else None for i in info["idx"]]
+        info["entity"] = [by_idx[i].entity if i in by_idx else None for i in info["idx"]]
         meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s_full.tolist())}
         settings = config.to_dict()
         result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)

@@ -36,12 +36,14 @@ from uds_lens.analysis.case_studies import TAUS, component_summary, prompt_type_
 from uds_lens.auditor import UDSAuditor, UDSConfig
 from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
-from uds_lens.baselines.references import SIMILARITY_METHODS, References, json_score
+from uds_lens.baselines.references import References, json_score
+from uds_lens.metrics import registry
 from uds_lens.results import UDSResult, atomic_result_dir
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("uds", "logit_lens", "tuned_lens", *SIMILARITY_METHODS, "fisher_masked", "linear_probe")
+# UDS and every white-box method of the metric registry (its order: the paper's rows first).
+METHODS = ("uds", *registry.names(kind=registry.WHITE_BOX))
 """Method groups ``diagnose`` knows; ``fisher_masked`` expands to one key per fraction."""
 SITES = ("attn_out", "mlp_out", "resid_mid", "resid_post")
 LAYERWISE_COLUMNS = ["method", "layer", "erasure", "weight"]

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
+from uds_lens.data import PROMPT_TEMPLATE
 from uds_lens.sources import as_source
 
 LENS_TAU = 0.05
@@ -237,7 +238,11 @@ def _frozen(model: nn.Module) -> Iterator[None]:
 def calibration_token_ids(examples: Sequence[Any], tokenizer: Any) -> list[list[int]]:
     """Token ids of ``"Question: {question}\\nAnswer: {answer}"`` (BOS, no EOS) for tuned-lens training."""
     return [
-        list(tokenizer(f"Question: {ex.question}\nAnswer: {ex.answer}", add_special_tokens=True)["input_ids"])
+        list(
+            tokenizer(
+                PROMPT_TEMPLATE.format(question=ex.question, prefix=ex.answer), add_special_tokens=True
+            )["input_ids"]
+        )
         for ex in examples
     ]
 

@@ -6,19 +6,30 @@ metric's name, kind and direction, the ``@metric`` decorator), ``chat`` (prompt 
 ``generation``, ``privacy`` (MIA), ``utility``.
 """
 
-from uds_lens.metrics.evaluate import (
-    GENERATION_METRICS,
-    MEMORIZATION_METRICS,
-    OUTPUT_METRICS,
-    S_MIA_METRICS,
-    MetricsReport,
-    add_privacy,
-    evaluate_model,
-    report_model,
-)
-from uds_lens.metrics.memorization import harmonic_mean
-from uds_lens.metrics.privacy import normalised_mia, paper_privacy, privacy_score
-from uds_lens.metrics.registry import MetricResult, MetricSpec, metric
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it. Resolved on first use (PEP 562, as ``uds_lens/__init__`` does): the
+# registry is plain Python, and the figures and reports that read it must not import torch through the metrics.
+_EXPORTS = {
+    "GENERATION_METRICS": "evaluate",
+    "MEMORIZATION_METRICS": "evaluate",
+    "OUTPUT_METRICS": "evaluate",
+    "S_MIA_METRICS": "evaluate",
+    "MetricsReport": "evaluate",
+    "add_privacy": "evaluate",
+    "evaluate_model": "evaluate",
+    "report_model": "evaluate",
+    "harmonic_mean": "memorization",
+    "normalised_mia": "privacy",
+    "paper_privacy": "privacy",
+    "privacy_score": "privacy",
+    "MetricResult": "registry",
+    "MetricSpec": "registry",
+    "metric": "registry",
+}
 
 __all__ = [
     "GENERATION_METRICS",
@@ -37,3 +48,27 @@ __all__ = [
     "privacy_score",
     "report_model",
 ]
+
+if TYPE_CHECKING:
+    from uds_lens.metrics.evaluate import (
+        GENERATION_METRICS,
+        MEMORIZATION_METRICS,
+        OUTPUT_METRICS,
+        S_MIA_METRICS,
+        MetricsReport,
+        add_privacy,
+        evaluate_model,
+        report_model,
+    )
+    from uds_lens.metrics.memorization import harmonic_mean
+    from uds_lens.metrics.privacy import normalised_mia, paper_privacy, privacy_score
+    from uds_lens.metrics.registry import MetricResult, MetricSpec, metric
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'uds_lens.metrics' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"uds_lens.metrics.{module}"), name)
+    globals()[name] = value
+    return value

@@ -20,12 +20,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from sklearn.metrics import roc_auc_score
 
+from uds_lens.metrics import registry
 from uds_lens.plotting.style import PALETTE, palette_colour
 
-# Metrics oriented so that high = erased; negated before the P/N AUC (P saw the forget set, so P should score *low*).
-ERASURE_METRICS = frozenset(
-    {"uds", "logit_lens", "tuned_lens", "cka", "fisher", "fisher_masked", "rsa", "svcca", "pwcca", "probing"}
-)
+# Metrics oriented so that high = erased (the registry's direction); negated before the P/N AUC (P saw the forget
+# set, so P should score *low*), as the meta-evaluation does.
+ERASURE_METRICS = frozenset(registry.names(direction=registry.ERASURE))
 ATTACKS = ("quantisation", "relearning")
 
 
