@@ -146,7 +146,7 @@ def _record_idx(record: dict[str, Any], position: int) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
         return int(value)
     raise DataError(
@@ -451,7 +451,10 @@ def encode(
     skipped: list[Skip] = []
     for example in examples:
         result = encode_one(example, tokenizer, published_compat)
-        (skipped if isinstance(result, Skip) else encoded).append(result)
+        if isinstance(result, Skip):
+            skipped.append(result)
+        else:
+            encoded.append(result)
     return encoded, skipped
 
 

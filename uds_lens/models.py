@@ -384,7 +384,8 @@ def load_hf_model(
     except (OSError, ValueError) as err:
         raise _load_error(source, "weights", err) from err
     if quantization is None:
-        model.to(device)
+        # transformers wraps PreTrainedModel.to in a decorator whose stub drops the argument types
+        model.to(device)  # type: ignore[arg-type]
     return model.eval()
 
 
@@ -559,7 +560,7 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             begin, end = entry["data_offsets"]
             buffer = torch.empty(end - begin, dtype=torch.uint8)
             handle.seek(base + begin)
-            if handle.readinto(memoryview(buffer.numpy())) != end - begin:
+            if handle.readinto(buffer.numpy().data) != end - begin:
                 raise ModelLoadError(
                     f"{path} is truncated (tensor {tensor_name}); re-save or re-download it."
                 )
@@ -622,7 +623,8 @@ def load_model(
         model = _assemble_hooked(hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True)
         del hf_model
     gc.collect()
-    model.uds_source = str(path_or_id)
+    # where the model came from, for result names and fingerprints (describe() reads it back)
+    setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
     return model
 
 
@@ -718,7 +720,7 @@ class ArchitectureSignature:
     n_heads: int
     n_key_value_heads: int | None
     d_head: int
-    d_mlp: int
+    d_mlp: int | None  # None only for attention-only models, which TransformerLens allows
     d_vocab: int
 
     @classmethod
