@@ -13,8 +13,9 @@ warnings), so the CLI's ``--help`` and ``report`` answer at once and importing t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from uds_lens.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -76,22 +77,5 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.zoo import load_zoo
 
 
-# modules renamed in the one-house layout, still importable by their old names
-_MODULE_ALIASES = {"plots": "uds_lens.plotting"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULE_ALIASES:
-        value = importlib.import_module(_MODULE_ALIASES[name])
-        globals()[name] = value
-        return value
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'uds_lens' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# `uds_lens.plots` is the name plotting/ had before the one-house layout
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, modules={"plots": "uds_lens.plotting"})

@@ -8,8 +8,9 @@ metric's name, kind and direction, the ``@metric`` decorator), ``chat`` (prompt 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from uds_lens.lazy import lazy_exports
 
 # public name -> the module that defines it. Resolved on first use (PEP 562, as ``uds_lens/__init__`` does): the
 # registry is plain Python, and the figures and reports that read it must not import torch through the metrics.
@@ -65,10 +66,4 @@ if TYPE_CHECKING:
     from uds_lens.metrics.registry import MetricResult, MetricSpec, metric
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'uds_lens.metrics' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"uds_lens.metrics.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, {name: f".{module}" for name, module in _EXPORTS.items()})

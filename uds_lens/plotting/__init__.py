@@ -20,8 +20,9 @@ others (the meta-evaluation figures import scikit-learn).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from uds_lens.lazy import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -131,14 +132,4 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'uds_lens.plotting' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"uds_lens.plotting.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, {name: f".{module}" for name, module in _EXPORTS.items()})
