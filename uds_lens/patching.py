@@ -180,36 +180,21 @@ def _hf_capture(model: Any, site: str, layers: Sequence[int], store: dict[int, T
     for layer in layers:
         block = decoder.layers[layer]
         if site == "resid_pre":
-            handles.append(
-                block.register_forward_pre_hook(
-                    lambda mod, args, kwargs, layer=layer: keep(
-                        layer, args[0] if args else kwargs["hidden_states"]
-                    ),
-                    with_kwargs=True,
-                )
-            )
+            handles.append(block.register_forward_pre_hook(
+                lambda mod, args, kwargs, layer=layer: keep(layer, args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True))
         elif site == "resid_post":
-            handles.append(
-                block.register_forward_hook(
-                    lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)
-                )
-            )
+            handles.append(block.register_forward_hook(
+                lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)))
         elif site == "attn_out":
-            handles.append(
-                block.self_attn.register_forward_hook(
-                    lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)
-                )
-            )
+            handles.append(block.self_attn.register_forward_hook(
+                lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)))
         elif site == "mlp_out":
-            handles.append(
-                block.mlp.register_forward_hook(lambda mod, args, out, layer=layer: keep(layer, out))
-            )
+            handles.append(block.mlp.register_forward_hook(
+                lambda mod, args, out, layer=layer: keep(layer, out)))
         elif site == "resid_mid":
-            handles.append(
-                block.post_attention_layernorm.register_forward_pre_hook(
-                    lambda mod, args, layer=layer: keep(layer, args[0])
-                )
-            )
+            handles.append(block.post_attention_layernorm.register_forward_pre_hook(
+                lambda mod, args, layer=layer: keep(layer, args[0])))
     try:
         yield
     finally:
@@ -298,9 +283,7 @@ class WindowPacking:
         device = start.device
         offsets = torch.arange(width, device=device)
         valid = offsets[None, :] < length[:, None]
-        positions = torch.where(
-            valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long)
-        )
+        positions = torch.where(valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long))
         row_of = torch.full((n_batch, width), -1, dtype=torch.long, device=device)
         row_of[valid] = torch.arange(int(valid.sum()), device=device)
         return cls(
@@ -317,9 +300,7 @@ class WindowPacking:
     @classmethod
     def of(cls, batch: PatchBatch) -> WindowPacking:
         """The windows of a batch (what the patched runs recompute)."""
-        return cls.spans(
-            batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos
-        )
+        return cls.spans(batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos)
 
     @classmethod
     def sequences(cls, batch: PatchBatch) -> WindowPacking:
@@ -392,15 +373,10 @@ def read_scores(
         logits = model.unembed(model.ln_final(part))
         runs = logits.shape[0]
         run_segment = torch.arange(runs, device=logits.device)[:, None] * n_segments + segment[None, :]
-        scores.append(
-            mean_entity_logprob(
-                einops.rearrange(logits, "run entity vocab -> (run entity) vocab"),
-                labels.repeat(runs),
-                run_segment.reshape(-1),
-                runs * n_segments,
-                upcast,
-            ).reshape(runs, n_segments)
-        )
+        scores.append(mean_entity_logprob(
+            einops.rearrange(logits, "run entity vocab -> (run entity) vocab"), labels.repeat(runs),
+            run_segment.reshape(-1), runs * n_segments, upcast,
+        ).reshape(runs, n_segments))
     return torch.cat(scores)
 
 
@@ -416,31 +392,20 @@ def clean_run(
     with torch.no_grad():
         if not keep_kv:
             final = full(batch.tokens, stop_at_layer=n_layers)
-            scores = read_scores(
-                full,
-                final[batch.read_batch, batch.read_pos][None],
-                batch.read_label,
-                batch.read_batch,
-                batch.size,
-                upcast,
-            )[0]
+            scores = read_scores(full, final[batch.read_batch, batch.read_pos][None], batch.read_label,
+                                 batch.read_batch, batch.size, upcast)[0]
             return CleanRun(site=site, scores=scores)
         sequences = WindowPacking.sequences(batch)
         window = WindowPacking.of(batch)
-        final, captured, kv = packed_forward(
-            full, batch, _window_sites(site), n_layers, window.rows_in(sequences), keep_kv=True
-        )
-        scores = read_scores(
-            full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size, upcast
-        )[0]
+        final, captured, kv = packed_forward(full, batch, _window_sites(site), n_layers, window.rows_in(sequences),
+                                             keep_kv=True)
+        scores = read_scores(full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size,
+                             upcast)[0]
         prefix = window.prefix_len
-        run = CleanRun(
-            site=site,
-            scores=scores,
-            keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
-            values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
-            window_acts={name: torch.stack(values) for name, values in captured.items()},
-        )
+        run = CleanRun(site=site, scores=scores,
+                       keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
+                       values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
+                       window_acts={name: torch.stack(values) for name, values in captured.items()})
     return run
 
 
@@ -462,24 +427,17 @@ def naive_patched_scores(
     for position, layer in enumerate(layers):
         source = acts[position]
 
-        def overwrite(
-            activation: Float[Tensor, "batch pos d_model"], hook: HookPoint, source: Tensor = source
-        ) -> Float[Tensor, "batch pos d_model"]:
+        def overwrite(activation: Float[Tensor, "batch pos d_model"], hook: HookPoint,
+                      source: Tensor = source) -> Float[Tensor, "batch pos d_model"]:
             patched = activation.clone()
             patched[mask] = source[mask].to(activation.dtype)
             return patched
 
         with torch.no_grad():
             logits = full.run_with_hooks(batch.tokens, fwd_hooks=[(hook_name(site, layer), overwrite)])
-        columns.append(
-            mean_entity_logprob(
-                logits[batch.read_batch, batch.read_pos],
-                batch.read_label,
-                batch.read_batch,
-                batch.size,
-                upcast,
-            )
-        )
+        columns.append(mean_entity_logprob(
+            logits[batch.read_batch, batch.read_pos], batch.read_label, batch.read_batch, batch.size, upcast
+        ))
         del logits
     return torch.stack(columns, dim=1)
 
@@ -489,10 +447,7 @@ def naive_patched_scores(
 
 
 def _rotate(
-    attn: Any,
-    x: Float[Tensor, "*run row head d_head"],
-    cos: Float[Tensor, "row 1 rot"],
-    sin: Float[Tensor, "row 1 rot"],
+    attn: Any, x: Float[Tensor, "*run row head d_head"], cos: Float[Tensor, "row 1 rot"], sin: Float[Tensor, "row 1 rot"]
 ) -> Float[Tensor, "*run row head d_head"]:
     """Rotary embedding with precomputed tables (TransformerLens's tables and rotation convention)."""
     rotary_dim = attn.cfg.rotary_dim
@@ -519,9 +474,8 @@ def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _Atte
     prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
     offsets = torch.arange(packing.width, device=device)
     causal = offsets[:, None] >= offsets[None, :]
-    allowed = torch.cat(
-        [prefix_ok[:, None, :].expand(-1, packing.width, -1), causal[None].expand(n_batch, -1, -1)], dim=-1
-    )
+    allowed = torch.cat([prefix_ok[:, None, :].expand(-1, packing.width, -1),
+                         causal[None].expand(n_batch, -1, -1)], dim=-1)
     return _AttentionLayout(
         packing=packing,
         n_batch=n_batch,
@@ -576,9 +530,7 @@ def _window_attention(
     scores_window = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_pad, k_pad)
     if prefix_len:
         q_rows = q_pad.view(shape[0], shape[1], -1, shape[-1])
-        scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(
-            *shape[:-1], prefix_len
-        )
+        scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(*shape[:-1], prefix_len)
         scores = torch.cat([scores_prefix, scores_window], dim=-1) / attn.attn_scale
     else:  # a forward from the first position (packed_forward)
         scores = scores_window / attn.attn_scale
@@ -586,9 +538,8 @@ def _window_attention(
     pattern = F.softmax(scores, dim=-1).to(v.dtype)
     z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v_pad)
     if prefix_len:
-        z = z + torch.matmul(
-            pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len), prefix_values.to(v.dtype)
-        ).view(shape)
+        z = z + torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
+                             prefix_values.to(v.dtype)).view(shape)
     z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, flat)
     return F.linear(z, w_out, attn.b_O)
 
@@ -616,9 +567,7 @@ def packed_forward(
     packing = WindowPacking.sequences(batch)
     layout = _attention_layout(model, packing)
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
-    empty = torch.zeros(
-        layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device
-    )
+    empty = torch.zeros(layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device)
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
     kv: list[Tensor] = []
 
@@ -726,30 +675,21 @@ def fast_patched_scores(
         elif site == "mlp_out":
             resid = clean_rows("resid_mid") + patched("mlp_out")
         else:
-            resid_mid = (
-                patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
-            )
-            resid = torch.stack(
-                [_mlp_half(full.blocks[layer], resid_mid[r]) for r, layer in enumerate(run_layers)]
-            )
+            resid_mid = patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
+            resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[r]) for r, layer in enumerate(run_layers)])
 
         layout = _attention_layout(full, packing)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
             block = full.blocks[block_index]
-            w_out = einops.rearrange(
-                block.attn.W_O, "head d_head d_model -> d_model (head d_head)"
-            ).contiguous()
+            w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
             active = resid[first_active:]
-            active = active + _window_attention(
-                block, active, layout, clean.keys[block_index], clean.values[block_index], w_out
-            )
+            active = active + _window_attention(block, active, layout, clean.keys[block_index],
+                                                clean.values[block_index], w_out)
             resid[first_active:] = _mlp_half(block, active)
 
-        scores = read_scores(
-            full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast
-        )
+        scores = read_scores(full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast)
     result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
     result[:, order] = scores.T
     return result
@@ -777,10 +717,8 @@ def patched_scores(
     """
     if engine == "naive":
         if acts.ndim != 4:
-            raise ValueError(
-                "The naive engine patches from [layer, batch, pos, d_model] activations "
-                "(source_activations), not packed window rows."
-            )
+            raise ValueError("The naive engine patches from [layer, batch, pos, d_model] activations "
+                             "(source_activations), not packed window rows.")
         return naive_patched_scores(full, batch, acts, site, layers, upcast)
     if engine == "fast":
         if clean is None:
@@ -833,11 +771,7 @@ def baseline_scores(
 
 
 def plan_batches(
-    examples: Sequence[EncodedExample],
-    scope: str,
-    batch_size: int,
-    max_waste: float = 0.25,
-    min_batch: int = 8,
+    examples: Sequence[EncodedExample], scope: str, batch_size: int, max_waste: float = 0.25, min_batch: int = 8
 ) -> list[list[int]]:
     """Group example indices into batches of similar window and sequence lengths (deterministic).
 
@@ -845,19 +779,15 @@ def plan_batches(
     length and a batch of at least ``min_batch`` examples is closed early when padding would waste more than
     ``max_waste`` of its window tokens (smaller batches would cost more in per-batch overhead than they save).
     """
-    order = sorted(
-        range(len(examples)),
-        key=lambda i: (len(examples[i].window(scope)), examples[i].read_positions.stop, i),
-    )
+    order = sorted(range(len(examples)),
+                   key=lambda i: (len(examples[i].window(scope)), examples[i].read_positions.stop, i))
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0  # window tokens of the examples in ``current``
     for index in order:
         window = len(examples[index].window(scope))
         if current:
-            wasteful = len(current) >= min_batch and (len(current) + 1) * window > (1 + max_waste) * (
-                used + window
-            )
+            wasteful = len(current) >= min_batch and (len(current) + 1) * window > (1 + max_waste) * (used + window)
             if len(current) >= batch_size or wasteful:
                 batches.append(current)
                 current, used = [], 0
@@ -881,9 +811,7 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    logits = (
-        layers * window * cfg.d_vocab * 4 * 2
-    )  # an upper bound: read_scores goes a slice of runs at a time
+    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores goes a slice of runs at a time
     return int(kv + sources + 2 * runs + logits)
 
 
@@ -920,26 +848,8 @@ def choose_batch_size(
 
 
 __all__ = [
-    "CleanRun",
-    "ENGINES",
-    "PatchBatch",
-    "SCOPES",
-    "SITES",
-    "WindowPacking",
-    "baseline_scores",
-    "choose_batch_size",
-    "clean_run",
-    "estimate_bytes_per_example",
-    "fast_patched_scores",
-    "plan_batches",
-    "hook_name",
-    "mean_entity_logprob",
-    "naive_patched_scores",
-    "packed_forward",
-    "pad_batch",
-    "patched_scores",
-    "read_scores",
-    "source_activations",
-    "source_scores",
-    "window_source_activations",
+    "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "WindowPacking", "baseline_scores", "choose_batch_size",
+    "clean_run", "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob",
+    "naive_patched_scores", "packed_forward", "pad_batch", "patched_scores", "read_scores", "source_activations",
+    "source_scores", "window_source_activations",
 ]
