@@ -25,6 +25,7 @@ sequence (``N_i`` tokens) ``L+1`` times per stage.
 
     python experiments/bench_engine.py                       # CPU: l16_d512 and smollm2 (real weights), 2 threads
     python experiments/bench_engine.py --configs l4_d64      # a quick shape
+    python experiments/bench_engine.py --profile --threads 1 # where S1 and S2 spend their CPU time
     python experiments/bench_engine.py --examples 367        # on a GPU also the Llama-3.2-1B shape, bf16
 
 The last line is ``s2_over_floor_l16=<x>``.
@@ -312,6 +313,99 @@ def floors(counts: Counts, n_layers: int, block: float, read: float) -> dict[str
             "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2}
 
 
+# Where a stage's CPU time goes: the engine's functions timed as profiler scopes (top level: the forwards and the
+# window runs; inside them attention, MLP and read-out), and inside the attention the operators grouped by what they
+# do (the products with the cached prefix are ``matmul``s, those within the window ``einsum``s).
+TOP_LEVEL = {"window_source_activations": "source forward", "clean_run": "clean forward",
+             "fast_patched_scores": "window runs"}
+INNER = {"_attention": "attention", "_mlp": "mlp", "read_scores": "logits"}
+ATTENTION_OPS = {
+    "aten::addmm": "projections",
+    "aten::matmul": "over cached prefix",
+    "aten::einsum": "within window",
+    "aten::new_zeros": "padding",
+    "aten::index_copy_": "padding",
+    "aten::index_select": "padding",
+    "aten::contiguous": "padding",
+}
+
+
+def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict[str, float]]:
+    """CPU seconds of S1 and S2 by part.
+
+    The stage's process CPU seconds are measured without the profiler; the torch profiler then says how they split
+    (its times are wall times, inflated by its own cost and by other jobs on a shared machine, so only their shares
+    are used, scaled to the CPU seconds). ``python overhead`` is the share of the engine's scopes spent outside
+    PyTorch operators.
+    """
+    import uds_lens.patching as patching
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    originals = {name: getattr(patching, name) for name in (*TOP_LEVEL, *INNER)}
+
+    def scoped(name):
+        function = originals[name]
+
+        def run(*args, **kwargs):
+            with record_function(name):
+                return function(*args, **kwargs)
+
+        return run
+
+    layers = list(range(full.cfg.n_layers))
+    _, padded = batches(examples, batch_size, "fast", device)
+    cleans = [clean_run(full, batch, SITE) for batch in padded]
+
+    def stage1():
+        for batch in padded:
+            clean = patching.clean_run(full, batch, SITE)
+            patching.baseline_scores(full, batch, clean, SITE, layers)
+            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+
+    def stage2():
+        for batch, clean in zip(padded, cleans):
+            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+
+    def add(parts, key, seconds):
+        parts[key] = parts.get(key, 0.0) + seconds
+
+    report = {}
+    for stage, run in (("S1", stage1), ("S2", stage2)):
+        run()
+        started = time.process_time()
+        run()
+        seconds = time.process_time() - started
+        for name in originals:
+            setattr(patching, name, scoped(name))
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run()
+        finally:
+            for name, function in originals.items():
+                setattr(patching, name, function)
+        parts: dict[str, float] = {}
+        operators = 0.0
+        for event in prof.events():
+            ancestors, parent = [], event.cpu_parent
+            while parent is not None:
+                ancestors.append(parent.name)
+                parent = parent.cpu_parent
+            top = next((TOP_LEVEL[name] for name in ancestors if name in TOP_LEVEL), None)
+            if event.name in TOP_LEVEL:
+                add(parts, TOP_LEVEL[event.name], event.cpu_time_total)
+            elif event.name in INNER and top is not None:
+                add(parts, f"{top}/{INNER[event.name]}", event.cpu_time_total)
+            elif ancestors and ancestors[0] == "_attention" and event.name in ATTENTION_OPS and top is not None:
+                add(parts, f"{top}/attention/{ATTENTION_OPS[event.name]}", event.cpu_time_total)
+            if (top is not None and event.name.startswith("aten::")
+                    and not any(name.startswith("aten::") for name in ancestors)):
+                operators += event.cpu_time_total
+        profiled = sum(parts[name] for name in TOP_LEVEL.values() if name in parts)
+        scale = seconds / profiled
+        report[stage] = {"total": seconds, **{part: value * scale for part, value in sorted(parts.items())},
+                         "python overhead": (profiled - operators) * scale}
+    return report
+
 def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, naive_batches: list[int],
           repeats: int = 3, naive_examples: int | None = None) -> dict:
     if shape == SMOLLM2:
@@ -371,11 +465,21 @@ def main() -> None:
     parser.add_argument("--naive-batches", type=int, nargs="*", default=[4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--naive-examples", type=int, default=8, help="examples the naive engine runs (0: all)")
+    parser.add_argument("--profile", action="store_true", help="print where S1 and S2 spend their CPU time instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configs = args.configs or (["l16_d512", SMOLLM2, "llama32_1b"] if device == "cuda" else ["l16_d512", SMOLLM2])
     results = {}
+    if args.profile:
+        for name in configs:
+            full, source = build_smollm2(torch.float32, device) if name == SMOLLM2 else build_models(
+                SHAPES[name], torch.float32, device)
+            examples = synthetic_examples(args.examples, full.cfg.d_vocab)
+            size = choose_batch_size(full, examples, "span", "fast")
+            for stage, parts in profile_stages(full, source, examples, size, device).items():
+                print(f"{name} {stage}: " + ", ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items()))
+        return
     for name in configs:
         dtype = torch.bfloat16 if (device == "cuda" and name == "llama32_1b") else torch.float32
         row = bench(name if name == SMOLLM2 else SHAPES[name], args.examples, dtype, device, args.naive_batches,
