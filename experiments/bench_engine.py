@@ -300,8 +300,19 @@ def unit_costs(full, examples, device, repeats: int) -> tuple[float, float]:
     return min(block_times[1:]), min(read_times[1:])
 
 
-def floors(counts: Counts, n_layers: int, block: float, read: float) -> dict[str, float]:
-    """Floor seconds of each stage (see the module docstring) and the token-block counts behind them."""
+def read_out_blocks(cfg) -> float:
+    """One read-out row (the unembedding) in token-block evaluations, counted in multiply-adds of the weights."""
+    n_kv = cfg.n_key_value_heads or cfg.n_heads
+    block = (2 * cfg.n_heads + 2 * n_kv) * cfg.d_head * cfg.d_model + 3 * cfg.d_model * cfg.d_mlp
+    return cfg.d_model * cfg.d_vocab / block
+
+
+def floors(counts: Counts, n_layers: int, block: float, read: float, read_blocks: float = 0.0) -> dict[str, float]:
+    """Floor seconds of each stage (see the module docstring) and the token-block counts behind them.
+
+    With ``read_blocks`` (a read-out row in token-blocks, ``read_out_blocks``), ``*_with_logits`` also count the
+    logits: the floor's at the read rows of each run, the published code's at every position of each of its runs.
+    """
     runs = n_layers  # one patched run per layer
     run_blocks = n_layers * (n_layers - 1) // 2  # resid_post at l: blocks l+1 .. L-1
     window_work = counts.window * run_blocks
@@ -310,7 +321,9 @@ def floors(counts: Counts, n_layers: int, block: float, read: float) -> dict[str
     s1 = (counts.cut * n_layers + counts.source * n_layers + 2 * window_work) * block + (1 + 2 * runs) * counts.read * read
     published_blocks = (n_layers + 1) * n_layers * counts.whole
     return {"floor_s2": s2, "floor_s1": s1, "floor_s2_blocks": s2_blocks, "published_s2_blocks": published_blocks,
-            "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2}
+            "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2,
+            "floor_s2_blocks_with_logits": s2_blocks + counts.read * runs * read_blocks,
+            "published_s2_blocks_with_logits": published_blocks + (n_layers + 1) * counts.whole * read_blocks}
 
 
 # Where a stage's CPU time goes: the engine's functions timed as profiler scopes (top level: the forwards and the
@@ -338,8 +351,9 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
     are used, scaled to the CPU seconds). ``python overhead`` is the share of the engine's scopes spent outside
     PyTorch operators.
     """
-    import uds_lens.patching as patching
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    import uds_lens.patching as patching
 
     originals = {name: getattr(patching, name) for name in (*TOP_LEVEL, *INNER)}
 
@@ -440,7 +454,7 @@ def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, 
     with PeakMemory(device) as fast_mem:
         run_stage2(full, source, examples, fast_bs, "fast", device, cleans)
     max_diff = max(float((naive_out[i] - fast_out[i]).abs().max()) for i in range(len(checked)))
-    floor = floors(counts, n_layers, block, read)
+    floor = floors(counts, n_layers, block, read, read_out_blocks(full.cfg))
     return {
         "config": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "examples": n_examples,
         "layers": n_layers, "naive_batch": naive_bs, "fast_batch": fast_bs,
@@ -450,6 +464,8 @@ def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, 
         "speedup_s2_vs_naive": naive_s2 / len(checked) / (fast_s2 / n_examples),
         "published_work_over_floor": floor["published_s2_blocks"] / floor["floor_s2_blocks"],
         "published_work_over_floor_issue": floor["published_s2_blocks"] / floor["floor_s2_blocks_issue"],
+        "published_work_over_floor_with_logits": (floor["published_s2_blocks_with_logits"]
+                                                  / floor["floor_s2_blocks_with_logits"]),
         "naive_s2_over_floor": naive_s2 / len(checked) / (floor["floor_s2"] / n_examples),
         "fast_s1_over_floor": fast_s1 / floor["floor_s1"],
         "fast_s2_over_floor": fast_s2 / floor["floor_s2"],

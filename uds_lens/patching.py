@@ -23,6 +23,11 @@ Two engines compute exactly that:
   the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
   label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
 
+  It computes Llama blocks (RMSNorm, rotary, gated MLP, grouped-query attention) directly on the
+  TransformerLens weights (``_BlockWeights``: Q, K and V in one product, the rest read in place), with the same
+  arithmetic as TransformerLens's modules; other architectures use ``naive``. On the CPU the work is matrix
+  products: what remains above the floor is mostly their smaller row counts (``experiments/bench_engine.py``).
+
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
 compared with, so a source identical to the full model gives deltas of exactly 0.
 
@@ -556,10 +561,14 @@ def _affine(x: Float[Tensor, "*rows d_in"], weight: Float[Tensor, "d_in d_out"],
 
 def _rms_norm(x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
               ) -> Float[Tensor, "*rows d_model"]:
-    """TransformerLens's RMSNorm: statistics in fp32 whatever the model dtype, then the model dtype."""
-    x32 = x.float()
-    scale = (x32.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    return (x32 / scale).to(x.dtype) * weight
+    """TransformerLens's RMSNorm: statistics in at least fp32, then the model dtype."""
+    wide = _at_least_fp32(x)
+    scale = (wide.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return (wide / scale).to(x.dtype) * weight
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _rotate(x: Float[Tensor, "*rows head d_head"], cos: Tensor, sin: Tensor, rotary_dim: int
@@ -646,12 +655,12 @@ def _attention(
         keep += [k[:, :, 0].contiguous(), v[:, :, 0].contiguous()]
     shape = q.shape
     prefix_len = prefix_keys.shape[2]
-    # Scores in fp32 whatever the model dtype, as TransformerLens computes them.
-    q32 = q.float()
-    scores = torch.einsum("bkgrwd,bkgvd->bkgrwv", q32, k.float())
+    # Scores in at least fp32, as TransformerLens computes them.
+    q_wide = _at_least_fp32(q)
+    scores = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_wide, _at_least_fp32(k))
     if prefix_len:
-        prefix_scores = torch.matmul(q32.view(shape[0], shape[1], -1, shape[-1]),
-                                     prefix_keys.transpose(-1, -2).float())
+        prefix_scores = torch.matmul(q_wide.view(shape[0], shape[1], -1, shape[-1]),
+                                     _at_least_fp32(prefix_keys).transpose(-1, -2))
         scores = torch.cat([prefix_scores.view(*shape[:-1], prefix_len), scores], dim=-1)
     scores = scores.div_(weights.attn_scale).masked_fill_(~layout.allowed, float("-inf"))
     pattern = F.softmax(scores, dim=-1).to(v.dtype)
@@ -936,7 +945,7 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores goes a slice of runs at a time
+    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores holds a slice of vocabulary or runs
     return int(kv + sources + 2 * runs + logits)
 
 
