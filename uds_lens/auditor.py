@@ -521,7 +521,7 @@ class UDSAuditor:
         size = self.config.batch_size or choose_batch_size(
             self.full, self.encoded, self.config.patch_scope, self.config.engine
         )
-        return plan_batches(self.encoded, self.config.patch_scope, size)
+        return plan_batches(self.encoded, self.config.patch_scope, size, engine=self.config.engine)
 
     def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
         """``work(number, members)`` for every example batch; an out-of-memory error halves that batch and retries.

@@ -38,8 +38,8 @@ model through forward hooks (that is how a 4-bit NF4 model is measured).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,18 +50,11 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from uds_lens.data import EncodedExample
+from uds_lens.sources import SITES, HookedSource, as_source, hook_name
 from uds_lens.tl_compat import HookedTransformer, HookPoint
 
-SITES = ("resid_post", "resid_mid", "attn_out", "mlp_out", "resid_pre")
 SCOPES = ("span", "boundary")
 ENGINES = ("fast", "naive")
-
-
-def hook_name(site: str, layer: int) -> str:
-    """TransformerLens hook point of a patch site: ``blocks.{layer}.hook_{site}``."""
-    if site not in SITES:
-        raise ValueError(f"Unknown patch site {site!r}; use one of {SITES}.")
-    return f"blocks.{layer}.hook_{site}"
 
 
 @dataclass
@@ -92,7 +85,7 @@ class PatchBatch:
 
     def to(self, device: str | torch.device) -> PatchBatch:
         moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
-        return PatchBatch(**moved)
+        return PatchBatch(**moved)  # type: ignore[arg-type]  # same fields, tensors moved
 
 
 def pad_batch(
@@ -151,8 +144,9 @@ def mean_entity_logprob(
     return _segment_mean(picked, segment, n_segments)
 
 
-def _segment_mean(values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
-                  ) -> Float[Tensor, " segment"]:
+def _segment_mean(
+    values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
+) -> Float[Tensor, " segment"]:
     total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
     count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
         0, segment, torch.ones_like(values)
@@ -162,54 +156,6 @@ def _segment_mean(values: Float[Tensor, " entity"], segment: Int[Tensor, " entit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sources
-
-
-def _is_hooked(model: Any) -> bool:
-    return isinstance(model, HookedTransformer)
-
-
-def _hf_decoder(model: Any) -> Any:
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(
-            f"{type(model).__name__} does not look like a Hugging Face Llama causal LM (model.model.layers / "
-            "model.model.norm); pass a HookedTransformer or a LlamaForCausalLM."
-        )
-    return base
-
-
-@contextmanager
-def _hf_capture(model: Any, site: str, layers: Sequence[int], store: dict[int, Tensor]):
-    """Forward hooks on a Hugging Face Llama that record ``site`` activations of ``layers`` into ``store``."""
-    decoder = _hf_decoder(model)
-    handles = []
-
-    def keep(layer: int, value: Tensor) -> None:
-        store[layer] = value.detach()
-
-    for layer in layers:
-        block = decoder.layers[layer]
-        if site == "resid_pre":
-            handles.append(block.register_forward_pre_hook(
-                lambda mod, args, kwargs, layer=layer: keep(layer, args[0] if args else kwargs["hidden_states"]),
-                with_kwargs=True))
-        elif site == "resid_post":
-            handles.append(block.register_forward_hook(
-                lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)))
-        elif site == "attn_out":
-            handles.append(block.self_attn.register_forward_hook(
-                lambda mod, args, out, layer=layer: keep(layer, out[0] if isinstance(out, tuple) else out)))
-        elif site == "mlp_out":
-            handles.append(block.mlp.register_forward_hook(
-                lambda mod, args, out, layer=layer: keep(layer, out)))
-        elif site == "resid_mid":
-            handles.append(block.post_attention_layernorm.register_forward_pre_hook(
-                lambda mod, args, layer=layer: keep(layer, args[0])))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def source_activations(
@@ -226,29 +172,7 @@ def source_activations(
     ``resid_post``, the last layer's value is the source's own final-norm output, which is what the published
     implementation patches there (Hugging Face's ``hidden_states[L]``).
     """
-    layers = list(layers)
-    n_layers = source.cfg.n_layers if _is_hooked(source) else source.config.num_hidden_layers
-    normalise_last = published_compat and site == "resid_post" and (n_layers - 1) in layers
-    with torch.no_grad():
-        if _is_hooked(source):
-            names = {hook_name(site, layer) for layer in layers}
-            _, cache = source.run_with_cache(
-                tokens.to(source.cfg.device),
-                names_filter=lambda name: name in names,
-                stop_at_layer=max(layers) + 1,
-            )
-            acts = [cache[hook_name(site, layer)] for layer in layers]
-            if normalise_last:
-                acts[layers.index(n_layers - 1)] = source.ln_final(acts[layers.index(n_layers - 1)])
-        else:
-            store: dict[int, Tensor] = {}
-            device = next(source.parameters()).device
-            with _hf_capture(source, site, layers, store):
-                outputs = source(tokens.to(device), output_hidden_states=normalise_last, use_cache=False)
-            acts = [store[layer] for layer in layers]
-            if normalise_last:
-                acts[layers.index(n_layers - 1)] = outputs.hidden_states[n_layers]
-    return torch.stack(acts)
+    return as_source(source).activations(tokens, site, layers, final_norm_last=published_compat)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,7 +217,9 @@ class WindowPacking:
         device = start.device
         offsets = torch.arange(width, device=device)
         valid = offsets[None, :] < length[:, None]
-        positions = torch.where(valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long))
+        positions = torch.where(
+            valid, start[:, None] + offsets[None, :], torch.zeros_like(valid, dtype=torch.long)
+        )
         row_of = torch.full((n_batch, width), -1, dtype=torch.long, device=device)
         row_of[valid] = torch.arange(int(valid.sum()), device=device)
         return cls(
@@ -310,7 +236,9 @@ class WindowPacking:
     @classmethod
     def of(cls, batch: PatchBatch) -> WindowPacking:
         """The windows of a batch (what the patched runs recompute)."""
-        return cls.spans(batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos)
+        return cls.spans(
+            batch.window_start, batch.window_len, batch.patch_mask, batch.read_batch, batch.read_pos
+        )
 
     @classmethod
     def sequences(cls, batch: PatchBatch) -> WindowPacking:
@@ -367,7 +295,9 @@ _LOGIT_SLICE_ELEMENTS = 1 << 20
 
 
 def _label_logprobs(
-    rows: Float[Tensor, "row d_model"], w_u: Float[Tensor, "d_model vocab"], b_u: Float[Tensor, " vocab"],
+    rows: Float[Tensor, "row d_model"],
+    w_u: Float[Tensor, "d_model vocab"],
+    b_u: Float[Tensor, " vocab"],
     labels: Int[Tensor, " row"],
 ) -> Float[Tensor, " row"]:
     """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
@@ -391,7 +321,6 @@ def _label_logprobs(
     return label_logit - torch.logsumexp(torch.stack(slices), dim=0)
 
 
-
 def read_scores(
     model: HookedTransformer,
     resid: Float[Tensor, "run entity d_model"],
@@ -408,7 +337,9 @@ def read_scores(
     runs at a time to bound the ``[rows, vocab]`` buffer.
     """
     n_runs, n_read, _ = resid.shape
-    run_segment = (torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]).flatten()
+    run_segment = (
+        torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]
+    ).flatten()
     if upcast:
         rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
         picked = _label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
@@ -418,10 +349,15 @@ def read_scores(
     for first in range(0, n_runs, chunk):
         logits = model.unembed(model.ln_final(resid[first : first + chunk]))
         runs = logits.shape[0]
-        scores.append(mean_entity_logprob(
-            einops.rearrange(logits, "run entity vocab -> (run entity) vocab"), labels.repeat(runs),
-            run_segment[: runs * n_read], runs * n_segments, upcast=False,
-        ).reshape(runs, n_segments))
+        scores.append(
+            mean_entity_logprob(
+                einops.rearrange(logits, "run entity vocab -> (run entity) vocab"),
+                labels.repeat(runs),
+                run_segment[: runs * n_read],
+                runs * n_segments,
+                upcast=False,
+            ).reshape(runs, n_segments)
+        )
     return torch.cat(scores)
 
 
@@ -437,20 +373,31 @@ def clean_run(
     with torch.no_grad():
         if not keep_kv:
             final = full(batch.tokens, stop_at_layer=n_layers)
-            scores = read_scores(full, final[batch.read_batch, batch.read_pos][None], batch.read_label,
-                                 batch.read_batch, batch.size, upcast)[0]
+            scores = read_scores(
+                full,
+                final[batch.read_batch, batch.read_pos][None],
+                batch.read_label,
+                batch.read_batch,
+                batch.size,
+                upcast,
+            )[0]
             return CleanRun(site=site, scores=scores)
         sequences = WindowPacking.sequences(batch)
         window = WindowPacking.of(batch)
-        final, captured, kv = packed_forward(full, batch, _window_sites(site), n_layers, window.rows_in(sequences),
-                                             keep_kv=True)
-        scores = read_scores(full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size,
-                             upcast)[0]
+        final, captured, kv = packed_forward(
+            full, batch, _window_sites(site), n_layers, window.rows_in(sequences), keep_kv=True
+        )
+        scores = read_scores(
+            full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size, upcast
+        )[0]
         prefix = window.prefix_len
-        run = CleanRun(site=site, scores=scores,
-                       keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
-                       values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
-                       window_acts={name: torch.stack(values) for name, values in captured.items()})
+        run = CleanRun(
+            site=site,
+            scores=scores,
+            keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
+            values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
+            window_acts={name: torch.stack(values) for name, values in captured.items()},
+        )
     return run
 
 
@@ -472,17 +419,24 @@ def naive_patched_scores(
     for position, layer in enumerate(layers):
         source = acts[position]
 
-        def overwrite(activation: Float[Tensor, "batch pos d_model"], hook: HookPoint,
-                      source: Tensor = source) -> Float[Tensor, "batch pos d_model"]:
+        def overwrite(
+            activation: Float[Tensor, "batch pos d_model"], hook: HookPoint, source: Tensor = source
+        ) -> Float[Tensor, "batch pos d_model"]:
             patched = activation.clone()
             patched[mask] = source[mask].to(activation.dtype)
             return patched
 
         with torch.no_grad():
             logits = full.run_with_hooks(batch.tokens, fwd_hooks=[(hook_name(site, layer), overwrite)])
-        columns.append(mean_entity_logprob(
-            logits[batch.read_batch, batch.read_pos], batch.read_label, batch.read_batch, batch.size, upcast
-        ))
+        columns.append(
+            mean_entity_logprob(
+                logits[batch.read_batch, batch.read_pos],
+                batch.read_label,
+                batch.read_batch,
+                batch.size,
+                upcast,
+            )
+        )
         del logits
     return torch.stack(columns, dim=1)
 
@@ -493,13 +447,17 @@ def naive_patched_scores(
 
 @dataclass
 class _BlockWeights:
-    """One Llama block's weights in the layouts its packed runs multiply by, built per call from the model.
+    """One Llama block's weights in the layouts its packed runs multiply by.
 
     TransformerLens keeps ``W_Q``/``W_K``/``W_V`` as ``[head, d_model, d_head]``; they are laid side by side as one
-    ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix product (one copy of
-    the attention weights per call, as TransformerLens itself makes per forward). ``W_O`` (as ``(head d_head)
-    d_model``), the MLP and the norms are read in place: products with TransformerLens's ``[in, out]`` layout need
-    no transposed copy.
+    ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix product; the MLP's gate
+    and input weights likewise as one ``[d_model, 2 d_mlp]`` matrix (on the CPU the halves of the joint product are
+    bit for bit the two separate products; one wider product keeps both cores busy on the short first blocks of the
+    window runs). ``W_O`` (as ``(head d_head) d_model``), ``W_out`` and the norms are read in place: products with
+    TransformerLens's ``[in, out]`` layout need no transposed copy.
+
+    ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
+    tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
     """
 
     ln1: Float[Tensor, " d_model"]
@@ -509,8 +467,7 @@ class _BlockWeights:
     qkv_bias: Float[Tensor, " qkv"]
     out: Float[Tensor, "head_d_head d_model"]
     out_bias: Float[Tensor, " d_model"]
-    gate: Float[Tensor, "d_model d_mlp"]
-    up: Float[Tensor, "d_model d_mlp"]
+    gate_up: Float[Tensor, "d_model two_d_mlp"]
     up_bias: Float[Tensor, " d_mlp"]
     down: Float[Tensor, "d_mlp d_model"]
     down_bias: Float[Tensor, " d_model"]
@@ -519,21 +476,46 @@ class _BlockWeights:
 
     @classmethod
     def of(cls, block: Any) -> _BlockWeights:
+        params = list(block.parameters())
+        versions = [p._version for p in params]
+        cached = _JOINED.get(block)
+        if (
+            cached is not None
+            and len(cached[0]) == len(params)
+            and all(old is new for old, new in zip(cached[0], params))
+            and cached[1] == versions
+        ):
+            return cached[2]
+        weights = cls._join(block)
+        _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
+        return weights
+
+    @classmethod
+    def _join(cls, block: Any) -> _BlockWeights:
         attn, mlp = block.attn, block.mlp
-        grouped = hasattr(attn, "_W_K")  # GroupedQueryAttention: the kv_head weights, not their per-head repeats
+        # GroupedQueryAttention keeps the kv_head weights (_W_K), not their per-head repeats (W_K).
+        grouped = hasattr(attn, "_W_K")
         w_k, w_v = (attn._W_K, attn._W_V) if grouped else (attn.W_K, attn.W_V)
         b_k, b_v = (attn._b_K, attn._b_V) if grouped else (attn.b_K, attn.b_V)
+        with torch.no_grad():
+            qkv = torch.cat(
+                [
+                    einops.rearrange(w, "head d_model d_head -> d_model (head d_head)")
+                    for w in (attn.W_Q, w_k, w_v)
+                ],
+                dim=1,
+            )
+            qkv_bias = torch.cat([b.flatten() for b in (attn.b_Q, b_k, b_v)])
+            gate_up = torch.cat([mlp.W_gate, mlp.W_in], dim=1)
         return cls(
             ln1=block.ln1.w,
             ln2=block.ln2.w,
             eps=block.cfg.eps,
-            qkv=torch.cat([einops.rearrange(w, "head d_model d_head -> d_model (head d_head)")
-                           for w in (attn.W_Q, w_k, w_v)], dim=1),
-            qkv_bias=torch.cat([b.flatten() for b in (attn.b_Q, b_k, b_v)]),
+            qkv=qkv,
+            qkv_bias=qkv_bias,
             out=einops.rearrange(attn.W_O, "head d_head d_model -> (head d_head) d_model"),
             out_bias=attn.b_O,
-            gate=mlp.W_gate,
-            up=mlp.W_in,
+            gate_up=gate_up,
             up_bias=mlp.b_in,
             down=mlp.W_out,
             down_bias=mlp.b_out,
@@ -542,25 +524,41 @@ class _BlockWeights:
         )
 
 
+# Joined weights per block, with the parameter state they were built from; entries go with their model.
+_JOINED: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], list[int], _BlockWeights]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _require_llama(model: HookedTransformer) -> None:
     cfg = model.cfg
-    if (cfg.normalization_type != "RMS" or cfg.positional_embedding_type != "rotary" or not cfg.gated_mlp
-            or cfg.use_qk_norm or cfg.use_split_qkv_input or cfg.use_attn_in or cfg.ungroup_grouped_query_attention
-            or cfg.use_local_attn or not cfg.use_attn_scale):
+    if (
+        cfg.normalization_type != "RMS"
+        or cfg.positional_embedding_type != "rotary"
+        or not cfg.gated_mlp
+        or cfg.use_qk_norm
+        or cfg.use_split_qkv_input
+        or cfg.use_attn_in
+        or cfg.ungroup_grouped_query_attention
+        or cfg.use_local_attn
+        or not cfg.use_attn_scale
+    ):
         raise ValueError(
             f"The fast engine runs Llama-style blocks (RMSNorm, rotary, gated MLP); {cfg.model_name!r} is "
             f"{cfg.normalization_type}/{cfg.positional_embedding_type}/gated_mlp={cfg.gated_mlp}. Use engine='naive'."
         )
 
 
-def _affine(x: Float[Tensor, "*rows d_in"], weight: Float[Tensor, "d_in d_out"], bias: Float[Tensor, " d_out"]
-            ) -> Float[Tensor, "*rows d_out"]:
+def _affine(
+    x: Float[Tensor, "*rows d_in"], weight: Float[Tensor, "d_in d_out"], bias: Float[Tensor, " d_out"]
+) -> Float[Tensor, "*rows d_out"]:
     """``x @ weight + bias`` as one fused product over all leading axes."""
     return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[1])
 
 
-def _rms_norm(x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
-              ) -> Float[Tensor, "*rows d_model"]:
+def _rms_norm(
+    x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
+) -> Float[Tensor, "*rows d_model"]:
     """TransformerLens's RMSNorm: statistics in at least fp32, then the model dtype."""
     wide = _at_least_fp32(x)
     scale = (wide.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -571,8 +569,9 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _rotate(x: Float[Tensor, "*rows head d_head"], cos: Tensor, sin: Tensor, rotary_dim: int
-            ) -> Float[Tensor, "*rows head d_head"]:
+def _rotate(
+    x: Float[Tensor, "*rows head d_head"], cos: Tensor, sin: Tensor, rotary_dim: int
+) -> Float[Tensor, "*rows head d_head"]:
     """Rotary embedding with TransformerLens's tables, in its (non-adjacent pairs, Llama) convention."""
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     first, second = x_rot.chunk(2, dim=-1)
@@ -604,9 +603,12 @@ def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _Atte
     prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
     offsets = torch.arange(packing.width, device=device)
     causal = offsets[:, None] >= offsets[None, :]
-    allowed = torch.cat([prefix_ok[:, None, :].expand(-1, packing.width, -1),
-                         causal[None].expand(n_batch, -1, -1)], dim=-1)
-    slot_position = (packing.start[:, None] + offsets[None, :]).clamp(max=attn.rotary_cos.shape[0] - 1).flatten()
+    allowed = torch.cat(
+        [prefix_ok[:, None, :].expand(-1, packing.width, -1), causal[None].expand(n_batch, -1, -1)], dim=-1
+    )
+    slot_position = (
+        (packing.start[:, None] + offsets[None, :]).clamp(max=attn.rotary_cos.shape[0] - 1).flatten()
+    )
     return _AttentionLayout(
         packing=packing,
         n_batch=n_batch,
@@ -648,7 +650,9 @@ def _attention(
     q = _rotate(slots[:, :, :n_heads], layout.cos, layout.sin, rotary_dim)
     k = _rotate(slots[:, :, n_heads : n_heads + n_kv], layout.cos, layout.sin, rotary_dim)
     v = slots[:, :, n_heads + n_kv :]
-    q = einops.rearrange(q, "run (b w) (kv rep) d -> b kv run rep w d", b=layout.n_batch, kv=n_kv).contiguous()
+    q = einops.rearrange(
+        q, "run (b w) (kv rep) d -> b kv run rep w d", b=layout.n_batch, kv=n_kv
+    ).contiguous()
     k = einops.rearrange(k, "run (b w) kv d -> b kv run w d", b=layout.n_batch)
     v = einops.rearrange(v, "run (b w) kv d -> b kv run w d", b=layout.n_batch)
     if keep is not None:
@@ -659,15 +663,17 @@ def _attention(
     q_wide = _at_least_fp32(q)
     scores = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_wide, _at_least_fp32(k))
     if prefix_len:
-        prefix_scores = torch.matmul(q_wide.view(shape[0], shape[1], -1, shape[-1]),
-                                     _at_least_fp32(prefix_keys).transpose(-1, -2))
+        prefix_scores = torch.matmul(
+            q_wide.view(shape[0], shape[1], -1, shape[-1]), _at_least_fp32(prefix_keys).transpose(-1, -2)
+        )
         scores = torch.cat([prefix_scores.view(*shape[:-1], prefix_len), scores], dim=-1)
     scores = scores.div_(weights.attn_scale).masked_fill_(~layout.allowed, float("-inf"))
     pattern = F.softmax(scores, dim=-1).to(v.dtype)
     z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v)
     if prefix_len:
-        z = z + torch.matmul(pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len),
-                             prefix_values.to(v.dtype)).view(shape)
+        z = z + torch.matmul(
+            pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len), prefix_values.to(v.dtype)
+        ).view(shape)
     z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, layout.slot)
     return _affine(z, weights.out, weights.out_bias)
 
@@ -675,11 +681,14 @@ def _attention(
 def _mlp(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
     """A block's gated MLP output (``hook_mlp_out``) from the residual after its attention."""
     normed = _rms_norm(resid_mid, weights.ln2, weights.eps)
-    hidden = weights.act(normed @ weights.gate) * (normed @ weights.up) + weights.up_bias
+    gate, up = (normed @ weights.gate_up).chunk(2, dim=-1)
+    hidden = weights.act(gate) * up + weights.up_bias
     return _affine(hidden, weights.down, weights.down_bias)
 
 
-def _mlp_half(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
+def _mlp_half(
+    weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]
+) -> Float[Tensor, "*rows d_model"]:
     return resid_mid + _mlp(weights, resid_mid)
 
 
@@ -703,7 +712,9 @@ def packed_forward(
     packing = WindowPacking.sequences(batch)
     layout = _attention_layout(model, packing)
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
-    empty = torch.zeros(layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device)
+    empty = torch.zeros(
+        layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device
+    )
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
     kv: list[Tensor] = []
 
@@ -742,18 +753,20 @@ def window_source_activations(
     """
     layers = list(layers)
     window = WindowPacking.of(batch)
-    if not _is_hooked(source):
-        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+    wrapped = as_source(source)
+    if not isinstance(wrapped, HookedSource):
+        acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=published_compat)
         return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
-    on_source = batch.to(source.cfg.device)
+    model = wrapped.model
+    on_source = batch.to(wrapped.device)
     rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
-    n_layers = source.cfg.n_layers
+    n_layers = model.cfg.n_layers
     with torch.no_grad():
-        _, captured, _ = packed_forward(source, on_source, (site,), max(layers) + 1, rows)
-        acts = [captured[site][layer] for layer in layers]
+        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
+        per_layer = [captured[site][layer] for layer in layers]
         if published_compat and site == "resid_post" and (n_layers - 1) in layers:
-            acts[layers.index(n_layers - 1)] = source.ln_final(acts[layers.index(n_layers - 1)])
-    return torch.stack(acts)
+            per_layer[layers.index(n_layers - 1)] = model.ln_final(per_layer[layers.index(n_layers - 1)])
+    return torch.stack(per_layer)
 
 
 def fast_patched_scores(
@@ -810,9 +823,15 @@ def fast_patched_scores(
         elif site == "mlp_out":
             resid = clean_rows("resid_mid") + patched("mlp_out")
         else:
-            resid_mid = patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
-            resid = torch.stack([_mlp_half(_BlockWeights.of(full.blocks[layer]), resid_mid[r])
-                                 for r, layer in enumerate(run_layers)])
+            resid_mid = (
+                patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
+            )
+            resid = torch.stack(
+                [
+                    _mlp_half(_BlockWeights.of(full.blocks[layer]), resid_mid[r])
+                    for r, layer in enumerate(run_layers)
+                ]
+            )
 
         layout = _attention_layout(full, packing)
         starts = [first_block(layer) for layer in run_layers]
@@ -820,10 +839,14 @@ def fast_patched_scores(
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
             weights = _BlockWeights.of(full.blocks[block_index])
             active = resid[first_active:]
-            active = active + _attention(weights, active, layout, clean.keys[block_index], clean.values[block_index])
+            active = active + _attention(
+                weights, active, layout, clean.keys[block_index], clean.values[block_index]
+            )
             resid[first_active:] = _mlp_half(weights, active)
 
-        scores = read_scores(full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast)
+        scores = read_scores(
+            full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast
+        )
     result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
     result[:, order] = scores.T
     return result
@@ -851,8 +874,10 @@ def patched_scores(
     """
     if engine == "naive":
         if acts.ndim != 4:
-            raise ValueError("The naive engine patches from [layer, batch, pos, d_model] activations "
-                             "(source_activations), not packed window rows.")
+            raise ValueError(
+                "The naive engine patches from [layer, batch, pos, d_model] activations "
+                "(source_activations), not packed window rows."
+            )
         return naive_patched_scores(full, batch, acts, site, layers, upcast)
     if engine == "fast":
         if clean is None:
@@ -905,28 +930,53 @@ def baseline_scores(
 
 
 def plan_batches(
-    examples: Sequence[EncodedExample], scope: str, batch_size: int, max_waste: float = 0.25, min_batch: int = 8
+    examples: Sequence[EncodedExample],
+    scope: str,
+    batch_size: int,
+    max_waste: float = 0.25,
+    min_batch: int = 8,
+    engine: str = "fast",
 ) -> list[list[int]]:
-    """Group example indices into batches of similar window and sequence lengths (deterministic).
+    """Group example indices into batches of similar lengths (deterministic).
 
-    The fast engine's cost is the padded window size times the number of runs, so examples are sorted by window
-    length and a batch of at least ``min_batch`` examples is closed early when padding would waste more than
-    ``max_waste`` of its window tokens (smaller batches would cost more in per-batch overhead than they save).
+    What padding costs differs by engine. The naive engine runs the padded window of every example, so examples
+    are sorted by window length and padding is counted in window tokens. The fast engine packs the windows (its
+    linear layers see only real rows, and the more rows a product has, the better it uses the cores); what it
+    still pads is the sequence axis of the clean keys/values and of the attention over them, so it sorts by
+    sequence length and counts padding there. A batch of at least ``min_batch`` examples is closed early when
+    padding would waste more than ``max_waste`` of its tokens (smaller batches would cost more in per-batch
+    overhead than they save).
     """
-    order = sorted(range(len(examples)),
-                   key=lambda i: (len(examples[i].window(scope)), examples[i].read_positions.stop, i))
+    if engine not in ENGINES:
+        raise ValueError(f"Unknown engine {engine!r}; use one of {ENGINES}.")
+
+    def padded_length(index: int) -> int:
+        example = examples[index]
+        return len(example.window(scope)) if engine == "naive" else example.read_positions.stop
+
+    order = sorted(
+        range(len(examples)),
+        key=lambda i: (
+            padded_length(i),
+            len(examples[i].window(scope)),
+            examples[i].read_positions.stop,
+            i,
+        ),
+    )
     batches: list[list[int]] = []
     current: list[int] = []
-    used = 0  # window tokens of the examples in ``current``
+    used = 0  # real tokens of the examples in ``current`` along the padded axis
     for index in order:
-        window = len(examples[index].window(scope))
+        length = padded_length(index)
         if current:
-            wasteful = len(current) >= min_batch and (len(current) + 1) * window > (1 + max_waste) * (used + window)
+            wasteful = len(current) >= min_batch and (len(current) + 1) * length > (1 + max_waste) * (
+                used + length
+            )
             if len(current) >= batch_size or wasteful:
                 batches.append(current)
                 current, used = [], 0
         current.append(index)
-        used += window
+        used += length
     if current:
         batches.append(current)
     return batches
@@ -938,14 +988,17 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     n_kv = cfg.n_key_value_heads or cfg.n_heads
     layers = cfg.n_layers
+    d_mlp = cfg.d_mlp or 4 * cfg.d_model
     if engine == "naive":
-        activations = seq_len * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * seq_len) * itemsize
+        activations = seq_len * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * seq_len) * itemsize
         logits = seq_len * cfg.d_vocab * 4
         return int(2 * (activations + logits) + layers * seq_len * cfg.d_model * itemsize)
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
-    runs = layers * window * (4 * cfg.d_model + 3 * cfg.d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    logits = layers * window * cfg.d_vocab * 4 * 2  # an upper bound: read_scores holds a slice of vocabulary or runs
+    runs = layers * window * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
+    logits = (
+        layers * window * cfg.d_vocab * 4 * 2
+    )  # an upper bound: read_scores holds a slice of vocabulary or runs
     return int(kv + sources + 2 * runs + logits)
 
 
@@ -977,13 +1030,31 @@ def choose_batch_size(
     seq_len = max(ex.read_positions.stop for ex in examples)
     window = max(len(ex.window(scope)) for ex in examples)
     per_example = max(1, estimate_bytes_per_example(model, seq_len, window, engine))
-    budget = available_memory_bytes(model.cfg.device) * budget_fraction
+    budget = available_memory_bytes(as_source(model).device) * budget_fraction
     return int(max(1, min(cap, math.floor(budget / per_example))))
 
 
 __all__ = [
-    "CleanRun", "ENGINES", "PatchBatch", "SCOPES", "SITES", "WindowPacking", "baseline_scores", "choose_batch_size",
-    "clean_run", "estimate_bytes_per_example", "fast_patched_scores", "plan_batches", "hook_name", "mean_entity_logprob",
-    "naive_patched_scores", "packed_forward", "pad_batch", "patched_scores", "read_scores", "source_activations",
-    "source_scores", "window_source_activations",
+    "CleanRun",
+    "ENGINES",
+    "PatchBatch",
+    "SCOPES",
+    "SITES",
+    "WindowPacking",
+    "baseline_scores",
+    "choose_batch_size",
+    "clean_run",
+    "estimate_bytes_per_example",
+    "fast_patched_scores",
+    "plan_batches",
+    "hook_name",
+    "mean_entity_logprob",
+    "naive_patched_scores",
+    "packed_forward",
+    "pad_batch",
+    "patched_scores",
+    "read_scores",
+    "source_activations",
+    "source_scores",
+    "window_source_activations",
 ]

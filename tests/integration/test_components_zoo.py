@@ -17,7 +17,9 @@ def zoo_auditor(test_zoo, monkeypatch_module):
     monkeypatch_module.setenv("UDS_LENS_ZOO", str(test_zoo.root))
     # The whole forget set (30 examples): one head carries less than a whole layer, and on 6 examples no head's d1
     # cleared tau on every zoo build (the largest was 0.045 on one), so the head-level test had nothing to check.
-    return UDSAuditor("zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False, progress=False)
+    return UDSAuditor(
+        "zoo:full", "zoo:retain", test_zoo.forget_path, UDSConfig(), cache_dir=False, progress=False
+    )
 
 
 @pytest.fixture(scope="module")

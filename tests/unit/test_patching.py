@@ -12,6 +12,7 @@ from uds_lens.patching import (
     naive_patched_scores,
     pad_batch,
     patched_scores,
+    plan_batches,
     source_activations,
     source_scores,
     window_source_activations,
@@ -120,8 +121,62 @@ def test_fast_engine_refuses_other_architectures(setup):
     encoded, _ = encode(setup["examples"], setup["tok"])
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
     cfg = setup["full"].cfg
-    gpt_like = new_hooked_transformer(HookedTransformerConfig(
-        n_layers=1, d_model=16, n_ctx=64, d_head=4, n_heads=4, d_vocab=cfg.d_vocab, act_fn="gelu",
-        normalization_type="LN"))
+    gpt_like = new_hooked_transformer(
+        HookedTransformerConfig(
+            n_layers=1,
+            d_model=16,
+            n_ctx=64,
+            d_head=4,
+            n_heads=4,
+            d_vocab=cfg.d_vocab,
+            act_fn="gelu",
+            normalization_type="LN",
+        )
+    )
     with pytest.raises(ValueError, match="naive"):
         clean_run(gpt_like, batch, "resid_post")
+
+
+def test_fast_engine_sees_weights_edited_in_place(tiny, setup):
+    """The joined block weights are kept between calls; an in-place edit must rebuild them, never run stale."""
+    full = load_model(tiny.full)
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    batch = pad_batch(encoded, setup["tok"].pad_token_id, "span")
+    layers = list(range(full.cfg.n_layers))
+    acts = source_activations(setup["source"], batch.tokens, "resid_post", layers)
+    before = patched_scores(full, batch, acts, "resid_post", layers, engine="fast")
+    with torch.no_grad():
+        full.blocks[-1].mlp.W_in.mul_(1.5)
+        full.blocks[-1].attn.W_Q.mul_(0.5)
+    after = patched_scores(full, batch, acts, "resid_post", layers, engine="fast")
+    naive = patched_scores(full, batch, acts, "resid_post", layers, engine="naive")
+    assert (after - before).abs().max() > 1e-3
+    assert torch.allclose(after, naive, atol=1e-5, rtol=0)
+
+
+def test_fast_plan_packs_windows_of_different_lengths(setup):
+    """The fast engine packs windows (no window padding), so only sequence lengths split its batches; the naive
+    engine pads windows and groups by window length."""
+    encoded, _ = encode(setup["examples"], setup["tok"])
+    for engine in ("fast", "naive"):
+        plan = plan_batches(
+            encoded, "span", batch_size=len(encoded), max_waste=0.25, min_batch=2, engine=engine
+        )
+        assert sorted(i for batch in plan for i in batch) == list(range(len(encoded)))
+        for batch in plan:
+            if engine == "fast":
+                lengths = [encoded[i].read_positions.stop for i in batch]
+            else:
+                lengths = [len(encoded[i].window("span")) for i in batch]
+            assert len(batch) * max(lengths) <= 1.25 * sum(lengths) or len(batch) <= 2
+    fast = plan_batches(encoded, "span", batch_size=len(encoded), max_waste=10.0, engine="fast")
+    assert fast == [
+        sorted(
+            range(len(encoded)),
+            key=lambda i: (encoded[i].read_positions.stop, len(encoded[i].window("span")), i),
+        )
+    ]
+    windows = {len(encoded[i].window("span")) for i in fast[0]}
+    assert len(windows) > 1  # one batch holds windows of several lengths
+    with pytest.raises(ValueError, match="engine"):
+        plan_batches(encoded, "span", 4, engine="fastest")
