@@ -41,9 +41,9 @@ test: lint
 test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
-# The core modules every UDS computation passes through are type-checked (those that exist: sources.py is new).
-MYPY_CORE := $(wildcard uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching.py uds_lens/uds.py \
-	uds_lens/auditor.py uds_lens/results.py)
+# The core modules every UDS computation passes through are type-checked.
+MYPY_CORE := uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching.py uds_lens/uds.py \
+	uds_lens/auditor.py uds_lens/results.py
 
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments

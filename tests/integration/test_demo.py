@@ -27,7 +27,6 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
     import pandas as pd
 
     import uds_lens.demo as demo
-    import uds_lens.zoo as zoo_module
 
     events = []
     monkeypatch.delenv("UDS_LENS_ZOO", raising=False)
@@ -44,9 +43,9 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
         entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
         return pd.DataFrame({"model": [m["name"] for m in entries], "uds": 0.5}), entries, {}
 
-    monkeypatch.setattr(zoo_module, "build_zoo", build)
+    monkeypatch.setattr(demo, "build_zoo", build)
     monkeypatch.setattr(demo, "_score_zoo", score)
-    monkeypatch.setattr("uds_lens.report.write_report", lambda *args, **kwargs: events.append(("report",)))
+    monkeypatch.setattr(demo, "write_report", lambda *args, **kwargs: events.append(("report",)))
     table = run_demo(
         tmp_path / "out",
         size="default",

@@ -48,9 +48,9 @@ class Zoo:
         local = self.root / path  # an absolute path stays itself
         return local if local.exists() or Path(path).is_absolute() else path
 
-    def names(self, roles: str | Sequence[str] | None = None) -> list[str]:
+    def names(self, role: str | Sequence[str] | None = None) -> list[str]:
         """Model names in manifest (build) order, optionally only those with one role or any of several."""
-        wanted = (roles,) if isinstance(roles, str) else roles
+        wanted = (role,) if isinstance(role, str) else role
         return [
             entry["name"]
             for entry in self.manifest["models"]

@@ -46,6 +46,7 @@ def test_roles_pools_and_data_files(tmp_path):
     data = {"forget_path": "data/f.json", "holdout": "data/h.json", "retain_file": "/abs/r.json"}
     zoo = load_zoo(_write_zoo(tmp_path, models, data, relearn={"lr": 0.002}))
     assert zoo.names("neg") == ["neg0", "neg1"] and zoo.names(["pos", "neg"]) == ["pos0", "neg0", "neg1"]
+    assert zoo.names(role="pos") == zoo.names("pos")  # the keyword the notebooks and earlier releases use
     assert zoo.names() == ["full", "pos0", "neg0", "neg1"] and zoo.has_pools
     assert (
         zoo.forget_path == tmp_path / "data" / "f.json" and zoo.holdout_path == tmp_path / "data" / "h.json"
