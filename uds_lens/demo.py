@@ -35,7 +35,7 @@ def _has_pools(zoo_dir: Path) -> bool:
     return (zoo_dir / MANIFEST_FILE).is_file() and load_zoo(zoo_dir).has_pools
 
 
-def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
+def preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
     """The test-size zoo to score first when the requested zoo has never been built (None otherwise).
 
     Building the default zoo takes minutes (7-8 on a 2-core CPU before anything is scored); the test-size zoo
@@ -50,9 +50,11 @@ def _preview_zoo(size: str, zoo_dir: str | os.PathLike | None) -> Path | None:
     return default_zoo_dir("test")
 
 
-def _score_zoo(
+def score_zoo(
     zoo: Zoo, out: Path, config: UDSConfig | None, progress: bool
 ) -> tuple[pd.DataFrame, list, dict]:
+    """Score the zoo's demo models (``DEMO_ROLES``) into ``out``: the summary table, their manifest entries and the
+    ``UDSResult`` of each, by name."""
     entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
     results = score_models(
         zoo.path("full"),
@@ -109,7 +111,7 @@ def run_demo(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        preview_root = _preview_zoo(size, zoo_dir) if on_preview is not None else None
+        preview_root = preview_zoo(size, zoo_dir) if on_preview is not None else None
         if preview_root is not None:
             # One thread, as the test suite builds it: the cache is shared rather than rebuilt (threads are part of
             # a zoo model's fingerprint), and on a busy small CPU one thread trains this zoo many times faster.
@@ -121,7 +123,7 @@ def run_demo(
                 progress=progress,
                 overwrite=True,
             )
-            table, _, _ = _score_zoo(preview, out / "preview", config, progress)
+            table, _, _ = score_zoo(preview, out / "preview", config, progress)
             (out / "preview").mkdir(parents=True, exist_ok=True)
             table.to_csv(out / "preview" / "uds_table.csv", index=False)
             logger.info("preview on the test-size zoo after %.1f s", time.perf_counter() - started)
@@ -136,7 +138,7 @@ def run_demo(
             progress=progress,
             overwrite=zoo_dir is None,
         )
-        table, entries, _ = _score_zoo(zoo, out, config, progress)
+        table, entries, _ = score_zoo(zoo, out, config, progress)
     finally:
         torch.set_num_threads(previous_threads)
     (out / "roles.json").write_text(json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
@@ -146,4 +148,4 @@ def run_demo(
     return table
 
 
-__all__ = ["default_zoo_dir", "run_demo"]
+__all__ = ["DEMO_ROLES", "default_zoo_dir", "preview_zoo", "run_demo", "score_zoo"]

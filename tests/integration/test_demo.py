@@ -44,7 +44,7 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
         return pd.DataFrame({"model": [m["name"] for m in entries], "uds": 0.5}), entries, {}
 
     monkeypatch.setattr(demo, "build_zoo", build)
-    monkeypatch.setattr(demo, "_score_zoo", score)
+    monkeypatch.setattr(demo, "score_zoo", score)
     monkeypatch.setattr(demo, "write_report", lambda *args, **kwargs: events.append(("report",)))
     table = run_demo(
         tmp_path / "out",
@@ -63,5 +63,5 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
     ]
     assert len(table) == n_models
     # once the default zoo exists (a manifest), or without a preview callback, nothing is scored twice
-    assert demo._preview_zoo("default", test_zoo.root) is None
-    assert demo._preview_zoo("test", None) is None
+    assert demo.preview_zoo("default", test_zoo.root) is None
+    assert demo.preview_zoo("test", None) is None

@@ -314,13 +314,15 @@ class ZooData:
     details: dict[str, Any]
 
 
-def _load_data(
+def load_data(
     size: ZooSize,
     seed: int,
     retain_data: Any,
     forget_data: Any,
     holdout_data: Any,
 ) -> ZooData:
+    """The zoo's question/answer data: the synthetic world of ``size`` (seeded), or the user's retain/forget sets
+    (with a holdout carved from retain when none is given)."""
     if (retain_data is None) != (forget_data is None):
         raise ZooDataError(
             "pass both retain_data and forget_data (user QA data), or neither (the synthetic world)"
@@ -378,7 +380,7 @@ def _share(items: list[Any], share: str, seed: int) -> list[Any]:
     return [items[i] for i in chosen]
 
 
-def _training_sequences(
+def training_sequences(
     recipe: str, data: ZooData, seed: int, tokenizer: PreTrainedTokenizerBase, max_positions: int
 ) -> list[QASequence]:
     """The training sequences of a data recipe: ``+``-joined parts ``SPLIT[_VARIANT][:SHARE]``.
@@ -656,7 +658,7 @@ def _build_locked(
     base: str | os.PathLike | None = None,
 ) -> None:
     started = time.perf_counter()
-    data = _load_data(size, seed, retain_data, forget_data, holdout_data)
+    data = load_data(size, seed, retain_data, forget_data, holdout_data)
     data_dir = root / "data"
     paths = {split: data_dir / f"{split}.json" for split in ("forget", "retain", "holdout")}
     texts = {}
@@ -740,7 +742,7 @@ def _build_locked(
             model, sequences, steps = _load_pretrained_base(base), [], 0
         elif spec.stage == "pretrain":
             model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
-            sequences = _training_sequences(
+            sequences = training_sequences(
                 spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
             )
             steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
@@ -750,7 +752,7 @@ def _build_locked(
                 in_memory[spec.parent] = parent
             model = _copy_model(parent)
             if spec.stage == "finetune":
-                sequences = _training_sequences(
+                sequences = training_sequences(
                     spec.hyperparams["data"],
                     data,
                     spec.hyperparams["seed"],

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from uds_lens.zoo import ZooBuildError, ZooDataError, build_zoo, load_zoo
-from uds_lens.zoo.build import ZooSize, _load_data, _training_sequences, plan_models
+from uds_lens.zoo.build import ZooSize, load_data, plan_models, training_sequences
 from uds_lens.zoo.train import ModelShape
 from uds_lens.zoo.world import FACT_KINDS, RECORD_FIELDS
 
@@ -208,11 +208,11 @@ def test_pools_cycle_recipes_within_settings_and_skip_what_the_data_lacks():
 def test_training_recipes(micro_zoo):
     zoo, _ = micro_zoo
     tokenizer = AutoTokenizer.from_pretrained(zoo.tokenizer_path)
-    data = _load_data(MICRO, 0, None, None, None)
+    data = load_data(MICRO, 0, None, None, None)
     n_retain, n_forget = len(data.retain), len(data.forget)
 
     def sequences(recipe, max_positions=10_000):
-        return _training_sequences(recipe, data, 3, tokenizer, max_positions)
+        return training_sequences(recipe, data, 3, tokenizer, max_positions)
 
     def text(sequence):
         return tokenizer.decode(sequence.input_ids, skip_special_tokens=True)
