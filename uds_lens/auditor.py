@@ -55,7 +55,8 @@ from uds_lens.sources import as_source
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3
+# 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
+CACHE_FORMAT = 4
 DEFAULT_CACHE_DIR = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
 
 
@@ -170,6 +171,7 @@ class StageOne:
     s_full: Float[Tensor, " example"]
     baseline: Float[Tensor, "example layer"]
     s1: Float[Tensor, "example layer"] | None
+    batches: list[list[int]]  # the batch plan it was computed in (indices into the encoded examples)
     seconds: float = 0.0
     cached: bool = False
 
@@ -236,7 +238,10 @@ class S1Cache:
                 raise ValueError("tensor shapes do not fit the examples and layers")
             if not all(bool(torch.isfinite(t).all()) for t in (s_full, baseline, s1) if t is not None):
                 raise ValueError("it holds non-finite scores")
-            return StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, cached=True)
+            batches = [[int(i) for i in members] for members in header["batches"]]
+            if sorted(i for members in batches for i in members) != list(range(len(idx))):
+                raise ValueError("its batch plan does not cover every example exactly once")
+            return StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, batches=batches, cached=True)
         except Exception as err:  # any unreadable or inconsistent file is rebuilt
             warnings.warn(
                 f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2
@@ -252,7 +257,12 @@ class S1Cache:
         tensors = {"s_full": stage.s_full, "baseline": stage.baseline}
         if stage.s1 is not None:
             tensors["s1"] = stage.s1
-        header = {"format": CACHE_FORMAT, "payload": payload, "idx": [int(i) for i in stage.idx]}
+        header = {
+            "format": CACHE_FORMAT,
+            "payload": payload,
+            "idx": [int(i) for i in stage.idx],
+            "batches": stage.batches,
+        }
         save_file(
             {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
             str(tmp),
@@ -632,6 +642,9 @@ class UDSAuditor:
             cached = self.cache.load(key, payload)
             if cached is not None and cached.idx == [e.idx for e in self.encoded]:
                 logger.info("S1 cache hit: %s", self.cache.path(key))
+                # The batch size is not part of the key (it follows free memory), so the plan S1 ran in is adopted:
+                # S2 batches exactly as S1 did, and a source identical to full still gives deltas of exactly 0.
+                self.use_stage1(cached, cached.batches)
                 return cached
         started = time.perf_counter()
         n, n_layers = len(self.encoded), len(self.layers)
@@ -668,6 +681,7 @@ class UDSAuditor:
             s_full=s_full,
             baseline=baseline,
             s1=s1,
+            batches=self.batches,
             seconds=time.perf_counter() - started,
         )
         if self.cache is not None and key is not None and payload is not None:

@@ -140,6 +140,14 @@ def test_s1_cache_hit_miss_tau_and_corruption(tiny, tmp_path):
     r3 = third.score(tiny.unlearned)
     assert r3.summary["timings"]["s1_cached"]
     assert r3.examples["n_ke"].sum() <= r1.examples["n_ke"].sum()
+    # the batch size is not part of the key: a hit adopts the batches S1 ran in, so S2 batches as S1 did
+    other_size = UDSAuditor(
+        tiny.full, tiny.retain, tiny.data, UDSConfig(batch_size=1), cache_dir=cache, progress=False
+    )
+    assert other_size.batches != first.batches
+    r_size = other_size.score(tiny.full)
+    assert r_size.summary["timings"]["s1_cached"] and other_size.batches == first.batches
+    assert (r_size.layers["d2"] == 0.0).all()  # the full model as its own source: exactly 0 in S1's batches
     pd.testing.assert_frame_equal(r1.with_tau(0.2).examples, r3.examples)
     # same path, different weights: a miss
     changed = tmp_path / "retain"
