@@ -939,11 +939,11 @@ def plan_batches(
 ) -> list[list[int]]:
     """Group example indices into batches of similar lengths (deterministic).
 
-    What padding costs differs by engine. The naive engine runs the padded window of every example, so examples
-    are sorted by window length and padding is counted in window tokens. The fast engine packs the windows (its
-    linear layers see only real rows, and the more rows a product has, the better it uses the cores); what it
-    still pads is the sequence axis of the clean keys/values and of the attention over them, so it sorts by
-    sequence length and counts padding there. A batch of at least ``min_batch`` examples is closed early when
+    The fast engine packs the windows (its linear layers see only real rows, and the more rows a product has, the
+    better it uses the cores); what it still pads is the sequence axis of the clean keys/values and of the attention
+    over them, so it sorts by sequence length and counts padding there. The naive engine (the oracle) keeps the
+    grouping it has always had, by window length with padding counted in window tokens, so its batches, and with
+    them its float noise, are unchanged. A batch of at least ``min_batch`` examples is closed early when
     padding would waste more than ``max_waste`` of its tokens (smaller batches would cost more in per-batch
     overhead than they save).
     """
@@ -996,9 +996,8 @@ def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: i
     kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
     sources = 2 * layers * seq_len * cfg.d_model * itemsize
     runs = layers * window * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    logits = (
-        layers * window * cfg.d_vocab * 4 * 2
-    )  # an upper bound: read_scores holds a slice of vocabulary or runs
+    # an upper bound: read_scores holds a slice of the vocabulary (or, published-compat, of the runs) at a time
+    logits = layers * window * cfg.d_vocab * 4 * 2
     return int(kv + sources + 2 * runs + logits)
 
 

@@ -26,22 +26,20 @@ from uds_lens.zoo import load_zoo
 def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     base = test_zoo.path("base")
     out = tmp_path / "zoo"
-    result = CliRunner().invoke(
-        app,
-        [
-            "zoo",
-            "build",
-            "--out",
-            str(out),
-            "--size",
-            "test",
-            "--no-pools",
-            "--threads",
-            "1",
-            "--base",
-            str(base),
-        ],
-    )
+    build = [
+        "zoo",
+        "build",
+        "--out",
+        str(out),
+        "--size",
+        "test",
+        "--no-pools",
+        "--threads",
+        "1",
+        "--base",
+        str(base),
+    ]
+    result = CliRunner().invoke(app, build)
     assert result.exit_code == 0, result.output
     zoo = load_zoo(out)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -59,21 +57,6 @@ def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     assert zoo.info("full")["metrics"]["forget_entity_exact"] >= 0.95
     assert zoo.info("retain")["metrics"]["forget_entity_exact"] <= 0.2
     # Resumable: a second build reuses every model.
-    again = CliRunner().invoke(
-        app,
-        [
-            "zoo",
-            "build",
-            "--out",
-            str(out),
-            "--size",
-            "test",
-            "--no-pools",
-            "--threads",
-            "1",
-            "--base",
-            str(base),
-        ],
-    )
+    again = CliRunner().invoke(app, build)
     assert again.exit_code == 0, again.output
     assert all(entry["reused"] for entry in json.loads((out / "manifest.json").read_text())["models"])
