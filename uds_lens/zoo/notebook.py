@@ -20,6 +20,7 @@ from uds_lens.auditor import UDSAuditor, UDSConfig
 from uds_lens.models import load_model
 from uds_lens.results import UDSResult
 from uds_lens.zoo.build import Zoo, build_zoo, load_zoo
+from uds_lens.zoo.layout import MANIFEST_FILE
 
 # The zoo's unlearned model a notebook shows when none is named (NPO: a method whose erasure is partial).
 DEFAULT_UNLEARNED = "npo"
@@ -106,7 +107,7 @@ def notebook_setup(
     zoo = None
     if full is None:
         zoo_dir = Path(zoo_dir)
-        zoo = load_zoo(zoo_dir) if (zoo_dir / "manifest.json").exists() else build_zoo(zoo_dir, size="test")
+        zoo = load_zoo(zoo_dir) if (zoo_dir / MANIFEST_FILE).exists() else build_zoo(zoo_dir, size="test")
         full, retain, data = zoo.path("full"), zoo.path("retain"), zoo.forget_path
         if unlearned is None:
             names = zoo.names(role="unlearned")
