@@ -51,6 +51,7 @@ from uds_lens.patching import (
     hook_name,
     pad_batch,
     patched_scores,
+    segment_mean,
 )
 from uds_lens.plotting.components import component_heatmap
 from uds_lens.sources import as_source
@@ -315,11 +316,7 @@ def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Te
 
 
 def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
-    total = torch.zeros(batch.size, device=values.device).index_add_(0, batch.read_batch, values)
-    count = torch.zeros(batch.size, device=values.device).index_add_(
-        0, batch.read_batch, torch.ones_like(values)
-    )
-    return total / count
+    return segment_mean(values, batch.read_batch, batch.size)
 
 
 def _token_grid(

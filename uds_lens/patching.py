@@ -141,12 +141,13 @@ def mean_entity_logprob(
     else:
         # Published-compat: the log-softmax in the model dtype, rounded as the published code rounds it.
         picked = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0].float()
-    return _segment_mean(picked, segment, n_segments)
+    return segment_mean(picked, segment, n_segments)
 
 
-def _segment_mean(
+def segment_mean(
     values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
 ) -> Float[Tensor, " segment"]:
+    """Mean of ``values`` per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity tokens), fp32."""
     total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
     count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
         0, segment, torch.ones_like(values)
@@ -343,7 +344,7 @@ def read_scores(
     if upcast:
         rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
         picked = _label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
-        return _segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
+        return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
     chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
     scores = []
     for first in range(0, n_runs, chunk):
@@ -1053,6 +1054,7 @@ __all__ = [
     "pad_batch",
     "patched_scores",
     "read_scores",
+    "segment_mean",
     "source_activations",
     "source_scores",
     "window_source_activations",
