@@ -46,6 +46,7 @@ from uds_lens.patching import (
     baseline_scores,
     choose_batch_size,
     clean_run,
+    fast_engine_refusal,
     pad_batch,
     plan_batches,
     source_scores,
@@ -56,7 +57,8 @@ from uds_lens.sources import as_source
 logger = logging.getLogger(__name__)
 
 # 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
-CACHE_FORMAT = 4
+# 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
+CACHE_FORMAT = 5
 DEFAULT_CACHE_DIR = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
 
 
@@ -291,7 +293,8 @@ def _versions() -> dict[str, str]:
 # Fingerprints: what a result depends on
 
 
-RESULT_FINGERPRINT_FORMAT = 1
+# 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
+RESULT_FINGERPRINT_FORMAT = 2
 # Files of a checkpoint directory that can change its numbers: weights, config, tokenizer.
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt")
 _FILE_DIGESTS: dict[tuple[Any, ...], str] = {}
@@ -442,6 +445,11 @@ class UDSAuditor:
         self.device = self.config.device or models.default_device()
         self.full = self._load(full, "full")
         self.full_name = models.describe(full)
+        refusal = fast_engine_refusal(self.full) if self.config.engine == "fast" else None
+        if refusal is not None:
+            # a family the fast engine does not compute: the naive engine (the model's own forward), never a guess
+            logger.warning("%s: %s; scoring with the naive engine.", self.full_name, refusal)
+            self.config = dataclasses.replace(self.config, engine="naive")
         if tokenizer is None:
             source = full if isinstance(full, (str, os.PathLike)) else getattr(self.full, "uds_source", None)
             if source is None:

@@ -22,12 +22,13 @@ one call per head over all layers. Everything else (other hook names, all positi
 ``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
 naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
 
-Sources are run as ``HookedTransformer`` models here (a head is a TransformerLens notion): ``auditor.load_source``
+Sources are run as TransformerLens models (bridges) here (a head is a TransformerLens notion): ``auditor.load_source``
 loads a path or zoo name as one, and a Hugging Face source is converted (``sources.ActivationSource.hooked``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,14 +49,18 @@ from uds_lens.patching import (
     PatchBatch,
     baseline_scores,
     clean_run,
+    fast_engine_refusal,
     hook_name,
     pad_batch,
     patched_scores,
+    residual_patch_hooks,
     segment_mean,
 )
 from uds_lens.plotting.components import component_heatmap
 from uds_lens.sources import as_source
-from uds_lens.tl_compat import HookedTransformer, HookPoint
+from uds_lens.tl_compat import HookPoint, attn_result
+
+logger = logging.getLogger(__name__)
 
 HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
 """Per-head hook points (TransformerLens names inside ``blocks.{l}``): ``[batch, pos, head, d]``."""
@@ -290,22 +295,17 @@ class ComponentResult:
 
 
 def _source_cache(
-    source: HookedTransformer,
+    source: Any,
     tokens: Tensor,
     names: set[str],
     use_attn_result: bool = False,
     device: str | torch.device | None = None,
 ) -> dict[str, Tensor]:
     """Activations of ``source`` at ``names`` (one forward, no gradients), on ``device`` (the target's)."""
-    previous = source.cfg.use_attn_result
-    source.cfg.use_attn_result = previous or use_attn_result
-    try:
-        with torch.no_grad():
-            _, cache = source.run_with_cache(
-                tokens.to(source.cfg.device), names_filter=lambda name: name in names
-            )
-    finally:
-        source.cfg.use_attn_result = previous
+    with attn_result(source, use_attn_result), torch.no_grad():
+        _, cache = source.run_with_cache(
+            tokens.to(source.cfg.device), names_filter=lambda name: name in names
+        )
     return {name: cache[name].to(device or tokens.device) for name in names}
 
 
@@ -332,9 +332,10 @@ def _token_grid(
     return grid
 
 
-def _run(full: HookedTransformer, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
+def _run(full: Any, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
+    expanded = [pair for name, fn in hooks for pair in residual_patch_hooks(full, name, fn)]
     with torch.no_grad():
-        return full.run_with_hooks(tokens, fwd_hooks=hooks)
+        return full.run_with_hooks(tokens, fwd_hooks=expanded)
 
 
 def _overwrite(source: Tensor, mask: Bool[Tensor, "batch pos"], head: int | None) -> Callable:
@@ -364,7 +365,7 @@ def _resolve_hook(hook: str) -> str:
     return hook.split(".", 2)[-1] if hook.startswith("blocks.") else hook
 
 
-def _check_hook(full: HookedTransformer, point: str, layers: Sequence[int]) -> None:
+def _check_hook(full: Any, point: str, layers: Sequence[int]) -> None:
     missing = [
         f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict
     ]
@@ -390,7 +391,7 @@ class _Runner:
 
     def __init__(self, auditor: Any, idxs: Sequence[int] | None, batch_size: int | None) -> None:
         self.auditor = auditor
-        self.full: HookedTransformer = auditor.full
+        self.full: Any = auditor.full
         self.encoded: list[EncodedExample] = auditor.select(idxs)
         size = batch_size or auditor.config.batch_size or 8
         self.chunks = [self.encoded[i : i + size] for i in range(0, len(self.encoded), size)]
@@ -402,9 +403,7 @@ class _Runner:
         return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
 
 
-def _heads_fast(
-    runner: _Runner, source: HookedTransformer, hook: str, layers: list[int], progress: bool
-) -> _StageScores:
+def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
     s0_parts, base_parts, score_parts = [], [], []
@@ -451,7 +450,7 @@ def _heads_fast(
 
 def _components_naive(
     runner: _Runner,
-    source: HookedTransformer,
+    source: Any,
     hook: str,
     layers: list[int],
     axis: str,
@@ -470,9 +469,7 @@ def _components_naive(
     names = {f"blocks.{layer}.{hook}" for layer in layers}
     use_result = hook == HEAD_HOOKS["result"]
     s0_parts, base_parts, score_parts, valid_parts = [], [], [], []
-    previous = full.cfg.use_attn_result
-    full.cfg.use_attn_result = previous or use_result
-    try:
+    with attn_result(full, use_result):
         for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
@@ -515,8 +512,6 @@ def _components_naive(
             base_parts.append(base.float().cpu())
             score_parts.append(scores.float().cpu())
             valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
-    finally:
-        full.cfg.use_attn_result = previous
     return _StageScores(
         torch.cat(s0_parts),
         torch.cat(base_parts),
@@ -555,15 +550,15 @@ def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
 # The public calls
 
 
-def _hooked_source(auditor: Any, source: Any) -> HookedTransformer:
-    """The source as a HookedTransformer: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
+def _hooked_source(auditor: Any, source: Any) -> Any:
+    """The source as a Any: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
     is converted (an NF4 one from a dequantised copy) into the full model's dtype and device."""
     full = auditor.full.cfg
     return as_source(source).hooked(dtype=full.dtype, device=str(full.device))
 
 
 def _stage_scores(
-    auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[HookedTransformer], _StageScores]
+    auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[Any], _StageScores]
 ) -> _StageScores:
     """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``."""
     store = auditor.component_cache if role == "retain" else None
@@ -583,7 +578,7 @@ def _result(
     axis: str,
     layers: Sequence[int] | None,
     idxs: Sequence[int] | None,
-    compute: Callable[[HookedTransformer], _StageScores],
+    compute: Callable[[Any], _StageScores],
     engine: str,
     key: tuple,
 ) -> ComponentResult:
@@ -631,7 +626,7 @@ def patch_heads(
 
     Args:
         auditor: a ``UDSAuditor`` (full, retain, forget set and settings).
-        unlearned: the S2 source (path, zoo name, or HookedTransformer).
+        unlearned: the S2 source (path, zoo name, or Any).
         hook: ``"z"`` (``attn.hook_z``: the head's value-weighted mix, through full's ``W_O``) or ``"result"``
             (``attn.hook_result``: the head's output through the source's own ``W_O``).
         layers: layers to patch (default the auditor's).
@@ -658,12 +653,16 @@ def patch_heads(
             "The fast engine recomputes only the patched window; positions='all' needs engine='naive'."
         )
     chosen = "naive" if engine == "naive" or positions == "all" else "fast"
+    refusal = fast_engine_refusal(auditor.full) if chosen == "fast" else None
+    if refusal is not None:
+        logger.warning("patch_heads runs the naive engine: %s.", refusal)
+        chosen = "naive"
     layers = list(layers) if layers is not None else list(auditor.layers)
     progress = auditor.progress if progress is None else progress
     runner = _Runner(auditor, idxs, batch_size)
     point = HEAD_HOOKS[hook]
 
-    def compute(source: HookedTransformer) -> _StageScores:
+    def compute(source: Any) -> _StageScores:
         if chosen == "fast":
             return _heads_fast(runner, source, point, layers, progress)
         return _components_naive(runner, source, point, layers, "head", positions, progress)
@@ -691,7 +690,7 @@ def _patch_each(
     point = _resolve_hook(site)
     _check_hook(auditor.full, point, layers)
 
-    def compute(source: HookedTransformer) -> _StageScores:
+    def compute(source: Any) -> _StageScores:
         return _components_naive(runner, source, point, layers, axis, "patched", progress)
 
     key = (axis, point, tuple(layers), tuple(e.idx for e in runner.encoded))

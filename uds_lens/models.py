@@ -1,23 +1,17 @@
-"""Load Llama checkpoints as TransformerLens ``HookedTransformer`` models, without touching the network.
+"""Load checkpoints as TransformerLens ``TransformerBridge`` models, without touching the network.
 
 A UDS audit patches activations between three checkpoints of one architecture, so loading is strict: each
 checkpoint is read from a local Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
 holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
-config must be a Llama config, and two models are only accepted together when their architecture and vocabulary
-match. A string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any
-hub request.
+model type must be one uds_lens supports, and two models are only accepted together when their architecture and
+vocabulary match. A string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once,
+before any hub request.
 
-The HookedTransformer config is derived from the checkpoint's config (no lookup in TransformerLens's table of
-official model names, which would need the hub), and the weights are converted *without* folding or centring, so
-``blocks.{l}.hook_resid_post`` equals Hugging Face's ``hidden_states[l + 1]`` (``verify_parity`` checks it).
-
-Memory: a 1B model is ~5 GB in fp32, so conversion never holds two copies. The weights are converted one tensor at
-a time into the HookedTransformer's parameters, which are *views* in Hugging Face's layout (``W_Q`` is
-``q_proj.weight`` reshaped, ``W_in`` is ``up_proj.weight.T``): no copy is made when the dtype already matches, and
-TransformerLens's ``F.linear(x, W.T.contiguous())`` then costs no copy per forward either. A directory of
-``.safetensors`` files is streamed tensor by tensor with plain reads (a memory map would count the whole file as
-resident); other sources go through a Hugging Face model whose tensors are released as they are converted. Tied
-embeddings stay tied (``W_U`` is a view of ``W_E``).
+A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
+(``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its
+forward is Hugging Face's, so ``blocks.{l}.hook_resid_post`` equals Hugging Face's ``hidden_states[l + 1]`` exactly
+(``sources.verify_parity`` checks it). This works alike on TransformerLens 3.9 and 4.x. Fingerprints hash the
+Hugging Face tensors under their Hugging Face names, so they do not depend on the TransformerLens version.
 """
 
 from __future__ import annotations
@@ -29,13 +23,10 @@ import logging
 import os
 import re
 import shutil
-import struct
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import einops
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
@@ -43,18 +34,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from uds_lens.data import looks_like_local_path
 from uds_lens.tl_compat import (
-    HookedTransformer,
-    HookedTransformerConfig,
-    apply_llama3_rope_scaling,
-    new_hooked_transformer,
-    rope_theta,
+    TransformerBridge,
+    bridge_from_hf,
+    hf_model_of,
+    is_hooked_transformer,
+    is_tl_model,
 )
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama",)
-# TransformerLens allocates per-layer rotary tables lazily; the context length only bounds them.
-_MAX_N_CTX = 8192
 
 
 class ModelLoadError(RuntimeError):
@@ -289,7 +278,7 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
     try:
-        return AutoConfig.from_pretrained(first, **kwargs)
+        return AutoConfig.from_pretrained(first, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "config", err) from err
 
@@ -302,53 +291,6 @@ def check_supported(hf_config: Any, name: str) -> None:
             f"{name} is a {model_type!r} model ({archs}); uds_lens supports Llama checkpoints "
             f"(model_type in {SUPPORTED_MODEL_TYPES}) for now. Convert the checkpoint or use a Llama-family model."
         )
-
-
-def _rope_scaling(hf_config: Any) -> dict[str, Any]:
-    for attr in ("rope_scaling", "rope_parameters"):
-        value = getattr(hf_config, attr, None)
-        if isinstance(value, dict) and (value.get("rope_type") or value.get("type")):
-            return value
-    return {}
-
-
-def hooked_config_from_hf(hf_config: Any, dtype: torch.dtype, device: str) -> HookedTransformerConfig:
-    """TransformerLens config for a Hugging Face Llama config (mirrors TransformerLens's Llama branch)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    cfg: dict[str, Any] = {
-        "d_model": hf_config.hidden_size,
-        "d_head": head_dim,
-        "n_heads": hf_config.num_attention_heads,
-        "d_mlp": hf_config.intermediate_size,
-        "n_layers": hf_config.num_hidden_layers,
-        "n_ctx": min(int(hf_config.max_position_embeddings), _MAX_N_CTX),
-        "eps": hf_config.rms_norm_eps,
-        "d_vocab": hf_config.vocab_size,
-        "act_fn": hf_config.hidden_act,
-        "n_key_value_heads": n_kv if n_kv != hf_config.num_attention_heads else None,
-        "normalization_type": "RMS",
-        "positional_embedding_type": "rotary",
-        "rotary_adjacent_pairs": False,
-        "rotary_dim": head_dim,
-        "rotary_base": rope_theta(hf_config),
-        "final_rms": True,
-        "gated_mlp": True,
-        "original_architecture": "LlamaForCausalLM",
-        "tokenizer_prepends_bos": True,
-        "default_prepend_bos": True,
-        "dtype": dtype,
-        "device": device,
-    }
-    scaling = _rope_scaling(hf_config)
-    if scaling:
-        shim = type(
-            "RopeShim",
-            (),
-            {"rope_scaling": scaling, "max_position_embeddings": hf_config.max_position_embeddings},
-        )()
-        apply_llama3_rope_scaling(cfg, shim)
-    return HookedTransformerConfig(**cfg)
 
 
 def load_hf_model(
@@ -380,9 +322,12 @@ def load_hf_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(first, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "weights", err) from err
+    if not getattr(model.config, "architectures", None):
+        # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
+        model.config.architectures = [type(model).__name__]
     if quantization is None:
         # transformers wraps PreTrainedModel.to in a decorator whose stub drops the argument types
         model.to(device)  # type: ignore[arg-type]
@@ -390,238 +335,82 @@ def load_hf_model(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Hugging Face Llama tensors -> HookedTransformer parameters, one tensor at a time
-
-_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Hugging Face model -> TransformerBridge
 
 
-def _hooked_views(
-    name: str, tensor: Tensor, cfg: HookedTransformerConfig, tied: bool
-) -> list[tuple[str, Tensor]]:
-    """The HookedTransformer parameters one Hugging Face Llama tensor becomes, as views of it (no copy).
+def _stand_in_tokenizer() -> Any:
+    """A one-token fast tokenizer for a bridge over a checkpoint that ships none (the bridge keeps a tokenizer;
+    uds_lens tokenises with the checkpoint's own, ``load_tokenizer``)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
 
-    Returns an empty list for tensors with no parameter (rotary ``inv_freq`` buffers of old checkpoints, and
-    ``lm_head.weight`` of a tied model, whose ``W_U`` is a view of the embedding instead).
-    """
-    kv = "_" if cfg.n_key_value_heads is not None else ""
-    n_kv = cfg.n_key_value_heads or cfg.n_heads
-    if name == "model.embed_tokens.weight":
-        views = [("embed.W_E", tensor)]
-        if tied:
-            views.append(("unembed.W_U", tensor.T))
-        return views
-    if name == "lm_head.weight":
-        return [] if tied else [("unembed.W_U", tensor.T)]
-    if name == "model.norm.weight":
-        return [("ln_final.w", tensor)]
-    match = _LAYER_TENSOR.match(name)
-    if match is None:
-        return []
-    layer, rest = int(match.group(1)), match.group(2)
-    block = f"blocks.{layer}"
-    # Hugging Face stores projections as [out, in] with heads outermost on the "out" side.
-    table: dict[str, tuple[str, Any]] = {
-        "input_layernorm.weight": ("ln1.w", lambda t: t),
-        "post_attention_layernorm.weight": ("ln2.w", lambda t: t),
-        "self_attn.q_proj.weight": (
-            "attn.W_Q",
-            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=cfg.n_heads),
-        ),
-        "self_attn.k_proj.weight": (
-            f"attn.{kv}W_K",
-            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv),
-        ),
-        "self_attn.v_proj.weight": (
-            f"attn.{kv}W_V",
-            lambda t: einops.rearrange(t, "(n h) m -> n m h", n=n_kv),
-        ),
-        "self_attn.o_proj.weight": (
-            "attn.W_O",
-            lambda t: einops.rearrange(t, "m (n h) -> n h m", n=cfg.n_heads),
-        ),
-        "self_attn.q_proj.bias": ("attn.b_Q", lambda t: einops.rearrange(t, "(n h) -> n h", n=cfg.n_heads)),
-        "self_attn.k_proj.bias": (f"attn.{kv}b_K", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
-        "self_attn.v_proj.bias": (f"attn.{kv}b_V", lambda t: einops.rearrange(t, "(n h) -> n h", n=n_kv)),
-        "self_attn.o_proj.bias": ("attn.b_O", lambda t: t),
-        "mlp.up_proj.weight": ("mlp.W_in", lambda t: t.T),
-        "mlp.gate_proj.weight": ("mlp.W_gate", lambda t: t.T),
-        "mlp.down_proj.weight": ("mlp.W_out", lambda t: t.T),
-        "mlp.up_proj.bias": ("mlp.b_in", lambda t: t),
-        "mlp.down_proj.bias": ("mlp.b_out", lambda t: t),
-    }
-    if rest.endswith("rotary_emb.inv_freq"):
-        return []
-    if rest not in table:
-        raise ModelLoadError(
-            f"Unexpected Llama tensor {name!r}: uds_lens does not know where it goes in "
-            "TransformerLens (a Llama variant with extra parameters?)."
-        )
-    target, view = table[rest]
-    return [(f"{block}.{target}", view(tensor))]
-
-
-def _assemble_hooked(
-    hf_config: Any,
-    tensors: Iterable[tuple[str, Tensor]],
-    dtype: torch.dtype,
-    device: str,
-    name: str,
-    share: bool,
-) -> HookedTransformer:
-    """A HookedTransformer whose parameters are filled from ``(hf_name, tensor)`` pairs as they arrive.
-
-    The model is built without initialising its weights: untouched pages of its ``torch.empty`` parameters are
-    never resident, and each is replaced by a view of the converted tensor, so memory grows by one tensor at a
-    time. With ``share=False`` a tensor already in ``dtype``/``device`` is copied (the caller keeps using its model).
-    """
-    check_supported(hf_config, name)
-    cfg = hooked_config_from_hf(hf_config, dtype, device)
-    cfg.init_weights = False
-    # Tied embeddings: W_U becomes a view of W_E instead of a second copy of the vocabulary matrix.
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    model = new_hooked_transformer(cfg)
-    expected = {key: value.shape for key, value in model.named_parameters()}
-    filled: set[str] = set()
-    for hf_name, tensor in tensors:
-        converted = tensor.detach().to(device=device, dtype=dtype)
-        if not share and converted.data_ptr() == tensor.data_ptr():
-            converted = converted.clone()
-        for hooked_name, view in _hooked_views(hf_name, converted, cfg, tied):
-            if hooked_name not in expected or tuple(view.shape) != tuple(expected[hooked_name]):
-                raise ModelLoadError(
-                    f"{name}: tensor {hf_name} {tuple(tensor.shape)} does not fit {hooked_name} "
-                    f"{tuple(expected.get(hooked_name, ()))}; its config.json does not describe its weights."
-                )
-            module_name, attribute = hooked_name.rsplit(".", 1)
-            setattr(
-                model.get_submodule(module_name), attribute, torch.nn.Parameter(view, requires_grad=False)
-            )
-            filled.add(hooked_name)
-        del tensor, converted
-    missing = [key for key in expected if key not in filled]
-    for key in missing:
-        if (
-            key.rsplit(".", 1)[1].lstrip("_").startswith("b_")
-        ):  # Llama has no biases: TransformerLens's are zeros
-            module_name, attribute = key.rsplit(".", 1)
-            zeros = torch.zeros(expected[key], dtype=dtype, device=device)
-            setattr(
-                model.get_submodule(module_name), attribute, torch.nn.Parameter(zeros, requires_grad=False)
-            )
-    unfilled = [key for key in missing if not key.rsplit(".", 1)[1].lstrip("_").startswith("b_")]
-    if unfilled:
-        raise ModelLoadError(
-            f"{name} has no weights for {unfilled[:6]}{'...' if len(unfilled) > 6 else ''}: "
-            "the checkpoint is incomplete or not a Llama causal LM."
-        )
-    # nn.Module.to moves the buffers (rotary tables); TransformerLens's own .to prints, and cfg is already set.
-    torch.nn.Module.to(model, device=device)
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
-    """The tensors of one ``.safetensors`` file, one at a time, read with plain file reads.
-
-    ``safetensors.safe_open`` memory-maps the file, and every page it touches counts as resident until the map is
-    closed: streaming a 5 GB file through it would look like (and, under memory pressure, be) a second copy of
-    the model. The format is a little-endian u64 header length, a JSON header of ``{name: {dtype, shape,
-    data_offsets}}``, then the raw bytes.
-    """
-    with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
-        base = 8 + header_len
-        entries = sorted(
-            ((k, v) for k, v in header.items() if k != "__metadata__"),
-            key=lambda kv: kv[1]["data_offsets"][0],
-        )
-        for tensor_name, entry in entries:
-            if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                raise ModelLoadError(
-                    f"{path}: tensor {tensor_name} has dtype {entry['dtype']}, which uds_lens "
-                    "cannot read; save the checkpoint in fp32, fp16 or bf16."
-                )
-            begin, end = entry["data_offsets"]
-            buffer = torch.empty(end - begin, dtype=torch.uint8)
-            handle.seek(base + begin)
-            if handle.readinto(buffer.numpy().data) != end - begin:
-                raise ModelLoadError(
-                    f"{path} is truncated (tensor {tensor_name}); re-save or re-download it."
-                )
-            yield tensor_name, buffer.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-
-def _safetensors_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
-
-
-def _consume_state(hf_model: Any) -> Iterator[tuple[str, Tensor]]:
-    """The tensors of a Hugging Face model that nobody else holds, each released once it is handed out."""
-    state = hf_model.state_dict()
-    hf_model.to("meta")  # the state dict's tensors now hold the only references to the weights
-    gc.collect()
-    for key in list(state):
-        yield key, state.pop(key)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        unk_token="<unk>",
+        eos_token="<unk>",
+    )
 
 
 def hooked_from_hf(
-    hf_model: Any, dtype: torch.dtype | None = None, device: str | None = None
-) -> HookedTransformer:
-    """Wrap an in-memory Hugging Face Llama as a HookedTransformer (weights converted, no folding/centring).
+    hf_model: Any,
+    dtype: torch.dtype | None = None,
+    device: str | None = None,
+    tokenizer: Any = None,
+    name: str | None = None,
+) -> TransformerBridge:
+    """The ``TransformerBridge`` of an in-memory Hugging Face causal LM (no folding or centring), made once.
 
-    ``hf_model`` is left intact: its weights are copied (converted one tensor at a time).
+    The bridge shares the model's tensors and computes the same numbers (see ``tl_compat.bridge_from_hf``); it is
+    kept on the model, so wrapping it again returns the same bridge. ``dtype``/``device``, when given and not the
+    model's, move the model first (in place, as ``nn.Module.to`` does).
     """
-    check_supported(hf_model.config, type(hf_model).__name__)
-    device = device or str(next(hf_model.parameters()).device)
-    dtype = dtype or next(hf_model.parameters()).dtype
-    return _assemble_hooked(
-        hf_model.config, hf_model.state_dict().items(), dtype, device, type(hf_model).__name__, share=False
+    existing = hf_model.__dict__.get("_uds_bridge")
+    if existing is not None:
+        return existing
+    param = next(hf_model.parameters())
+    if (dtype is not None and dtype != param.dtype) or (
+        device is not None and torch.device(device) != param.device
+    ):
+        hf_model.to(device=device or param.device, dtype=dtype or param.dtype)
+    # The bridge may add parameters of its own to the model (a zero unembedding bias): the fingerprint hashes the
+    # model's own weights, named before wrapping.
+    object.__setattr__(
+        hf_model, "_uds_weight_names", frozenset(name for name, _ in hf_model.named_parameters())
     )
+    bridge = bridge_from_hf(
+        hf_model,
+        tokenizer if tokenizer is not None else _stand_in_tokenizer(),
+        name or str(getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__),
+    )
+    # object.__setattr__: a module set through nn.Module.__setattr__ would become a submodule of the HF model.
+    object.__setattr__(hf_model, "_uds_bridge", bridge)
+    return bridge
 
 
 def load_model(
     path_or_id: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-) -> HookedTransformer:
-    """Load a Llama checkpoint (directory, ``.gguf`` file, or hub id) as a HookedTransformer.
+) -> TransformerBridge:
+    """Load a checkpoint (directory, ``.gguf`` file, or hub id) as a ``TransformerBridge``.
 
-    A directory of ``.safetensors`` files is streamed tensor by tensor into the model (peak memory: the model plus
-    its largest tensor). A ``.gguf`` file, ``.bin`` weights or a hub id are loaded into a Hugging Face model on the
-    CPU whose tensors are handed over one at a time (no second copy when the dtype matches). The model remembers
-    where it came from (``model.uds_source``) so results can name it.
+    The weights are loaded by ``transformers`` (eager attention, as the bridge's parity with Hugging Face assumes)
+    and wrapped without processing, so every hook point holds the Hugging Face model's own activation. The model
+    remembers where it came from (``model.uds_source``) so results can name it.
     """
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
-    name = str(path_or_id)
-    files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
-    if files:
-        hf_config = load_hf_config(path_or_id)
-        tensors = (item for file in files for item in iter_safetensors(file))
-        model = _assemble_hooked(hf_config, tensors, torch_dtype, device, name, share=True)
-    else:
-        hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
-        hf_config = hf_model.config
-        model = _assemble_hooked(hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True)
-        del hf_model
+    hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device=device, attn_implementation="eager")
+    tokenizer = None
+    if source.kind == "directory":
+        try:
+            tokenizer = load_tokenizer(path_or_id)
+        except (ModelLoadError, OSError, ValueError, TypeError):
+            tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
+    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=str(path_or_id))
     gc.collect()
     # where the model came from, for result names and fingerprints (describe() reads it back)
     setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
@@ -639,9 +428,10 @@ def load(
     """The one way every part of uds_lens turns a model argument into a model.
 
     A checkpoint reference (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME``) is loaded as a
-    ``HookedTransformer`` (``load_model``: the patch target, and the usual source) or, with ``hooked=False``, as a
-    plain Hugging Face model (``load_hf_model``: a source read through ``sources.HFSource``; NF4 with
-    ``quantization``). A model already in memory (``HookedTransformer`` or Hugging Face) is returned as is.
+    ``TransformerBridge`` (``load_model``: the patch target, and the usual source) or, with ``hooked=False``, as a
+    plain Hugging Face model (``load_hf_model``: a source wrapped by ``sources.as_source``; NF4 with
+    ``quantization``). A model already in memory (a bridge, a TransformerLens 3.x ``HookedTransformer``, or a
+    Hugging Face model) is returned as is.
 
     Raises:
         TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
@@ -650,10 +440,10 @@ def load(
         if hooked:
             return load_model(model, dtype=dtype, device=device)
         return load_hf_model(model, dtype=dtype, device=device, quantization=quantization)
-    if isinstance(model, HookedTransformer) or hasattr(model, "config"):
+    if is_tl_model(model) or hasattr(model, "config"):
         return model
     raise TypeError(
-        f"{role} must be a checkpoint path, hub id, HookedTransformer or Hugging Face model "
+        f"{role} must be a checkpoint path, hub id, TransformerBridge, HookedTransformer or Hugging Face model "
         f"(got {type(model).__name__})."
     )
 
@@ -667,7 +457,7 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     source = resolve_source(path_or_id, weights=False)
     first, kwargs = source.from_pretrained_args()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "tokenizer", err) from err
     if tokenizer.pad_token_id is None:
@@ -702,6 +492,9 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # A config built from GGUF metadata names no architecture, and the bridge picks its adapter from that field.
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(hf_model).__name__]
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     del hf_model, state
@@ -725,10 +518,10 @@ class ArchitectureSignature:
 
     @classmethod
     def of(cls, model: Any) -> ArchitectureSignature:
-        if isinstance(model, HookedTransformer):
+        if is_hooked_transformer(model):
             c = model.cfg
             return cls(c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads, c.d_head, c.d_mlp, c.d_vocab)
-        return cls.of_config(model.config)
+        return cls.of_config((hf_model_of(model) or model).config)
 
     @classmethod
     def of_config(cls, c: Any) -> ArchitectureSignature:
@@ -765,16 +558,28 @@ def check_compatible(
     )
 
 
+def _named_weights(model: Any) -> list[tuple[str, Tensor]]:
+    """The tensors a fingerprint hashes, by name: a Hugging Face model's parameters under their Hugging Face names
+    (a bridge's are its Hugging Face model's: the bridge wraps each module in one holding it as
+    ``_original_component``, a segment dropped here, and parameters the bridge added are left out), or a
+    ``HookedTransformer``'s state dict."""
+    if is_hooked_transformer(model):
+        return [(name, value) for name, value in model.state_dict().items() if torch.is_tensor(value)]
+    hf = hf_model_of(model) or model
+    own = hf.__dict__.get("_uds_weight_names")
+    named = [(name.replace("._original_component", ""), param) for name, param in hf.named_parameters()]
+    return [(name, param) for name, param in named if own is None or name in own]
+
+
 def model_fingerprint(model: Any) -> str:
     """A digest of every weight's bytes (not the path): any change to any weight changes it.
 
-    Each tensor is hashed in its logical (row-major) order, in slices of at most 16M elements, so neither a
-    transposed parameter view nor a GPU tensor is ever copied whole.
+    A bridge and the Hugging Face model it wraps have the same fingerprint (their tensors are the same), on every
+    TransformerLens version. Each tensor is hashed in its logical (row-major) order, in slices of at most 16M
+    elements, so neither a transposed view nor a GPU tensor is ever copied whole.
     """
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        if not torch.is_tensor(tensor):
-            continue
+    for name, tensor in sorted(_named_weights(model), key=lambda item: item[0]):
         digest.update(name.encode())
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
         if tensor.numel() == 0:
@@ -829,12 +634,10 @@ __all__ = [
     "gguf_to_hf",
     "is_local",
     "load",
-    "iter_safetensors",
     "resolve_source",
     "default_device",
     "default_dtype",
     "describe",
-    "hooked_config_from_hf",
     "hooked_from_hf",
     "load_hf_config",
     "load_hf_model",

@@ -38,8 +38,9 @@ model through forward hooks (that is how a 4-bit NF4 model is measured).
 from __future__ import annotations
 
 import math
+import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +51,9 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from uds_lens.data import EncodedExample
-from uds_lens.sources import SITES, HookedSource, as_source, hook_name
-from uds_lens.tl_compat import HookedTransformer, HookPoint
+from uds_lens.models import describe
+from uds_lens.sources import SITES, as_source, hook_name
+from uds_lens.tl_compat import HookPoint, hf_model_of, is_bridge
 
 SCOPES = ("span", "boundary")
 ENGINES = ("fast", "naive")
@@ -323,7 +325,7 @@ def _label_logprobs(
 
 
 def read_scores(
-    model: HookedTransformer,
+    model: Any,
     resid: Float[Tensor, "run entity d_model"],
     labels: Int[Tensor, " entity"],
     segment: Int[Tensor, " entity"],
@@ -362,9 +364,7 @@ def read_scores(
     return torch.cat(scores)
 
 
-def clean_run(
-    full: HookedTransformer, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True
-) -> CleanRun:
+def clean_run(full: Any, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True) -> CleanRun:
     """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
 
     Logits are computed at the read positions only. The naive engine's clean run is TransformerLens's forward on
@@ -405,9 +405,44 @@ def clean_run(
 # ----------------------------------------------------------------------------------------------------------------
 # Naive engine (the oracle)
 
+_RESID_MID = re.compile(r"blocks\.(\d+)\.hook_resid_mid")
+
+
+def residual_patch_hooks(model: Any, name: str, hook_fn: Callable[..., Tensor]) -> list[tuple[str, Callable]]:
+    """The forward hooks that write ``hook_fn``'s result at hook point ``name`` into the model's residual stream.
+
+    On a ``TransformerBridge`` ``blocks.{l}.hook_resid_mid`` is the input of the block's second norm: writing it
+    changes what the MLP reads but not the residual its output is added to (Hugging Face's decoder layer keeps that
+    in a local variable). The write is completed at the block's output, which becomes the written ``resid_mid`` plus
+    the MLP output computed from it: the same addition the layer makes, so positions the hook left alone keep
+    their values bit for bit. Every other hook point (and a ``HookedTransformer``'s ``resid_mid``) is one hook.
+    """
+    match = _RESID_MID.fullmatch(name)
+    if match is None or not is_bridge(model):
+        return [(name, hook_fn)]
+    layer = match.group(1)
+    written: dict[str, Tensor] = {}
+
+    def write_mid(activation: Tensor, hook: HookPoint) -> Tensor:
+        written["mid"] = hook_fn(activation, hook=hook)
+        return written["mid"]
+
+    def keep_mlp(activation: Tensor, hook: HookPoint) -> Tensor:
+        written["mlp"] = activation
+        return activation
+
+    def write_post(activation: Tensor, hook: HookPoint) -> Tensor:
+        return written["mid"] + written["mlp"]
+
+    return [
+        (name, write_mid),
+        (f"blocks.{layer}.hook_mlp_out", keep_mlp),
+        (f"blocks.{layer}.hook_resid_post", write_post),
+    ]
+
 
 def naive_patched_scores(
-    full: HookedTransformer,
+    full: Any,
     batch: PatchBatch,
     acts: Float[Tensor, "layer batch pos d_model"],
     site: str,
@@ -428,7 +463,9 @@ def naive_patched_scores(
             return patched
 
         with torch.no_grad():
-            logits = full.run_with_hooks(batch.tokens, fwd_hooks=[(hook_name(site, layer), overwrite)])
+            logits = full.run_with_hooks(
+                batch.tokens, fwd_hooks=residual_patch_hooks(full, hook_name(site, layer), overwrite)
+            )
         columns.append(
             mean_entity_logprob(
                 logits[batch.read_batch, batch.read_pos],
@@ -446,16 +483,57 @@ def naive_patched_scores(
 # Fast engine
 
 
+# Hugging Face model types whose decoder layers the fast engine computes: pre-norm RMSNorm blocks with rotary
+# attention (Q, K, V and O projections, optional biases) and a gated MLP, nothing else in the block.
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _hf_name(name: str) -> str:
+    """A parameter name with the bridge's ``_original_component`` segments dropped: the Hugging Face name."""
+    return ".".join(part for part in name.split(".") if part != "_original_component")
+
+
+def fast_engine_refusal(model: Any) -> str | None:
+    """Why the fast engine cannot run ``model`` (a one-line reason), or ``None`` when it can.
+
+    The fast engine computes a family's decoder layers itself from the Hugging Face tensors, so it runs the
+    families whose layers it reproduces (``FAST_MODEL_TYPES``) and nothing else: anything else goes to the naive
+    engine, which runs the model's own forward and so is right for every family.
+    """
+    hf = hf_model_of(model)
+    if hf is None:
+        return (
+            f"{type(model).__name__} is not a TransformerBridge (the fast engine reads the Hugging Face tensors a "
+            "bridge wraps)"
+        )
+    config = hf.config
+    if getattr(hf, "is_quantized", False) or getattr(config, "quantization_config", None):
+        return "its weights are quantised (the fast engine multiplies by the tensors themselves)"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_MODEL_TYPES:
+        return f"the fast engine does not compute {model_type!r} blocks yet (it does {', '.join(FAST_MODEL_TYPES)})"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)):
+        return f"{model_type!r} with a sliding attention window ({window}) is not computed by the fast engine"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1 splits the projections differently"
+    return None
+
+
+def _hf_decoder(model: Any) -> Any:
+    hf = hf_model_of(model)
+    return hf.model
+
+
 @dataclass
 class _BlockWeights:
-    """One Llama block's weights in the layouts its packed runs multiply by.
+    """One decoder layer's weights in the layouts its packed runs multiply by, read from the Hugging Face tensors.
 
-    TransformerLens keeps ``W_Q``/``W_K``/``W_V`` as ``[head, d_model, d_head]``; they are laid side by side as one
-    ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix product; the MLP's gate
-    and input weights likewise as one ``[d_model, 2 d_mlp]`` matrix (on the CPU the halves of the joint product are
-    bit for bit the two separate products; one wider product keeps both cores busy on the short first blocks of the
-    window runs). ``W_O`` (as ``(head d_head) d_model``), ``W_out`` and the norms are read in place: products with
-    TransformerLens's ``[in, out]`` layout need no transposed copy.
+    Hugging Face stores a projection as ``[out, in]`` with heads outermost on the "out" side; Q, K and V are laid
+    side by side as one ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix
+    product, and the MLP's gate and up weights likewise as one ``[d_model, 2 d_mlp]`` matrix (on the CPU the halves
+    of the joint product are bit for bit the two separate products; one wider product keeps both cores busy on the
+    short first blocks of the window runs). ``o_proj`` and ``down_proj`` are read in place, as transposed views.
 
     ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
     tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
@@ -469,14 +547,17 @@ class _BlockWeights:
     out: Float[Tensor, "head_d_head d_model"]
     out_bias: Float[Tensor, " d_model"]
     gate_up: Float[Tensor, "d_model two_d_mlp"]
-    up_bias: Float[Tensor, " d_mlp"]
+    gate_up_bias: Float[Tensor, " two_d_mlp"]
     down: Float[Tensor, "d_mlp d_model"]
     down_bias: Float[Tensor, " d_model"]
     act: Any
-    attn_scale: float
+    scaling: float
+    n_heads: int
+    n_kv: int
+    d_head: int
 
     @classmethod
-    def of(cls, block: Any) -> _BlockWeights:
+    def of(cls, block: Any, config: Any) -> _BlockWeights:
         params = list(block.parameters())
         versions = [p._version for p in params]
         cached = _JOINED.get(block)
@@ -487,42 +568,58 @@ class _BlockWeights:
             and cached[1] == versions
         ):
             return cached[2]
-        weights = cls._join(block)
+        weights = cls._join(block, config)
         _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
         return weights
 
     @classmethod
-    def _join(cls, block: Any) -> _BlockWeights:
-        attn, mlp = block.attn, block.mlp
-        # GroupedQueryAttention keeps the kv_head weights (_W_K), not their per-head repeats (W_K).
-        grouped = hasattr(attn, "_W_K")
-        w_k, w_v = (attn._W_K, attn._W_V) if grouped else (attn.W_K, attn.W_V)
-        b_k, b_v = (attn._b_K, attn._b_V) if grouped else (attn.b_K, attn.b_V)
+    def _join(cls, block: Any, config: Any) -> _BlockWeights:
+        named = {_hf_name(name): param for name, param in block.named_parameters()}
+        weight = named["self_attn.q_proj.weight"]
+        d_model = weight.shape[1]
+        n_heads = int(config.num_attention_heads)
+        d_head = int(getattr(config, "head_dim", None) or d_model // n_heads)
+        n_kv = named["self_attn.k_proj.weight"].shape[0] // d_head
+
+        def bias(name: str, width: int) -> Tensor:
+            found = named.get(name)
+            return found if found is not None else weight.new_zeros(width)
+
         with torch.no_grad():
-            qkv = torch.cat(
-                [
-                    einops.rearrange(w, "head d_model d_head -> d_model (head d_head)")
-                    for w in (attn.W_Q, w_k, w_v)
-                ],
-                dim=1,
+            projections = ("q_proj", "k_proj", "v_proj")
+            qkv = torch.cat([named[f"self_attn.{p}.weight"] for p in projections]).T.contiguous()
+            qkv_bias = torch.cat(
+                [bias(f"self_attn.{p}.bias", named[f"self_attn.{p}.weight"].shape[0]) for p in projections]
             )
-            qkv_bias = torch.cat([b.flatten() for b in (attn.b_Q, b_k, b_v)])
-            gate_up = torch.cat([mlp.W_gate, mlp.W_in], dim=1)
+            gate_up = torch.cat([named["mlp.gate_proj.weight"], named["mlp.up_proj.weight"]]).T.contiguous()
+            d_mlp = named["mlp.up_proj.weight"].shape[0]
+            gate_up_bias = torch.cat([bias("mlp.gate_proj.bias", d_mlp), bias("mlp.up_proj.bias", d_mlp)])
+        attention = _original(_original(block).self_attn)
         return cls(
-            ln1=block.ln1.w,
-            ln2=block.ln2.w,
-            eps=block.cfg.eps,
+            ln1=named["input_layernorm.weight"],
+            ln2=named["post_attention_layernorm.weight"],
+            eps=float(config.rms_norm_eps),
             qkv=qkv,
             qkv_bias=qkv_bias,
-            out=einops.rearrange(attn.W_O, "head d_head d_model -> (head d_head) d_model"),
-            out_bias=attn.b_O,
+            out=named["self_attn.o_proj.weight"].T,
+            out_bias=bias("self_attn.o_proj.bias", d_model),
             gate_up=gate_up,
-            up_bias=mlp.b_in,
-            down=mlp.W_out,
-            down_bias=mlp.b_out,
-            act=mlp.act_fn,
-            attn_scale=float(attn.attn_scale),
+            gate_up_bias=gate_up_bias,
+            down=named["mlp.down_proj.weight"].T,
+            down_bias=bias("mlp.down_proj.bias", d_model),
+            act=_original(_original(block).mlp).act_fn,
+            scaling=float(attention.scaling),
+            n_heads=n_heads,
+            n_kv=n_kv,
+            d_head=d_head,
         )
+
+
+def _original(module: Any) -> Any:
+    """The Hugging Face module a bridge component wraps (the module itself when it is not wrapped)."""
+    while "_original_component" in module._modules:
+        module = module._modules["_original_component"]
+    return module
 
 
 # Joined weights per block, with the parameter state they were built from; entries go with their model.
@@ -531,23 +628,14 @@ _JOINED: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], list[int], _BlockWei
 )
 
 
-def _require_llama(model: HookedTransformer) -> None:
-    cfg = model.cfg
-    if (
-        cfg.normalization_type != "RMS"
-        or cfg.positional_embedding_type != "rotary"
-        or not cfg.gated_mlp
-        or cfg.use_qk_norm
-        or cfg.use_split_qkv_input
-        or cfg.use_attn_in
-        or cfg.ungroup_grouped_query_attention
-        or cfg.use_local_attn
-        or not cfg.use_attn_scale
-    ):
-        raise ValueError(
-            f"The fast engine runs Llama-style blocks (RMSNorm, rotary, gated MLP); {cfg.model_name!r} is "
-            f"{cfg.normalization_type}/{cfg.positional_embedding_type}/gated_mlp={cfg.gated_mlp}. Use engine='naive'."
-        )
+def _require_fast(model: Any) -> None:
+    reason = fast_engine_refusal(model)
+    if reason is not None:
+        raise ValueError(f"The fast engine cannot run {describe(model)}: {reason}. Use engine='naive'.")
+
+
+def _layer_weights(model: Any, index: int) -> _BlockWeights:
+    return _BlockWeights.of(model.blocks[index], hf_model_of(model).config)
 
 
 def _affine(
@@ -560,10 +648,10 @@ def _affine(
 def _rms_norm(
     x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
 ) -> Float[Tensor, "*rows d_model"]:
-    """TransformerLens's RMSNorm: statistics in at least fp32, then the model dtype."""
-    wide = _at_least_fp32(x)
-    scale = (wide.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    return (wide / scale).to(x.dtype) * weight
+    """Hugging Face's RMSNorm (Llama, Mistral, Qwen2): statistics in fp32, then the input dtype, then the weight."""
+    wide = x.to(torch.float32)
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -573,7 +661,7 @@ def _at_least_fp32(x: Tensor) -> Tensor:
 def _rotate(
     x: Float[Tensor, "*rows head d_head"], cos: Tensor, sin: Tensor, rotary_dim: int
 ) -> Float[Tensor, "*rows head d_head"]:
-    """Rotary embedding with TransformerLens's tables, in its (non-adjacent pairs, Llama) convention."""
+    """Rotary embedding with the model's own cos/sin tables, in Hugging Face's (rotate-half) convention."""
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     first, second = x_rot.chunk(2, dim=-1)
     rotated = x_rot * cos + torch.cat([-second, first], dim=-1) * sin
@@ -597,8 +685,7 @@ class _AttentionLayout:
     allowed: Bool[Tensor, "batch 1 1 1 window key"]
 
 
-def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _AttentionLayout:
-    attn = model.blocks[0].attn
+def _attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> _AttentionLayout:
     device = packing.start.device
     n_batch = int(packing.start.shape[0])
     prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
@@ -607,15 +694,17 @@ def _attention_layout(model: HookedTransformer, packing: WindowPacking) -> _Atte
     allowed = torch.cat(
         [prefix_ok[:, None, :].expand(-1, packing.width, -1), causal[None].expand(n_batch, -1, -1)], dim=-1
     )
-    slot_position = (
-        (packing.start[:, None] + offsets[None, :]).clamp(max=attn.rotary_cos.shape[0] - 1).flatten()
-    )
+    slot_position = (packing.start[:, None] + offsets[None, :]).flatten()
+    # The model's own rotary module: its cos/sin carry any rope scaling (Llama-3's included) and are cast to the
+    # model dtype as its attention casts them.
+    rotary = _original(_hf_decoder(model).rotary_emb)
+    cos, sin = rotary(torch.zeros(1, dtype=dtype, device=device), slot_position[None])
     return _AttentionLayout(
         packing=packing,
         n_batch=n_batch,
         slot=packing.example * packing.width + packing.offset,
-        cos=attn.rotary_cos[slot_position][:, None, :],
-        sin=attn.rotary_sin[slot_position][:, None, :],
+        cos=cos[0][:, None, :],
+        sin=sin[0][:, None, :],
         allowed=allowed[:, None, None, None],
     )
 
@@ -639,8 +728,7 @@ def _attention(
     """
     packing = layout.packing
     n_runs = resid.shape[0]
-    n_kv, d_head = prefix_keys.shape[1], prefix_keys.shape[3]
-    n_heads = weights.out.shape[0] // d_head
+    n_kv, d_head, n_heads = weights.n_kv, weights.d_head, weights.n_heads
     qkv = _affine(_rms_norm(resid, weights.ln1, weights.eps), weights.qkv, weights.qkv_bias)
     # One scatter of Q, K and V together into the per-example slots (index_copy_ on one flat index: far cheaper on
     # the CPU than advanced indexing with two index tensors).
@@ -660,7 +748,7 @@ def _attention(
         keep += [k[:, :, 0].contiguous(), v[:, :, 0].contiguous()]
     shape = q.shape
     prefix_len = prefix_keys.shape[2]
-    # Scores in at least fp32, as TransformerLens computes them.
+    # Scores in at least fp32, scaled after the product as Hugging Face's eager attention does.
     q_wide = _at_least_fp32(q)
     scores = torch.einsum("bkgrwd,bkgvd->bkgrwv", q_wide, _at_least_fp32(k))
     if prefix_len:
@@ -668,8 +756,8 @@ def _attention(
             q_wide.view(shape[0], shape[1], -1, shape[-1]), _at_least_fp32(prefix_keys).transpose(-1, -2)
         )
         scores = torch.cat([prefix_scores.view(*shape[:-1], prefix_len), scores], dim=-1)
-    scores = scores.div_(weights.attn_scale).masked_fill_(~layout.allowed, float("-inf"))
-    pattern = F.softmax(scores, dim=-1).to(v.dtype)
+    scores = scores.mul_(weights.scaling).masked_fill_(~layout.allowed, float("-inf"))
+    pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v)
     if prefix_len:
         z = z + torch.matmul(
@@ -682,9 +770,8 @@ def _attention(
 def _mlp(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
     """A block's gated MLP output (``hook_mlp_out``) from the residual after its attention."""
     normed = _rms_norm(resid_mid, weights.ln2, weights.eps)
-    gate, up = (normed @ weights.gate_up).chunk(2, dim=-1)
-    hidden = weights.act(gate) * up + weights.up_bias
-    return _affine(hidden, weights.down, weights.down_bias)
+    gate, up = _affine(normed, weights.gate_up, weights.gate_up_bias).chunk(2, dim=-1)
+    return _affine(weights.act(gate) * up, weights.down, weights.down_bias)
 
 
 def _mlp_half(
@@ -694,7 +781,7 @@ def _mlp_half(
 
 
 def packed_forward(
-    model: HookedTransformer,
+    model: Any,
     batch: PatchBatch,
     sites: Sequence[str],
     n_blocks: int,
@@ -709,13 +796,12 @@ def packed_forward(
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
     keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
     """
-    _require_llama(model)
+    _require_fast(model)
     packing = WindowPacking.sequences(batch)
-    layout = _attention_layout(model, packing)
-    n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
-    empty = torch.zeros(
-        layout.n_batch, n_kv, 0, model.cfg.d_head, dtype=model.cfg.dtype, device=batch.tokens.device
-    )
+    dtype = next(model.parameters()).dtype
+    layout = _attention_layout(model, packing, dtype)
+    first = _layer_weights(model, 0)
+    empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
     kv: list[Tensor] = []
 
@@ -725,7 +811,7 @@ def packed_forward(
 
     resid = model.embed(batch.tokens[packing.example, packing.position][None])
     for block_index in range(n_blocks):
-        weights = _BlockWeights.of(model.blocks[block_index])
+        weights = _layer_weights(model, block_index)
         record("resid_pre", resid)
         attn_out = _attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
         record("attn_out", attn_out)
@@ -755,7 +841,7 @@ def window_source_activations(
     layers = list(layers)
     window = WindowPacking.of(batch)
     wrapped = as_source(source)
-    if not isinstance(wrapped, HookedSource):
+    if fast_engine_refusal(wrapped.model) is not None:
         acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=published_compat)
         return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
     model = wrapped.model
@@ -771,7 +857,7 @@ def window_source_activations(
 
 
 def fast_patched_scores(
-    full: HookedTransformer,
+    full: Any,
     batch: PatchBatch,
     clean: CleanRun,
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
@@ -828,17 +914,14 @@ def fast_patched_scores(
                 patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
             )
             resid = torch.stack(
-                [
-                    _mlp_half(_BlockWeights.of(full.blocks[layer]), resid_mid[r])
-                    for r, layer in enumerate(run_layers)
-                ]
+                [_mlp_half(_layer_weights(full, layer), resid_mid[r]) for r, layer in enumerate(run_layers)]
             )
 
-        layout = _attention_layout(full, packing)
+        layout = _attention_layout(full, packing, resid.dtype)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
-            weights = _BlockWeights.of(full.blocks[block_index])
+            weights = _layer_weights(full, block_index)
             active = resid[first_active:]
             active = active + _attention(
                 weights, active, layout, clean.keys[block_index], clean.values[block_index]
@@ -858,7 +941,7 @@ def fast_patched_scores(
 
 
 def patched_scores(
-    full: HookedTransformer,
+    full: Any,
     batch: PatchBatch,
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"],
     site: str,
@@ -888,7 +971,7 @@ def patched_scores(
 
 
 def source_scores(
-    full: HookedTransformer,
+    full: Any,
     source: Any,
     batch: PatchBatch,
     site: str,
@@ -911,7 +994,7 @@ def source_scores(
 
 
 def baseline_scores(
-    full: HookedTransformer,
+    full: Any,
     batch: PatchBatch,
     clean: CleanRun,
     site: str,
@@ -983,7 +1066,7 @@ def plan_batches(
     return batches
 
 
-def estimate_bytes_per_example(model: HookedTransformer, seq_len: int, window: int, engine: str) -> int:
+def estimate_bytes_per_example(model: Any, seq_len: int, window: int, engine: str) -> int:
     """Rough peak memory of one example in a batch, used to choose batch sizes from a memory budget."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
@@ -1017,7 +1100,7 @@ def available_memory_bytes(device: str | torch.device) -> int:
 
 
 def choose_batch_size(
-    model: HookedTransformer,
+    model: Any,
     examples: Sequence[EncodedExample],
     scope: str,
     engine: str,
@@ -1037,6 +1120,7 @@ def choose_batch_size(
 __all__ = [
     "CleanRun",
     "ENGINES",
+    "FAST_MODEL_TYPES",
     "PatchBatch",
     "SCOPES",
     "SITES",
@@ -1045,6 +1129,7 @@ __all__ = [
     "choose_batch_size",
     "clean_run",
     "estimate_bytes_per_example",
+    "fast_engine_refusal",
     "fast_patched_scores",
     "plan_batches",
     "hook_name",
@@ -1054,6 +1139,7 @@ __all__ = [
     "pad_batch",
     "patched_scores",
     "read_scores",
+    "residual_patch_hooks",
     "segment_mean",
     "source_activations",
     "source_scores",

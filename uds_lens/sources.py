@@ -1,35 +1,24 @@
 """Activation sources: the one protocol for "a model that yields activations at a hook site".
 
-A UDS patch reads a *source* model's activations and writes them into the target, which is always a TransformerLens
-``HookedTransformer``. The source only has to answer a few questions: how many layers it has, its device and
-dtype, and its activation at ``blocks.{l}.hook_{site}`` for a batch of tokens. The white-box baselines ask the same
-model a little more (its blocks' parameters for Fisher, its logits, its final norm + unembedding for the lenses).
-:class:`ActivationSource` is that small interface, with one implementation per model kind:
+A UDS patch reads a *source* model's activations and writes them into the target, a TransformerLens model. The
+source only has to answer a few questions: how many layers it has, its device and dtype, and its activation at
+``blocks.{l}.hook_{site}`` for a batch of tokens. The white-box baselines ask the same model a little more (its
+blocks' parameters for Fisher, its logits, its final norm + unembedding for the lenses). :class:`ActivationSource`
+is that small interface; every model is read through TransformerLens hook points:
 
-* :class:`HookedSource`: a ``HookedTransformer``; activations come from ``run_with_cache`` with a names filter.
-* :class:`HFSource`: a plain Hugging Face Llama (``LlamaForCausalLM``); activations come from forward hooks on its
-  modules. Because uds_lens loads weights without folding or centring, block ``l`` of both models computes the
-  same tensors, site by site (``B = model.model.layers[l]``):
-
-  ==============  ========================================
-  site            Hugging Face tensor
-  ==============  ========================================
-  ``resid_pre``   input of ``B``
-  ``attn_out``    output of ``B.self_attn``
-  ``resid_mid``   input of ``B.post_attention_layernorm``
-  ``mlp_out``     output of ``B.mlp``
-  ``resid_post``  output of ``B``
-  ==============  ========================================
-
-* :class:`NF4Source`: a bitsandbytes 4-bit Hugging Face Llama (the quantisation attack of the meta-evaluation). It is
-  read exactly like :class:`HFSource`; the only difference is that turning it into a ``HookedTransformer`` (what the
-  gradient-based baselines need) dequantises a copy first.
+* :class:`HookedSource`: a ``TransformerBridge`` (what ``uds_lens.load_model`` gives) or a TransformerLens 3.x
+  ``HookedTransformer``; activations come from ``run_with_cache`` with a names filter.
+* a plain Hugging Face causal LM is wrapped as a bridge (``models.hooked_from_hf``, no folding or centring: the
+  bridge's hook points hold the Hugging Face modules' own tensors, and its forward is Hugging Face's), so it is read
+  exactly like a loaded checkpoint, whatever the family: no table of Hugging Face module names is needed.
+* :class:`NF4Source`: a bitsandbytes 4-bit Hugging Face model (the quantisation attack of the meta-evaluation),
+  read through its bridge like any other; the only difference is that the model the gradient-based baselines need
+  (``hooked``) is a dequantised copy, leaving the model itself quantised.
 
 **The last layer** (SPEC §1.5, §3). ``resid_post`` of the last block is the raw, pre-final-norm residual, as
-TransformerLens has it (Hugging Face's ``hidden_states[L]`` is already normalised, so the Hugging Face source reads
-the block's output instead). The representation baselines read it that way. With ``final_norm_last=True`` the last
-layer's ``resid_post`` is the model's own final-norm output instead: what the published implementation patches
-there, reproduced in published-compat mode.
+TransformerLens has it (Hugging Face's ``hidden_states[L]`` is already normalised). The representation baselines
+read it that way. With ``final_norm_last=True`` the last layer's ``resid_post`` is the model's own final-norm output
+instead: what the published implementation patches there, reproduced in published-compat mode.
 
 :func:`as_source` picks the implementation for a model; every consumer (the patch engine, the hidden states of the
 lenses, similarity and probes, Fisher, the meta-evaluation scorers) goes through it, so no other module branches on
@@ -38,10 +27,8 @@ a model's type.
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,8 +36,8 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from uds_lens.models import describe, hooked_from_hf
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.models import SUPPORTED_MODEL_TYPES, describe, hooked_from_hf
+from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
 
 SITES = ("resid_post", "resid_mid", "attn_out", "mlp_out", "resid_pre")
 
@@ -162,14 +149,12 @@ class ActivationSource(ABC):
         """The model's final norm followed by its unembedding, in fp32: the decoder of the logit lens."""
 
     @abstractmethod
-    def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
-        """The model as a ``HookedTransformer``; an already hooked model is returned as is (no copy, no cast)."""
+    def hooked(self, dtype: torch.dtype, device: str) -> Any:
+        """The model as a TransformerLens model with gradients; a loaded one is returned as is (no copy, no cast)."""
 
 
 class HookedSource(ActivationSource):
-    """A TransformerLens ``HookedTransformer``."""
-
-    model: HookedTransformer
+    """A TransformerLens model: a ``TransformerBridge`` or a 3.x ``HookedTransformer``."""
 
     @property
     def n_layers(self) -> int:
@@ -210,92 +195,20 @@ class HookedSource(ActivationSource):
         )
         return self.model.unembed(self.final_norm(batched))[0].float()
 
-    def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
+    def hooked(self, dtype: torch.dtype, device: str) -> Any:
         return self.model
 
 
-class HFSource(ActivationSource):
-    """A plain Hugging Face Llama causal LM (``model.model.layers``, ``model.model.norm``, ``model.lm_head``)."""
+class NF4Source(HookedSource):
+    """A bitsandbytes-quantised (NF4) Hugging Face model, read through its bridge like any other.
 
-    @property
-    def n_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
-
-    @property
-    def context_length(self) -> int:
-        return int(self.model.config.max_position_embeddings)
-
-    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
-        store: dict[int, Tensor] = {}
-        with self._capture(site, layers, store):
-            self.model(input_ids=tokens, attention_mask=mask, use_cache=False)
-        return [store[layer] for layer in layers]
-
-    def final_norm(self, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        # The same module on the same tensor as inside the forward: equal to Hugging Face's hidden_states[L].
-        return self.model.model.norm(resid)
-
-    @contextmanager
-    def _capture(self, site: str, layers: Sequence[int], store: dict[int, Tensor]) -> Iterator[None]:
-        """Forward hooks that keep ``site``'s activation of each of ``layers`` in ``store``; always removed."""
-
-        def output_of(layer: int) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any, output: Any) -> None:
-                store[layer] = (output[0] if isinstance(output, tuple) else output).detach()
-
-            return hook
-
-        def input_of(layer: int) -> Callable[..., None]:
-            def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                store[layer] = (args[0] if args else kwargs["hidden_states"]).detach()
-
-            return hook
-
-        # the module whose input (resid_pre, resid_mid) or output (the others) is the site's activation
-        module_name = {
-            "resid_pre": "",
-            "resid_mid": "post_attention_layernorm",
-            "resid_post": "",
-            "attn_out": "self_attn",
-            "mlp_out": "mlp",
-        }[site]
-        blocks = self.blocks()
-        handles = []
-        for layer in layers:
-            module = blocks[layer].get_submodule(module_name)
-            if site in ("resid_pre", "resid_mid"):
-                handles.append(module.register_forward_pre_hook(input_of(layer), with_kwargs=True))
-            else:
-                handles.append(module.register_forward_hook(output_of(layer)))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def blocks(self) -> list[nn.Module]:
-        return list(self.model.model.layers)
-
-    def logits(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos vocab"]:
-        return self.model(input_ids=tokens, use_cache=False).logits
-
-    def decode(self, resid: Float[Tensor, "token d_model"]) -> Float[Tensor, "token vocab"]:
-        return self.model.lm_head(self.final_norm(resid.to(device=self.device, dtype=self.dtype))).float()
-
-    def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
-        return hooked_from_hf(self.model, dtype=dtype, device=device)
-
-
-class NF4Source(HFSource):
-    """A bitsandbytes-quantised (NF4) Hugging Face Llama: read exactly like :class:`HFSource`.
-
-    Its weights are 4-bit, so it has no gradients and no TransformerLens layout: as in the published pipeline, its
-    ``HookedTransformer`` is built from a dequantised copy (the 4-bit-rounded weights), leaving the model itself
-    quantised.
+    Its weights are 4-bit, so it has no gradients: as in the published pipeline, the model the gradient-based
+    baselines run (``hooked``) is a dequantised copy (the 4-bit-rounded weights), leaving the model itself quantised.
     """
 
-    def hooked(self, dtype: torch.dtype, device: str) -> HookedTransformer:
-        return hooked_from_hf(copy.deepcopy(self.model).dequantize(), dtype=dtype, device=device)
+    def hooked(self, dtype: torch.dtype, device: str) -> Any:
+        plain = unwrapped_copy(hf_model_of(self.model)).dequantize()
+        return hooked_from_hf(plain, dtype=dtype, device=device, name=self.name)
 
 
 def is_quantised(model: Any) -> bool:
@@ -307,57 +220,59 @@ def is_quantised(model: Any) -> bool:
 
 
 def as_source(model: Any) -> ActivationSource:
-    """The :class:`ActivationSource` of a model: HookedTransformer, Hugging Face Llama, or NF4 Hugging Face Llama.
+    """The :class:`ActivationSource` of a model: a TransformerLens model, or a Hugging Face causal LM (NF4 too),
+    which is wrapped as a ``TransformerBridge`` once (the bridge is kept on the model).
 
     Raises:
-        TypeError: for anything else, naming the model (a non-Llama Hugging Face model has no
-            ``model.model.layers`` / ``model.model.norm`` to hook).
+        TypeError: for anything else, naming the model (a Hugging Face model of a family uds_lens does not
+            support, or no model at all).
     """
     if isinstance(model, ActivationSource):
         return model
-    if isinstance(model, HookedTransformer):
+    if is_tl_model(model):
         return HookedSource(model)
-    decoder = getattr(model, "model", None)
-    if not (hasattr(decoder, "layers") and hasattr(decoder, "norm") and hasattr(model, "config")):
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            f"{describe(model)} ({type(model).__name__}) does not look like a Hugging Face Llama causal LM "
-            "(model.model.layers / model.model.norm): pass a HookedTransformer (uds_lens.load_model) or a "
-            "LlamaForCausalLM (uds_lens.load_hf_model)."
+            f"{describe(model)} ({type(model).__name__}, model_type {getattr(config, 'model_type', None)!r}) is not a "
+            f"Hugging Face causal LM of a supported family ({', '.join(SUPPORTED_MODEL_TYPES)}): pass a "
+            "TransformerBridge (uds_lens.load_model) or a supported Hugging Face model (uds_lens.load_hf_model)."
         )
-    return NF4Source(model) if is_quantised(model) else HFSource(model)
+    bridge = hooked_from_hf(model, name=describe(model))
+    return NF4Source(bridge) if is_quantised(model) else HookedSource(bridge)
 
 
-def verify_parity(
-    hooked: HookedTransformer, hf_model: Any, tokens: Int[Tensor, "batch pos"]
-) -> dict[str, float]:
-    """Max absolute differences between TransformerLens and Hugging Face on the same tokens, read as sources.
+def verify_parity(hooked: Any, hf_model: Any, tokens: Int[Tensor, "batch pos"]) -> dict[str, float]:
+    """Max absolute differences between a TransformerLens model's hook points and Hugging Face's own outputs.
+
+    ``hf_model``'s forward with ``output_hidden_states`` is the reference (a model wrapped by a bridge computes the
+    same numbers as before, so it may be the bridge's own).
 
     Returns:
-        ``{"resid_post": max over layers of |resid_post| difference (pre-final-norm at the last block),
-        "final_norm": |final-norm output difference| (``ln_final`` against Hugging Face's ``hidden_states[L]``),
+        ``{"resid_post": max over blocks 0..L-2 of |hook_resid_post - hidden_states[l + 1]|,
+        "final_norm": |final-norm output of the last block's hook_resid_post - hidden_states[L]|,
         "logits": max |logit difference|}``.
     """
-    ours, theirs = as_source(hooked), as_source(hf_model)
-    layers = range(ours.n_layers)
-    resid = ours.activations(tokens, "resid_post", layers).float().cpu()
-    resid_hf = theirs.activations(tokens, "resid_post", layers).float().cpu()
-    last = [ours.n_layers - 1]
-    final = ours.activations(tokens, "resid_post", last, final_norm_last=True).float().cpu()
-    final_hf = theirs.activations(tokens, "resid_post", last, final_norm_last=True).float().cpu()
+    ours = as_source(hooked)
+    last = ours.n_layers - 1
+    resid = ours.activations(tokens, "resid_post", range(ours.n_layers)).float().cpu()
+    final = ours.activations(tokens, "resid_post", [last], final_norm_last=True)[0].float().cpu()
+    device = next(hf_model.parameters()).device
     with torch.no_grad():
         logits = ours.logits(tokens.to(ours.device)).float().cpu()
-        logits_hf = theirs.logits(tokens.to(theirs.device)).float().cpu()
+        out = hf_model(input_ids=tokens.to(device), output_hidden_states=True, use_cache=False)
+    hidden = [h.float().cpu() for h in out.hidden_states]
+    inner = [float((resid[layer] - hidden[layer + 1]).abs().max()) for layer in range(last)]
     return {
-        "resid_post": float((resid - resid_hf).abs().max()),
-        "final_norm": float((final - final_hf).abs().max()),
-        "logits": float((logits - logits_hf).abs().max()),
+        "resid_post": max(inner, default=0.0),
+        "final_norm": float((final - hidden[last + 1]).abs().max()),
+        "logits": float((logits - out.logits.float().cpu()).abs().max()),
     }
 
 
 __all__ = [
     "SITES",
     "ActivationSource",
-    "HFSource",
     "HookedSource",
     "NF4Source",
     "as_source",

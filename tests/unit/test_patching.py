@@ -116,25 +116,21 @@ def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
 
 
 def test_fast_engine_refuses_other_architectures(setup):
-    from uds_lens.tl_compat import HookedTransformerConfig, new_hooked_transformer
+    """A family whose blocks the fast engine does not compute is refused with a reason, never run wrong."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from uds_lens.models import hooked_from_hf
+    from uds_lens.patching import fast_engine_refusal
 
     encoded, _ = encode(setup["examples"], setup["tok"])
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
-    cfg = setup["full"].cfg
-    gpt_like = new_hooked_transformer(
-        HookedTransformerConfig(
-            n_layers=1,
-            d_model=16,
-            n_ctx=64,
-            d_head=4,
-            n_heads=4,
-            d_vocab=cfg.d_vocab,
-            act_fn="gelu",
-            normalization_type="LN",
-        )
-    )
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=4, vocab_size=setup["full"].cfg.d_vocab, n_positions=64)
+    config.architectures = ["GPT2LMHeadModel"]
+    gpt2 = hooked_from_hf(GPT2LMHeadModel(config).eval())
+    assert "gpt2" in fast_engine_refusal(gpt2)
+    assert fast_engine_refusal(setup["full"]) is None
     with pytest.raises(ValueError, match="naive"):
-        clean_run(gpt_like, batch, "resid_post")
+        clean_run(gpt2, batch, "resid_post")
 
 
 def test_fast_engine_sees_weights_edited_in_place(tiny, setup):

@@ -1,16 +1,17 @@
-"""uds_lens/sources.py: a HookedTransformer and a plain Hugging Face Llama of the same weights yield the same
-activations at every site, with the same last-layer conventions; anything else is refused by name."""
+"""uds_lens/sources.py: a loaded checkpoint (a TransformerBridge) and a plain Hugging Face Llama of the same weights
+yield the same activations at every site, equal to Hugging Face's own modules' tensors (read with plain torch hooks),
+with the same last-layer conventions; anything else is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_oracle import hf_site
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from uds_lens.models import load_hf_model, load_model
 from uds_lens.sources import (
     SITES,
-    HFSource,
     HookedSource,
     NF4Source,
     as_source,
@@ -33,7 +34,10 @@ def hf(tiny):
 
 def test_as_source_picks_the_implementation(hooked, hf):
     ours, theirs = as_source(hooked), as_source(hf)
-    assert isinstance(ours, HookedSource) and type(theirs) is HFSource
+    assert type(ours) is HookedSource and type(theirs) is HookedSource
+    # a Hugging Face model is wrapped once, as a bridge sharing its tensors
+    assert as_source(hf).model is theirs.model
+    assert theirs.model.original_model is hf
     assert as_source(ours) is ours
     assert ours.n_layers == theirs.n_layers == hf.config.num_hidden_layers
     assert ours.dtype == theirs.dtype == torch.float32
@@ -54,6 +58,15 @@ def test_every_site_agrees_between_transformer_lens_and_hugging_face(hooked, hf,
     assert (a[0] - a[-1]).abs().max() > 1e-2
     _, cache = hooked.run_with_cache(TOKENS)
     torch.testing.assert_close(a[1], cache[hook_name(site, 1)], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_every_site_is_the_hugging_face_modules_tensor(tiny, hooked, site):
+    """The oracle independent of TransformerLens: torch hooks on a Hugging Face model no bridge has wrapped."""
+    plain = load_hf_model(tiny.full, dtype="float32", device="cpu", attn_implementation="eager")
+    ours = as_source(hooked).activations(TOKENS, site, range(hooked.cfg.n_layers))
+    for layer in range(hooked.cfg.n_layers):
+        torch.testing.assert_close(ours[layer], hf_site(plain, TOKENS, site, layer), atol=0, rtol=0)
 
 
 def test_layers_come_in_the_order_asked(hooked, hf):
@@ -112,13 +125,18 @@ def test_decode_and_logits(hooked, hf):
 def test_hooked_conversion(hooked, hf):
     assert as_source(hooked).hooked(torch.float32, "cpu") is hooked
     converted = as_source(hf).hooked(torch.float32, "cpu")
-    assert verify_parity(converted, hf, TOKENS)["logits"] < 1e-4
+    assert converted.original_model is hf  # the bridge shares the Hugging Face tensors
+    assert verify_parity(converted, hf, TOKENS)["logits"] == 0.0
 
 
-def test_verify_parity(hooked, hf):
-    parity = verify_parity(hooked, hf, TOKENS)
+def test_verify_parity(tiny, hooked):
+    """The bridge is Hugging Face's forward: hook_resid_post, the final norm and the logits equal its outputs."""
+    plain = load_hf_model(tiny.full, dtype="float32", device="cpu", attn_implementation="eager")
+    parity = verify_parity(hooked, plain, TOKENS)
     assert set(parity) == {"resid_post", "final_norm", "logits"}
-    assert max(parity.values()) < 1e-4
+    assert max(parity.values()) == 0.0
+    # not vacuous: another model's parity is far from 0
+    assert verify_parity(load_model(tiny.retain), plain, TOKENS)["logits"] > 1e-2
 
 
 def test_a_quantised_model_is_read_like_hugging_face(tiny, hooked):
@@ -136,7 +154,7 @@ def test_a_quantised_model_is_read_like_hugging_face(tiny, hooked):
 
 def test_non_llama_modules_are_refused_by_name():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
-    with pytest.raises(TypeError, match="GPT2LMHeadModel.*Llama"):
+    with pytest.raises(TypeError, match="GPT2LMHeadModel.*supported family"):
         as_source(gpt2)
     with pytest.raises(TypeError, match="Linear"):
         as_source(torch.nn.Linear(2, 2))
