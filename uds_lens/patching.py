@@ -367,21 +367,23 @@ def read_scores(
 def clean_run(full: Any, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True) -> CleanRun:
     """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
 
-    Logits are computed at the read positions only. The naive engine's clean run is TransformerLens's forward on
-    the padded batch; the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs share.
+    The naive engine's clean run is the model's forward on the padded batch (its logits read as the naive patched
+    runs read theirs); the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs
+    share, with logits at the read positions only.
     """
     n_layers = full.cfg.n_layers
     with torch.no_grad():
         if not keep_kv:
-            final = full(batch.tokens, stop_at_layer=n_layers)
-            scores = read_scores(
-                full,
-                final[batch.read_batch, batch.read_pos][None],
+            # The model's own forward and logits, as each naive patched run computes them (a family's final
+            # soft-capping included), so a source equal to the full model gives deltas of exactly 0.
+            logits = full(batch.tokens, return_type="logits")
+            scores = mean_entity_logprob(
+                logits[batch.read_batch, batch.read_pos],
                 batch.read_label,
                 batch.read_batch,
                 batch.size,
                 upcast,
-            )[0]
+            )
             return CleanRun(site=site, scores=scores)
         sequences = WindowPacking.sequences(batch)
         window = WindowPacking.of(batch)

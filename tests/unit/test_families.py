@@ -1,0 +1,123 @@
+"""Every supported decoder family on tiny random checkpoints (issue 25): Llama-3 (rope scaling), Mistral, Qwen2 (q/k/v
+biases), Qwen3 (q/k norm), Gemma 2 and 3 (norm offsets, post-norms, soft-capping, sliding windows, scaled
+embeddings), Phi-3 (fused projections) and OLMo 2 (post-norms, q/k norm).
+
+For each: the bridge equals Hugging Face (hidden states, final norm, logits) and every site equals the tensor a plain
+torch hook reads on Hugging Face's own modules; the naive engine is the oracle; the fast engine equals it within 1e-5
+(or, for a family it does not compute, the auditor runs the naive engine and says so); full -> full is exactly 0 below
+the last layer, retain -> retain is 1, in both modes; one head's patch changes nothing when source = full.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.families import build_family, family_configs
+from helpers.hf_oracle import hf_site
+
+from uds_lens import UDSConfig, load_tokenizer
+from uds_lens.components import patch_heads
+from uds_lens.data import encode, load_examples
+from uds_lens.models import load_hf_model, load_model
+from uds_lens.patching import (
+    FAST_MODEL_TYPES,
+    fast_engine_refusal,
+    pad_batch,
+    patched_scores,
+    source_activations,
+)
+from uds_lens.sources import SITES, as_source, verify_parity
+
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
+TOKENS = torch.tensor([[0, 5, 17, 33, 2, 90, 41, 7, 8], [0, 6, 6, 19, 77, 3, 12, 250, 9]])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """``{family: {"full": dir, "retain": dir}}``, built once for the module (about two seconds a family)."""
+    tokenizer = load_tokenizer(tiny.tokenizer)
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family, config in family_configs(len(tokenizer)).items():
+        full = build_family(config, root / family / "full", tokenizer, seed=0)
+        retain = build_family(config, root / family / "retain", tokenizer, seed=1, base=full, noise=0.5)
+        out[family] = {"full": full, "retain": retain}
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints) -> dict[str, dict[str, object]]:
+    return {
+        family: {role: load_model(path, device="cpu") for role, path in paths.items()}
+        for family, paths in checkpoints.items()
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bridge_is_hugging_face_at_every_site(family, checkpoints, loaded):
+    bridge = loaded[family]["full"]
+    plain = load_hf_model(checkpoints[family]["full"], device="cpu", attn_implementation="eager")
+    assert verify_parity(bridge, plain, TOKENS) == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}
+    source = as_source(bridge)
+    for site in SITES:
+        acts = source.activations(TOKENS, site, range(source.n_layers))
+        for layer in range(source.n_layers):
+            torch.testing.assert_close(acts[layer], hf_site(plain, TOKENS, site, layer), atol=0, rtol=0)
+    # not vacuous: the retain checkpoint differs
+    assert verify_parity(loaded[family]["retain"], plain, TOKENS)["logits"] > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_engine_equals_naive_or_is_refused(family, tiny, loaded):
+    full, retain = loaded[family]["full"], loaded[family]["retain"]
+    model_type = full.original_model.config.model_type
+    refusal = fast_engine_refusal(full)
+    if model_type not in FAST_MODEL_TYPES:
+        assert refusal is not None and model_type in refusal
+        return
+    assert refusal is None
+    tokenizer = load_tokenizer(tiny.tokenizer)
+    for compat in (False, True):
+        encoded, _ = encode(load_examples(tiny.data), tokenizer, published_compat=compat)
+        batch = pad_batch(encoded, tokenizer.pad_token_id, "span")
+        layers = list(range(full.cfg.n_layers))
+        for site in SITES:
+            acts = source_activations(retain, batch.tokens, site, layers, published_compat=compat)
+            naive = patched_scores(full, batch, acts, site, layers, engine="naive")
+            fast = patched_scores(full, batch, acts, site, layers, engine="fast")
+            assert (naive - fast).abs().max() <= 1e-5, (site, compat)
+            assert (naive - naive.mean()).abs().max() > 1e-3  # not vacuous: layers and examples differ
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("compat", [False, True])
+def test_full_is_zero_and_retain_is_one(family, compat, loaded, tiny_auditor, caplog):
+    models = loaded[family]
+    with caplog.at_level(logging.WARNING, logger="uds_lens.auditor"):
+        auditor = tiny_auditor(models, UDSConfig(published_compat=compat))
+    fast = models["full"].original_model.config.model_type in FAST_MODEL_TYPES
+    assert auditor.config.engine == ("fast" if fast else "naive")
+    assert fast or "naive engine" in caplog.text  # the one-line notice of the fallback
+    as_retain = auditor.score(models["retain"])
+    scored = as_retain.examples.dropna(subset=["uds"])
+    assert len(scored) >= 2 and np.allclose(scored["uds"], 1.0)
+    as_full = auditor.score(models["full"])
+    last = models["full"].cfg.n_layers - 1
+    assert (as_full.layers.loc[as_full.layers["layer"] < last, "d2"] == 0.0).all()
+    if not compat:
+        assert (as_full.layers["d2"] == 0.0).all()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "olmo2"])
+def test_one_head_patched_from_full_changes_nothing(family, loaded, tiny_auditor):
+    """Head-level patching (``hook_z``) on a fast family and two naive ones: source = full moves no score."""
+    models = loaded[family]
+    auditor = tiny_auditor(models)
+    heads = patch_heads(auditor, models["full"], hook="z", idxs=[0, 2])
+    assert heads.s2.shape[-1] == models["full"].cfg.n_heads
+    torch.testing.assert_close(heads.s2, heads.baseline, atol=1e-6, rtol=0)
+    assert (heads.d1.nan_to_num().abs() > 1e-4).any()  # retain's heads do move the score
