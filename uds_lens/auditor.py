@@ -935,8 +935,8 @@ def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
 
 
 def _first_nonfinite_parameter(model: Any) -> str | None:
-    # parameters only: buffers such as TransformerLens's attention IGNORE value are -inf on purpose
-    for name, tensor in model.named_parameters():
+    # parameters only (buffers such as an attention mask's -inf are on purpose), by their Hugging Face names
+    for name, tensor in models.named_weights(model):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None

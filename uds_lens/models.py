@@ -562,7 +562,7 @@ def check_compatible(
     )
 
 
-def _named_weights(model: Any) -> list[tuple[str, Tensor]]:
+def named_weights(model: Any) -> list[tuple[str, Tensor]]:
     """The tensors a fingerprint hashes, by name: a Hugging Face model's parameters under their Hugging Face names
     (a bridge's are its Hugging Face model's: the bridge wraps each module in one holding it as
     ``_original_component``, a segment dropped here, and parameters the bridge added are left out), or a
@@ -583,7 +583,7 @@ def model_fingerprint(model: Any) -> str:
     elements, so neither a transposed view nor a GPU tensor is ever copied whole.
     """
     digest = hashlib.sha256()
-    for name, tensor in sorted(_named_weights(model), key=lambda item: item[0]):
+    for name, tensor in sorted(named_weights(model), key=lambda item: item[0]):
         digest.update(name.encode())
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
         if tensor.numel() == 0:
@@ -648,6 +648,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_fingerprint",
+    "named_weights",
     "resolve_dtype",
     "resolve_zoo_name",
 ]

@@ -115,8 +115,9 @@ def test_all_heads_at_hook_z_equal_attn_out_when_w_o_is_shared(auditor, unlearne
     """
     source = copy.deepcopy(unlearned)
     for block, reference in zip(source.blocks, auditor.full.blocks):
-        block.attn.W_O.data.copy_(reference.attn.W_O.data)
-        block.attn.b_O.data.copy_(reference.attn.b_O.data)
+        block.attn.W_O.data.copy_(reference.attn.W_O.data)  # a view of the Hugging Face o_proj weight
+        if reference.attn.b_O is not None:  # Llama's o_proj has no bias
+            block.attn.b_O.data.copy_(reference.attn.b_O.data)
     idx = auditor.encoded[1].idx
     example = auditor.example(idx)
     where = example.patch_positions
