@@ -176,3 +176,37 @@ def test_a_mistyped_local_model_path_fails_without_asking_the_hub(tiny, tmp_path
             load_model(mistyped)
         with pytest.raises(ModelLoadError, match="does not exist"):
             load_tokenizer(mistyped)
+
+
+def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny):
+    """TransformerLens 3.x: a HookedTransformer of one's own is scored (by the naive engine, with a notice; the fast
+    engine reads a bridge's Hugging Face tensors); TransformerLens 4.x has no HookedTransformer to pass."""
+    from uds_lens import UDSAuditor, UDSConfig, load_tokenizer
+    from uds_lens.tl_compat import HookedTransformer
+
+    if HookedTransformer is None:
+        pytest.skip("TransformerLens 4.x has no HookedTransformer")
+    from transformer_lens import HookedTransformerConfig
+
+    tokenizer = load_tokenizer(tiny.tokenizer)
+    cfg = HookedTransformerConfig(
+        n_layers=2,
+        d_model=32,
+        d_head=8,
+        n_heads=4,
+        n_ctx=128,
+        d_vocab=len(tokenizer),
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        gated_mlp=True,
+        seed=0,
+    )
+    full, retain = HookedTransformer(cfg), HookedTransformer(cfg.__class__(**{**cfg.to_dict(), "seed": 1}))
+    auditor = UDSAuditor(
+        full, retain, tiny.data, UDSConfig(), tokenizer=tokenizer, cache_dir=False, progress=False
+    )
+    assert auditor.config.engine == "naive"
+    result = auditor.score(full)
+    assert (result.layers["d2"] == 0.0).all()
+    assert auditor.score(retain).examples["uds"].dropna().eq(1.0).all()
