@@ -486,8 +486,8 @@ def naive_patched_scores(
 
 
 # Hugging Face model types whose decoder layers the fast engine computes: pre-norm RMSNorm blocks with rotary
-# attention (Q, K, V and O projections, optional biases) and a gated MLP, nothing else in the block.
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# attention (Q, K, V and O projections, optional biases, Qwen3's per-head q/k norm) and a gated MLP, nothing else.
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _hf_name(name: str) -> str:
@@ -515,7 +515,8 @@ def fast_engine_refusal(model: Any) -> str | None:
     if model_type not in FAST_MODEL_TYPES:
         return f"the fast engine does not compute {model_type!r} blocks yet (it does {', '.join(FAST_MODEL_TYPES)})"
     window = getattr(config, "sliding_window", None)
-    if window is not None and (model_type != "qwen2" or getattr(config, "use_sliding_window", False)):
+    uses_window = model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    if window is not None and uses_window:
         return f"{model_type!r} with a sliding attention window ({window}) is not computed by the fast engine"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 splits the projections differently"
@@ -557,6 +558,8 @@ class _BlockWeights:
     n_heads: int
     n_kv: int
     d_head: int
+    q_norm: Float[Tensor, " d_head"] | None = None
+    k_norm: Float[Tensor, " d_head"] | None = None
 
     @classmethod
     def of(cls, block: Any, config: Any) -> _BlockWeights:
@@ -614,6 +617,8 @@ class _BlockWeights:
             n_heads=n_heads,
             n_kv=n_kv,
             d_head=d_head,
+            q_norm=named.get("self_attn.q_norm.weight"),
+            k_norm=named.get("self_attn.k_norm.weight"),
         )
 
 
@@ -738,8 +743,13 @@ def _attention(
     slots.index_copy_(1, layout.slot, qkv)
     slots = slots.view(n_runs, layout.n_batch * packing.width, n_heads + 2 * n_kv, d_head)
     rotary_dim = layout.cos.shape[-1]
-    q = _rotate(slots[:, :, :n_heads], layout.cos, layout.sin, rotary_dim)
-    k = _rotate(slots[:, :, n_heads : n_heads + n_kv], layout.cos, layout.sin, rotary_dim)
+    q, k = slots[:, :, :n_heads], slots[:, :, n_heads : n_heads + n_kv]
+    if (
+        weights.q_norm is not None and weights.k_norm is not None
+    ):  # Qwen3: RMSNorm of each head, before rotary
+        q, k = _rms_norm(q, weights.q_norm, weights.eps), _rms_norm(k, weights.k_norm, weights.eps)
+    q = _rotate(q, layout.cos, layout.sin, rotary_dim)
+    k = _rotate(k, layout.cos, layout.sin, rotary_dim)
     v = slots[:, :, n_heads + n_kv :]
     q = einops.rearrange(
         q, "run (b w) (kv rep) d -> b kv run rep w d", b=layout.n_batch, kv=n_kv
