@@ -48,17 +48,50 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
+def _loadable(path: str) -> bool:
+    """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
+    from uds_lens.models import ModelLoadError, resolve_source
+
+    if Path(path).expanduser().exists():
+        return True
+    try:
+        resolve_source(path)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def _split_named(value: str) -> tuple[str, str] | None:
+    """``NAME=PATH`` as ``(NAME, PATH)``, or None for a bare path (an existing path, even one with ``=`` in it).
+
+    Either side may contain ``=``: the split is the one whose right side is a loadable checkpoint (an existing path,
+    a zoo name, a hub id); where none is, the first ``=`` (so the error names the missing checkpoint).
+    """
+    if "=" not in value or Path(value).expanduser().exists():
+        return None
+    splits = [
+        (value[:at], value[at + 1 :])
+        for at, char in enumerate(value)
+        if char == "=" and 0 < at < len(value) - 1
+    ]
+    if not splits:
+        return None
+    return next((split for split in splits if _loadable(split[1])), splits[0])
+
+
 def _unlearned_models(values: list[str]) -> dict[str, str]:
-    """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model, a bare path is named after
-    its directory (parent directories added where two basenames clash, see ``uds.result_names``)."""
+    """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
+    see :func:`_split_named`), a bare path is named after its directory (parent directories added where two basenames
+    clash, see ``uds.result_names``)."""
     from uds_lens.auditor import ConfigError, result_names
     from uds_lens.results import check_result_name
 
     named: dict[str, str] = {}
     plain: list[str] = []
     for value in values:
-        name, sep, path = value.partition("=")
-        if sep and name and path and not Path(value).expanduser().exists():
+        split = _split_named(value)
+        if split is not None:
+            name, path = split
             check_result_name(name)
             if name in named:
                 raise ConfigError(f"--unlearned names {name!r} twice; give each NAME=PATH a distinct NAME.")
@@ -88,7 +121,10 @@ SiteOption = Annotated[
     str, typer.Option(help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre.")
 ]
 DtypeOption = Annotated[
-    str | None, typer.Option(help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+    str | None,
+    typer.Option(
+        help="float32 (fp32) | bfloat16 (bf16) | float16 (fp16) (default: fp32 on CPU, bf16 on CUDA)."
+    ),
 ]
 DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
 BatchSizeOption = Annotated[
@@ -209,6 +245,10 @@ def score(
         limit=limit,
         force=force,
     )
+    from uds_lens.plotting.report import record_roles, result_role
+
+    # the report lists these models with their roles, in this table's order
+    record_roles(out, {name: result_role(result) or "unlearned" for name, result in results.items()})
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
@@ -319,6 +359,11 @@ def sweep(
         columns += ["published_uds", "uds_minus_published"]
     _print_table(table.to_dict("records"), columns + ["error"])
     typer.echo(f"results in {out}")
+    failed = table.loc[~table["status"].isin(["scored", "reused"]), "name"].tolist()
+    if failed:
+        # the table is written; the exit status tells a script that not every model has a result
+        typer.echo(f"error: {len(failed)} model(s) have no result: {', '.join(map(str, failed))}", err=True)
+        raise typer.Exit(1)
 
 
 @zoo_app.command("build")
@@ -519,7 +564,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
-    from uds_lens.results import ResultIntegrityError, ResultNameError
+    from uds_lens.results import OutputConflictError, ResultIntegrityError, ResultNameError
     from uds_lens.sweep import SweepError
     from uds_lens.zoo import ZooBuildError, ZooDataError
 
@@ -536,6 +581,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         NonFiniteScoreError,
         ResultIntegrityError,
         ResultNameError,
+        OutputConflictError,
         SweepError,
     )
 
@@ -549,8 +595,18 @@ def _quiet_model_loading(argv: list[str]) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _line_buffered_output() -> None:
+    """Flush stdout and stderr at every line, also into a pipe or a log file (where Python would otherwise buffer
+    them in blocks): progress lines and tables appear when they are ready, not when the command ends."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
 def main() -> None:
     """The console entry point: runs the app; a user error exits 2 with its message (no traceback)."""
+    _line_buffered_output()
     _quiet_model_loading(sys.argv[1:])
     try:
         app()

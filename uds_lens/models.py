@@ -22,6 +22,7 @@ embeddings stay tied (``W_U`` is a view of ``W_E``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -59,6 +60,69 @@ _MAX_N_CTX = 8192
 
 class ModelLoadError(RuntimeError):
     """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture)."""
+
+
+# Every transformers ``from_pretrained`` call (config, tokenizer, model) gets these: a checkpoint's own Python code
+# (an ``auto_map`` in its config or tokenizer config) is never run, and transformers never asks on the terminal whether
+# to run it (it asks, and reads stdin even when it is not a terminal, when trust_remote_code is left unset).
+SAFE_LOAD_KWARGS: dict[str, Any] = {"trust_remote_code": False}
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoadError:
+    """One line naming the checkpoint, what failed to load, the cause and the fix, for any loader error."""
+    text = str(err)
+    lowered = text.lower()
+    name = type(err).__name__
+    if "trust_remote_code" in text or "custom code" in lowered:
+        return ModelLoadError(
+            f"{location} needs its own Python code to load its {what} (an auto_map in config.json or "
+            "tokenizer_config.json), and uds_lens never runs a checkpoint's code: use a checkpoint of a standard "
+            "Llama architecture (model_type 'llama' and a tokenizer class of transformers), or convert this one."
+        )
+    if name == "UnpicklingError" or "weights only load failed" in lowered or "weights_only" in lowered:
+        return ModelLoadError(
+            f"The {what} of {location} are pickled (pytorch_model.bin) with objects torch refuses to unpickle "
+            "safely (weights_only), so they were not read: convert the checkpoint to safetensors where you trust it "
+            "(model.save_pretrained(dir, safe_serialization=True)) and pass that directory."
+        )
+    if (
+        "safetensor" in lowered
+        or "header" in lowered
+        or name in ("JSONDecodeError", "UnicodeDecodeError", "error")
+    ):
+        return ModelLoadError(
+            f"The {what} of {location} are not readable safetensors ({name}: {_one_line(text, 160)}): the file is "
+            "truncated or corrupt; re-save or re-download the checkpoint."
+        )
+    if "dtype" in lowered:
+        return ModelLoadError(
+            f"Could not load the {what} of {location} in the requested dtype ({name}: {_one_line(text, 160)}): pass "
+            "--dtype float32, bfloat16 or float16."
+        )
+    return ModelLoadError(
+        f"Could not load the {what} of {location} ({name}: {_one_line(text, 200)}): check that it is a complete "
+        "Llama checkpoint (config.json, tokenizer files and every weight shard), or re-download it."
+    )
+
+
+@contextlib.contextmanager
+def loader_errors(location: str | os.PathLike, what: str = "weights") -> Iterator[None]:
+    """Turn any error of a checkpoint loader (unpickling, a corrupt safetensors header, a missing shard, a dtype)
+    into one :class:`ModelLoadError` line naming the checkpoint and the fix (the CLI prints it and exits 2, no
+    traceback). Errors that already are ``ModelLoadError`` and memory errors pass through unchanged."""
+    try:
+        yield
+    except (ModelLoadError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
+            raise
+        raise explain_load_error(os.fspath(location), what, err) from err
 
 
 class ModelMismatchError(ValueError):
@@ -114,8 +178,8 @@ class CheckpointSource:
         """First argument and extra keyword arguments of a ``transformers`` ``from_pretrained`` call."""
         if self.kind == "gguf":
             path = Path(self.location)
-            return str(path.parent), {"gguf_file": path.name}
-        return self.location, {"local_files_only": self.local}
+            return str(path.parent), {"gguf_file": path.name, **SAFE_LOAD_KWARGS}
+        return self.location, {"local_files_only": self.local, **SAFE_LOAD_KWARGS}
 
 
 def _looks_like_path(text: str) -> bool:
@@ -197,9 +261,9 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
 
 
 def _load_error(source: CheckpointSource, what: str, err: Exception) -> ModelLoadError:
-    if source.kind == "hub":
+    if source.kind == "hub" and "trust_remote_code" not in str(err):
         return _hub_error(source.location, err)
-    return ModelLoadError(f"Could not read the {what} of {source.location}: {type(err).__name__}: {err}")
+    return explain_load_error(source.location, what, err)
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
@@ -289,7 +353,8 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
     try:
-        return AutoConfig.from_pretrained(first, **kwargs)
+        with loader_errors(source.location, "config"):
+            return AutoConfig.from_pretrained(first, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "config", err) from err
 
@@ -380,7 +445,8 @@ def load_hf_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
+        with loader_errors(source.location, "weights"):
+            model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "weights", err) from err
     if quantization is None:
@@ -567,6 +633,18 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, Tensor]]:
             yield tensor_name, buffer.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def _check_shards(directory: Path) -> None:
+    """Every shard a ``*.safetensors.index.json`` names must be there (the streamed loader reads only what exists)."""
+    for index in directory.glob("*.safetensors.index.json"):
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{directory} is missing weight shard(s) {missing} listed in {index.name}: the download or copy "
+                "did not finish; fetch the missing files again."
+            )
+
+
 def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
 
@@ -612,16 +690,20 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
     name = str(path_or_id)
-    files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
-    if files:
-        hf_config = load_hf_config(path_or_id)
-        tensors = (item for file in files for item in iter_safetensors(file))
-        model = _assemble_hooked(hf_config, tensors, torch_dtype, device, name, share=True)
-    else:
-        hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
-        hf_config = hf_model.config
-        model = _assemble_hooked(hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True)
-        del hf_model
+    with loader_errors(source.location):
+        files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
+        if files:
+            _check_shards(Path(source.location))
+            hf_config = load_hf_config(path_or_id)
+            tensors = (item for file in files for item in iter_safetensors(file))
+            model = _assemble_hooked(hf_config, tensors, torch_dtype, device, name, share=True)
+        else:
+            hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
+            hf_config = hf_model.config
+            model = _assemble_hooked(
+                hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True
+            )
+            del hf_model
     gc.collect()
     # where the model came from, for result names and fingerprints (describe() reads it back)
     setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
@@ -667,7 +749,8 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     source = resolve_source(path_or_id, weights=False)
     first, kwargs = source.from_pretrained_args()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
+        with loader_errors(source.location, "tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(source, "tokenizer", err) from err
     if tokenizer.pad_token_id is None:
