@@ -1098,7 +1098,8 @@ def score_models(
         for name, model in items:
             saved = Path(out_dir) / name
             if saved.exists():
-                check = check_saved(saved, result_fingerprint(full, retain, model, data, config, limit))
+                inputs = result_fingerprint(full, retain, model, data, config, limit)
+                check = check_saved(saved, inputs, ignore=("s1",))
                 if check.conflicts:
                     conflicts[str(saved)] = check.reason
         if conflicts:

@@ -582,8 +582,15 @@ def _difference(key: str, saved: Any, wanted: Any) -> str:
     return f"{key} differs (saved {_short(saved)}, now {_short(wanted)})"
 
 
-def check_saved(directory: str | Path, fingerprint: dict[str, Any]) -> SavedCheck:
+def check_saved(
+    directory: str | Path, fingerprint: dict[str, Any], ignore: tuple[str, ...] = ()
+) -> SavedCheck:
     """Compare the result saved in ``directory`` with a new computation's ``fingerprint``, reading each file once.
+
+    Args:
+        directory: ``OUT/NAME``.
+        fingerprint: the new computation's (``UDSAuditor.fingerprint``, or ``result_fingerprint`` for its inputs).
+        ignore: keys left out of the comparison (``("s1",)`` to compare the inputs before Stage 1 is known).
 
     Returns:
         :class:`SavedCheck`: the result when it can be reused, else the reason in words (each differing key with
@@ -598,7 +605,9 @@ def check_saved(directory: str | Path, fingerprint: dict[str, Any]) -> SavedChec
     if not isinstance(saved, dict):
         return SavedCheck(None, "the saved result records no input fingerprint")
     saved, wanted = _normal(saved), _normal(fingerprint)
-    differ = sorted(key for key in set(saved) | set(wanted) if saved.get(key) != wanted.get(key))
+    differ = sorted(
+        key for key in set(saved) | set(wanted) if key not in ignore and saved.get(key) != wanted.get(key)
+    )
     if differ:
         conflicts = tuple(key for key in INPUT_KEYS if key in differ)
         return SavedCheck(
@@ -625,7 +634,7 @@ def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[U
 
     Returns:
         ``(result, "identical inputs")`` when the directory is intact and its fingerprint equals ``fingerprint``;
-        otherwise ``(None, reason)``, e.g. ``"retain, settings differ from the saved result"`` or
+        otherwise ``(None, reason)``, e.g. ``"retain differs (saved files:..., now files:...)"`` or
         ``"meta.json is missing (...)"``. The check and the parse read the same bytes.
     """
     check = check_saved(directory, fingerprint)

@@ -740,7 +740,8 @@ def refuse_other_runs(
     for entry in entries:
         target = out_dir / entry.name
         if target.exists():
-            check = check_saved(target, result_fingerprint(full, retain, entry.source, examples, config))
+            inputs = result_fingerprint(full, retain, entry.source, examples, config)
+            check = check_saved(target, inputs, ignore=("s1",))
             # the dtype in the settings follows the workers' device, which the driver may not share: settings
             # are compared by the ledger once a worker has loaded the full model
             if set(check.conflicts) - {"settings"}:

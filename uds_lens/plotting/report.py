@@ -360,8 +360,8 @@ def write_report(
         out_html: output path (default ``results_dir/report.html``).
         title: page title (default: "UDS report: <directory name>").
         roles: ``{name: role}`` (from a zoo: ``{m["name"]: m["role"] for m in zoo.models}``); default the
-            directory's ``roles.json``, and for models it does not name, the role in their summary or the one their
-            result implies (:func:`result_role`). Models are shown in this order (the terminal table's: the order
+            directory's ``roles.json`` for the models it does not name, then the role in their summary or the one
+            their result implies (:func:`result_role`): every model shows a role. Models are shown in this order (the terminal table's: the order
             of ``roles``, of ``roles.json``, then of ``sweep.csv``), the others by name.
 
     Returns:
@@ -388,7 +388,7 @@ def write_report(
         )
     order = list(roles) if roles is not None else []
     order += [name for name in _table_order(root) if name not in order]
-    roles = dict(roles) if roles is not None else load_roles(root)
+    roles = {**load_roles(root), **(roles or {})}
     for name, result in results.items():
         if name not in roles:
             role = result.summary.get("role") or result_role(result.result)
