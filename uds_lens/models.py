@@ -111,10 +111,10 @@ def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoa
 
 
 @contextlib.contextmanager
-def loader_errors(location: str | os.PathLike, what: str = "weights") -> Iterator[None]:
-    """Turn any error of a checkpoint loader (unpickling, a corrupt safetensors header, a missing shard, a dtype)
-    into one :class:`ModelLoadError` line naming the checkpoint and the fix (the CLI prints it and exits 2, no
-    traceback). Errors that already are ``ModelLoadError`` and memory errors pass through unchanged."""
+def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[None]:
+    """Turn any error of a checkpoint loader (unpickling, a corrupt safetensors header, a missing shard, a dtype,
+    custom code, a hub id that cannot be fetched) into one :class:`ModelLoadError` line naming the checkpoint and the
+    fix (the CLI prints it and exits 2, no traceback). ``ModelLoadError`` and memory errors pass through unchanged."""
     try:
         yield
     except (ModelLoadError, MemoryError, KeyboardInterrupt):
@@ -122,7 +122,9 @@ def loader_errors(location: str | os.PathLike, what: str = "weights") -> Iterato
     except Exception as err:
         if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
             raise
-        raise explain_load_error(os.fspath(location), what, err) from err
+        if source.kind == "hub" and isinstance(err, OSError):
+            raise _hub_error(source.location, err) from err
+        raise explain_load_error(source.location, what, err) from err
 
 
 class ModelMismatchError(ValueError):
@@ -260,12 +262,6 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
     )
 
 
-def _load_error(source: CheckpointSource, what: str, err: Exception) -> ModelLoadError:
-    if source.kind == "hub" and "trust_remote_code" not in str(err):
-        return _hub_error(source.location, err)
-    return explain_load_error(source.location, what, err)
-
-
 def gguf_architecture(path: str | os.PathLike) -> str:
     """The ``general.architecture`` field of a GGUF file (e.g. ``"llama"``), read with the ``gguf`` package."""
     try:
@@ -352,11 +348,8 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
     if source.kind == "gguf":
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
-    try:
-        with loader_errors(source.location, "config"):
-            return AutoConfig.from_pretrained(first, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "config", err) from err
+    with loader_errors(source, "config"):
+        return AutoConfig.from_pretrained(first, **kwargs)
 
 
 def check_supported(hf_config: Any, name: str) -> None:
@@ -444,11 +437,8 @@ def load_hf_model(
         kwargs["quantization_config"] = quantization
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    try:
-        with loader_errors(source.location, "weights"):
-            model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "weights", err) from err
+    with loader_errors(source, "weights"):
+        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
     if quantization is None:
         # transformers wraps PreTrainedModel.to in a decorator whose stub drops the argument types
         model.to(device)  # type: ignore[arg-type]
@@ -690,7 +680,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
     name = str(path_or_id)
-    with loader_errors(source.location):
+    with loader_errors(source):
         files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
         if files:
             _check_shards(Path(source.location))
@@ -748,11 +738,8 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """
     source = resolve_source(path_or_id, weights=False)
     first, kwargs = source.from_pretrained_args()
-    try:
-        with loader_errors(source.location, "tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "tokenizer", err) from err
+    with loader_errors(source, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
