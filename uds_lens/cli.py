@@ -195,8 +195,10 @@ def score(
         Path,
         typer.Option(
             help="Output directory; one sub-directory per unlearned model. A saved result "
-            "there is reused only when full, retain and unlearned weights, data, --limit and "
-            "settings are all identical (tau is re-applied); anything else is recomputed."
+            "there is reused only when full, retain and unlearned weights, data, --limit, "
+            "settings and the Stage 1 values are all identical (tau is re-applied); a result of "
+            "other inputs (another run's) is refused unless --force; a damaged one is recomputed, "
+            "saying why."
         ),
     ],
     tau: TauOption = 0.05,
@@ -211,7 +213,10 @@ def score(
     no_retain: NoRetainOption = False,
     engine: EngineOption = "fast",
     force: Annotated[
-        bool, typer.Option("--force", help="Recompute every model, even one with a reusable result.")
+        bool,
+        typer.Option(
+            "--force", help="Recompute every model, even one with a reusable result, and replace other runs' results."
+        ),
     ] = False,
     verbose: VerboseOption = False,
 ) -> None:
@@ -219,8 +224,11 @@ def score(
 
     OUT/NAME is reused, not recomputed, only when it was computed from identical inputs (the same full, retain and
     unlearned weights by content, the same data and --limit, the same settings; tau is re-applied to the saved
-    deltas): the run then says "reusing NAME: identical inputs". Anything else recomputes; --force always does.
-    Each result is written to a temporary directory and renamed into place under a lock.
+    deltas; the same Stage 1 values, by digest): the run then says "reusing NAME: identical inputs". A result of
+    other inputs is another run's: it is refused before any model loads, naming what differs, unless --force. A
+    result that fails its file digests, or was computed from other Stage 1 values (a corrupt S1 cache), is
+    recomputed with a warning saying why. Each result is written to a temporary directory and renamed into place
+    under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
     from uds_lens.auditor import ConfigError, score_models
 
@@ -308,7 +316,10 @@ def sweep(
         bool, typer.Option(help="Add the published UDS, the difference and a scatter.")
     ] = False,
     force: Annotated[
-        bool, typer.Option(help="Recompute every model, even when its stored result is current.")
+        bool,
+        typer.Option(
+            help="Recompute every model, even when its stored result is current, and replace other runs' results."
+        ),
     ] = False,
     tau: TauOption = 0.05,
     scope: ScopeOption = "span",
@@ -325,9 +336,10 @@ def sweep(
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
 
-    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights)
-    match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
-    sweep.csv with its error and the sweep goes on.
+    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights,
+    the Stage 1 values) match this run; a saved result of other inputs is refused unless --force; a model whose
+    worker dies is retried on another worker; a model that fails is reported in sweep.csv with its error and the
+    sweep goes on, and the command exits 1 once the table is written.
     """
     from uds_lens.sweep import sweep as run_sweep
 
