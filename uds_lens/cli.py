@@ -215,7 +215,8 @@ def score(
     force: Annotated[
         bool,
         typer.Option(
-            "--force", help="Recompute every model, even one with a reusable result, and replace other runs' results."
+            "--force",
+            help="Recompute every model, even one with a reusable result, and replace other runs' results.",
         ),
     ] = False,
     verbose: VerboseOption = False,
