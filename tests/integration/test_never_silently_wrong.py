@@ -163,6 +163,7 @@ def test_a_checkpoints_own_code_never_runs_and_no_prompt_is_shown(tiny, tmp_path
     assert str(ckpt) in err and "code" in err
 
 
+@pytest.mark.slow  # a whole CLI process (a minute on a busy 2-core machine); the in-process test above is fast
 def test_a_custom_code_checkpoint_with_y_on_stdin_runs_nothing(tiny, tmp_path):
     """The same through a real process whose stdin (a pipe, not a terminal) says y."""
     ckpt, marker = _custom_config_checkpoint(tiny, tmp_path)
