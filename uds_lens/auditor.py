@@ -51,14 +51,15 @@ from uds_lens.patching import (
     plan_batches,
     source_scores,
 )
-from uds_lens.results import UDSResult, check_result_name, load_reusable
+from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
 from uds_lens.sources import as_source
 
 logger = logging.getLogger(__name__)
 
 # 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
-CACHE_FORMAT = 5
+# 6: the header holds the SHA-256 of the tensors and the batch plan (``stage_digest``), checked on every read.
+CACHE_FORMAT = 6
 DEFAULT_CACHE_DIR = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
 
 
@@ -182,6 +183,27 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def stage_digest(stage: StageOne) -> str:
+    """SHA-256 of the numbers a Stage 1 hands to every result: ``s_full``, ``baseline``, ``s1`` (as float32 bytes,
+    with their shapes), the example indices and the batch plan.
+
+    Stored in the S1 cache's header and checked on every read, so a cache whose scores were changed after it was
+    written (the header alone still parses and fits) is rebuilt instead of trusted; and recorded in every result's
+    fingerprint (``"s1"``), so a result computed from a corrupt cache is never reused once the cache is repaired.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in (("s_full", stage.s_full), ("baseline", stage.baseline), ("s1", stage.s1)):
+        digest.update(name.encode() + b"\0")
+        if tensor is None:
+            digest.update(b"none")
+            continue
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(json.dumps(list(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+    digest.update(json.dumps({"idx": [int(i) for i in stage.idx], "batches": stage.batches}).encode())
+    return digest.hexdigest()[:32]
+
+
 def tokenizer_digest(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
@@ -198,8 +220,9 @@ class S1Cache:
     The tensors (``s_full``, ``baseline``, ``s1``) are stored with safetensors and everything else (format, the full
     fingerprint payload, example indices) as JSON in the file's header, so reading a cache file can never run code,
     whoever wrote it (the default directory is shared by every audit of the user). A file that does not parse, whose
-    payload differs, whose shapes do not fit or that holds a non-finite value is deleted with a warning and S1 is
-    recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
+    payload differs, whose shapes do not fit, that holds a non-finite value, or whose tensors and batch plan do not
+    match the digest in its header (:func:`stage_digest`: values changed after the file was written) is deleted with
+    a warning and S1 is recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
     """
 
     def __init__(self, directory: str | os.PathLike | None) -> None:
@@ -243,7 +266,13 @@ class S1Cache:
             batches = [[int(i) for i in members] for members in header["batches"]]
             if sorted(i for members in batches for i in members) != list(range(len(idx))):
                 raise ValueError("its batch plan does not cover every example exactly once")
-            return StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, batches=batches, cached=True)
+            stage = StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, batches=batches, cached=True)
+            if header.get("digest") != stage_digest(stage):
+                raise ValueError(
+                    "its scores or batch plan do not match the digest in its header (the file was changed after "
+                    "it was written); results computed from it are not reused"
+                )
+            return stage
         except Exception as err:  # any unreadable or inconsistent file is rebuilt
             warnings.warn(
                 f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2
@@ -264,6 +293,7 @@ class S1Cache:
             "payload": payload,
             "idx": [int(i) for i in stage.idx],
             "batches": stage.batches,
+            "digest": stage_digest(stage),
         }
         save_file(
             {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
@@ -294,7 +324,8 @@ def _versions() -> dict[str, str]:
 
 
 # 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
-RESULT_FINGERPRINT_FORMAT = 2
+# 3: ``s1``, the digest of the Stage 1 values a result was computed from, is part of it.
+RESULT_FINGERPRINT_FORMAT = 3
 # Files of a checkpoint directory that can change its numbers: weights, config, tokenizer.
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt")
 _FILE_DIGESTS: dict[tuple[Any, ...], str] = {}
@@ -378,7 +409,8 @@ def result_fingerprint(
     digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
     ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`).
     Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
-    ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs.
+    ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs plus ``s1``, the digest of
+    the Stage 1 values (which needs the models): a saved result is reused only when that matches too.
     """
     config = config or UDSConfig()
     return {
@@ -607,8 +639,10 @@ class UDSAuditor:
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
     def fingerprint(self, unlearned: Any) -> dict[str, Any]:
-        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once)."""
-        if self._base_fingerprint is None:
+        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once),
+        plus ``s1``: the :func:`stage_digest` of the Stage 1 every result of this auditor is computed from (so this
+        computes Stage 1, or reads it from the cache, when it is not there yet)."""
+        if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
             self._base_fingerprint = {
                 "format": RESULT_FINGERPRINT_FORMAT,
                 "full": source_fingerprint(self._inputs["full"]),
@@ -618,6 +652,7 @@ class UDSAuditor:
                 if self._inputs["tokenizer_given"]
                 else "from full",
                 "settings": settings_fingerprint(self.config, self.full),
+                "s1": stage_digest(self.stage1),
             }
         return {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
 
@@ -730,6 +765,8 @@ class UDSAuditor:
         self._batches = [list(members) for members in batches]
         self._clean = {}
         self._stage1 = stage
+        if self._base_fingerprint is not None:
+            self._base_fingerprint.pop("s1", None)  # the digest of the Stage 1 just replaced
         if inputs_fingerprint is not None:
             self._base_fingerprint = {
                 key: value for key, value in inputs_fingerprint.items() if key != "unlearned"
@@ -1028,18 +1065,22 @@ def score_models(
     """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
 
     A saved ``out_dir/NAME/`` is reused instead of recomputed only when it is intact and was computed from identical
-    inputs: the same full, retain and unlearned weights (file contents, not paths), the same data (after ``limit``)
-    and the same settings (tau aside: it is re-applied to the saved deltas). Then the log says ``reusing NAME:
-    identical inputs`` and the result's ``meta["reused"]`` is set; anything else is recomputed, and an interrupted
-    sweep resumes where it stopped. Each result is written atomically under a lock (``results.atomic_result_dir``).
+    inputs: the same full, retain and unlearned weights (file contents, not paths), the same data (after ``limit``),
+    the same settings (tau aside: it is re-applied to the saved deltas) and the same Stage 1 values (their digest;
+    a result computed from a corrupt S1 cache is recomputed once the cache is repaired). Then the log says
+    ``reusing NAME: identical inputs`` and the result's ``meta["reused"]`` is set. A saved result of *other* inputs
+    (another run's) is refused before any model is loaded, naming what differs, unless ``force``; one that is
+    incomplete, fails its digests or used other Stage 1 values is recomputed with a warning saying why (also in
+    ``meta["recomputed"]``). Each result is written atomically under a lock (``results.atomic_result_dir``).
 
     Args:
         unlearned: models (result names from their paths, see :func:`result_names`) or ``{name: model}``; a name is
             one path component.
-        force: recompute every model even when a saved result could be reused.
+        force: recompute every model even when a saved result could be reused, and replace results of other runs.
 
     Raises:
         ValueError: a result name is not a single path component, or ``out_dir`` is a file (both before any compute).
+        results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """
 
     config = config or UDSConfig()
@@ -1058,27 +1099,42 @@ def score_models(
         raise ValueError(f"limit must be a positive number of examples, got {limit!r}.")
     results: dict[str, Any] = {}
     auditor: UDSAuditor | None = None
+    if out_dir is not None and not force:
+        # Before any model is loaded: a directory holding another run's result (other weights, data or settings)
+        # is never silently replaced.
+        conflicts = {}
+        for name, model in items:
+            saved = Path(out_dir) / name
+            if saved.exists():
+                inputs = result_fingerprint(full, retain, model, data, config, limit)
+                check = check_saved(saved, inputs, ignore=("s1",))
+                if check.conflicts:
+                    conflicts[str(saved)] = check.reason
+        if conflicts:
+            raise conflict_error(conflicts)
     for name, model in items:
         target = Path(out_dir) / name if out_dir is not None else None
-        if target is not None and not force:
-            fingerprint = (
-                auditor.fingerprint(model)
-                if auditor is not None
-                else result_fingerprint(full, retain, model, data, config, limit)
-            )
-            previous, reason = load_reusable(target, fingerprint)
+        reason = "forced (--force)" if force else ""
+        if target is not None and not force and target.exists():
+            # The saved result's Stage 1 digest is compared too, which needs this run's Stage 1 (from the cache).
+            if auditor is None:
+                auditor = UDSAuditor(
+                    full, retain, data, config=config, cache_dir=cache_dir, progress=progress, limit=limit
+                )
+            previous, reason = load_reusable(target, auditor.fingerprint(model))
             if previous is not None:
                 results[name] = previous.with_tau(config.tau)
                 results[name].meta["reused"] = reason
                 logger.info("reusing %s: %s", name, reason)
                 continue
-            if target.exists():
-                logger.info("recomputing %s: %s", name, reason)
+            logger.warning("recomputing %s: %s", name, reason)
         if auditor is None:
             auditor = UDSAuditor(
                 full, retain, data, config=config, cache_dir=cache_dir, progress=progress, limit=limit
             )
         results[name] = auditor.score(model, name=name)
+        if target is not None and target.exists():
+            results[name].meta["recomputed"] = reason
         if target is not None:
             results[name].save(target)
     return results

@@ -48,17 +48,50 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
+def _loadable(path: str) -> bool:
+    """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
+    from uds_lens.models import ModelLoadError, resolve_source
+
+    if Path(path).expanduser().exists():
+        return True
+    try:
+        resolve_source(path)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def _split_named(value: str) -> tuple[str, str] | None:
+    """``NAME=PATH`` as ``(NAME, PATH)``, or None for a bare path (an existing path, even one with ``=`` in it).
+
+    Either side may contain ``=``: the split is the one whose right side is a loadable checkpoint (an existing path,
+    a zoo name, a hub id); where none is, the first ``=`` (so the error names the missing checkpoint).
+    """
+    if "=" not in value or Path(value).expanduser().exists():
+        return None
+    splits = [
+        (value[:at], value[at + 1 :])
+        for at, char in enumerate(value)
+        if char == "=" and 0 < at < len(value) - 1
+    ]
+    if not splits:
+        return None
+    return next((split for split in splits if _loadable(split[1])), splits[0])
+
+
 def _unlearned_models(values: list[str]) -> dict[str, str]:
-    """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model, a bare path is named after
-    its directory (parent directories added where two basenames clash, see ``uds.result_names``)."""
+    """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
+    see :func:`_split_named`), a bare path is named after its directory (parent directories added where two basenames
+    clash, see ``uds.result_names``)."""
     from uds_lens.auditor import ConfigError, result_names
     from uds_lens.results import check_result_name
 
     named: dict[str, str] = {}
     plain: list[str] = []
     for value in values:
-        name, sep, path = value.partition("=")
-        if sep and name and path and not Path(value).expanduser().exists():
+        split = _split_named(value)
+        if split is not None:
+            name, path = split
             check_result_name(name)
             if name in named:
                 raise ConfigError(f"--unlearned names {name!r} twice; give each NAME=PATH a distinct NAME.")
@@ -88,7 +121,10 @@ SiteOption = Annotated[
     str, typer.Option(help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre.")
 ]
 DtypeOption = Annotated[
-    str | None, typer.Option(help="float32 | bfloat16 (default: fp32 on CPU, bf16 on CUDA).")
+    str | None,
+    typer.Option(
+        help="float32 (fp32) | bfloat16 (bf16) | float16 (fp16) (default: fp32 on CPU, bf16 on CUDA)."
+    ),
 ]
 DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
 BatchSizeOption = Annotated[
@@ -159,8 +195,10 @@ def score(
         Path,
         typer.Option(
             help="Output directory; one sub-directory per unlearned model. A saved result "
-            "there is reused only when full, retain and unlearned weights, data, --limit and "
-            "settings are all identical (tau is re-applied); anything else is recomputed."
+            "there is reused only when full, retain and unlearned weights, data, --limit, "
+            "settings and the Stage 1 values are all identical (tau is re-applied); a result of "
+            "other inputs (another run's) is refused unless --force; a damaged one is recomputed, "
+            "saying why."
         ),
     ],
     tau: TauOption = 0.05,
@@ -175,7 +213,11 @@ def score(
     no_retain: NoRetainOption = False,
     engine: EngineOption = "fast",
     force: Annotated[
-        bool, typer.Option("--force", help="Recompute every model, even one with a reusable result.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Recompute every model, even one with a reusable result, and replace other runs' results.",
+        ),
     ] = False,
     verbose: VerboseOption = False,
 ) -> None:
@@ -183,8 +225,11 @@ def score(
 
     OUT/NAME is reused, not recomputed, only when it was computed from identical inputs (the same full, retain and
     unlearned weights by content, the same data and --limit, the same settings; tau is re-applied to the saved
-    deltas): the run then says "reusing NAME: identical inputs". Anything else recomputes; --force always does.
-    Each result is written to a temporary directory and renamed into place under a lock.
+    deltas; the same Stage 1 values, by digest): the run then says "reusing NAME: identical inputs". A result of
+    other inputs is another run's: it is refused before any model loads, naming what differs, unless --force. A
+    result that fails its file digests, or was computed from other Stage 1 values (a corrupt S1 cache), is
+    recomputed with a warning saying why. Each result is written to a temporary directory and renamed into place
+    under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
     from uds_lens.auditor import ConfigError, score_models
 
@@ -209,6 +254,10 @@ def score(
         limit=limit,
         force=force,
     )
+    from uds_lens.plotting.report import record_roles, result_role
+
+    # the report lists these models with their roles, in this table's order
+    record_roles(out, {name: result_role(result) or "unlearned" for name, result in results.items()})
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
@@ -268,7 +317,10 @@ def sweep(
         bool, typer.Option(help="Add the published UDS, the difference and a scatter.")
     ] = False,
     force: Annotated[
-        bool, typer.Option(help="Recompute every model, even when its stored result is current.")
+        bool,
+        typer.Option(
+            help="Recompute every model, even when its stored result is current, and replace other runs' results."
+        ),
     ] = False,
     tau: TauOption = 0.05,
     scope: ScopeOption = "span",
@@ -285,9 +337,10 @@ def sweep(
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
 
-    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights)
-    match this run; a model whose worker dies is retried on another worker; a model that fails is reported in
-    sweep.csv with its error and the sweep goes on.
+    A finished model is reused only when its stored fingerprints (full, retain, data, settings, its own weights,
+    the Stage 1 values) match this run; a saved result of other inputs is refused unless --force; a model whose
+    worker dies is retried on another worker; a model that fails is reported in sweep.csv with its error and the
+    sweep goes on, and the command exits 1 once the table is written.
     """
     from uds_lens.sweep import sweep as run_sweep
 
@@ -319,6 +372,11 @@ def sweep(
         columns += ["published_uds", "uds_minus_published"]
     _print_table(table.to_dict("records"), columns + ["error"])
     typer.echo(f"results in {out}")
+    failed = table.loc[~table["status"].isin(["scored", "reused"]), "name"].tolist()
+    if failed:
+        # the table is written; the exit status tells a script that not every model has a result
+        typer.echo(f"error: {len(failed)} model(s) have no result: {', '.join(map(str, failed))}", err=True)
+        raise typer.Exit(1)
 
 
 @zoo_app.command("build")
@@ -519,7 +577,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
-    from uds_lens.results import ResultIntegrityError, ResultNameError
+    from uds_lens.results import OutputConflictError, ResultIntegrityError, ResultNameError
     from uds_lens.sweep import SweepError
     from uds_lens.zoo import ZooBuildError, ZooDataError
 
@@ -536,6 +594,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         NonFiniteScoreError,
         ResultIntegrityError,
         ResultNameError,
+        OutputConflictError,
         SweepError,
     )
 
@@ -549,8 +608,18 @@ def _quiet_model_loading(argv: list[str]) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _line_buffered_output() -> None:
+    """Flush stdout and stderr at every line, also into a pipe or a log file (where Python would otherwise buffer
+    them in blocks): progress lines and tables appear when they are ready, not when the command ends."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
 def main() -> None:
     """The console entry point: runs the app; a user error exits 2 with its message (no traceback)."""
+    _line_buffered_output()
     _quiet_model_loading(sys.argv[1:])
     try:
         app()

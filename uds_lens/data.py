@@ -27,6 +27,7 @@ import logging
 import numbers
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,12 +333,32 @@ def load_examples(
     return examples
 
 
+def nfc(text: str) -> str:
+    """Unicode NFC: "é" typed as ``e`` + a combining accent and "é" precomposed become the same string."""
+    return unicodedata.normalize("NFC", text)
+
+
+def needs_nfc(example: Example) -> bool:
+    """Whether the example's text (question, prefix, answer, entity) changes under NFC normalisation."""
+    return any(
+        text != nfc(text) for text in (example.question, example.prefix, example.answer, example.entity)
+    )
+
+
 def build_prompt(example: Example, published_compat: bool = False) -> tuple[str, str] | None:
-    """``(prompt, reference)`` strings for one example, or None when the answer does not start with the prefix."""
-    if not example.answer.startswith(example.prefix):
+    """``(prompt, reference)`` strings for one example, or None when the answer does not start with the prefix.
+
+    The text is NFC-normalised first (so an entity typed with combining accents is found in an answer typed with
+    precomposed letters, and the model sees one spelling); ``published_compat`` keeps it as given, as the published
+    implementation does.
+    """
+    question, prefix, answer = example.question, example.prefix, example.answer
+    if not published_compat:
+        question, prefix, answer = nfc(question), nfc(prefix), nfc(answer)
+    if not answer.startswith(prefix):
         return None
-    prompt = PROMPT_TEMPLATE.format(question=example.question, prefix=example.prefix)
-    reference = example.answer[len(example.prefix) :]
+    prompt = PROMPT_TEMPLATE.format(question=question, prefix=prefix)
+    reference = answer[len(prefix) :]
     if not published_compat:
         kept = prompt.rstrip()
         reference = prompt[len(kept) :] + reference
@@ -390,16 +411,25 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
     if built is None:
         return Skip(example.idx, SKIP_PREFIX_MISMATCH)
     prompt, reference = built
+    entity = example.entity if published_compat else nfc(example.entity)
+    if published_compat and needs_nfc(example):
+        logger.warning(
+            "example %s: its text is not in Unicode NFC (the entity %r or its answer mixes combining and "
+            "precomposed characters); published_compat matches them as given, as the published implementation "
+            "does, so the entity may not be found; without published_compat both are NFC-normalised.",
+            example.idx,
+            example.entity,
+        )
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     ref = tokenizer(reference, add_special_tokens=False, return_offsets_mapping=True)
     ref_ids, offsets = ref["input_ids"], ref["offset_mapping"]
     if not ref_ids or not prompt_ids:
         return Skip(example.idx, SKIP_EMPTY_REFERENCE)
-    span = _entity_char_span(reference, example.entity, whole_word=not published_compat)
+    span = _entity_char_span(reference, entity, whole_word=not published_compat)
     if span is None:
-        inside = _entity_char_span(reference, example.entity, whole_word=False) is not None
+        inside = _entity_char_span(reference, entity, whole_word=False) is not None
         return Skip(example.idx, SKIP_ENTITY_INSIDE_WORD if inside else SKIP_ENTITY_NOT_FOUND)
-    if published_compat and span != _entity_char_span(reference, example.entity):
+    if published_compat and span != _entity_char_span(reference, entity):
         logger.warning(
             "example %s: published_compat locates the entity %r inside another word (%r), as the "
             "published implementation does; without published_compat it is located at a word boundary.",

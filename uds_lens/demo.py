@@ -18,6 +18,7 @@ import torch
 
 from uds_lens.auditor import UDSConfig, score_models
 from uds_lens.plotting.report import write_report
+from uds_lens.results import OutputConflictError
 from uds_lens.zoo import build_zoo
 from uds_lens.zoo.layout import MANIFEST_FILE, Zoo, load_zoo
 
@@ -56,16 +57,27 @@ def score_zoo(
     """Score the zoo's demo models (``DEMO_ROLES``) into ``out``: the summary table, their manifest entries and the
     ``UDSResult`` of each, by name."""
     entries = [m for m in zoo.models if m["role"] in DEMO_ROLES]
-    results = score_models(
-        zoo.path("full"),
-        zoo.path("retain"),
-        {m["name"]: zoo.path(m["name"]) for m in entries},
-        zoo.forget_path,
-        out_dir=out,
-        config=config or UDSConfig(),
-        cache_dir=out / ".s1_cache",
-        progress=progress,
-    )
+
+    def score(force: bool) -> dict:
+        return score_models(
+            zoo.path("full"),
+            zoo.path("retain"),
+            {m["name"]: zoo.path(m["name"]) for m in entries},
+            zoo.forget_path,
+            out_dir=out,
+            config=config or UDSConfig(),
+            cache_dir=out / ".s1_cache",
+            progress=progress,
+            force=force,
+        )
+
+    try:
+        results = score(force=False)
+    except OutputConflictError as conflict:
+        # the demo's directory holds an earlier demo's results of a zoo that has been rebuilt since: they are this
+        # command's own scratch output, replaced with a warning rather than refused
+        logger.warning("the zoo changed since the last demo in %s; scoring it again (%s)", out, conflict)
+        results = score(force=True)
     rows = []
     for entry in entries:
         summary = results[entry["name"]].summary

@@ -16,6 +16,7 @@ Hugging Face tensors under their Hugging Face names, so they do not depend on th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -23,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,71 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", 
 
 class ModelLoadError(RuntimeError):
     """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture)."""
+
+
+# Every transformers ``from_pretrained`` call (config, tokenizer, model) gets these: a checkpoint's own Python code
+# (an ``auto_map`` in its config or tokenizer config) is never run, and transformers never asks on the terminal whether
+# to run it (it asks, and reads stdin even when it is not a terminal, when trust_remote_code is left unset).
+SAFE_LOAD_KWARGS: dict[str, Any] = {"trust_remote_code": False}
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoadError:
+    """One line naming the checkpoint, what failed to load, the cause and the fix, for any loader error."""
+    text = str(err)
+    lowered = text.lower()
+    name = type(err).__name__
+    if "trust_remote_code" in text or "custom code" in lowered:
+        return ModelLoadError(
+            f"{location} needs its own Python code to load its {what} (an auto_map in config.json or "
+            "tokenizer_config.json), and uds_lens never runs a checkpoint's code: use a checkpoint of a decoder "
+            f"family transformers implements itself (model_type in {SUPPORTED_MODEL_TYPES}), or convert this one."
+        )
+    if name == "UnpicklingError" or "weights only load failed" in lowered or "weights_only" in lowered:
+        return ModelLoadError(
+            f"The {what} of {location} are pickled (pytorch_model.bin) with objects torch refuses to unpickle "
+            "safely (weights_only), so they were not read: convert the checkpoint to safetensors where you trust it "
+            "(model.save_pretrained(dir, safe_serialization=True)) and pass that directory."
+        )
+    if (
+        "safetensor" in lowered
+        or "header" in lowered
+        or name in ("JSONDecodeError", "UnicodeDecodeError", "error")
+    ):
+        return ModelLoadError(
+            f"The {what} of {location} are not readable safetensors ({name}: {_one_line(text, 160)}): the file is "
+            "truncated or corrupt; re-save or re-download the checkpoint."
+        )
+    if "dtype" in lowered:
+        return ModelLoadError(
+            f"Could not load the {what} of {location} in the requested dtype ({name}: {_one_line(text, 160)}): pass "
+            "--dtype float32, bfloat16 or float16."
+        )
+    return ModelLoadError(
+        f"Could not load the {what} of {location} ({name}: {_one_line(text, 200)}): check that it is a complete "
+        "checkpoint (config.json, tokenizer files and every weight shard), or re-download it."
+    )
+
+
+@contextlib.contextmanager
+def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[None]:
+    """Turn any error of a checkpoint loader (unpickling, a corrupt safetensors header, a missing shard, a dtype,
+    custom code, a hub id that cannot be fetched) into one :class:`ModelLoadError` line naming the checkpoint and the
+    fix (the CLI prints it and exits 2, no traceback). ``ModelLoadError`` and memory errors pass through unchanged."""
+    try:
+        yield
+    except (ModelLoadError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
+            raise
+        if source.kind == "hub" and isinstance(err, OSError):
+            raise _hub_error(source.location, err) from err
+        raise explain_load_error(source.location, what, err) from err
 
 
 class ModelMismatchError(ValueError):
@@ -107,8 +174,8 @@ class CheckpointSource:
         """First argument and extra keyword arguments of a ``transformers`` ``from_pretrained`` call."""
         if self.kind == "gguf":
             path = Path(self.location)
-            return str(path.parent), {"gguf_file": path.name}
-        return self.location, {"local_files_only": self.local}
+            return str(path.parent), {"gguf_file": path.name, **SAFE_LOAD_KWARGS}
+        return self.location, {"local_files_only": self.local, **SAFE_LOAD_KWARGS}
 
 
 def _looks_like_path(text: str) -> bool:
@@ -187,12 +254,6 @@ def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
         + "Pass a local checkpoint directory instead (e.g. one saved with `save_pretrained`, or a zoo model from "
         "`uds-lens zoo build`)."
     )
-
-
-def _load_error(source: CheckpointSource, what: str, err: Exception) -> ModelLoadError:
-    if source.kind == "hub":
-        return _hub_error(source.location, err)
-    return ModelLoadError(f"Could not read the {what} of {source.location}: {type(err).__name__}: {err}")
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
@@ -281,10 +342,8 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
     if source.kind == "gguf":
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
-    try:
-        return AutoConfig.from_pretrained(first, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "config", err) from err
+    with loader_errors(source, "config"):
+        return AutoConfig.from_pretrained(first, **kwargs)
 
 
 def check_supported(hf_config: Any, name: str) -> None:
@@ -325,10 +384,8 @@ def load_hf_model(
         kwargs["quantization_config"] = quantization
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    try:
-        model = AutoModelForCausalLM.from_pretrained(first, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "weights", err) from err
+    with loader_errors(source, "weights"):
+        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
         model.config.architectures = [type(model).__name__]
@@ -354,6 +411,18 @@ def _stand_in_tokenizer() -> Any:
         unk_token="<unk>",
         eos_token="<unk>",
     )
+
+
+def _check_shards(directory: Path) -> None:
+    """Every shard a ``*.safetensors.index.json`` names must be there (the streamed loader reads only what exists)."""
+    for index in directory.glob("*.safetensors.index.json"):
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{directory} is missing weight shard(s) {missing} listed in {index.name}: the download or copy "
+                "did not finish; fetch the missing files again."
+            )
 
 
 def hooked_from_hf(
@@ -407,7 +476,10 @@ def load_model(
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
-    hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device=device, attn_implementation="eager")
+    with loader_errors(source):
+        if source.kind == "directory":
+            _check_shards(Path(source.location))
+        hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device=device, attn_implementation="eager")
     tokenizer = None
     if source.kind == "directory":
         try:
@@ -460,10 +532,8 @@ def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
     """
     source = resolve_source(path_or_id, weights=False)
     first, kwargs = source.from_pretrained_args()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as err:
-        raise _load_error(source, "tokenizer", err) from err
+    with loader_errors(source, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -193,7 +193,14 @@ class UDSResult:
         return result.with_tau(config.tau)
 
     def with_tau(self, tau: float) -> UDSResult:
-        """The same result under another KE threshold (no model is run)."""
+        """The same result under another KE threshold (no model is run).
+
+        Under the threshold it already has, the result is returned as is: a saved result read back keeps the
+        per-example scores it was saved with (recomputing them from ``layers.csv``, whose float32 deltas come back
+        as float64, would move the model UDS in the ninth decimal away from its own ``summary.json``).
+        """
+        if tau == self.settings.get("tau") and {"uds", "n_ke", "status"} <= set(self.examples.columns):
+            return self
         retain_free = bool(self.layers["d1"].isna().all())
         layers, per_example = rescore(self.layers, tau)
         examples = self.examples.drop(columns=[c for c in ("n_ke", "uds", "status") if c in self.examples])
@@ -526,6 +533,98 @@ def _normal(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
 
 
+# Fingerprint keys that name an input of the computation: a saved result that differs in one of them is another
+# run's result (another model, data set or setting), which a new run does not silently replace.
+INPUT_KEYS = ("full", "retain", "unlearned", "data", "tokenizer", "settings")
+
+
+class OutputConflictError(ValueError):
+    """``OUT/NAME`` holds the result of another run (other inputs): replacing it needs ``force``."""
+
+
+@dataclass(frozen=True)
+class SavedCheck:
+    """What a saved result directory holds compared with a new computation (:func:`check_saved`).
+
+    Attributes:
+        result: the saved result when it may stand in for the new computation (intact, identical fingerprint).
+        reason: ``"identical inputs"``, or why it cannot be reused (which key differs, which file failed its digest).
+        conflicts: the input keys (:data:`INPUT_KEYS`) in which the saved result differs: non-empty means it is
+            another run's result, not a stale copy of this one.
+    """
+
+    result: UDSResult | None
+    reason: str
+    conflicts: tuple[str, ...] = ()
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=_json_default) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _difference(key: str, saved: Any, wanted: Any) -> str:
+    """One differing fingerprint key in words (what a rerun prints when it recomputes or refuses)."""
+    if key == "s1":
+        return (
+            "the Stage 1 values it was computed from differ from this run's (it used a corrupt or since-rebuilt "
+            "S1 cache, or none of that digest)"
+        )
+    if key == "format":
+        return f"its fingerprint is of format {saved} (an older uds_lens), this one writes format {wanted}"
+    if key == "settings" and isinstance(saved, dict) and isinstance(wanted, dict):
+        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        return (
+            "settings differ ("
+            + ", ".join(f"{k}: saved {saved.get(k)!r}, now {wanted.get(k)!r}" for k in changed)
+            + ")"
+        )
+    return f"{key} differs (saved {_short(saved)}, now {_short(wanted)})"
+
+
+def check_saved(
+    directory: str | Path, fingerprint: dict[str, Any], ignore: tuple[str, ...] = ()
+) -> SavedCheck:
+    """Compare the result saved in ``directory`` with a new computation's ``fingerprint``, reading each file once.
+
+    Args:
+        directory: ``OUT/NAME``.
+        fingerprint: the new computation's (``UDSAuditor.fingerprint``, or ``result_fingerprint`` for its inputs).
+        ignore: keys left out of the comparison (``("s1",)`` to compare the inputs before Stage 1 is known).
+
+    Returns:
+        :class:`SavedCheck`: the result when it can be reused, else the reason in words (each differing key with
+        its saved and new value, or the file that failed its digest) and the differing input keys.
+    """
+    meta, contents, problem = _read_verified(Path(directory))
+    if problem is not None:
+        return SavedCheck(None, problem)
+    if meta.get("format") != RESULT_FORMAT:
+        return SavedCheck(None, f"it was saved in result format {meta.get('format')}, not {RESULT_FORMAT}")
+    saved = meta.get("meta", {}).get("fingerprint")
+    if not isinstance(saved, dict):
+        return SavedCheck(None, "the saved result records no input fingerprint")
+    saved, wanted = _normal(saved), _normal(fingerprint)
+    differ = sorted(
+        key for key in set(saved) | set(wanted) if key not in ignore and saved.get(key) != wanted.get(key)
+    )
+    if differ:
+        conflicts = tuple(key for key in INPUT_KEYS if key in differ)
+        return SavedCheck(
+            None, "; ".join(_difference(key, saved.get(key), wanted.get(key)) for key in differ), conflicts
+        )
+    return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
+
+
+def conflict_error(conflicts: dict[str, str], option: str = "--force") -> OutputConflictError:
+    """The refusal for result directories that hold other runs' results: ``{directory: what differs}``."""
+    lines = "; ".join(f"{directory}: {why}" for directory, why in conflicts.items())
+    return OutputConflictError(
+        f"Refusing to replace the result(s) of another run: {lines}. Pass {option} to replace them, or write to "
+        "another output directory."
+    )
+
+
 def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[UDSResult | None, str]:
     """The saved result in ``directory`` if it was computed from exactly these inputs, and why (not).
 
@@ -535,22 +634,11 @@ def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[U
 
     Returns:
         ``(result, "identical inputs")`` when the directory is intact and its fingerprint equals ``fingerprint``;
-        otherwise ``(None, reason)``, e.g. ``"retain, settings differ from the saved result"`` or
+        otherwise ``(None, reason)``, e.g. ``"retain differs (saved files:..., now files:...)"`` or
         ``"meta.json is missing (...)"``. The check and the parse read the same bytes.
     """
-    meta, contents, problem = _read_verified(Path(directory))
-    if problem is not None:
-        return None, problem
-    if meta.get("format") != RESULT_FORMAT:
-        return None, f"it was saved in result format {meta.get('format')}, not {RESULT_FORMAT}"
-    saved = meta.get("meta", {}).get("fingerprint")
-    if not isinstance(saved, dict):
-        return None, "the saved result records no input fingerprint"
-    saved, wanted = _normal(saved), _normal(fingerprint)
-    differ = sorted(key for key in set(saved) | set(wanted) if saved.get(key) != wanted.get(key))
-    if differ:
-        return None, f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from the saved result"
-    return UDSResult._from_files(meta, contents), "identical inputs"
+    check = check_saved(directory, fingerprint)
+    return check.result, check.reason
 
 
 def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool, str]:
@@ -620,7 +708,10 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
 
 __all__ = [
     "EXAMPLE_COLUMNS",
+    "INPUT_KEYS",
     "ExampleView",
+    "OutputConflictError",
+    "SavedCheck",
     "LAYER_COLUMNS",
     "RESULT_FORMAT",
     "ResultIntegrityError",
@@ -629,6 +720,8 @@ __all__ = [
     "atomic_result_dir",
     "can_reuse",
     "check_result_name",
+    "check_saved",
+    "conflict_error",
     "load_reusable",
     "result_lock",
     "verify_result_dir",

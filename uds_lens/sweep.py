@@ -55,16 +55,25 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from uds_lens.auditor import StageOne, UDSAuditor, UDSConfig, result_names, source_fingerprint
+from uds_lens.auditor import (
+    StageOne,
+    UDSAuditor,
+    UDSConfig,
+    result_fingerprint,
+    result_names,
+    source_fingerprint,
+)
 from uds_lens.data import Example, load_examples
 from uds_lens.plotting import published_scatter
-from uds_lens.results import UDSResult, check_result_name, load_reusable
+from uds_lens.results import SavedCheck, UDSResult, check_result_name, check_saved, conflict_error
 
 logger = logging.getLogger(__name__)
 
 SWEEP_TABLE = "sweep.csv"
 SWEEP_JSON = "sweep_eval.json"
 SCATTER_HTML = "published_scatter.html"
+# What a sweep writes next to the NAME/ directories (and `uds-lens report` adds): no model may be named like them.
+SWEEP_FILES = (SWEEP_TABLE, SWEEP_JSON, SCATTER_HTML, "report.html", "roles.json")
 REGISTRIES = {"tofu-llama-3.2-1b": "tofu_llama32_1b_registry.csv"}
 # Registry rows that are the sweep's own references, not unlearned models: left out unless asked for by method.
 ANCHOR_METHODS = ("full", "retain")
@@ -139,6 +148,12 @@ def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:
             check_result_name(name)
         except ValueError as error:
             raise SweepError(str(error)) from None
+    own = sorted(name for name in names if name.casefold() in {file.casefold() for file in SWEEP_FILES})
+    if own:
+        raise SweepError(
+            f"The result name(s) {own} are the sweep's own files in the output directory ({', '.join(SWEEP_FILES)}): "
+            "rename those models (`name,path_or_id` rows in the model list)."
+        )
     if not entries:
         raise SweepError("The sweep has no models: the model list or the registry filter selected none.")
     return list(entries)
@@ -484,17 +499,24 @@ class _Ledger:
             }
 
     def reuse(self, force: bool) -> list[SweepModel]:
-        """Record every model whose saved result is current as ``reused``; returns the models left to score."""
+        """Record every model whose saved result is current as ``reused``; returns the models left to score.
+
+        Raises:
+            SweepError: without ``force``, a model's directory holds another run's result (other inputs); nothing
+                is written then.
+        """
         todo = []
+        conflicts = {}
         for entry in self.entries:
             fingerprint = self.shipped.fingerprint(entry.source)
             self.rows[entry.name].update(fingerprint_columns(fingerprint))
-            previous, reason = (
-                (None, "forced") if force else load_reusable(self.out / entry.name, fingerprint)
-            )
+            check = SavedCheck(None, "forced") if force else check_saved(self.out / entry.name, fingerprint)
+            previous, reason = check.result, check.reason
+            if check.conflicts:
+                conflicts[str(self.out / entry.name)] = reason
             if previous is None:
                 if (self.out / entry.name).exists():
-                    logger.info("recomputing %s: %s", entry.name, reason)
+                    logger.warning("recomputing %s: %s", entry.name, reason)
                 todo.append(entry)
                 continue
             logger.info("reusing %s: %s", entry.name, reason)
@@ -502,6 +524,8 @@ class _Ledger:
             self.rows[entry.name].update(
                 status="reused", load_seconds=0.0, seconds=0.0, finished_at=time.time()
             )
+        if conflicts:
+            raise SweepError(str(conflict_error(conflicts)))
         self.write()
         return todo
 
@@ -651,10 +675,13 @@ def sweep(
         retain is None or isinstance(retain, (str, os.PathLike))
     ):
         raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
+    examples = load_examples(data, limit=limit)
+    if not force:
+        refuse_other_runs(full, retain, examples, config, entries, out_dir)
     plan = WorkerPlan(
         str(full),
         None if retain is None else str(retain),
-        load_examples(data, limit=limit),
+        examples,
         str(data) if isinstance(data, (str, os.PathLike)) else "<records>",
         config,
         cache_dir,
@@ -692,6 +719,35 @@ def sweep(
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
         published_scatter(table).write_html(out_dir / SCATTER_HTML, include_plotlyjs=True)
     return table
+
+
+def refuse_other_runs(
+    full: str | os.PathLike,
+    retain: str | os.PathLike | None,
+    examples: list[Example],
+    config: UDSConfig,
+    entries: Sequence[SweepModel],
+    out_dir: Path,
+) -> None:
+    """Refuse, before any model is loaded, a sweep whose ``OUT/NAME`` directories hold results of other inputs
+    (another full, retain, data set, setting or checkpoint under that name): they are another run's, and only
+    ``force`` replaces them. Reads the checkpoint files (hashed once) and the saved fingerprints, nothing else.
+
+    Raises:
+        SweepError: naming every such directory and what differs.
+    """
+    conflicts = {}
+    for entry in entries:
+        target = out_dir / entry.name
+        if target.exists():
+            inputs = result_fingerprint(full, retain, entry.source, examples, config)
+            check = check_saved(target, inputs, ignore=("s1",))
+            # the dtype in the settings follows the workers' device, which the driver may not share: settings
+            # are compared by the ledger once a worker has loaded the full model
+            if set(check.conflicts) - {"settings"}:
+                conflicts[str(target)] = check.reason
+    if conflicts:
+        raise SweepError(str(conflict_error(conflicts)))
 
 
 def _sweep_in_process(

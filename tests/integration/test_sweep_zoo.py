@@ -18,7 +18,7 @@ from uds_lens import UDSAuditor
 from uds_lens.auditor import score_models
 from uds_lens.cli import app
 from uds_lens.results import RESULT_FILES, UDSResult, verify_result_dir
-from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, sweep
+from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, SweepError, sweep
 
 pytestmark = pytest.mark.xdist_group("sweep")  # one process: the Ray tests share one local cluster
 
@@ -158,7 +158,7 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
         shutil.copytree(zoo["models"][name], models[name])
     out, cache = tmp_path / "out", tmp_path / "s1"
 
-    def run(**changes):
+    def run(force=False, **changes):
         settings = {"full": zoo["full"], "retain": zoo["retain"], "data": zoo["data"], **changes}
         table = sweep(
             settings["full"],
@@ -169,6 +169,7 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
             workers=1,
             cache_dir=cache,
             progress=False,
+            force=force,
         )
         return table.set_index("name")["status"].to_dict()
 
@@ -194,16 +195,26 @@ def test_rerun_computes_only_what_is_missing_and_never_reuses_stale_results(zoo,
     assert run() == {"npo": "reused", "graddiff": "reused", "rmu_l1": "scored"}
     assert {name: (out / name / "meta.json").stat().st_mtime_ns for name in written} == written
 
-    # a checkpoint retrained in place (other weights, same path) is recomputed, the others are not
+    # a checkpoint retrained in place (other weights, same path): its saved result is another run's, refused
+    # (naming it) until it is removed; then it alone is recomputed
     shutil.copy(tmp_path / "models" / "rmu_l1" / "model.safetensors", tmp_path / "models" / "graddiff")
+    with pytest.raises(SweepError, match="graddiff: unlearned differs"):
+        run()
+    shutil.rmtree(out / "graddiff")
     assert run() == {"npo": "reused", "graddiff": "scored", "rmu_l1": "reused"}
     assert UDSResult.load(out / "graddiff").uds == pytest.approx(UDSResult.load(out / "rmu_l1").uds, abs=1e-9)
 
-    # another retain model, or other data: everything is recomputed
-    assert set(run(retain=str(zoo["zoo"].path("retain90"))).values()) == {"scored"}
+    # another retain model, or other data: refused unless forced, then everything is recomputed
+    with pytest.raises(SweepError, match="retain differs"):
+        run(retain=str(zoo["zoo"].path("retain90")))
+    assert set(run(retain=str(zoo["zoo"].path("retain90")), force=True).values()) == {"scored"}
     smaller = tmp_path / "forget_minus_one.json"
     smaller.write_text(json.dumps(json.loads(open(zoo["data"]).read())[1:]))
-    assert set(run(retain=str(zoo["zoo"].path("retain90")), data=str(smaller)).values()) == {"scored"}
+    with pytest.raises(SweepError, match="data differs"):
+        run(retain=str(zoo["zoo"].path("retain90")), data=str(smaller))
+    assert set(run(retain=str(zoo["zoo"].path("retain90")), data=str(smaller), force=True).values()) == {
+        "scored"
+    }
     assert set(run(retain=str(zoo["zoo"].path("retain90")), data=str(smaller)).values()) == {"reused"}
 
 

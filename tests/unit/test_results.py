@@ -22,6 +22,7 @@ from uds_lens.results import (
     atomic_result_dir,
     can_reuse,
     check_result_name,
+    check_saved,
     load_reusable,
     verify_result_dir,
 )
@@ -168,7 +169,7 @@ KILL_SCRIPT = textwrap.dedent("""
         return original_to_csv(self, path, *args, **kwargs)
     pathlib.Path.write_text, pd.DataFrame.to_csv = write_text, to_csv
     score_models(full, retain, {"model": unlearned}, data, out_dir=out, cache_dir=cache, progress=False,
-                 config=UDSConfig(published_compat=True))
+                 config=UDSConfig(published_compat=True), force=True)
 """)
 
 
@@ -202,6 +203,7 @@ def test_a_kill_during_an_overwrite_leaves_the_old_result_and_a_rerun_recomputes
         cache_dir=cache,
         config=UDSConfig(published_compat=True),
         progress=False,
+        force=True,  # the saved result is of other settings: another run's, replaced only when forced
     )["model"]
     assert "reused" not in compat.meta
     fresh = UDSAuditor(
@@ -223,7 +225,8 @@ def test_reuse_needs_the_same_fingerprint(two_results, tmp_path):
     assert loaded.uds == pytest.approx(result.uds)
     changed = {**fingerprint, "retain": "files:0000"}
     ok, reason = can_reuse(target, changed)
-    assert not ok and reason == "retain differs from the saved result"
+    assert not ok and reason == f"retain differs (saved {fingerprint['retain']}, now files:0000)"
+    assert check_saved(target, changed).conflicts == ("retain",)
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".", "", ".hidden", "a\\b"])

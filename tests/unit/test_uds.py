@@ -16,6 +16,7 @@ from uds_lens import UDSAuditor, UDSConfig, UDSResult, load_tokenizer
 from uds_lens.auditor import ConfigError, S1Cache, nonfinite_error, score_models
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.models import ModelMismatchError, load_model
+from uds_lens.results import OutputConflictError
 from uds_lens.uds import bootstrap_ci, example_uds, layer_erasure_ratio, rescore
 
 
@@ -263,7 +264,8 @@ def _copy_model(source, target, nan_parameter: str | None = None, noise: float =
 
 
 def test_stale_results_are_never_reused(tiny, tmp_path):
-    """Each changed input recomputes (the number equals a fresh run); identical inputs reuse, and say so."""
+    """Each changed input is another run's result: refused naming the input unless forced, then recomputed (the
+    number equals a fresh run); identical inputs reuse, and say so."""
     unlearned = _copy_model(tiny.unlearned, tmp_path / "unl")
     other_data = tmp_path / "data.json"
     other_data.write_text(json.dumps(json.loads(tiny.data.read_text())[1:]))
@@ -289,18 +291,25 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
 
     first = run()
     assert "reused" not in first.meta
-    for changed in (
-        dict(retain=tiny.unlearned),
-        dict(full=tiny.retain),
-        dict(data=other_data),
-        dict(limit=3),
-        dict(retain=None),
+    for changed, key in (
+        (dict(retain=tiny.unlearned), "retain"),
+        (dict(full=tiny.retain), "full"),
+        (dict(data=other_data), "data"),
+        (dict(limit=3), "data"),
+        (dict(retain=None), "retain"),
+        (
+            {},
+            "retain",
+        ),  # back to the first inputs after the last change: the saved result is the last change's
     ):
-        assert "reused" not in run(**changed).meta, changed
-    assert "reused" not in run().meta  # back to the first inputs after the last change: recomputed
+        with pytest.raises(OutputConflictError, match=f"{key} differs"):
+            run(**changed)
+        assert "reused" not in run(**changed, force=True).meta, changed
     assert run().meta.get("reused") == "identical inputs"
     _copy_model(tiny.unlearned, unlearned, noise=0.05, seed=3)  # retrained in place: same path, new weights
-    assert "reused" not in run().meta
+    with pytest.raises(OutputConflictError, match="unlearned differs"):
+        run()
+    assert "reused" not in run(force=True).meta
     assert run().meta.get("reused") == "identical inputs"
     assert "reused" not in run(force=True).meta
 

@@ -30,11 +30,18 @@ from plotly.offline import get_plotlyjs
 from uds_lens import plotting
 from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
 
-__all__ = ["SavedResult", "find_incomplete", "load_results", "load_roles", "write_report"]
+__all__ = [
+    "SavedResult",
+    "find_incomplete",
+    "load_results",
+    "load_roles",
+    "record_roles",
+    "result_role",
+    "write_report",
+]
 
 logger = logging.getLogger(__name__)
 
-ROLE_ORDER = ["base", "full", "retain", "partial", "unlearned", "pos", "neg"]
 REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
 RESULT_FILES = ("meta.json", "summary.json", "examples.csv", "layers.csv")
 DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
@@ -167,9 +174,43 @@ def load_roles(results_dir: str | Path) -> dict[str, str]:
     return {str(name): role for name, role in content.items() if isinstance(role, str)}
 
 
-def _role_key(name: str, roles: Mapping[str, str]) -> tuple[int, str]:
-    role = roles.get(name)
-    return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), name)
+def result_role(result: UDSResult | None) -> str | None:
+    """The role of a scored model from its own result: ``full`` or ``retain`` when its weights are those of the
+    run's full or retain model (by the content fingerprints it records, else by path), ``unlearned`` otherwise;
+    None for a directory without a UDS result."""
+    if result is None:
+        return None
+    fingerprint = result.meta.get("fingerprint") or {}
+    for role in REFERENCE_ROLES:
+        if fingerprint.get("unlearned") is not None and fingerprint.get("unlearned") == fingerprint.get(role):
+            return role
+        if (
+            not fingerprint
+            and result.meta.get("unlearned")
+            and result.meta.get("unlearned") == result.meta.get(role)
+        ):
+            return role
+    return "unlearned"
+
+
+def record_roles(results_dir: str | Path, roles: Mapping[str, str]) -> Path:
+    """Write ``results_dir/roles.json`` with ``roles`` first, in their order (the order the command's table printed
+    them), then the models an earlier run recorded there; the report shows models in this order."""
+    path = Path(results_dir) / "roles.json"
+    merged = dict(roles)
+    for name, role in load_roles(results_dir).items():
+        merged.setdefault(name, role)
+    path.write_text(json.dumps(merged, indent=2))
+    return path
+
+
+def _table_order(root: Path) -> list[str]:
+    """The order the terminal table printed the models in: ``roles.json`` (``score``, ``demo``) then ``sweep.csv``."""
+    order = list(load_roles(root))
+    sweep_table = _read_csv(root / "sweep.csv") if (root / "sweep.csv").is_file() else None
+    if sweep_table is not None and "name" in sweep_table:
+        order += [str(name) for name in sweep_table["name"] if str(name) not in order]
+    return order
 
 
 def _format_ci(low: Any, high: Any) -> str:
@@ -319,7 +360,9 @@ def write_report(
         out_html: output path (default ``results_dir/report.html``).
         title: page title (default: "UDS report: <directory name>").
         roles: ``{name: role}`` (from a zoo: ``{m["name"]: m["role"] for m in zoo.models}``); default the
-            directory's ``roles.json``, and for models it does not name, the role in their summary.
+            directory's ``roles.json`` for the models it does not name, then the role in their summary or the one
+            their result implies (:func:`result_role`): every model shows a role. Models are shown in this order (the terminal table's: the order
+            of ``roles``, of ``roles.json``, then of ``sweep.csv``), the others by name.
 
     Returns:
         The path of the written HTML file.
@@ -343,11 +386,17 @@ def write_report(
                 else ""
             )
         )
-    roles = dict(roles) if roles is not None else load_roles(root)
+    order = list(roles) if roles is not None else []
+    order += [name for name in _table_order(root) if name not in order]
+    roles = {**load_roles(root), **(roles or {})}
     for name, result in results.items():
-        if name not in roles and result.summary.get("role"):
-            roles[name] = str(result.summary["role"])
-    ordered = dict(sorted(results.items(), key=lambda item: _role_key(item[0], roles)))
+        if name not in roles:
+            role = result.summary.get("role") or result_role(result.result)
+            if role:
+                roles[name] = str(role)
+    # Models in the order the command's terminal table showed them; any other, by name.
+    position = {name: number for number, name in enumerate(order)}
+    ordered = dict(sorted(results.items(), key=lambda item: (position.get(item[0], len(order)), item[0])))
     scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
     with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
     out = Path(out_html) if out_html is not None else root / "report.html"
