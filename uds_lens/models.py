@@ -599,6 +599,7 @@ def load_model(
     path_or_id: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
 ) -> HookedTransformer:
     """Load a Llama checkpoint (directory, ``.gguf`` file, or hub id) as a HookedTransformer.
 
@@ -606,6 +607,10 @@ def load_model(
     its largest tensor). A ``.gguf`` file, ``.bin`` weights or a hub id are loaded into a Hugging Face model on the
     CPU whose tensors are handed over one at a time (no second copy when the dtype matches). The model remembers
     where it came from (``model.uds_source``) so results can name it.
+
+    ``tensors``: the checkpoint's weights already in memory (``checkpoint.Staged.tensors()``: a sweep reads and
+    hashes each checkpoint once), used instead of reading its weight files; parameters are views of them when the
+    dtype and device match.
     """
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
@@ -613,16 +618,19 @@ def load_model(
     source = resolve_source(path_or_id)
     name = str(path_or_id)
     files = _safetensors_files(Path(source.location)) if source.kind == "directory" else []
-    if files:
+    if files or tensors is not None:
         hf_config = load_hf_config(path_or_id)
-        tensors = (item for file in files for item in iter_safetensors(file))
+        if tensors is None:
+            tensors = (item for file in files for item in iter_safetensors(file))
         model = _assemble_hooked(hf_config, tensors, torch_dtype, device, name, share=True)
     else:
         hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device="cpu")
         hf_config = hf_model.config
         model = _assemble_hooked(hf_config, _consume_state(hf_model), torch_dtype, device, name, share=True)
         del hf_model
-    gc.collect()
+        # the Hugging Face model's cycles hold its (now meta) modules; streamed tensors need no collection, and a
+        # full collection costs ~1 s with transformers and torch loaded (a sweep loads a model per few seconds)
+        gc.collect()
     # where the model came from, for result names and fingerprints (describe() reads it back)
     setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
     return model
