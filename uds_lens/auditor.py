@@ -311,6 +311,10 @@ def source_fingerprint(source: Any) -> str | None:
     if source is None:
         return None
     if isinstance(source, (str, os.PathLike)):
+        try:  # "zoo:NAME" is identified by its directory's files, like any other path
+            source = models.resolve_zoo_name(source)
+        except models.ModelLoadError:
+            pass  # a zoo name that names no model: identified by itself, and loading it fails with the reason
         path = Path(source).expanduser()
         if path.exists():
             return "files:" + checkpoint.file_digest(path)

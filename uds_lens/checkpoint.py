@@ -36,8 +36,8 @@ from torch import Tensor
 # What is hashed, and how: bump on any change, so old identities never match new ones.
 DIGEST_VERSION = 2
 DIGEST_SCHEME = f"xxh3_128/v{DIGEST_VERSION}"
-# Files of a checkpoint directory that can change its numbers: weights, config, tokenizer.
-CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt")
+# Files of a checkpoint directory that can change its numbers: weights, config, tokenizer, chat template.
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".jinja", ".model", ".txt")
 # Read size: large enough that per-call overhead vanishes, small enough that hashing stays cache-warm.
 CHUNK_BYTES = 1 << 23
 

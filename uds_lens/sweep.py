@@ -486,7 +486,9 @@ def prepare_model(
         phase = "load"
         staged = prepared.staged
         tensors = staged.tensors() if staged is not None and staged.has_weights else None
-        model = models.load_model(entry.source, dtype=dtype, device="cpu", tensors=tensors)
+        # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
+        target_dtype = models.resolve_dtype(dtype, device)
+        model = models.load_model(entry.source, dtype=target_dtype, device="cpu", tensors=tensors)
         if on_gpu:
             _pin(model)
         if staged is not None:
