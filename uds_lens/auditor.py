@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from uds_lens import models
+from uds_lens import checkpoint, models
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
 from uds_lens.patching import (
@@ -326,29 +326,6 @@ def _versions() -> dict[str, str]:
 # 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
 # 3: ``s1``, the digest of the Stage 1 values a result was computed from, is part of it.
 RESULT_FINGERPRINT_FORMAT = 3
-# Files of a checkpoint directory that can change its numbers: weights, config, tokenizer.
-_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".txt")
-_FILE_DIGESTS: dict[tuple[Any, ...], str] = {}
-
-
-def _checkpoint_digest(path: Path) -> str:
-    """SHA-256 of a checkpoint's files (names and contents); memoised per (path, sizes, modification times), so a
-    sweep hashes full and retain once and a checkpoint rewritten in place is hashed again."""
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES)
-    )
-    stamp = (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if stamp not in _FILE_DIGESTS:
-        digest = hashlib.sha256()
-        for file in files:
-            digest.update(file.name.encode() + b"\0")
-            with file.open("rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(chunk)
-        _FILE_DIGESTS[stamp] = digest.hexdigest()[:32]
-    return _FILE_DIGESTS[stamp]
 
 
 def _hub_revision(model_id: str) -> str | None:
@@ -361,15 +338,20 @@ def source_fingerprint(source: Any) -> str | None:
     """Identity of a model's weights, never of its path.
 
     A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
-    tokenizer files, an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
+    tokenizer files (``checkpoint.file_digest``: scheme and version in the string, so a change of digest re-keys
+    saved results instead of misreading them), an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
     and the cached commit it resolves to. None stands for "no model" (retain-free mode).
     """
     if source is None:
         return None
     if isinstance(source, (str, os.PathLike)):
+        try:  # "zoo:NAME" is identified by its directory's files, like any other path
+            source = models.resolve_zoo_name(source)
+        except models.ModelLoadError:
+            pass  # a zoo name that names no model: identified by itself, and loading it fails with the reason
         path = Path(source).expanduser()
         if path.exists():
-            return "files:" + _checkpoint_digest(path)
+            return "files:" + checkpoint.file_digest(path)
         return f"hub:{source}@{_hub_revision(str(source)) or 'unresolved'}"
     return "tensors:" + models.model_fingerprint(source)
 
@@ -623,7 +605,9 @@ class UDSAuditor:
             )
         return self._clean[number]
 
-    def _source_scores(self, source: Any, batch: PatchBatch, number: int) -> Tensor:
+    def _source_scores(
+        self, source: Any, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
+    ) -> Tensor:
         return source_scores(
             self.full,
             source,
@@ -634,6 +618,7 @@ class UDSAuditor:
             self._clean_run(number, batch),
             self.upcast,
             self.config.published_compat,
+            timings,
         )
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
@@ -803,9 +788,10 @@ class UDSAuditor:
         stage = self.stage1
         started = time.perf_counter()
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
+        clock: dict[str, float] = {}
 
         def stage_two_batch(number: int, members: list[int]) -> None:
-            s2[members] = self._source_scores(source, self._batch(members), number).float().cpu()
+            s2[members] = self._source_scores(source, self._batch(members), number, clock).float().cpu()
             self._require_finite(
                 s2[members], members, source, "unlearned", source_label, "patched score (S2)"
             )
@@ -815,6 +801,8 @@ class UDSAuditor:
         timings = {
             "s1_seconds": stage.seconds,
             "s2_seconds": s2_seconds,
+            # the part of S2 spent in the unlearned model's own forward (the rest is the patched runs)
+            "s2_source_forward_seconds": clock.get("source_forward_seconds", 0.0),
             "s1_cached": stage.cached,
             "n_examples": len(self.examples),
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),

@@ -309,7 +309,13 @@ def sweep(
     gpus_per_worker: Annotated[
         float | None, typer.Option(help="GPUs per worker (default 1 when there are GPUs).")
     ] = None,
-    cpus_per_worker: Annotated[int, typer.Option(help="CPU slots (torch threads on CPU) per worker.")] = 1,
+    cpus_per_worker: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU slots (torch threads on CPU) per Ray worker (default 1); in-process, its torch threads "
+            "(default: every core)."
+        ),
+    ] = None,
     max_retries: Annotated[
         int, typer.Option(help="Retries of a model whose worker died before it is reported failed.")
     ] = 2,

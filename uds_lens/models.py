@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,8 +362,9 @@ def load_hf_model(
     device: str | None = None,
     quantization: Any = None,
     attn_implementation: str | None = None,
+    state_dict: dict[str, Tensor] | None = None,
 ) -> Any:
-    """A Hugging Face ``LlamaForCausalLM`` in eval mode (local sources are read offline).
+    """A Hugging Face causal LM of a supported family in eval mode (local sources are read offline).
 
     Args:
         path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one) or hub id.
@@ -371,6 +372,8 @@ def load_hf_model(
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
         attn_implementation: passed through (``"eager"`` for training: the zoo's numbers are pinned to it).
+        state_dict: the weights, already in memory (a sweep's staged read); only the config is read from the
+            checkpoint then.
     """
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
@@ -379,6 +382,9 @@ def load_hf_model(
     hf_config = load_hf_config(path_or_id)
     check_supported(hf_config, str(path_or_id))
     first, kwargs = source.from_pretrained_args()
+    if state_dict is not None:
+        # transformers takes in-memory weights with a config instead of a checkpoint reference
+        first, kwargs = None, {"config": hf_config, "state_dict": state_dict, **SAFE_LOAD_KWARGS}
     kwargs["dtype"] = torch_dtype
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -465,12 +471,17 @@ def load_model(
     path_or_id: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
 ) -> TransformerBridge:
     """Load a checkpoint (directory, ``.gguf`` file, or hub id) as a ``TransformerBridge``.
 
     The weights are loaded by ``transformers`` (eager attention, as the bridge's parity with Hugging Face assumes)
     and wrapped without processing, so every hook point holds the Hugging Face model's own activation. The model
     remembers where it came from (``model.uds_source``) so results can name it.
+
+    ``tensors``: the checkpoint's weights already in memory (``checkpoint.Staged.tensors()``: a sweep reads and
+    hashes each checkpoint once), used instead of reading its weight files (the config and tokenizer are still read
+    from the checkpoint).
     """
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
@@ -479,7 +490,13 @@ def load_model(
     with loader_errors(source):
         if source.kind == "directory":
             _check_shards(Path(source.location))
-        hf_model = load_hf_model(path_or_id, dtype=torch_dtype, device=device, attn_implementation="eager")
+        hf_model = load_hf_model(
+            path_or_id,
+            dtype=torch_dtype,
+            device=device,
+            attn_implementation="eager",
+            state_dict=None if tensors is None else dict(tensors),
+        )
     tokenizer = None
     if source.kind == "directory":
         try:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -992,16 +993,26 @@ def source_scores(
     clean: CleanRun | None = None,
     upcast: bool = True,
     published_compat: bool = False,
+    timings: dict[str, float] | None = None,
 ) -> Float[Tensor, "batch layer"]:
     """One source forward and the patched scores of every layer: what a stage costs per batch.
 
     The naive engine reads the source over the padded batch (``source_activations``), the fast one only at the
-    window rows from a packed forward (``window_source_activations``).
+    window rows from a packed forward (``window_source_activations``). With ``timings``, the source forward's
+    seconds are added to ``timings["source_forward_seconds"]`` (a sweep reports it as a phase of its own; on a GPU
+    the device is synchronised first, so the figure is the forward's, not its launch's).
     """
+    started = time.perf_counter()
     if engine == "fast":
         acts = window_source_activations(source, batch, site, layers, published_compat)
     else:
         acts = source_activations(source, batch.tokens, site, layers, published_compat)
+    if timings is not None:
+        if acts.is_cuda:
+            torch.cuda.synchronize(acts.device)
+        timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
+            time.perf_counter() - started
+        )
     return patched_scores(full, batch, acts.to(full.cfg.device), site, layers, engine, clean, upcast)
 
 

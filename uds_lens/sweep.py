@@ -42,10 +42,13 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -55,6 +58,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from uds_lens import checkpoint, models
 from uds_lens.auditor import (
     StageOne,
     UDSAuditor,
@@ -77,10 +81,19 @@ SWEEP_FILES = (SWEEP_TABLE, SWEEP_JSON, SCATTER_HTML, "report.html", "roles.json
 REGISTRIES = {"tofu-llama-3.2-1b": "tofu_llama32_1b_registry.csv"}
 # Registry rows that are the sweep's own references, not unlearned models: left out unless asked for by method.
 ANCHOR_METHODS = ("full", "retain")
+# A model's phases, in order: resolve its path, read and hash its bytes (one pass, kept in memory), build the model
+# from them, move it to the device, Stage 2 (s2; source_forward is the part of it in the model's own forward), write
+# its result and the table. Each is a column ``{phase}_seconds``.
+PHASES = ("resolve", "hash", "load", "to_device", "source_forward", "s2", "write")
+PHASE_COLUMNS = [f"{phase}_seconds" for phase in PHASES]
 # sweep.csv, one row per model: status is scored | reused | failed | pending; uds, ci_low/ci_high (bootstrap 95%) and
-# the example counts come from the model's summary; seconds are the model's time on its worker (load_seconds of it
-# loading), s2_seconds its Stage 2, s1_seconds the shared Stage 1 (0 from the cache); finished_at is Unix time; fp_*
-# are its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns.
+# the example counts come from the model's summary; the phase columns (PHASES) time the model's work, wherever it ran
+# (in-process, resolve/hash/load run on the staging thread while the previous model computes); wait_seconds is how
+# long the worker then still waited for them, and seconds the model's wall time on the worker's critical path
+# (wait + to_device + s2 + write and the small rest: the result's assembly); with nothing prefetched, seconds is
+# about the sum of the phases (source_forward counted once, inside s2). s1_seconds is the shared Stage 1 (0 from the
+# cache), threads the worker's torch threads, bytes_read what the hash phase read; finished_at is Unix time; fp_* are
+# its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns.
 COLUMNS = [
     "name",
     "source",
@@ -94,10 +107,12 @@ COLUMNS = [
     "n_no_ke",
     "n_skipped",
     "attempts",
-    "load_seconds",
-    "s2_seconds",
+    *PHASE_COLUMNS,
+    "wait_seconds",
     "seconds",
     "s1_seconds",
+    "threads",
+    "bytes_read",
     "finished_at",
     "worker",
     "fp_full",
@@ -344,7 +359,13 @@ class ShippedStage:
 
 @dataclass
 class ModelOutcome:
-    """What scoring one model on a worker gave: a result (``scored``) or an error (``failed``)."""
+    """What scoring one model on a worker gave: a result (``scored``), a saved result reused (``reused``, decided
+    while staging it in-process) or an error (``failed``).
+
+    ``phases`` holds the seconds of each phase the model went through (keys of :data:`PHASES`), ``load_seconds``
+    and ``seconds`` are the load phase and the model's wall time on the worker, ``wait_seconds`` the part of it the
+    worker waited for the model to be staged.
+    """
 
     name: str
     status: str
@@ -353,6 +374,12 @@ class ModelOutcome:
     seconds: float = math.nan
     worker: str = ""
     error: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    wait_seconds: float = 0.0
+    threads: int = 0
+    bytes_read: int = 0
+    reason: str = ""
+    fingerprint: dict[str, Any] | None = None
 
 
 def _worker_label() -> str:
@@ -363,24 +390,205 @@ def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
     """Score one unlearned model with ``auditor`` (its result records the inputs' fingerprint).
 
     Any error (a path that does not load, a model of another architecture, non-finite scores) becomes a ``failed``
-    outcome naming it: one bad checkpoint must not end a sweep of a hundred.
+    outcome naming it: one bad checkpoint must not end a sweep of a hundred. The checkpoint is read once: its bytes
+    are hashed as they are read and the model is built from them (see :class:`Prepared`).
     """
+    prepared = prepare_model(model, auditor.config.dtype, auditor.device)
+    try:
+        return finish_model(auditor, prepared)
+    finally:
+        prepared.release()
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` for the duration (None: unchanged), restored afterwards."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass
+class Prepared:
+    """A model made ready to score before its turn: resolved, read and hashed in one pass, built on the CPU.
+
+    Attributes:
+        entry: the sweep model.
+        phases: seconds of ``resolve``, ``hash`` and ``load`` (those that ran).
+        staged: the checkpoint's bytes and digest (``checkpoint.Staged``; None for a hub id or after an error).
+        model: the model built from them, on the CPU (pinned when it goes to a GPU), or None.
+        error: why it could not be prepared (the model's ``failed`` row), or "".
+        reused / reason: a saved result that is current (the model is not loaded then), and why (not).
+        fingerprint: the result fingerprint this model's result will carry (known once it is hashed).
+    """
+
+    entry: SweepModel
+    phases: dict[str, float] = field(default_factory=dict)
+    staged: checkpoint.Staged | None = None
+    model: Any = None
+    error: str = ""
+    reused: UDSResult | None = None
+    reason: str = ""
+    fingerprint: dict[str, Any] | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        return self.staged.nbytes if self.staged is not None else 0
+
+    def release(self) -> None:
+        """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current)."""
+        if self.staged is not None:
+            self.staged.release()
+        self.model = None
+
+
+def prepare_model(
+    entry: SweepModel,
+    dtype: str | torch.dtype | None,
+    device: str,
+    reuse: Callable[[Prepared], None] | None = None,
+) -> Prepared:
+    """Resolve, read+hash (one pass over the bytes, kept in memory) and load one model on the CPU; never raises.
+
+    Args:
+        entry: the model.
+        dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
+            views of the read bytes when the dtype matches); for a GPU the bytes are read into pinned memory and the
+            built model is pinned, so moving it (:func:`finish_model`) is a direct copy.
+        reuse: called once the model is hashed, before it is loaded; it may set ``reused`` (and then the model is
+            not loaded at all) and ``reason`` on the :class:`Prepared` it is given.
+
+    Returns:
+        The :class:`Prepared` model; an error (a missing path, a truncated file, a model that does not load) is
+        kept in its ``error``, to become the model's ``failed`` row.
+    """
+    prepared = Prepared(entry)
+    phase = "resolve"
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        prepared.phases[name] = now - clock
+        clock = now
+
+    try:
+        source = models.resolve_source(entry.source)
+        lap("resolve")
+        phase = "hash"
+        on_gpu = torch.device(device).type == "cuda"
+        if source.local:
+            # the path the fingerprint names (a zoo name resolved), read once; its digest is memoised for it
+            prepared.staged = checkpoint.stage(models.resolve_zoo_name(entry.source), pin_memory=on_gpu)
+        lap("hash")
+        if reuse is not None:
+            reuse(prepared)
+            if prepared.reused is not None:
+                prepared.release()
+                return prepared
+        phase = "load"
+        staged = prepared.staged
+        tensors = staged.tensors() if staged is not None and staged.has_weights else None
+        # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
+        target_dtype = models.resolve_dtype(dtype, device)
+        model = models.load_model(entry.source, dtype=target_dtype, device="cpu", tensors=tensors)
+        if on_gpu:
+            _pin(model)
+        if staged is not None:
+            staged.buffers = {}  # the model now holds what it needs of them (views, or converted copies)
+        prepared.model = model
+        lap("load")
+    except Exception as error:  # this model's failed row; the sweep goes on
+        lap(phase)
+        logger.warning("%s (%s) failed while %s: %s", entry.name, entry.source, _DOING[phase], error)
+        prepared.release()
+        prepared.error = f"{type(error).__name__} while {_DOING[phase]} {entry.source}: {error}"
+    return prepared
+
+
+_DOING = {"resolve": "resolving", "hash": "reading", "load": "loading"}
+
+
+def _pin(model: torch.nn.Module) -> None:
+    """Page-lock every CPU tensor of ``model`` that is not already (views of pinned staged bytes are)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu" and not tensor.is_pinned():
+            tensor.data = tensor.data.pin_memory()
+
+
+def _to_device(model: Any, device: str) -> None:
+    """Move a model built on the CPU to ``device`` (from pinned memory: asynchronous, then waited for)."""
+    target = torch.device(device)
+    if all(p.device == target for p in model.parameters()):
+        return
+    torch.nn.Module.to(model, device=target, non_blocking=True)
+    if getattr(model, "cfg", None) is not None:
+        model.cfg.device = device
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
+
+
+def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
+    """Move a prepared model to the auditor's device and score it (Stage 2); never raises.
+
+    The model reaches the auditor through ``auditor.sources`` under its path, so ``auditor.score`` neither reads
+    nor hashes it again (its fingerprint comes from the digest memoised while staging), and it is dropped from
+    there once scored: the worker keeps no model but the one it scores and the one being staged.
+    """
+    entry = prepared.entry
+    phases = dict(prepared.phases)
+    common: dict[str, Any] = {
+        "worker": _worker_label(),
+        "threads": torch.get_num_threads(),
+        "bytes_read": prepared.bytes_read,
+        "reason": prepared.reason,
+        "fingerprint": prepared.fingerprint,
+    }
+    if prepared.reused is not None:
+        return ModelOutcome(entry.name, "reused", prepared.reused, 0.0, phases=phases, **common)
+    load_seconds = phases.get("load", 0.0)
+    if prepared.error:
+        return ModelOutcome(
+            entry.name, "failed", None, load_seconds, error=prepared.error, phases=phases, **common
+        )
     started = time.perf_counter()
     try:
-        result = auditor.score(model.source, name=model.name)
+        _to_device(prepared.model, auditor.device)
+        phases["to_device"] = time.perf_counter() - started
+        auditor.sources[str(entry.source)] = prepared.model
+        prepared.model = None
+        result = auditor.score(entry.source, name=entry.name)
     except Exception as error:  # reported per model in sweep.csv; the sweep goes on
-        logger.warning("%s (%s) failed: %s", model.name, model.source, error)
+        logger.warning("%s (%s) failed: %s", entry.name, entry.source, error)
         return ModelOutcome(
-            model.name,
+            entry.name,
             "failed",
-            seconds=time.perf_counter() - started,
-            worker=_worker_label(),
-            error=f"{type(error).__name__} while scoring {model.source}: {error}",
+            None,
+            load_seconds,
+            error=f"{type(error).__name__} while scoring {entry.source}: {error}",
+            phases=phases,
+            **common,
         )
-    seconds = time.perf_counter() - started
-    return ModelOutcome(
-        model.name, "scored", result, seconds - result.meta["timings"]["s2_seconds"], seconds, _worker_label()
-    )
+    finally:
+        auditor.sources.pop(str(entry.source), None)
+        auditor.last_source = None
+    timings = result.meta["timings"]
+    phases["s2"] = timings["s2_seconds"]
+    phases["source_forward"] = timings.get("s2_source_forward_seconds", math.nan)
+    seconds = sum(prepared.phases.values()) + time.perf_counter() - started
+    return ModelOutcome(entry.name, "scored", result, load_seconds, seconds, phases=phases, **common)
 
 
 @dataclass
@@ -461,11 +669,87 @@ class SweepWorker:
         self.shipped = shipped
         return _worker_label()
 
+    def prepare(self, model: SweepModel, reuse: Callable[[Prepared], None] | None = None) -> Prepared:
+        """Stage one model for this worker (:func:`prepare_model`); safe to run on another thread while it scores."""
+        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse)
+
+    def finish(self, prepared: Prepared) -> ModelOutcome:
+        """Score a prepared model (:func:`finish_model`)."""
+        if self.shipped is None:
+            raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
+        return finish_model(self.auditor, prepared)
+
     def score(self, model: SweepModel) -> ModelOutcome:
         """Score one unlearned model (see :func:`score_one`)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
         return score_one(self.auditor, model)
+
+
+class StagingPipeline:
+    """Prepares a sweep's models one ahead on a background thread: while model k computes, k+1 is staged.
+
+    Bounded: when model k is handed out, model k-1 has been released and only k+1 is being staged, so at most one
+    model is in memory besides the one computing (``peak`` counts them: 2 with ``ahead``, 1 without). ``prepare``
+    should not raise (a model's error belongs in its result); if it does, the error is handed out in its place.
+
+    Example:
+        >>> for entry, prepared, waited in StagingPipeline(worker.prepare, entries, release=Prepared.release):
+        ...     outcome = worker.finish(prepared)
+    """
+
+    def __init__(
+        self,
+        prepare: Callable[[Any], Any],
+        items: Sequence[Any],
+        release: Callable[[Any], None],
+        ahead: bool = True,
+    ) -> None:
+        self.prepare, self.items, self.release, self.ahead = prepare, list(items), release, ahead
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def _prepare(self, item: Any) -> Any:
+        with self._lock:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+        try:
+            return self.prepare(item)
+        except Exception as error:  # handed to the consumer, in the model's place
+            return error
+
+    def _release(self, prepared: Any) -> None:
+        if not isinstance(prepared, Exception):
+            self.release(prepared)
+        with self._lock:
+            self.live -= 1
+
+    def __iter__(self) -> Iterator[tuple[Any, Any, float]]:
+        """``(item, prepared, seconds waited for it)`` in order; each is released when the consumer asks for the
+        next one."""
+        if not self.items:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uds-sweep-stage")
+        try:
+            pending: Future | None = pool.submit(self._prepare, self.items[0]) if self.ahead else None
+            for number, item in enumerate(self.items):
+                started = time.perf_counter()
+                prepared = pending.result() if pending is not None else self._prepare(item)
+                waited = time.perf_counter() - started
+                following = number + 1 < len(self.items)
+                pending = (
+                    pool.submit(self._prepare, self.items[number + 1]) if self.ahead and following else None
+                )
+                try:
+                    yield item, prepared, waited
+                finally:
+                    self._release(prepared)
+        finally:
+            # a consumer that stopped early: let the model being staged finish, then drop it
+            pool.shutdown(wait=True, cancel_futures=True)
+            if pending is not None and pending.done() and not pending.cancelled():
+                self._release(pending.result())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -498,8 +782,20 @@ class _Ledger:
                 **dict(entry.published),
             }
 
+    def reusable(self, entry: SweepModel, force: bool) -> tuple[SavedCheck, dict[str, Any]]:
+        """What ``entry``'s saved result is worth to this run (:func:`results.check_saved`: the result if it is
+        current, why (not), and whether it is another run's), and this run's fingerprint of it (hashing the model's
+        files, unless they were just hashed: the digest is memoised)."""
+        fingerprint = self.shipped.fingerprint(entry.source)
+        if force:
+            return SavedCheck(None, "forced"), fingerprint
+        return check_saved(self.out / entry.name, fingerprint), fingerprint
+
     def reuse(self, force: bool) -> list[SweepModel]:
         """Record every model whose saved result is current as ``reused``; returns the models left to score.
+
+        Used where the driver cannot see the workers' reads (Ray): it hashes every model here first. The in-process
+        sweep decides per model while staging it instead (:meth:`check_staged`), reading each checkpoint once.
 
         Raises:
             SweepError: without ``force``, a model's directory holds another run's result (other inputs); nothing
@@ -508,10 +804,10 @@ class _Ledger:
         todo = []
         conflicts = {}
         for entry in self.entries:
-            fingerprint = self.shipped.fingerprint(entry.source)
-            self.rows[entry.name].update(fingerprint_columns(fingerprint))
-            check = SavedCheck(None, "forced") if force else check_saved(self.out / entry.name, fingerprint)
+            started = time.perf_counter()
+            check, fingerprint = self.reusable(entry, force)
             previous, reason = check.result, check.reason
+            self.rows[entry.name].update(fingerprint_columns(fingerprint))
             if check.conflicts:
                 conflicts[str(self.out / entry.name)] = reason
             if previous is None:
@@ -519,19 +815,50 @@ class _Ledger:
                     logger.warning("recomputing %s: %s", entry.name, reason)
                 todo.append(entry)
                 continue
-            logger.info("reusing %s: %s", entry.name, reason)
-            self._fill(entry.name, previous.with_tau(self.tau), s2_seconds=0.0)
-            self.rows[entry.name].update(
-                status="reused", load_seconds=0.0, seconds=0.0, finished_at=time.time()
-            )
+            self.record_reused(entry.name, previous, reason, {"hash": time.perf_counter() - started})
         if conflicts:
             raise SweepError(str(conflict_error(conflicts)))
         self.write()
         return todo
 
-    def record(self, outcome: ModelOutcome, attempts: int) -> None:
-        """Save a scored model's result (atomically, under its lock) and update its row."""
+    def check_staged(self, prepared: Prepared, force: bool) -> None:
+        """The in-process reuse decision for a model just read and hashed (runs on the staging thread).
+
+        Raises:
+            OutputConflictError: its directory holds another run's result (other inputs) and ``force`` is off;
+                the model becomes a ``failed`` row naming what differs, and its directory is left as it is.
+        """
+        check, fingerprint = self.reusable(prepared.entry, force)
+        prepared.fingerprint, prepared.reason = fingerprint, check.reason
+        if check.conflicts:
+            raise conflict_error({str(self.out / prepared.entry.name): check.reason})
+        prepared.reused = None if check.result is None else check.result.with_tau(self.tau)
+
+    def record_reused(
+        self, name: str, result: UDSResult, reason: str, phases: Mapping[str, float], seconds: float = 0.0
+    ) -> None:
+        """A current saved result stands for the model: its row is filled from it, nothing is written."""
+        logger.info("reusing %s: %s", name, reason)
+        self._fill(name, result.with_tau(self.tau), s2_seconds=0.0)
+        self.rows[name].update(fingerprint_columns(result.meta["fingerprint"]))
+        self.rows[name].update({f"{phase}_seconds": value for phase, value in phases.items()})
+        self.rows[name].update(status="reused", load_seconds=0.0, seconds=seconds, finished_at=time.time())
+
+    def record(self, outcome: ModelOutcome, attempts: int, since: float | None = None) -> None:
+        """Save a scored model's result (atomically, under its lock) and update its row, timing it as the model's
+        ``write`` phase; with ``since`` (``perf_counter`` when the worker asked for the model), the row's
+        ``seconds`` become the model's wall time through its result written."""
+        started = time.perf_counter()
         row = self.rows[outcome.name]
+        if outcome.status == "reused" and outcome.result is not None:
+            self.record_reused(outcome.name, outcome.result, outcome.reason, outcome.phases)
+            row.update(attempts=attempts, worker=outcome.worker, threads=outcome.threads)
+            row.update(bytes_read=outcome.bytes_read)
+            row.update(write_seconds=0.0, wait_seconds=outcome.wait_seconds)
+            if since is not None:
+                row["seconds"] = time.perf_counter() - since
+            self.write()
+            return
         row.update(
             status=outcome.status,
             attempts=attempts,
@@ -539,12 +866,25 @@ class _Ledger:
             error=outcome.error,
             load_seconds=outcome.load_seconds,
             seconds=outcome.seconds,
+            wait_seconds=outcome.wait_seconds,
+            threads=outcome.threads or math.nan,
+            bytes_read=outcome.bytes_read,
             finished_at=time.time(),
         )
+        row.update({f"{phase}_seconds": value for phase, value in outcome.phases.items()})
         if outcome.result is not None:
             outcome.result.save(self.out / outcome.name)
             row.update(fingerprint_columns(outcome.result.meta["fingerprint"]))
             self._fill(outcome.name, outcome.result, outcome.result.meta["timings"]["s2_seconds"])
+        elif outcome.fingerprint is not None:  # failed after it was hashed
+            row.update(fingerprint_columns(outcome.fingerprint))
+        elif pd.isna(row.get("fp_data", math.nan)):
+            # failed before it was hashed: the inputs' fingerprints still say what it was run against
+            row.update(fingerprint_columns({**self.shipped.inputs_fingerprint, "unlearned": ""}))
+        # timed up to the table's own write (milliseconds), which has to hold these figures
+        row["write_seconds"] = time.perf_counter() - started
+        if since is not None:
+            row["seconds"] = time.perf_counter() - since
         self.write()
 
     def _fill(self, name: str, result: UDSResult, s2_seconds: float) -> None:
@@ -612,7 +952,7 @@ def sweep(
     workers: int | None = None,
     address: str | None = None,
     gpus_per_worker: float | None = None,
-    cpus_per_worker: int = 1,
+    cpus_per_worker: int | None = None,
     max_retries: int = 2,
     cache_dir: str | os.PathLike | bool | None = None,
     limit: int | None = None,
@@ -620,6 +960,7 @@ def sweep(
     compare_published: bool = False,
     progress: bool = True,
     use_ray: bool | None = None,
+    prefetch: bool = True,
 ) -> pd.DataFrame:
     """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
 
@@ -641,7 +982,9 @@ def sweep(
         address: an existing Ray cluster (``auto`` or ``HOST:PORT``); None starts a local one (or joins the one this
             process already started).
         gpus_per_worker: GPUs per actor (default 1 when the cluster has GPUs, else 0).
-        cpus_per_worker: CPU slots (and torch threads, on CPU) per actor.
+        cpus_per_worker: CPU slots (and torch threads, on CPU) per Ray actor, 1 unless given; in-process, the torch
+            threads of the one worker, by default every core this process may use (``available_cpus``), restored
+            when the sweep returns.
         max_retries: times a model is resubmitted after its worker died before it is reported ``failed``.
         cache_dir / limit: as for ``uds-lens score`` (S1 cache directory; first N examples only).
         force: recompute every model even when its stored result is current.
@@ -650,6 +993,8 @@ def sweep(
         progress: a tqdm bar over models.
         use_ray: None (default) = on Ray when it is installed and ``workers != 1`` (or an ``address`` is given),
             else in-process; True forces Ray even for one worker (to measure its overhead), False in-process.
+        prefetch: in-process, stage the next model (read, hash, load on the CPU) while this one computes; at most
+            one model is held besides the computing one. False stages each model only when its turn comes.
 
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
@@ -662,7 +1007,9 @@ def sweep(
         raise SweepError(f"workers must be >= 1 (1 = in-process), got {workers}.")
     if limit is not None and limit < 1:
         raise SweepError(f"limit must be a positive number of examples, got {limit}.")
-    if cpus_per_worker < 1 or (gpus_per_worker is not None and gpus_per_worker < 0):
+    if (cpus_per_worker is not None and cpus_per_worker < 1) or (
+        gpus_per_worker is not None and gpus_per_worker < 0
+    ):
         raise SweepError(
             f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
             f"{gpus_per_worker}."
@@ -707,13 +1054,15 @@ def sweep(
             workers,
             address,
             gpus_per_worker,
-            cpus_per_worker,
+            cpus_per_worker or 1,
             max_retries,
             force,
             progress,
         )
     else:
-        table = _sweep_in_process(plan, entries, out_dir, force, progress)
+        # in-process, the one worker uses the cores there are, unless told otherwise
+        with torch_threads(cpus_per_worker or available_cpus()):
+            table = _sweep_in_process(plan, entries, out_dir, force, progress, prefetch)
     if compare_published:
         table = add_published_comparison(table)
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
@@ -751,23 +1100,46 @@ def refuse_other_runs(
 
 
 def _sweep_in_process(
-    plan: WorkerPlan, entries: list[SweepModel], out_dir: Path, force: bool, progress: bool
+    plan: WorkerPlan,
+    entries: list[SweepModel],
+    out_dir: Path,
+    force: bool,
+    progress: bool,
+    prefetch: bool = True,
 ) -> pd.DataFrame:
+    """One worker in this process, its models staged one ahead (:class:`StagingPipeline`).
+
+    Each model is read and hashed once, on the staging thread, while the previous one computes; the reuse decision
+    is made there from that digest (a current result is reused without loading the model); a model that cannot be
+    read or loaded becomes its ``failed`` row and the sweep goes on. ``seconds`` of a model is the worker's wall time
+    for it, from asking for it to its row written.
+    """
     worker = SweepWorker(plan, compute_stage=True)
     ledger = _Ledger(out_dir, entries, worker.stage(), plan.config.tau)
-    todo = ledger.reuse(force)
-    with tqdm(
-        total=len(entries),
-        initial=len(entries) - len(todo),
-        desc="sweep (in-process)",
-        unit="model",
-        disable=not progress,
-    ) as bar:
-        for entry in todo:
-            ledger.record(worker.score(entry), attempts=1)
+    ledger.write()
+    pipeline = StagingPipeline(
+        lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
+        entries,
+        release=Prepared.release,
+        ahead=prefetch,
+    )
+    with tqdm(total=len(entries), desc="sweep (in-process)", unit="model", disable=not progress) as bar:
+        started = time.perf_counter()
+        for entry, prepared, waited in pipeline:
+            if isinstance(
+                prepared, Exception
+            ):  # prepare never raises; kept so a bug still yields a failed row
+                outcome = ModelOutcome(entry.name, "failed", error=f"{type(prepared).__name__}: {prepared}")
+            else:
+                outcome = worker.finish(prepared)
+            outcome.wait_seconds = waited
+            ledger.record(outcome, attempts=1, since=started)
+            started = time.perf_counter()
             bar.update()
             bar.set_postfix(Counter(row["status"] for row in ledger.rows.values()))
-    return ledger.table()
+    table = ledger.table()
+    table.attrs["peak_staged"] = pipeline.peak  # models in memory at once, the computing one included
+    return table
 
 
 def _start_ray(address: str | None, workers: int | None, cpus_per_worker: int) -> bool:
@@ -953,14 +1325,21 @@ __all__ = [
     "ANCHOR_METHODS",
     "COLUMNS",
     "REGISTRIES",
+    "PHASES",
+    "PHASE_COLUMNS",
     "ModelOutcome",
+    "Prepared",
     "ShippedStage",
+    "StagingPipeline",
     "SweepError",
     "SweepModel",
     "SweepWorker",
     "WorkerPlan",
     "add_published_comparison",
+    "available_cpus",
+    "finish_model",
     "load_registry",
+    "prepare_model",
     "ray_available",
     "read_model_list",
     "fingerprint_columns",
@@ -968,4 +1347,5 @@ __all__ = [
     "resolve_models",
     "score_one",
     "sweep",
+    "torch_threads",
 ]

@@ -1,0 +1,199 @@
+"""A sweep paced by compute: the next model is staged while this one computes (never more than one ahead), each
+checkpoint is read once, a model that cannot be staged is a failed row, and sweep.csv times every phase."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from uds_lens import checkpoint, models
+from uds_lens.sweep import PHASE_COLUMNS, StagingPipeline, available_cpus, sweep
+
+
+class _Clock:
+    """Events of a fake sweep, in order: ("prepare", k, start|end), ("compute", k, start|end), ("release", k)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def log(self, *event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def index(self, *event) -> int:
+        return self.events.index(event)
+
+
+def _run_pipeline(ahead: bool, n: int = 5, fail: int | None = None) -> tuple[_Clock, StagingPipeline, list]:
+    clock = _Clock()
+
+    def prepare(k: int) -> int:
+        clock.log("prepare", k, "start")
+        time.sleep(0.03)
+        if k == fail:
+            raise OSError(f"model {k} cannot be read")
+        clock.log("prepare", k, "end")
+        return k
+
+    pipeline = StagingPipeline(prepare, range(n), release=lambda k: clock.log("release", k), ahead=ahead)
+    handed = []
+    for k, prepared, _waited in pipeline:
+        handed.append(prepared)
+        clock.log("compute", k, "start")
+        time.sleep(0.06)
+        clock.log("compute", k, "end")
+    return clock, pipeline, handed
+
+
+def test_the_next_model_is_staged_while_this_one_computes_and_never_two_ahead():
+    clock, pipeline, handed = _run_pipeline(ahead=True)
+    assert handed == list(range(5)) and pipeline.peak == 2 and pipeline.live == 0
+    for k in range(4):
+        # model k+1 is staged during k's compute ...
+        assert clock.index("prepare", k + 1, "start") < clock.index("compute", k, "end")
+        # ... and model k+2 only once k has been released
+        assert clock.index("release", k) < clock.index("prepare", k + 2, "start") if k + 2 < 5 else True
+    assert sorted(e[1] for e in clock.events if e[0] == "release") == list(range(5))
+
+
+def test_without_prefetch_one_model_at_a_time():
+    clock, pipeline, handed = _run_pipeline(ahead=False)
+    assert handed == list(range(5)) and pipeline.peak == 1
+    for k in range(4):
+        assert clock.index("compute", k, "end") < clock.index("prepare", k + 1, "start")
+
+
+def test_a_failing_stage_is_handed_out_in_its_place_and_the_rest_goes_on():
+    _clock, pipeline, handed = _run_pipeline(ahead=True, fail=2)
+    assert isinstance(handed[2], OSError) and handed[:2] + handed[3:] == [0, 1, 3, 4]
+    assert pipeline.live == 0
+
+
+def test_a_consumer_that_stops_early_leaves_nothing_staged():
+    clock = _Clock()
+
+    def prepare(k: int) -> int:
+        clock.log("prepare", k)
+        return k
+
+    pipeline = StagingPipeline(prepare, range(4), release=lambda k: clock.log("release", k))
+    for k, _prepared, _waited in pipeline:
+        if k == 1:
+            break
+    prepared = {e[1] for e in clock.events if e[0] == "prepare"}
+    released = {e[1] for e in clock.events if e[0] == "release"}
+    # model 2 was being staged (or not yet started) when the consumer stopped: either way nothing stays held
+    assert pipeline.live == 0 and prepared == released and prepared <= {0, 1, 2}
+
+
+@pytest.fixture(scope="module")
+def sweep_models(tiny, tmp_path_factory):
+    """Three distinct tiny checkpoints, one truncated copy, one missing path."""
+    root = tmp_path_factory.mktemp("pipeline")
+    bad = root / "bad"
+    shutil.copytree(tiny.unlearned, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    return {
+        "unl": str(tiny.unlearned),
+        "bad": str(bad),
+        "ret": str(tiny.retain),
+        "gone": str(root / "missing"),
+        "unl2": str(tiny.variant(root / "unl2", seed=5, base=tiny.full, noise=0.2)),
+    }
+
+
+def _sweep(tiny, out, models_, **options) -> pd.DataFrame:
+    return sweep(
+        tiny.full,
+        tiny.retain,
+        tiny.data,
+        out,
+        models_,
+        workers=1,
+        cache_dir=out.parent / "s1",
+        progress=False,
+        **options,
+    )
+
+
+def test_in_process_sweep_reads_each_checkpoint_once_and_times_its_phases(
+    tiny, tmp_path, sweep_models, monkeypatch
+):
+    staged, streamed, hashed = [], [], []
+    real_stage, real_iter, real_hash = checkpoint.stage, models.iter_safetensors, checkpoint._hash_stream
+    monkeypatch.setattr(
+        checkpoint, "stage", lambda path, **kw: staged.append(str(path)) or real_stage(path, **kw)
+    )
+    monkeypatch.setattr(
+        models, "iter_safetensors", lambda path: streamed.append(str(path)) or real_iter(path)
+    )
+    monkeypatch.setattr(checkpoint, "_hash_stream", lambda h, f: hashed.append(str(f)) or real_hash(h, f))
+    staged_table = _sweep(tiny, tmp_path / "staged", sweep_models)
+    rows = staged_table.set_index("name")
+    assert rows["status"].to_dict() == {
+        "unl": "scored",
+        "bad": "failed",
+        "ret": "scored",
+        "gone": "failed",
+        "unl2": "scored",
+    }
+    # one pass: every model staged once; no unlearned weight file streamed or hashed a second time
+    assert staged == [
+        path for name, path in sweep_models.items() if name != "gone"
+    ]  # a missing path: no read
+    # (retain's own file is read by the worker for Stage 1, so only the other models' count here)
+    weight_files = {f"{sweep_models[name]}/model.safetensors" for name in ("unl", "bad", "unl2")}
+    assert not weight_files & (set(streamed) | set(hashed))
+    assert staged_table.attrs["peak_staged"] == 2
+    assert "truncated" in rows.loc["bad", "error"] and "while loading" in rows.loc["bad", "error"]
+    assert "does not exist" in rows.loc["gone", "error"] and "while resolving" in rows.loc["gone", "error"]
+    assert rows.loc["bad", "fp_unlearned"].startswith("files:xxh3_128/v2:")
+    scored = rows[rows["status"] == "scored"]
+    assert (scored[PHASE_COLUMNS] >= 0).all().all() and scored[PHASE_COLUMNS].notna().all().all()
+    assert (scored["source_forward_seconds"] < scored["s2_seconds"]).all()
+    assert (scored["bytes_read"] > 0).all() and (scored["threads"] == available_cpus()).all()
+    # staged: the worker's wall is what it waited for plus what it did itself
+    own = scored[["wait_seconds", "to_device_seconds", "s2_seconds", "write_seconds"]].sum(axis=1)
+    assert ((scored["seconds"] - own).abs() <= 0.1 + 0.25 * scored["seconds"]).all()
+
+    sequential = _sweep(tiny, tmp_path / "sequential", sweep_models, prefetch=False).set_index("name")
+    assert sequential.attrs["peak_staged"] == 1 if hasattr(sequential, "attrs") else True
+    # same numbers staged or not
+    pd.testing.assert_series_equal(sequential["uds"], rows["uds"])
+    done = sequential[sequential["status"] == "scored"]
+    # nothing staged ahead: the phases add up to the model's wall (source_forward is inside s2)
+    phases = (
+        done[[c for c in PHASE_COLUMNS if c != "source_forward_seconds"]].sum(axis=1) + done["wait_seconds"]
+    )
+    assert ((done["seconds"] - phases).abs() <= 0.1 + 0.25 * done["seconds"]).all()
+    assert ((done["seconds"] - (phases - done["wait_seconds"])).abs() <= 0.1 + 0.25 * done["seconds"]).all()
+
+
+def test_in_process_threads_default_to_the_cores_and_are_restored(tiny, tmp_path, sweep_models):
+    before = torch.get_num_threads()
+    one = {"unl": sweep_models["unl"]}
+    assert _sweep(tiny, tmp_path / "all", one).loc[0, "threads"] == available_cpus()
+    assert _sweep(tiny, tmp_path / "told", one, cpus_per_worker=1).loc[0, "threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_a_rerun_reuses_from_the_staged_digest_without_loading(tiny, tmp_path, sweep_models, monkeypatch):
+    models_ = {"unl": sweep_models["unl"], "unl2": sweep_models["unl2"]}
+    first = _sweep(tiny, tmp_path / "out", models_)
+    loads = []
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    again = _sweep(tiny, tmp_path / "out", models_)
+    # the worker loads full and retain as ever; no unlearned model is loaded
+    assert (again["status"] == "reused").all() and not {a[0] for a in loads} & set(models_.values())
+    # (to 1e-6: sweep.csv recomputes a reused UDS from the rounded examples.csv, issue 27)
+    assert again["uds"].tolist() == pytest.approx(first["uds"].tolist(), abs=1e-6)
+    assert (again["hash_seconds"] > 0).all() and not math.isnan(again.loc[0, "seconds"])

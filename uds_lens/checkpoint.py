@@ -1,0 +1,264 @@
+"""Checkpoint identity from one pass over its bytes, and staging: the same pass keeps the weights in memory.
+
+A result may be reused only when the checkpoint it was computed from is byte for byte the one asked for, so a
+checkpoint directory is identified by the contents of the files that can change its numbers (weights, config,
+tokenizer): :func:`file_digest`. At GPU speed a sweep's pace is set by reading and hashing checkpoints, so the digest
+is xxHash's XXH3-128 (GB/s per core; SHA-256 is ~0.6 GB/s here) and it is computed while the bytes are read for
+loading: :func:`stage` reads each ``.safetensors`` file once into one buffer (pinned memory when the model goes to a
+GPU), hashes it on the way, and hands its tensors to the loader as views of that buffer (:meth:`Staged.tensors`,
+plain ``(name, tensor)`` pairs that any loader can take as a state dict). Other files (config, tokenizer, ``.bin`` or
+``.gguf`` weights) are hashed in the same pass; the loader reads those itself.
+
+Every digest names its scheme and version (``xxh3_128/v2:...``). A result or cache saved under another scheme (the
+older ``files:<sha-256>`` identities) therefore never equals a new one: it is recomputed, never misread. Change
+:data:`DIGEST_VERSION` whenever what is hashed or how changes.
+
+Digests are memoised per (resolved path, file names, sizes, modification times), so a sweep hashes full and retain
+once, the fingerprint of a staged model costs nothing, and a checkpoint rewritten in place is hashed again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch import Tensor
+
+# What is hashed, and how: bump on any change, so old identities never match new ones.
+DIGEST_VERSION = 2
+DIGEST_SCHEME = f"xxh3_128/v{DIGEST_VERSION}"
+# Files of a checkpoint directory that can change its numbers: weights, config, tokenizer, chat template.
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".jinja", ".model", ".txt")
+# Read size: large enough that per-call overhead vanishes, small enough that hashing stays cache-warm.
+CHUNK_BYTES = 1 << 23
+
+_DIGESTS: dict[tuple[Any, ...], str] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file could not be read whole (truncated, changed while read, not a safetensors file)."""
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The files that identify a checkpoint: the file itself, or a directory's weight/config/tokenizer files."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        return [root]
+    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
+
+
+def _stamp(root: Path, files: list[Path]) -> tuple[Any, ...]:
+    return (str(root.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+def _file_header(hasher: Any, file: Path, size: int) -> None:
+    """Name and size before the contents: two files' bytes can never be shifted from one to the other."""
+    hasher.update(file.name.encode() + b"\0" + struct.pack("<Q", size))
+
+
+def _hash_stream(hasher: Any, file: Path) -> None:
+    with file.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK_BYTES), b""):
+            hasher.update(chunk)
+
+
+def _remember(stamp: tuple[Any, ...], digest: str) -> str:
+    with _DIGESTS_LOCK:
+        _DIGESTS[stamp] = digest
+    return digest
+
+
+def cached_digest(path: str | os.PathLike) -> str | None:
+    """The memoised digest of a checkpoint whose files are unchanged since it was hashed, else None (no read)."""
+    root = Path(path).expanduser()
+    with _DIGESTS_LOCK:
+        return _DIGESTS.get(_stamp(root, checkpoint_files(root)))
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """``xxh3_128/v2:HEX``: a digest of a checkpoint file or directory's files (names, sizes, contents).
+
+    Memoised (see the module docstring): the files are read only when their names, sizes or modification times
+    changed since they were last hashed, here or by :func:`stage`.
+    """
+    root = Path(path).expanduser()
+    files = checkpoint_files(root)
+    stamp = _stamp(root, files)
+    with _DIGESTS_LOCK:
+        known = _DIGESTS.get(stamp)
+    if known is not None:
+        return known
+    hasher = xxhash.xxh3_128()
+    for file in files:
+        _file_header(hasher, file, file.stat().st_size)
+        _hash_stream(hasher, file)
+    return _remember(stamp, f"{DIGEST_SCHEME}:{hasher.hexdigest()}")
+
+
+def _read_into(handle: Any, buffer: Tensor, hasher: Any, file: Path) -> None:
+    """Fill ``buffer`` from ``handle`` in chunks, hashing each chunk as it lands (the bytes are touched once)."""
+    view = buffer.numpy().data  # uint8: one byte per element
+    done, size = 0, len(view)
+    while done < size:
+        got = handle.readinto(view[done : min(size, done + CHUNK_BYTES)])
+        if not got:
+            raise CheckpointReadError(
+                f"{file} ended after {done} of {size} bytes (truncated, or rewritten while it was read): "
+                "re-save or re-download it."
+            )
+        hasher.update(view[done : done + got])
+        done += got
+    if handle.read(1):
+        raise CheckpointReadError(f"{file} grew while it was read: let the writer finish, then rerun.")
+
+
+@dataclass
+class Staged:
+    """A checkpoint read once into memory: its digest and its ``.safetensors`` files' bytes.
+
+    Attributes:
+        path: the checkpoint file or directory that was read.
+        digest: :func:`file_digest` of it, computed from the same read.
+        buffers: ``{file name: its bytes}`` of every ``.safetensors`` file (uint8; pinned when staged for a GPU).
+        nbytes: bytes read (every identifying file).
+        seconds: time the read and hash took.
+        model: the loaded model, once a loader has built it from :meth:`tensors` (a sweep keeps it here while the
+            previous model computes).
+    """
+
+    path: Path
+    digest: str
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+    model: Any = None
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the weights are in memory (a directory of ``.safetensors``), so a loader need not read them."""
+        return bool(self.buffers)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` of every staged tensor, in file order, as views of the staged bytes (no copy).
+
+        A tensor whose offset does not suit its dtype's alignment (never the case for files written by
+        ``safetensors``, which aligns to 8 bytes) is copied instead.
+        """
+        for file_name, buffer in self.buffers.items():
+            yield from _parse_safetensors(buffer, f"{self.path}/{file_name}")
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The staged tensors as a state dict (views), for loaders that take one."""
+        return dict(self.tensors())
+
+    def release(self) -> None:
+        """Drop the staged bytes and the model built from them (the sweep's bound on memory)."""
+        self.buffers = {}
+        self.model = None
+
+
+def _parse_safetensors(buffer: Tensor, label: str) -> Iterator[tuple[str, Tensor]]:
+    if buffer.numel() < 8:
+        raise CheckpointReadError(f"{label} is too short to be a safetensors file.")
+    (header_len,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
+    if 8 + header_len > buffer.numel():
+        raise CheckpointReadError(
+            f"{label}: its header runs past the end of the file (truncated or foreign)."
+        )
+    try:
+        header = json.loads(bytes(buffer[8 : 8 + header_len].numpy()))
+    except ValueError as err:
+        raise CheckpointReadError(
+            f"{label}: its header is not JSON ({err}); not a safetensors file."
+        ) from err
+    base = 8 + header_len
+    entries = sorted(
+        ((name, entry) for name, entry in header.items() if name != "__metadata__"),
+        key=lambda item: item[1]["data_offsets"][0],
+    )
+    for name, entry in entries:
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointReadError(
+                f"{label}: tensor {name} has dtype {entry['dtype']}, which uds_lens cannot read; save the "
+                "checkpoint in fp32, fp16 or bf16."
+            )
+        begin, end = (base + offset for offset in entry["data_offsets"])
+        if end > buffer.numel() or begin > end:
+            raise CheckpointReadError(f"{label}: tensor {name} lies past the end of the file (truncated).")
+        raw = buffer[begin:end]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin % itemsize:
+            raw = raw.clone()
+        yield name, raw.view(dtype).reshape(entry["shape"])
+
+
+def stage(path: str | os.PathLike, pin_memory: bool = False) -> Staged:
+    """Read a checkpoint once: hash every identifying file and keep the ``.safetensors`` bytes in memory.
+
+    Args:
+        path: a checkpoint directory or file (a ``.gguf`` file is hashed, not kept: its loader reads it).
+        pin_memory: allocate the buffers in page-locked memory, so the copy to a GPU is a direct DMA.
+
+    Returns:
+        The :class:`Staged` checkpoint; its digest is also memoised, so :func:`file_digest` of the same unchanged
+        files answers without reading them again.
+
+    Raises:
+        CheckpointReadError: a file shorter or longer than it was when listed (rewritten while read).
+    """
+    started = time.perf_counter()
+    root = Path(path).expanduser()
+    files = checkpoint_files(root)
+    stamp = _stamp(root, files)
+    hasher = xxhash.xxh3_128()
+    buffers: dict[str, Tensor] = {}
+    nbytes = 0
+    for file, (_, size, _) in zip(files, stamp[1]):
+        _file_header(hasher, file, size)
+        if file.suffix == ".safetensors":
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+            with file.open("rb", buffering=0) as handle:
+                _read_into(handle, buffer, hasher, file)
+            buffers[file.name] = buffer
+        else:
+            _hash_stream(hasher, file)
+        nbytes += size
+    digest = _remember(stamp, f"{DIGEST_SCHEME}:{hasher.hexdigest()}")
+    return Staged(root, digest, buffers, nbytes, time.perf_counter() - started)
+
+
+__all__ = [
+    "CHECKPOINT_SUFFIXES",
+    "DIGEST_SCHEME",
+    "DIGEST_VERSION",
+    "CheckpointReadError",
+    "Staged",
+    "cached_digest",
+    "checkpoint_files",
+    "file_digest",
+    "stage",
+]
