@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 
-from uds_lens.annotate import AnnotateConfig, annotate, answer_units
+from uds_lens.annotation import AnnotateConfig, annotate, answer_units
 from uds_lens.data import read_records
 from uds_lens.models import load_tokenizer
 from uds_lens.zoo import load_zoo

@@ -30,7 +30,7 @@ capitalised words and numbers (weaker: its agreement is measured in ``experiment
 A record that cannot be split well is never guessed silently: when no word's contrast reaches ``min_contrast`` (the
 full model knows nothing the reference does not), or the scorer's encoder rejects the span, it gets ``entity = ""``
 (which ``uds-lens score`` reports as skipped, reason ``empty_entity``) and ``annotation_status = "unsplit"``; a span
-that holds less than ``min_share`` of the answer's positive contrast (several facts in one answer) is kept but marked
+that holds no more than ``min_share`` of the answer's positive contrast (several facts in one answer) is kept but marked
 ``low_confidence``. Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
 """
 
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jaxtyping import Float
 
 from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
 
@@ -88,7 +89,7 @@ class AnnotateConfig:
     Attributes:
         keep_fraction: A word pays into the span when its contrast is at least this share of the best word's.
         min_contrast: Nats; when no word reaches it the record is ``unsplit`` (no knowledge signal to split on).
-        min_share: A span holding less than this share of the answer's positive contrast is ``low_confidence``.
+        min_share: A span holding no more than this share of the answer's positive contrast is ``low_confidence``.
         batch_size: Records per forward pass.
     """
 
@@ -170,8 +171,11 @@ def answer_units(answer: str) -> list[Unit]:
 
 
 def unit_scores(
-    answer: str, units: Sequence[Unit], offsets: Sequence[tuple[int, int]], token_scores: Sequence[float]
-) -> np.ndarray:
+    answer: str,
+    units: Sequence[Unit],
+    offsets: Sequence[tuple[int, int]],
+    token_scores: Float[np.ndarray, " token"],
+) -> Float[np.ndarray, " unit"]:
     """Sum token scores into the units they start in.
 
     Args:
@@ -200,7 +204,7 @@ def unit_scores(
     return scores
 
 
-def _max_run(weights: np.ndarray) -> tuple[int, int]:
+def _max_run(weights: Float[np.ndarray, " unit"]) -> tuple[int, int]:
     """Inclusive ``(i, j)`` of the contiguous run with the largest sum (Kadane); ties keep the earliest, shortest."""
     best_sum, best = -np.inf, (0, 0)
     run_sum, run_start = 0.0, 0
@@ -254,7 +258,9 @@ def _adjacent(left: Unit, right: Unit) -> bool:
     return right.start - left.end <= 1
 
 
-def choose_span(answer: str, units: Sequence[Unit], scores: np.ndarray, config: AnnotateConfig) -> SpanChoice:
+def choose_span(
+    answer: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"], config: AnnotateConfig
+) -> SpanChoice:
     """One contiguous whole-word span from per-unit knowledge scores (see the module docstring)."""
     if not units:
         return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "empty answer")
@@ -281,7 +287,7 @@ def choose_span(answer: str, units: Sequence[Unit], scores: np.ndarray, config: 
     positive = np.clip(scores, 0.0, None)
     total = float(positive.sum())
     share = float(positive[i : j + 1].sum()) / total if total > 0 else 0.0
-    status = STATUS_AUTO if share >= config.min_share else STATUS_LOW_CONFIDENCE
+    status = STATUS_AUTO if share > config.min_share else STATUS_LOW_CONFIDENCE
     reason = f"{share:.0%} of the answer's contrast in {j - i + 1} word(s), best word {best:.1f} nats"
     if status == STATUS_LOW_CONFIDENCE:
         reason += "; other words carry knowledge too (several facts?)"
@@ -297,7 +303,9 @@ def question_words(question: str) -> frozenset[str]:
     return frozenset(word.lower() for word in _WORD_ONLY.findall(question))
 
 
-def content_scores(question: str, units: Sequence[Unit], scores: np.ndarray) -> np.ndarray:
+def content_scores(
+    question: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"]
+) -> Float[np.ndarray, " unit"]:
     """Scores with everything but the answer's own content words capped at 0.
 
     Capped: words that also occur in the question, lowercase function words, punctuation and a possessive ``'s``.
@@ -321,7 +329,7 @@ def content_scores(question: str, units: Sequence[Unit], scores: np.ndarray) -> 
     return capped
 
 
-def lexical_scores(question: str, units: Sequence[Unit]) -> np.ndarray:
+def lexical_scores(question: str, units: Sequence[Unit]) -> Float[np.ndarray, " unit"]:
     """The model-free prior: 1 for a content word absent from the question, 2 for such a word that is a number or
     capitalised after the answer's first word; 0 otherwise."""
     asked = {_stem(word) for word in _WORD_ONLY.findall(question)}
