@@ -366,23 +366,24 @@ def _answer_token_logprobs(
                 tokens[row, : len(sequences[k][0])] = torch.tensor(sequences[k][0])
             logits = model(tokens.to(parameter.device))
             logits = getattr(logits, "logits", logits)
-            logprobs = _label_logprobs(logits.float(), tokens.to(logits.device))
             for row, k in enumerate(chunk):
                 ids, prompt_len = sequences[k]
-                out[k] = logprobs[row, prompt_len - 1 : len(ids) - 1].cpu().numpy()
+                labels = tokens[row, prompt_len : len(ids)].to(logits.device)
+                out[k] = _label_logprobs(logits[row, prompt_len - 1 : len(ids) - 1], labels).cpu().numpy()
     return out
 
 
-def _label_logprobs(logits: Any, tokens: Any) -> Any:
-    """``[batch, pos]``: log-prob at each position of the token at the next position (the last position: 0).
+def _label_logprobs(logits: Any, labels: Any) -> Any:
+    """Log-prob of each label, in fp32 even for a bf16 model (as the scorer reads them).
 
-    Shapes: logits ``Float[Tensor, "batch pos vocab"]``, tokens ``Int[Tensor, "batch pos"]``.
+    Shapes: logits ``Float[Tensor, "answer_token vocab"]`` (the positions predicting the answer tokens), labels
+    ``Int[Tensor, "answer_token"]``; returns ``Float[Tensor, "answer_token"]``. Taken one record at a time, so a
+    batch never holds a second, fp32 copy of its logits.
     """
     import torch
 
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
-    return torch.nn.functional.pad(picked, (0, 1))
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, labels[:, None])[:, 0]
 
 
 def _layout(question: str, answer: str, tokenizer: Any) -> tuple[list[int], int, list[tuple[int, int]]]:

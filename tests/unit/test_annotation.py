@@ -243,3 +243,20 @@ def test_statuses_are_auto_when_the_contrast_is_clear():
     units = answer_units(answer)
     choice = choose_span(answer, units, np.array([0, 0, 0, 0, 6.0, 0.0]), AnnotateConfig())
     assert choice.status == STATUS_AUTO and choice.confidence == 1.0
+
+
+def test_batching_and_right_padding_do_not_change_the_scores(tiny):
+    """One forward per batch of right-padded records: the scores equal those of one record per forward."""
+    from uds_lens.annotation import _model_scores
+
+    records = _raw(FORGET_SET)
+    tokenizer = data_tokenizer(tiny)
+    scores = {
+        size: _model_scores(
+            records, tiny.full, tiny.retain, tokenizer, AnnotateConfig(batch_size=size), "float32", "cpu"
+        )
+        for size in (1, len(records))
+    }
+    for one, batched in zip(scores[1], scores[len(records)], strict=True):
+        np.testing.assert_allclose(one, batched, atol=1e-4)
+    assert max(np.abs(s).max() for s in scores[1]) > 0.1  # full and retain differ: the check is not vacuous
