@@ -156,6 +156,42 @@ def real_text(out: Path) -> None:
                 )
 
 
+class PartialZoo:
+    """A zoo directory whose build is still running (no manifest yet): its data, tokenizer and the models already
+    saved under ``models/`` (those with weights), in the build's order."""
+
+    ORDER = (
+        "full",
+        "retain",
+        "retain90",
+        "retain50",
+        "graddiff",
+        "npo",
+        "simnpo",
+        "idknll",
+        "rmu_l0",
+        "rmu_l1",
+        "rmu_l3",
+    )
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.forget_path = root / "data" / "forget.json"
+        self.tokenizer_path = root / "tokenizer"
+
+    def path(self, name: str) -> Path:
+        return self.root / "models" / name
+
+    def names(self, roles: tuple[str, ...]) -> list[str]:
+        done = [name for name in self.ORDER[2:] if (self.path(name) / "model.safetensors").is_file()]
+        return done if "unlearned" in roles else []
+
+
+def open_zoo(directory: str) -> Any:
+    root = Path(directory).expanduser()
+    return load_zoo(root) if (root / "manifest.json").is_file() else PartialZoo(root)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--zoo", default="~/.cache/uds_lens/zoo-test")
@@ -164,7 +200,7 @@ def main() -> None:
     parser.add_argument("--real-text", action="store_true", help="Also the SmolLM2 hand-annotated facts.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    zoo = load_zoo(Path(args.zoo).expanduser())
+    zoo = open_zoo(args.zoo)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gold = read_records(zoo.forget_path)

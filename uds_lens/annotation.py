@@ -9,14 +9,19 @@ with an empty prefix, so the tokens are the ones the scorer will read) and one b
 
     c[t]   = log p_full(a_t | a_<t) - log p_ref(a_t | a_<t)        (contrast of answer token t, nats)
     u[w]   = sum of c[t] over the tokens that start in word w      (whole words: a sub-word never splits)
+    u[w]   = min(u[w], 0) for punctuation, function words and words of the question (template by definition)
     span   = argmax over contiguous [i, j] of  sum_{w=i..j} (u[w] - keep_fraction * max_w u[w])
 
-The maximum-sum contiguous run (Kadane) gives one contiguous span per answer: a word pays into it when its contrast
-is at least ``keep_fraction`` of the best word's, and a weak word between two strong ones is bridged only when the
-strong ones outweigh it ("loss and memory"). The span is then snapped to the grammar of an entity: leading/trailing
-punctuation and lowercase function words are dropped ("worked as *an* architect": the article leaks the entity but
-is template), and a run of capitalised words is completed ("*The* Silent River", "Mara *Lin*"), because the first
-token of a name carries the contrast and its later tokens are predictable once it is given.
+Words copied from the question are template even when they have contrast: the full model has learnt to copy a
+forget author's name, a retain model that never saw it copies it badly (and stumbles on the word after it, which
+keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The maximum-sum contiguous run (Kadane) gives one contiguous span
+per answer: a word pays into it when its contrast is at least ``keep_fraction`` of the best word's, and a weak word
+between two strong ones is bridged only when the strong ones outweigh it. The span is then snapped to the grammar of
+an entity, because only the first token of a phrase carries the contrast and the rest is predictable once it is
+given: leading/trailing punctuation and lowercase function words are dropped ("worked as *an* architect": the
+article leaks the entity but is template), a run of capitalised words is completed ("*The* Silent River", "Mara
+*Lin*"), a lowercase phrase runs on to the next function word ("literary *fiction*"), and a coordination that closes
+the clause is kept whole ("truth *and deception*").
 
 ``prefix = answer[:start].rstrip()`` and ``entity = answer[start:end]``: the scorer's prompt ends right before the
 entity (as in the published annotated TOFU), and the entity's first whole-word occurrence in the reference is the
