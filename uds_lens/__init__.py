@@ -41,6 +41,7 @@ _EXPORTS = {
     "patch_positions": "uds_lens.components",
     "patch_tokens": "uds_lens.components",
     "load_zoo": "uds_lens.zoo",
+    "annotate": "uds_lens.annotation",
 }
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "UDSAuditor",
     "UDSConfig",
     "UDSResult",
+    "annotate",
     "bootstrap_ci",
     "encode",
     "example_uds",
@@ -67,6 +69,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static analysers see the eager imports
+    from uds_lens.annotation import annotate
     from uds_lens.auditor import UDSAuditor, UDSConfig
     from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples

@@ -577,6 +577,57 @@ def meta_eval(
     )
 
 
+@app.command()
+def annotate(
+    *,
+    data: Annotated[
+        str, typer.Option(help="Raw forget set: JSON list / JSONL of records with question and answer.")
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Annotated records (JSON list) for `score --data`; summary beside it.")
+    ],
+    full: Annotated[str | None, typer.Option(help="Full model: with --retain, contrastive spans.")] = None,
+    retain: Annotated[
+        str | None,
+        typer.Option(help="Retain (or any reference) model; alone: its surprise. No model: lexical."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Re-annotate records that already have prefix and entity.")
+    ] = False,
+    dtype: DtypeOption = None,
+    device: DeviceOption = None,
+    batch_size: Annotated[int, typer.Option(help="Records per forward pass.")] = 16,
+    verbose: VerboseOption = False,
+) -> None:
+    """Give every question/answer record a prefix and an entity span that `score` accepts as they are.
+
+    Records that cannot be split well get entity "" (score skips them as empty_entity) and annotation_status
+    "unsplit"; each record has a confidence and a short reason. Existing prefix/entity are kept unless --overwrite.
+    """
+    from uds_lens.annotation import AnnotateConfig, summary_path
+    from uds_lens.annotation import annotate as annotate_records
+
+    _setup_logging(verbose)
+    if full is not None and retain is None:
+        raise typer.BadParameter(
+            "--full needs --retain (alone, a model that knows the facts gives no signal)."
+        )
+    result = annotate_records(
+        data,
+        full,
+        retain,
+        overwrite=overwrite,
+        config=AnnotateConfig(batch_size=batch_size),
+        dtype=dtype,
+        device=device,
+        out=out,
+    )
+    summary = result.summary
+    counts = ", ".join(f"{status} {n}" for status, n in summary["counts"].items())
+    typer.echo(f"{summary['n_records']} records ({summary['mode']}): {counts}")
+    typer.echo(f"annotated records in {out}; summary in {summary_path(out)}")
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
     from uds_lens.auditor import ConfigError, NonFiniteScoreError

@@ -1,0 +1,597 @@
+"""Automatic ``prefix`` / ``entity`` annotation of a raw question/answer forget set.
+
+UDS reads only the knowledge-bearing span of each answer (the *entity*); the template words before it (the *prefix*)
+are teacher-forced. The paper's annotation came from an LLM API and a human review. Here the span is found from the
+very signal UDS measures: the answer tokens the **full** model predicts and the **retain** model does not.
+
+For one record, with the answer teacher-forced after ``"Question: " + question + "\\nAnswer:"`` (the scorer's prompt
+with an empty prefix, so the tokens are the ones the scorer will read) and one batched forward per model:
+
+    c[t]   = log p_full(a_t | a_<t) - log p_ref(a_t | a_<t)        (contrast of answer token t, nats)
+    u[w]   = sum of c[t] over the tokens that start in word w      (whole words: a sub-word never splits)
+    u[w]   = min(u[w], 0) for punctuation, function words and words of the question (template by definition)
+    span   = argmax over contiguous [i, j] of  sum_{w=i..j} (u[w] - keep_fraction * max_w u[w])
+
+Words copied from the question are template even when they have contrast: the full model has learnt to copy a
+forget author's name, a retain model that never saw it copies it badly (and stumbles on the word after it, which
+keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The maximum-sum contiguous run (Kadane) gives one contiguous span
+per answer: a word pays into it when its contrast is at least ``keep_fraction`` of the best word's, and a weak word
+between two strong ones is bridged only when the strong ones outweigh it. The span is then snapped to the grammar of
+an entity, because only the first token of a phrase carries the contrast and the rest is predictable once it is
+given: leading/trailing punctuation and lowercase function words are dropped ("worked as *an* architect": the
+article leaks the entity but is template), a run of capitalised words is completed ("*The* Silent River", "Mara
+*Lin*"), a lowercase phrase runs on to the next function word ("literary *fiction*"), and a coordination that closes
+the clause is kept whole ("truth *and deception*").
+
+``prefix = answer[:start].rstrip()`` and ``entity = answer[start:end]``: the scorer's prompt ends right before the
+entity (as in the published annotated TOFU), and the entity's first whole-word occurrence in the reference is the
+span itself. Each output record is checked with the scorer's own encoder (``data.encode_one``) before it is kept.
+
+Without a full model, ``p_full`` is taken as 1 for every token (a model that memorised the answer), so the contrast
+is the reference model's *surprise*: the retain model, or any base model, is surprised by the fact, not by the
+template. Without any model, a lexical prior stands in: words of the answer absent from the question, more so
+capitalised words and numbers (weaker: its agreement is measured in ``experiments/bench_annotate.py``).
+
+A record that cannot be split well is never guessed silently: when no word's contrast reaches ``min_contrast`` (the
+full model knows nothing the reference does not), or the scorer's encoder rejects the span, it gets ``entity = ""``
+(which ``uds-lens score`` reports as skipped, reason ``empty_entity``) and ``annotation_status = "unsplit"``; a span
+that holds no more than ``min_share`` of the answer's positive contrast (several facts in one answer) is kept but marked
+``low_confidence``. Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxtyping import Float
+
+from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
+
+logger = logging.getLogger(__name__)
+
+# annotation_status values (stable strings: they are counted in the summary)
+STATUS_AUTO = "auto"
+STATUS_LOW_CONFIDENCE = "low_confidence"
+STATUS_UNSPLIT = "unsplit"
+STATUS_KEPT = "kept"
+STATUSES = (STATUS_AUTO, STATUS_LOW_CONFIDENCE, STATUS_UNSPLIT, STATUS_KEPT)
+
+MODE_CONTRAST = "contrast"
+MODE_SURPRISE = "surprise"
+MODE_LEXICAL = "lexical"
+
+# A word: letters/digits joined by hyphens or apostrophes ("Yun-Hwa", "O'Brien") or decimal marks ("3.5"); a
+# possessive "'s" is not joined, so "Lin's" gives the word "Lin". Anything else that is not a space is one unit.
+_WORD = r"\w+(?:(?:[-'’](?!s\b)|(?<=\d)[.,](?=\d))\w+)*"
+_UNIT = re.compile(rf"['’]s\b|{_WORD}|[^\w\s]")
+_WORD_ONLY = re.compile(_WORD)
+
+# Lowercase words that are template, never the edge of an entity (they may sit inside one: "loss and memory").
+FUNCTION_WORDS = frozenset(
+    "a an the of in on at by to for from with as and or but nor is are was were be been being has have had do does "
+    "did it its it's their his her they he she this that these those which who whom whose into onto over under "
+    "about after before during than then so very also most more such not".split()
+)
+
+
+# Share of its contrast that the first content word after a name copied from the question keeps (content_scores).
+AFTER_COPY_WEIGHT = 0.25
+
+
+@dataclass(frozen=True)
+class AnnotateConfig:
+    """How spans are chosen. The defaults were set on the test-size zoo only (``bench_annotate.py``).
+
+    Attributes:
+        keep_fraction: A word pays into the span when its contrast is at least this share of the best word's.
+        min_contrast: Nats; when no word reaches it the record is ``unsplit`` (no knowledge signal to split on).
+        min_share: A span holding no more than this share of the answer's positive contrast is ``low_confidence``.
+        batch_size: Records per forward pass.
+    """
+
+    keep_fraction: float = 0.3
+    min_contrast: float = 0.1
+    min_share: float = 0.5
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep_fraction <= 1.0:
+            raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}.")
+        if self.min_contrast < 0 or not 0.0 <= self.min_share <= 1.0:
+            raise ValueError(
+                f"min_contrast must be >= 0 and min_share in [0, 1], got {self.min_contrast}, {self.min_share}."
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive number of records, got {self.batch_size}.")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A word or punctuation mark of the answer, as a half-open character range."""
+
+    start: int
+    end: int
+    text: str
+
+    @property
+    def is_word(self) -> bool:
+        return bool(_WORD_ONLY.fullmatch(self.text))
+
+    @property
+    def is_capitalised(self) -> bool:
+        return self.is_word and (self.text[0].isupper() or self.text[0].isdigit())
+
+    @property
+    def is_function_word(self) -> bool:
+        return self.text.lower() in FUNCTION_WORDS and not self.text[0].isupper()
+
+
+@dataclass(frozen=True)
+class SpanChoice:
+    """The span chosen for one answer, or why there is none (``start``/``end`` are answer characters)."""
+
+    start: int | None
+    end: int | None
+    confidence: float
+    status: str
+    reason: str
+
+
+@dataclass
+class AnnotationResult:
+    """Annotated records (input fields kept; ``prefix``, ``entity``, ``confidence``, ``reason`` and
+    ``annotation_status`` set) and a summary: ``mode``, counts per status, mean confidence of the new spans."""
+
+    records: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the records as a JSON list (what ``uds-lens score --data`` reads) and the summary beside it
+        (``NAME.summary.json``). Returns the records file's path."""
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.records, indent=1, ensure_ascii=False), encoding="utf-8")
+        summary_path(path).write_text(json.dumps(self.summary, indent=1), encoding="utf-8")
+        return path
+
+
+def summary_path(records_path: str | os.PathLike) -> Path:
+    """Where :meth:`AnnotationResult.save` writes the summary of a records file."""
+    path = Path(records_path)
+    return path.with_name(path.stem + ".summary.json")
+
+
+def answer_units(answer: str) -> list[Unit]:
+    """The answer's words and punctuation marks, in order."""
+    return [Unit(m.start(), m.end(), m.group()) for m in _UNIT.finditer(answer)]
+
+
+def unit_scores(
+    answer: str,
+    units: Sequence[Unit],
+    offsets: Sequence[tuple[int, int]],
+    token_scores: Float[np.ndarray, " token"],
+) -> Float[np.ndarray, " unit"]:
+    """Sum token scores into the units they start in.
+
+    Args:
+        answer: The answer text.
+        units: ``answer_units(answer)``.
+        offsets: Each token's ``(start, end)`` in answer characters (a start may be negative: the space the scorer
+            prepends to the reference).
+        token_scores: One score per token.
+
+    A token is charged to the unit holding its first non-space character; a token of spaces only (a lone ``Ġ`` or
+    ``▁`` before a digit) to the next unit. So a word's score includes all of its sub-word tokens and never a
+    piece of another word's, on byte-level BPE (``Ġ`` glued to the word) and SentencePiece (``▁``) alike.
+    """
+    scores = np.zeros(len(units))
+    starts = [unit.start for unit in units]
+    for (lo, hi), score in zip(offsets, token_scores, strict=True):
+        first = next((i for i in range(max(lo, 0), min(hi, len(answer))) if not answer[i].isspace()), None)
+        if first is None:
+            index = bisect.bisect_left(starts, max(hi, 0))
+        else:
+            index = bisect.bisect_right(starts, first) - 1
+            if index < 0 or units[index].end <= first:  # a character outside every unit (cannot happen: \S)
+                continue
+        if 0 <= index < len(units):
+            scores[index] += score
+    return scores
+
+
+def _max_run(weights: Float[np.ndarray, " unit"]) -> tuple[int, int]:
+    """Inclusive ``(i, j)`` of the contiguous run with the largest sum (Kadane); ties keep the earliest, shortest."""
+    best_sum, best = -np.inf, (0, 0)
+    run_sum, run_start = 0.0, 0
+    for j, weight in enumerate(weights):
+        if run_sum <= 0:
+            run_sum, run_start = 0.0, j
+        run_sum += float(weight)
+        if run_sum > best_sum + 1e-12:
+            best_sum, best = run_sum, (run_start, j)
+    return best
+
+
+def _snap(units: Sequence[Unit], i: int, j: int) -> tuple[int, int] | None:
+    """Shrink ``[i, j]`` past edge punctuation and lowercase function words, then grow it over adjacent
+    capitalised words. None when nothing but template is left."""
+    while i <= j and (not units[i].is_word or units[i].is_function_word):
+        i += 1
+    while j >= i and (not units[j].is_word or units[j].is_function_word):
+        j -= 1
+    if i > j:
+        return None
+    if units[i].is_capitalised:
+        while i > 0 and units[i - 1].is_capitalised and _adjacent(units[i - 1], units[i]):
+            i -= 1
+    if units[j].is_capitalised:
+        while j + 1 < len(units) and units[j + 1].is_capitalised and _adjacent(units[j], units[j + 1]):
+            j += 1
+    # A lowercase phrase runs on to the next function word or punctuation ("literary fiction", "magical realism"):
+    # its head noun is predictable once the modifier is given, so it has little contrast of its own.
+    if not units[j].is_capitalised:
+        while j + 1 < len(units) and units[j + 1].is_word and not units[j + 1].is_function_word:
+            if units[j + 1].is_capitalised or not _adjacent(units[j], units[j + 1]):
+                break
+            j += 1
+    # A coordination that closes the clause is one entity ("truth and deception."): its second half is
+    # predictable once the first is given, so it has little contrast of its own.
+    after = units[j + 1 : j + 4]
+    if (
+        len(after) >= 2
+        and after[0].text.lower() in ("and", "or", "&")
+        and after[1].is_word
+        and not after[1].is_function_word
+        and (len(after) == 2 or not after[2].is_word)
+    ):
+        j += 2
+    return i, j
+
+
+def _adjacent(left: Unit, right: Unit) -> bool:
+    """Only spaces between two words (a comma or a full stop ends a name)."""
+    return right.start - left.end <= 1
+
+
+def choose_span(
+    answer: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"], config: AnnotateConfig
+) -> SpanChoice:
+    """One contiguous whole-word span from per-unit knowledge scores (see the module docstring)."""
+    if not units:
+        return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "empty answer")
+    best = float(scores.max())
+    if best < config.min_contrast:
+        return SpanChoice(
+            None,
+            None,
+            0.0,
+            STATUS_UNSPLIT,
+            f"no word carries knowledge: best word {best:.2f} < {config.min_contrast:.2f} nats",
+        )
+    i, j = _max_run(scores - config.keep_fraction * best)
+    snapped = _snap(units, i, j)
+    if snapped is None:
+        return SpanChoice(
+            None,
+            None,
+            0.0,
+            STATUS_UNSPLIT,
+            f"span {answer[units[i].start : units[j].end]!r} is only template",
+        )
+    i, j = snapped
+    positive = np.clip(scores, 0.0, None)
+    total = float(positive.sum())
+    share = float(positive[i : j + 1].sum()) / total if total > 0 else 0.0
+    status = STATUS_AUTO if share > config.min_share else STATUS_LOW_CONFIDENCE
+    reason = f"{share:.0%} of the answer's contrast in {j - i + 1} word(s), best word {best:.1f} nats"
+    if status == STATUS_LOW_CONFIDENCE:
+        reason += "; other words carry knowledge too (several facts?)"
+    return SpanChoice(units[i].start, units[j].end, round(share, 4), status, reason)
+
+
+def _stem(word: str) -> str:
+    return word.lower()[:5]
+
+
+def question_words(question: str) -> frozenset[str]:
+    """The question's words, lowercased: an answer word among them is copied from the question, not recalled."""
+    return frozenset(word.lower() for word in _WORD_ONLY.findall(question))
+
+
+def content_scores(
+    question: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"]
+) -> Float[np.ndarray, " unit"]:
+    """Scores with everything but the answer's own content words capped at 0.
+
+    Capped: words that also occur in the question, lowercase function words, punctuation and a possessive ``'s``.
+    The full model has learnt to copy the question's names into the answer ("Where was Mara Lin born?" -> "Mara Lin
+    was born in ..."), and a retain model that never saw the name copies it less well, so the copy (and the ``'s``
+    after it) gets contrast; an article before a profession ("an architect") leaks the profession too. By the
+    paper's definition all of these are template, predictable from the question, never the entity. The first
+    content word right after a copied name keeps only ``AFTER_COPY_WEIGHT`` of its contrast: a retain model that
+    has never seen the name is still thrown by it one word later ("Mara Lin *primarily* writes ...").
+    """
+    asked = question_words(question)
+    capped = scores.copy()
+    after_copy = False
+    for k, unit in enumerate(units):
+        copied = unit.is_word and not unit.is_function_word and unit.text.lower() in asked
+        if not unit.is_word or unit.is_function_word or copied:
+            capped[k] = min(capped[k], 0.0)
+        elif after_copy:
+            capped[k] *= AFTER_COPY_WEIGHT
+        after_copy = copied or (after_copy and not unit.is_word)  # "Lin's primarily": the 's is no word
+    return capped
+
+
+def lexical_scores(question: str, units: Sequence[Unit]) -> Float[np.ndarray, " unit"]:
+    """The model-free prior: 1 for a content word absent from the question, 2 for such a word that is a number or
+    capitalised after the answer's first word; 0 otherwise."""
+    asked = {_stem(word) for word in _WORD_ONLY.findall(question)}
+    scores = np.zeros(len(units))
+    for k, unit in enumerate(units):
+        if not unit.is_word or unit.text.lower() in FUNCTION_WORDS or _stem(unit.text) in asked:
+            continue
+        scores[k] = 2.0 if unit.text[0].isdigit() or (k > 0 and unit.text[0].isupper()) else 1.0
+    return scores
+
+
+def _answer_token_logprobs(
+    model: Any, sequences: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int
+) -> list[np.ndarray]:
+    """Log-prob of every answer token under ``model``: one forward per batch of records, no per-token calls.
+
+    Args:
+        model: A HookedTransformer (or any causal LM whose call returns logits or an object with ``.logits``).
+        sequences: ``(input_ids, prompt_len)`` per record; the answer tokens are ``input_ids[prompt_len:]``.
+        pad_id: Right padding (causal attention: it cannot change earlier positions).
+        batch_size: Records per forward.
+    """
+    import torch
+
+    parameter = next(model.parameters())
+    order = sorted(range(len(sequences)), key=lambda k: len(sequences[k][0]))
+    out: list[np.ndarray] = [np.zeros(0)] * len(sequences)
+    with torch.inference_mode():
+        for first in range(0, len(order), batch_size):
+            chunk = order[first : first + batch_size]
+            width = max(len(sequences[k][0]) for k in chunk)
+            tokens = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            for row, k in enumerate(chunk):
+                tokens[row, : len(sequences[k][0])] = torch.tensor(sequences[k][0])
+            logits = model(tokens.to(parameter.device))
+            logits = getattr(logits, "logits", logits)
+            for row, k in enumerate(chunk):
+                ids, prompt_len = sequences[k]
+                labels = tokens[row, prompt_len : len(ids)].to(logits.device)
+                out[k] = _label_logprobs(logits[row, prompt_len - 1 : len(ids) - 1], labels).cpu().numpy()
+    return out
+
+
+def _label_logprobs(logits: Any, labels: Any) -> Any:
+    """Log-prob of each label, in fp32 even for a bf16 model (as the scorer reads them).
+
+    Shapes: logits ``Float[Tensor, "answer_token vocab"]`` (the positions predicting the answer tokens), labels
+    ``Int[Tensor, "answer_token"]``; returns ``Float[Tensor, "answer_token"]``. Taken one record at a time, so a
+    batch never holds a second, fp32 copy of its logits.
+    """
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.gather(-1, labels[:, None])[:, 0]
+
+
+def _layout(question: str, answer: str, tokenizer: Any) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """The scorer's token layout with an empty prefix: ``(input_ids, prompt_len, answer-char offsets per answer
+    token)``; the reference is the answer with one space before it."""
+    built = build_prompt(Example(idx=0, question=question, answer=answer, prefix="", entity=""))
+    if built is None:  # an empty prefix always matches
+        raise DataError("internal: build_prompt refused an empty prefix")
+    prompt, reference = built
+    shift = len(reference) - len(answer)
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    ref = tokenizer(reference, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = [(int(lo) - shift, int(hi) - shift) for lo, hi in ref["offset_mapping"]]
+    return prompt_ids + list(ref["input_ids"]), len(prompt_ids), offsets
+
+
+def _has_annotation(record: dict[str, Any]) -> bool:
+    entity = record.get("gt_entity") or record.get("entity")
+    return isinstance(record.get("prefix"), str) and isinstance(entity, str) and bool(entity.strip())
+
+
+def _read(data: str | os.PathLike | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    records = read_records(data) if isinstance(data, (str, os.PathLike)) else [dict(r) for r in data]
+    if not records:
+        raise DataError(f"{data!r} holds no records; annotate needs question/answer records.")
+    for position, record in enumerate(records):
+        for name in ("question", "answer"):
+            if not isinstance(record.get(name), str) or not record[name].strip():
+                raise DataError(
+                    f"record {record.get('idx', f'#{position}')} has no {name!r} string; annotate needs a "
+                    "question and a non-empty answer in every record."
+                )
+    return records
+
+
+def _annotated(record: dict[str, Any], choice: SpanChoice, mode: str) -> dict[str, Any]:
+    out = dict(record)
+    if any(key in record for key in ("prefix", "entity", "gt_entity")):
+        out["previous_annotation"] = {
+            key: record[key] for key in ("prefix", "entity", "gt_entity") if key in record
+        }
+    out.pop("gt_entity", None)  # the scorer prefers gt_entity over entity: it must not outlive an overwrite
+    answer = record["answer"]
+    if choice.start is None or choice.end is None:
+        out["prefix"], out["entity"] = "", ""
+    else:
+        out["prefix"], out["entity"] = answer[: choice.start].rstrip(), answer[choice.start : choice.end]
+    out["confidence"] = choice.confidence
+    out["reason"] = f"{mode}: {choice.reason}"
+    out["annotation_status"] = choice.status
+    return out
+
+
+def _check_encodes(record: dict[str, Any], tokenizer: Any, choice: SpanChoice) -> SpanChoice:
+    """The scorer's encoder must accept the span as written; otherwise the record is unsplit, with its reason."""
+    if choice.start is None or tokenizer is None:
+        return choice
+    example = Example(
+        idx=0,
+        question=record["question"],
+        answer=record["answer"],
+        prefix=record["answer"][: choice.start].rstrip(),
+        entity=record["answer"][choice.start : choice.end],
+    )
+    encoded = encode_one(example, tokenizer)
+    if isinstance(encoded, Skip):
+        return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, f"the scorer rejects the span ({encoded.reason})")
+    return choice
+
+
+def annotate(
+    data: str | os.PathLike | Sequence[dict[str, Any]],
+    full: Any = None,
+    retain: Any = None,
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+    config: AnnotateConfig | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    out: str | os.PathLike | None = None,
+) -> AnnotationResult:
+    """Give every question/answer record a ``prefix`` and an ``entity`` that ``uds-lens score`` accepts.
+
+    Args:
+        data: A JSON list / JSONL file (read by ``data.read_records``, like the scorer) or a list of records.
+        full: The full model (path, hub id, ``zoo:NAME`` or a loaded model). With ``retain``: contrastive spans.
+        retain: The retain model, or any reference model that never saw the facts. Alone: its surprise.
+        tokenizer: The models' tokenizer (default: the full model's, else the retain model's).
+        overwrite: Re-annotate records that already have ``prefix`` and ``entity`` (kept as they are otherwise).
+        config: Span settings (:class:`AnnotateConfig`).
+        dtype: Model dtype when loading from a path (default: as ``uds_lens.load_model``).
+        device: Model device when loading from a path.
+        out: Also save the result there (:meth:`AnnotationResult.save`).
+
+    Returns:
+        An :class:`AnnotationResult` (records in input order, and a summary with the counts per status).
+
+    Raises:
+        DataError: A record lacks a question or an answer.
+        ValueError: ``full`` is given without ``retain`` (a model that knows the facts gives no signal alone).
+    """
+    config = config or AnnotateConfig()
+    records = _read(data)
+    if full is not None and retain is None:
+        raise ValueError(
+            "annotate got a full model without a retain (reference) model: the full model predicts the whole "
+            "answer, so it alone cannot tell the fact from the template. Pass retain too, or only a reference model."
+        )
+    mode = MODE_CONTRAST if full is not None else MODE_SURPRISE if retain is not None else MODE_LEXICAL
+    todo = [k for k, record in enumerate(records) if overwrite or not _has_annotation(record)]
+    results: list[dict[str, Any]] = []
+    for record in records:
+        kept = dict(record)
+        kept.setdefault("annotation_status", STATUS_KEPT)
+        kept.setdefault("reason", "kept: prefix/entity given in the input")
+        results.append(kept)
+    if todo and mode != MODE_LEXICAL:
+        tokenizer = (
+            tokenizer if tokenizer is not None else _tokenizer_of(full if full is not None else retain)
+        )
+        scores = _model_scores([records[k] for k in todo], full, retain, tokenizer, config, dtype, device)
+    else:
+        scores = [lexical_scores(records[k]["question"], answer_units(records[k]["answer"])) for k in todo]
+    for k, unit_score in zip(todo, scores, strict=True):
+        answer = records[k]["answer"]
+        units = answer_units(answer)
+        unit_score = content_scores(records[k]["question"], units, unit_score)
+        choice = choose_span(answer, units, unit_score, config)
+        choice = _check_encodes(records[k], tokenizer if mode != MODE_LEXICAL else None, choice)
+        results[k] = _annotated(records[k], choice, mode)
+    counts = {status: sum(r.get("annotation_status") == status for r in results) for status in STATUSES}
+    fresh = [results[k]["confidence"] for k in todo]
+    summary = {
+        "mode": mode,
+        "n_records": len(results),
+        "counts": counts,
+        "mean_confidence": float(np.mean(fresh)) if fresh else None,
+        "config": asdict(config),
+        "overwrite": overwrite,
+    }
+    for status in (STATUS_UNSPLIT, STATUS_LOW_CONFIDENCE):
+        if counts[status]:
+            logger.warning(
+                "%d of %d records are %s (see their 'reason')", counts[status], len(results), status
+            )
+    result = AnnotationResult(results, summary)
+    if out is not None:
+        result.save(out)
+    return result
+
+
+def _tokenizer_of(model: Any) -> Any:
+    from uds_lens import models
+
+    if isinstance(model, (str, os.PathLike)):
+        return models.load_tokenizer(models.resolve_zoo_name(model))
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("annotate got a loaded model without a tokenizer: pass tokenizer=.")
+    return tokenizer
+
+
+def _model_scores(
+    records: Sequence[dict[str, Any]],
+    full: Any,
+    reference: Any,
+    tokenizer: Any,
+    config: AnnotateConfig,
+    dtype: str | None,
+    device: str | None,
+) -> list[np.ndarray]:
+    """Per-unit contrast (or surprise) of each record: one batched forward pass per model."""
+    from uds_lens import models
+
+    layouts = [_layout(r["question"], r["answer"], tokenizer) for r in records]
+    sequences = [(ids, prompt_len) for ids, prompt_len, _ in layouts]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    reference_model = models.load(reference, dtype=dtype, device=device, role="retain")
+    reference_lp = _answer_token_logprobs(reference_model, sequences, pad_id, config.batch_size)
+    del reference_model
+    if full is not None:
+        full_model = models.load(full, dtype=dtype, device=device, role="full")
+        full_lp = _answer_token_logprobs(full_model, sequences, pad_id, config.batch_size)
+        del full_model
+    else:
+        full_lp = [np.zeros_like(lp) for lp in reference_lp]
+    scores = []
+    for record, (_, _, offsets), lp_full, lp_ref in zip(records, layouts, full_lp, reference_lp, strict=True):
+        answer = record["answer"]
+        scores.append(unit_scores(answer, answer_units(answer), offsets, lp_full - lp_ref))
+    return scores
+
+
+__all__ = [
+    "AnnotateConfig",
+    "AnnotationResult",
+    "SpanChoice",
+    "Unit",
+    "annotate",
+    "answer_units",
+    "choose_span",
+    "lexical_scores",
+    "summary_path",
+    "unit_scores",
+]
