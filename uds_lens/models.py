@@ -381,6 +381,7 @@ def load_hf_model(
     source = resolve_source(path_or_id)
     hf_config = load_hf_config(path_or_id)
     check_supported(hf_config, str(path_or_id))
+    first: str | None
     first, kwargs = source.from_pretrained_args()
     if state_dict is not None:
         # transformers takes in-memory weights with a config instead of a checkpoint reference
