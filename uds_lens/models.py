@@ -392,7 +392,8 @@ def load_hf_model(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with loader_errors(source, "weights"):
-        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)
+        # transformers' stub types the reference as required; it is None (no files) with in-memory weights
+        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)  # type: ignore[arg-type]
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
         model.config.architectures = [type(model).__name__]
