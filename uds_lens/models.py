@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from uds_lens.data import looks_like_local_path
 from uds_lens.tl_compat import (
@@ -383,23 +384,24 @@ def load_hf_model(
     check_supported(hf_config, str(path_or_id))
     first: str | None
     first, kwargs = source.from_pretrained_args()
+    loader: Any = AutoModelForCausalLM
     if state_dict is not None:
-        # transformers takes in-memory weights with a config instead of a checkpoint reference
+        # In-memory weights go with a config instead of a checkpoint reference, to the family's own class (the Auto
+        # class looks the reference up on disk); parameters are views of the given tensors where the dtype matches.
         first, kwargs = None, {"config": hf_config, "state_dict": state_dict, **SAFE_LOAD_KWARGS}
+        loader = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     kwargs["dtype"] = torch_dtype
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with loader_errors(source, "weights"):
-        # transformers' stub types the reference as required; it is None (no files) with in-memory weights
-        model = AutoModelForCausalLM.from_pretrained(first, **kwargs)  # type: ignore[arg-type]
+        model = loader.from_pretrained(first, **kwargs)
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
         model.config.architectures = [type(model).__name__]
     if quantization is None:
-        # transformers wraps PreTrainedModel.to in a decorator whose stub drops the argument types
-        model.to(device)  # type: ignore[arg-type]
+        model.to(device)
     return model.eval()
 
 
