@@ -25,8 +25,11 @@ Both paths write the same files under ``out``:
 
 Resume rule (never stale), decided on the driver before any worker loads a model: a finished model is reused only
 when the fingerprint saved with its intact result (``uds.result_fingerprint``: full, retain and unlearned weights by
-file contents, the data records, tokenizer, settings) equals this run's (``results.load_reusable``); anything else
-is recomputed (``force`` recomputes always). tau is applied after everything, so a new tau reuses.
+file contents, the data records, tokenizer, settings, and the digest of the Stage 1 values) equals this run's
+(``results.check_saved``). A saved result of other inputs is another run's: the sweep refuses it before any model
+is loaded (``force`` replaces it, and recomputes always); one that is damaged or used other Stage 1 values is
+recomputed with a warning saying why. Model names may not be the sweep's own files (``SWEEP_FILES``). tau is applied
+after everything, so a new tau reuses.
 A worker that dies (killed, out of memory) has its model retried on another actor, at most ``max_retries`` times; a
 model that keeps failing, or fails to load, is reported in ``sweep.csv`` with its error and the sweep goes on.
 Numbers do not depend on the number of workers or their order: every worker scores with the batches and the Stage 1

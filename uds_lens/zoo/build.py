@@ -686,7 +686,7 @@ def _build_locked(
             tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
             tokenizer.save_pretrained(tokenizer_dir)
             stamp.write_text(corpus_hash + "\n")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **models.SAFE_LOAD_KWARGS)
     if tokenizer.chat_template != CHAT_TEMPLATE:
         # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
         tokenizer.chat_template = CHAT_TEMPLATE
