@@ -15,6 +15,11 @@ model of each sweep has nothing staged ahead of it; the ratios are the medians o
 
     python experiments/bench_sweep.py --models 4 --limit 7          # pacing (this issue's figures)
     python experiments/bench_sweep.py ray --copies 6                 # models/min in-process vs Ray workers
+
+On a CPU shared with other jobs, OpenMP's spin-waiting threads (libgomp spins before it sleeps, unless it manages
+more threads than there are cores) can slow every parallel op several-fold; the staging thread's own OpenMP team
+happens to switch libgomp to short spins, which flatters the staged mode against the sequential one there. For a
+fair comparison on a loaded machine run both with ``OMP_WAIT_POLICY=PASSIVE`` (set before the process starts).
 """
 
 from __future__ import annotations
@@ -155,7 +160,10 @@ def pacing(argv: list[str]) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
     columns = ["wall", "s2", "read", "ratio", *PHASES, "wait"]
-    print(f"cpus={os.cpu_count()} torch_threads={rows[0]['threads']} limit={args.limit} models={args.models}")
+    print(
+        f"cpus={os.cpu_count()} torch_threads={rows[0]['threads']} limit={args.limit} models={args.models} "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    )
     print(
         f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f}"
     )

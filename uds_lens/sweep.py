@@ -11,15 +11,21 @@ Stage-2 work over workers:
   models one at a time. No shared filesystem is needed: the examples travel from the driver, each actor returns its
   ``UDSResult`` through the object store and the driver writes the files. Model paths must be readable where the
   actors run (hub ids always are).
-* **In-process** (``workers=1``, or Ray not installed): one such worker in this process, the same loop.
+* **In-process** (``workers=1``, or Ray not installed): one such worker in this process, on every core by default,
+  paced by compute: while model k computes, model k+1 is resolved, read and hashed in one pass over its bytes
+  (``checkpoint.stage``; pinned memory on a GPU) and built on the CPU on a staging thread, at most one model ahead;
+  the reuse decision is made there from that digest, and a model that cannot be staged becomes its ``failed`` row.
+  On Ray each actor reads and hashes its model in one pass too (the driver hashes it once more for the reuse
+  decision, before any actor starts), with no staging ahead.
 
 Both paths write the same files under ``out``:
 
 * ``NAME/`` per model (``summary.json``, ``examples.csv``, ``layers.csv``, ``uds_eval.json``, ``meta.json``), written
   to a temporary directory and renamed into place, so a killed sweep never leaves a half-written result;
 * ``sweep.csv``: one row per model, rewritten after every model: ``status`` (``scored`` | ``reused`` | ``failed`` |
-  ``pending``), UDS and its 95% CI, the example counts, timings (``finished_at`` in Unix seconds), the worker, the
-  fingerprints and the error;
+  ``pending``), UDS and its 95% CI, the example counts, the seconds of each phase (``PHASES``: resolve, hash, load,
+  to_device, source_forward, s2, write), the wait for staging and the model's wall time, ``finished_at`` in Unix
+  seconds, the worker and its threads, the fingerprints and the error;
 * ``sweep_eval.json``: ``{NAME: {"uds": {"agg_value", "value_by_index"}}}``, the open-unlearning shape per model;
 * with ``compare_published``: ``published_uds`` and ``uds_minus_published`` columns and ``published_scatter.html``.
 
