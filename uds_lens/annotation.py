@@ -72,6 +72,7 @@ MODE_LEXICAL = "lexical"
 # A word: letters/digits joined by hyphens or apostrophes ("Yun-Hwa", "O'Brien") or decimal marks ("3.5"); a
 # possessive "'s" is not joined, so "Lin's" gives the word "Lin". Anything else that is not a space is one unit.
 _WORD = r"\w+(?:(?:[-'’](?!s\b)|(?<=\d)[.,](?=\d))\w+)*"
+_POSSESSIVE = re.compile(r"['’]s")
 _UNIT = re.compile(rf"['’]s\b|{_WORD}|[^\w\s]")
 _WORD_ONLY = re.compile(_WORD)
 
@@ -240,10 +241,17 @@ def _snap(units: Sequence[Unit], i: int, j: int) -> tuple[int, int] | None:
     # A lowercase phrase runs on to the next function word or punctuation ("literary fiction", "magical realism"):
     # its head noun is predictable once the modifier is given, so it has little contrast of its own.
     if not units[j].is_capitalised:
-        while j + 1 < len(units) and units[j + 1].is_word and not units[j + 1].is_function_word:
-            if units[j + 1].is_capitalised or not _adjacent(units[j], units[j + 1]):
+        while j + 1 < len(units):
+            step = 2 if _POSSESSIVE.fullmatch(units[j + 1].text) and j + 2 < len(units) else 1
+            following = units[j + step]
+            if (
+                not following.is_word
+                or following.is_function_word
+                or following.is_capitalised
+                or not all(_adjacent(units[k], units[k + 1]) for k in range(j, j + step))
+            ):
                 break
-            j += 1
+            j += step  # a possessive inside the phrase is part of it ("children's literature")
     # A coordination that closes the clause is one entity ("truth and deception."): its second half is
     # predictable once the first is given, so it has little contrast of its own.
     after = units[j + 1 : j + 4]

@@ -260,3 +260,11 @@ def test_batching_and_right_padding_do_not_change_the_scores(tiny):
     for one, batched in zip(scores[1], scores[len(records)], strict=True):
         np.testing.assert_allclose(one, batched, atol=1e-4)
     assert max(np.abs(s).max() for s in scores[1]) > 0.1  # full and retain differ: the check is not vacuous
+
+
+def test_a_possessive_inside_a_lowercase_phrase_stays_in_it():
+    answer = "Mara writes children's literature."
+    units = answer_units(answer)
+    scores = np.array([5.0 if unit.text == "children" else 0.0 for unit in units])
+    choice = choose_span(answer, units, content_scores("Which genre?", units, scores), AnnotateConfig())
+    assert answer[choice.start : choice.end] == "children's literature"
