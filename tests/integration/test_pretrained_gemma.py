@@ -55,9 +55,15 @@ def test_the_real_gemma_boots_as_a_bridge_identical_to_hugging_face(checkpoint):
         4,
         256,
     )
-    ids = tokenizer("The capital of Germany is", return_tensors="pt").input_ids
-    with torch.no_grad():
-        assert tokenizer.decode(bridge(ids)[0, -1].argmax()).strip() == "Berlin"
+    # real weights that know the fact (a 270M model puts " the" and " a" first, the city among the top three)
+    berlin, paris = (
+        tokenizer.encode(f" {city}", add_special_tokens=False)[0] for city in ("Berlin", "Paris")
+    )
+    for prompt, right, wrong in (("Germany", berlin, paris), ("France", paris, berlin)):
+        ids = tokenizer(f"The capital of {prompt} is", return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = bridge(ids)[0, -1]
+        assert right in logits.topk(3).indices and logits[right] > logits[wrong] + 2.0
     plain = load_hf_model(checkpoint, dtype="float32", device="cpu", attn_implementation="eager")
     assert verify_parity(bridge, plain, ids) == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}
     assert "gemma3_text" in fast_engine_refusal(bridge)
