@@ -81,7 +81,7 @@ def test_full_is_zero_and_a_noisy_retain_moves_on_gemma(checkpoint, tmp_path):
             layer = re.search(r"\.layers\.(\d+)\.", name)
             if layer is not None and int(layer.group(1)) >= 10 and param.dim() == 2:  # the upper half only
                 param.add_(0.3 * param.std() * torch.randn(param.shape, generator=generator))
-    layers = [0, 9, 12, 17]
+    layers = (0, 9, 12, 17)
     auditor = UDSAuditor(
         full,
         retain,
