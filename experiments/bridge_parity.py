@@ -11,7 +11,7 @@ checkpoint of every supported family) it prints, in fp32 on the CPU:
   ``resid_post`` (default and published-compat mode), with retain (or a noisy copy) as the source, or ``naive only``
   where the fast engine does not compute the family.
 
-Usage: ``python experiments/bridge_parity.py [--zoo DIR] [--no-smollm2] [--no-families]``.
+Usage: ``python experiments/bridge_parity.py [--zoo DIR] [--no-zoo] [--no-smollm2] [--no-families]``.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def main() -> None:
     parser.add_argument("--zoo", type=Path, default=Path("~/.cache/uds_lens/zoo-test").expanduser())
     parser.add_argument("--no-smollm2", action="store_true")
     parser.add_argument("--no-families", action="store_true")
+    parser.add_argument("--no-zoo", action="store_true")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    if (args.zoo / "models").is_dir():
+    if not args.no_zoo and (args.zoo / "models").is_dir():
         from uds_lens.zoo.layout import load_zoo
 
         zoo = load_zoo(args.zoo)

@@ -9,7 +9,7 @@ import torch
 
 from uds_lens import UDSAuditor, UDSConfig, load_zoo
 from uds_lens.models import ModelLoadError, load_tokenizer
-from uds_lens.tl_compat import HookedTransformer
+from uds_lens.tl_compat import TransformerBridge
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,13 @@ def monkeypatch_module():
 
 def test_zoo_names_load_and_are_kept(zoo_auditor, test_zoo):
     npo = zoo_auditor.load_source("zoo:npo")
-    assert isinstance(npo, HookedTransformer) and npo.uds_source == str(test_zoo.path("npo"))
+    assert isinstance(npo, TransformerBridge) and npo.uds_source == str(test_zoo.path("npo"))
     assert zoo_auditor.load_source("zoo:npo") is npo  # loaded once, kept
     result = zoo_auditor.score("zoo:npo")
     assert result.name == "npo" and zoo_auditor.last_source is npo
     assert load_tokenizer("zoo:npo").vocab_size == zoo_auditor.tokenizer.vocab_size
     model = load_zoo(test_zoo.root).model("retain")
-    assert isinstance(model, HookedTransformer) and model.cfg.n_layers == zoo_auditor.full.cfg.n_layers
+    assert isinstance(model, TransformerBridge) and model.cfg.n_layers == zoo_auditor.full.cfg.n_layers
 
 
 def test_unknown_zoo_name_fails_at_once_naming_the_models(zoo_auditor):

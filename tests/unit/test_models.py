@@ -141,9 +141,9 @@ def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
 
     from uds_lens.models import resolve_source
 
-    other = tmp_path / "one" / "qwen.gguf"
+    other = tmp_path / "one" / "gpt2.gguf"
     other.parent.mkdir()
-    writer = gguf.GGUFWriter(str(other), "qwen2")
+    writer = gguf.GGUFWriter(str(other), "gpt2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     writer.write_header_to_file()
@@ -151,7 +151,7 @@ def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
     writer.write_tensors_to_file()
     writer.close()
     assert resolve_source(other.parent).location == str(other)  # a directory holding exactly one .gguf
-    with pytest.raises(ModelLoadError, match="architecture 'qwen2'.*Llama"):
+    with pytest.raises(ModelLoadError, match="architecture 'gpt2'.*supports general.architecture in"):
         load_model(other.parent)
     (other.parent / "second.gguf").write_bytes(other.read_bytes())
     with pytest.raises(ModelLoadError, match="2 .gguf files"):
