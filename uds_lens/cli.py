@@ -659,10 +659,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _quiet_model_loading(argv: list[str]) -> None:
     """Hide Hugging Face's per-model "Loading weights" bars unless ``--verbose``; uds_lens's own tqdm bars stay.
 
-    huggingface_hub reads the variable when it is first imported, which the commands do lazily, after this.
+    huggingface_hub reads the variable when it is first imported, which the commands do lazily, after this; where
+    transformers is already imported (``main()`` called in a running process), its switch is turned off directly.
     """
     if "--verbose" not in argv and "-v" not in argv:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        loaded = sys.modules.get("transformers.utils.logging")
+        if loaded is not None:
+            loaded.disable_progress_bar()
 
 
 def _line_buffered_output() -> None:
