@@ -1038,6 +1038,41 @@ def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(names, unlearned))
 
 
+def refuse_other_runs(
+    out_dir: Path,
+    named_models: Sequence[tuple[str, Any]],
+    full: Any,
+    retain: Any,
+    data: Any,
+    config: UDSConfig,
+    limit: int | None = None,
+    tolerate: tuple[str, ...] = (),
+) -> None:
+    """Refuse, before any model is loaded, to write over ``out_dir/NAME`` directories that hold results of other
+    inputs (another full, retain, data set, setting or checkpoint under that name): they are another run's, and only
+    ``force`` replaces them. Reads the checkpoint files (digests memoised) and the saved fingerprints, nothing else;
+    the Stage 1 digest is not compared here (it needs the models).
+
+    Args:
+        named_models: ``(result name, unlearned model)`` pairs.
+        tolerate: input keys whose difference is left to a later check (the sweep's driver cannot know the
+            workers' dtype, so it tolerates ``"settings"``).
+
+    Raises:
+        results.OutputConflictError: naming every such directory and what differs.
+    """
+    conflicts = {}
+    for name, model in named_models:
+        saved = out_dir / name
+        if saved.exists():
+            inputs = result_fingerprint(full, retain, model, data, config, limit)
+            check = check_saved(saved, inputs, ignore=("s1",))
+            if set(check.conflicts) - set(tolerate):
+                conflicts[str(saved)] = check.reason
+    if conflicts:
+        raise conflict_error(conflicts)
+
+
 def score_models(
     full: Any,
     retain: Any,
@@ -1090,16 +1125,7 @@ def score_models(
     if out_dir is not None and not force:
         # Before any model is loaded: a directory holding another run's result (other weights, data or settings)
         # is never silently replaced.
-        conflicts = {}
-        for name, model in items:
-            saved = Path(out_dir) / name
-            if saved.exists():
-                inputs = result_fingerprint(full, retain, model, data, config, limit)
-                check = check_saved(saved, inputs, ignore=("s1",))
-                if check.conflicts:
-                    conflicts[str(saved)] = check.reason
-        if conflicts:
-            raise conflict_error(conflicts)
+        refuse_other_runs(Path(out_dir), items, full, retain, data, config, limit)
     for name, model in items:
         target = Path(out_dir) / name if out_dir is not None else None
         reason = "forced (--force)" if force else ""

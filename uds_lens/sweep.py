@@ -72,13 +72,20 @@ from uds_lens.auditor import (
     StageOne,
     UDSAuditor,
     UDSConfig,
-    result_fingerprint,
+    refuse_other_runs,
     result_names,
     source_fingerprint,
 )
 from uds_lens.data import Example, load_examples
 from uds_lens.plotting import published_scatter
-from uds_lens.results import SavedCheck, UDSResult, check_result_name, check_saved, conflict_error
+from uds_lens.results import (
+    OutputConflictError,
+    SavedCheck,
+    UDSResult,
+    check_result_name,
+    check_saved,
+    conflict_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -1033,7 +1040,20 @@ def sweep(
         raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
     examples = load_examples(data, limit=limit)
     if not force:
-        refuse_other_runs(full, retain, examples, config, entries, out_dir)
+        try:
+            # the dtype in the settings follows the workers' device, which the driver may not share: settings are
+            # compared by the ledger once a worker has loaded the full model
+            refuse_other_runs(
+                out_dir,
+                [(entry.name, entry.source) for entry in entries],
+                full,
+                retain,
+                examples,
+                config,
+                tolerate=("settings",),
+            )
+        except OutputConflictError as error:
+            raise SweepError(str(error)) from None
     plan = WorkerPlan(
         str(full),
         None if retain is None else str(retain),
@@ -1077,35 +1097,6 @@ def sweep(
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
         published_scatter(table).write_html(out_dir / SCATTER_HTML, include_plotlyjs=True)
     return table
-
-
-def refuse_other_runs(
-    full: str | os.PathLike,
-    retain: str | os.PathLike | None,
-    examples: list[Example],
-    config: UDSConfig,
-    entries: Sequence[SweepModel],
-    out_dir: Path,
-) -> None:
-    """Refuse, before any model is loaded, a sweep whose ``OUT/NAME`` directories hold results of other inputs
-    (another full, retain, data set, setting or checkpoint under that name): they are another run's, and only
-    ``force`` replaces them. Reads the checkpoint files (hashed once) and the saved fingerprints, nothing else.
-
-    Raises:
-        SweepError: naming every such directory and what differs.
-    """
-    conflicts = {}
-    for entry in entries:
-        target = out_dir / entry.name
-        if target.exists():
-            inputs = result_fingerprint(full, retain, entry.source, examples, config)
-            check = check_saved(target, inputs, ignore=("s1",))
-            # the dtype in the settings follows the workers' device, which the driver may not share: settings
-            # are compared by the ledger once a worker has loaded the full model
-            if set(check.conflicts) - {"settings"}:
-                conflicts[str(target)] = check.reason
-    if conflicts:
-        raise SweepError(str(conflict_error(conflicts)))
 
 
 def _sweep_in_process(
