@@ -15,8 +15,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
-import numbers
 import os
 import time
 import warnings
@@ -36,11 +34,10 @@ from tqdm.auto import tqdm
 
 from uds_lens import checkpoint, models
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
+from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
+from uds_lens.files import cache_root, json_digest
 from uds_lens.patching import (
-    ENGINES,
-    SCOPES,
-    SITES,
     CleanRun,
     PatchBatch,
     baseline_scores,
@@ -60,106 +57,6 @@ logger = logging.getLogger(__name__)
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
 # 6: the header holds the SHA-256 of the tensors and the batch plan (``stage_digest``), checked on every read.
 CACHE_FORMAT = 6
-DEFAULT_CACHE_DIR = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
-
-
-class ConfigError(ValueError):
-    """An audit setting is out of range; the message names the option and what it accepts."""
-
-
-@dataclass(frozen=True)
-class UDSConfig:
-    """Settings of a UDS audit (defaults from the paper).
-
-    Attributes:
-        tau: KE threshold on ``d1`` in nats (strict ``>``). Applied after the S1 cache: changing it recomputes nothing.
-        patch_scope: ``span`` (patch the positions that predict the entity tokens) or ``boundary`` (only the last
-            prompt token).
-        site: hook site patched in every block: ``resid_post`` (default), ``resid_mid``, ``attn_out``,
-            ``mlp_out`` or ``resid_pre``.
-        layers: layers to patch (None = all).
-        published_compat: reproduce the published implementation (trailing space kept in the prompt, the source's
-            final-norm output patched at the last layer, log-softmax in the model dtype).
-        batch_size: examples per batch; None chooses from a memory budget.
-        dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
-        engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
-    """
-
-    tau: float = 0.05
-    patch_scope: str = "span"
-    site: str = "resid_post"
-    layers: tuple[int, ...] | None = None
-    published_compat: bool = False
-    batch_size: int | None = None
-    dtype: str | None = None
-    device: str | None = None
-    engine: str = "fast"
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.tau, bool)
-            or not isinstance(self.tau, numbers.Real)
-            or not math.isfinite(self.tau)
-            or self.tau < 0
-        ):
-            raise ConfigError(
-                f"tau (--tau) must be a finite number of nats >= 0, got {self.tau!r}; the paper uses "
-                "0.05 (a negative threshold makes layers where retain is *more* confident KE)."
-            )
-        for option, value, allowed in (
-            ("patch_scope (--scope)", self.patch_scope, SCOPES),
-            ("site (--site)", self.site, SITES),
-            ("engine (--engine)", self.engine, ENGINES),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
-        batch_size = self.batch_size
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
-        ):
-            raise ConfigError(
-                f"batch_size (--batch-size) must be a positive integer (or None to choose from memory), "
-                f"got {self.batch_size!r}."
-            )
-        if not isinstance(self.published_compat, bool):
-            raise ConfigError(f"published_compat must be True or False, got {self.published_compat!r}.")
-        if self.layers is not None:
-            layers = list(self.layers) if isinstance(self.layers, (list, tuple, range)) else None
-            if (
-                not layers
-                or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in layers)
-                or len(set(layers)) != len(layers)
-            ):
-                raise ConfigError(
-                    f"layers must be a non-empty sequence of distinct layer numbers >= 0 (or None for "
-                    f"all), got {self.layers!r}."
-                )
-            object.__setattr__(self, "layers", tuple(int(layer) for layer in layers))
-        if self.batch_size is not None:
-            object.__setattr__(self, "batch_size", int(self.batch_size))
-        object.__setattr__(self, "tau", float(self.tau))
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            try:
-                models.resolve_dtype(self.dtype, "cpu")
-            except ValueError as err:
-                raise ConfigError(f"dtype (--dtype): {err}") from None
-        if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise ConfigError(
-                    f"device (--device) must be a torch device such as cpu, cuda or cuda:1, got "
-                    f"{self.device!r}."
-                ) from None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["layers"] = list(self.layers) if self.layers is not None else None
-        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,10 +74,6 @@ class StageOne:
     batches: list[list[int]]  # the batch plan it was computed in (indices into the encoded examples)
     seconds: float = 0.0
     cached: bool = False
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def stage_digest(stage: StageOne) -> str:
@@ -211,7 +104,9 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 
 def layout_digest(encoded: Sequence[EncodedExample]) -> str:
-    return _digest([[e.idx, list(e.input_ids), e.prompt_len, e.entity_start, e.entity_end] for e in encoded])
+    return json_digest(
+        [[e.idx, list(e.input_ids), e.prompt_len, e.entity_start, e.entity_end] for e in encoded]
+    )
 
 
 class S1Cache:
@@ -226,7 +121,7 @@ class S1Cache:
     """
 
     def __init__(self, directory: str | os.PathLike | None) -> None:
-        self.directory = Path(directory).expanduser() if directory is not None else DEFAULT_CACHE_DIR
+        self.directory = Path(directory).expanduser() if directory is not None else cache_root()
 
     def path(self, key: str) -> Path:
         return self.directory / f"s1_{key[:32]}.safetensors"
@@ -358,7 +253,7 @@ def source_fingerprint(source: Any) -> str | None:
 
 def examples_fingerprint(examples: Sequence[Example]) -> str:
     """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
-    return _digest([example.to_record() for example in examples])[:32]
+    return json_digest([example.to_record() for example in examples])[:32]
 
 
 def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
@@ -666,7 +561,7 @@ class UDSAuditor:
         payload = key = None
         if self.cache is not None:
             payload = self.fingerprint_payload()
-            key = _digest(payload)
+            key = json_digest(payload)
             cached = self.cache.load(key, payload)
             if cached is not None and cached.idx == [e.idx for e in self.encoded]:
                 logger.info("S1 cache hit: %s", self.cache.path(key))

@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from uds_lens.data import looks_like_local_path
+from uds_lens.files import cache_root
 from uds_lens.tl_compat import (
     TransformerBridge,
     bridge_from_hf,
@@ -302,7 +303,7 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     ``load_zoo(dir).model("npo")``.
     """
     text = str(path_or_id)
-    cache = Path(os.environ.get("UDS_LENS_CACHE", "~/.cache/uds_lens")).expanduser()
+    cache = cache_root()
     default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
     default_roots += [cache / "zoo-default", cache / "zoo-test"]
     if not text.startswith(ZOO_PREFIX):

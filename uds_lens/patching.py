@@ -51,13 +51,11 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from uds_lens.config import ENGINES, SCOPES, SITES
 from uds_lens.data import EncodedExample
 from uds_lens.models import describe
-from uds_lens.sources import SITES, as_source, hook_name
+from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, hf_model_of, is_bridge
-
-SCOPES = ("span", "boundary")
-ENGINES = ("fast", "naive")
 
 
 @dataclass

@@ -36,10 +36,9 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from uds_lens.config import SITES
 from uds_lens.models import SUPPORTED_MODEL_TYPES, describe, hooked_from_hf
 from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
-
-SITES = ("resid_post", "resid_mid", "attn_out", "mlp_out", "resid_pre")
 
 
 def hook_name(site: str, layer: int) -> str:

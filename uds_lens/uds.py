@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 from jaxtyping import Bool, Float
 
-DEFAULT_TAU = 0.05
+from uds_lens.config import DEFAULT_TAU
 
 
 def deltas(

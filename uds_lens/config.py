@@ -1,0 +1,201 @@
+"""The settings of an audit, on the ground floor: every default and every check written once.
+
+``UDSConfig`` is what a user sets (the CLI's ``score``, ``sweep`` and ``diagnose`` options are derived from it);
+``EngineSpec`` is the part of it a patching engine needs, handed over as one typed value instead of loose arguments.
+The vocabularies (sites, scopes, engines, dtype names) are ``Literal`` types, so a type checker catches a misspelt
+site and the run-time check reads the same list. This module imports no torch at module level: ``uds.py`` (pure
+NumPy) takes its default threshold from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, no_type_check
+
+Site = Literal["resid_post", "resid_mid", "attn_out", "mlp_out", "resid_pre"]
+"""Hook site patched in every block: ``blocks.<l>.hook_<site>``."""
+Scope = Literal["span", "boundary"]
+"""Which positions are patched: those that predict the entity tokens, or only the last prompt token."""
+Engine = Literal["fast", "naive"]
+"""How patched runs are computed: from the clean run's KV cache (fast) or one full forward per layer (the oracle)."""
+DtypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+"""Spellings of the three floating dtypes a checkpoint can be loaded in."""
+
+SITES: tuple[Site, ...] = get_args(Site)
+SCOPES: tuple[Scope, ...] = get_args(Scope)
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
+
+DEFAULT_TAU = 0.05
+"""KE threshold on ``d1`` in nats (strict ``>``), the paper's value; also the logit lens's."""
+
+
+class ConfigError(ValueError):
+    """An audit setting is out of range; the message names the option and what it accepts."""
+
+
+def check_tau(tau: Any) -> float:
+    """``tau`` as a float, or :class:`ConfigError` naming ``--tau`` (every entry point checks it here)."""
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau) or tau < 0:
+        raise ConfigError(
+            f"tau (--tau) must be a finite number of nats >= 0, got {tau!r}; the paper uses "
+            f"{DEFAULT_TAU} (a negative threshold makes layers where retain is *more* confident KE)."
+        )
+    return float(tau)
+
+
+def check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """:class:`ConfigError` unless ``value`` is one of ``allowed``; ``option`` names the setting and its flag."""
+    if value not in allowed:
+        raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
+
+
+def check_positive_int(option: str, value: Any, none_means: str) -> int | None:
+    """``value`` as an int >= 1 (or None), else :class:`ConfigError` naming ``option`` and what None means."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"{option} must be a positive integer (or None to {none_means}), got {value!r}.")
+    return int(value)
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
+# ``no_type_check``: a wrong value here is user input, answered by ``__post_init__`` with a ConfigError that names
+# the option and what it accepts; a run-time type checker (the test suite's jaxtyping hook) would pre-empt that
+# message with a generic one. Static checkers still read the ``Literal`` fields.
+@no_type_check
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a patching engine needs to know about one stage, as one value.
+
+    Attributes:
+        site: hook site patched in every block.
+        layers: the layers patched, in order (one score column each).
+        engine: ``fast`` or ``naive``.
+        published_compat: read the source's final-norm output at the last layer and take log-softmax in the model's
+            dtype, as the published implementation does.
+    """
+
+    site: Site
+    layers: tuple[int, ...]
+    engine: Engine = "fast"
+    published_compat: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("site (--site)", self.site, SITES)
+        check_choice("engine (--engine)", self.engine, ENGINES)
+        object.__setattr__(self, "layers", tuple(int(layer) for layer in self.layers))
+
+    @property
+    def upcast(self) -> bool:
+        """Whether log-softmax runs in float32 (everywhere except published-compat)."""
+        return not self.published_compat
+
+    def with_site(self, site: Site, layers: tuple[int, ...] | None = None) -> EngineSpec:
+        """The same spec at another site (and layers): what component patching runs per component."""
+        return dataclasses.replace(self, site=site, layers=self.layers if layers is None else tuple(layers))
+
+
+@no_type_check
+@dataclass(frozen=True)
+class UDSConfig:
+    """Settings of a UDS audit (defaults from the paper).
+
+    Attributes:
+        tau: KE threshold on ``d1`` in nats (strict ``>``). Applied after the S1 cache: changing it recomputes nothing.
+        patch_scope: ``span`` (patch the positions that predict the entity tokens) or ``boundary`` (only the last
+            prompt token).
+        site: hook site patched in every block: ``resid_post`` (default), ``resid_mid``, ``attn_out``,
+            ``mlp_out`` or ``resid_pre``.
+        layers: layers to patch (None = all).
+        published_compat: reproduce the published implementation (trailing space kept in the prompt, the source's
+            final-norm output patched at the last layer, log-softmax in the model dtype).
+        batch_size: examples per batch; None chooses from a memory budget.
+        dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
+        engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
+    """
+
+    tau: float = DEFAULT_TAU
+    patch_scope: Scope = "span"
+    site: Site = "resid_post"
+    layers: tuple[int, ...] | None = None
+    published_compat: bool = False
+    batch_size: int | None = None
+    dtype: DtypeName | None = None
+    device: str | None = None
+    engine: Engine = "fast"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tau", check_tau(self.tau))
+        check_choice("patch_scope (--scope)", self.patch_scope, SCOPES)
+        check_choice("site (--site)", self.site, SITES)
+        check_choice("engine (--engine)", self.engine, ENGINES)
+        object.__setattr__(
+            self,
+            "batch_size",
+            check_positive_int("batch_size (--batch-size)", self.batch_size, "choose from memory"),
+        )
+        if not isinstance(self.published_compat, bool):
+            raise ConfigError(f"published_compat must be True or False, got {self.published_compat!r}.")
+        if self.layers is not None:
+            layers = list(self.layers) if isinstance(self.layers, (list, tuple, range)) else None
+            if (
+                not layers
+                or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in layers)
+                or len(set(layers)) != len(layers)
+            ):
+                raise ConfigError(
+                    f"layers must be a non-empty sequence of distinct layer numbers >= 0 (or None for "
+                    f"all), got {self.layers!r}."
+                )
+            object.__setattr__(self, "layers", tuple(int(layer) for layer in layers))
+        if self.dtype is not None and not _is_torch_dtype(self.dtype) and self.dtype not in DTYPE_NAMES:
+            raise ConfigError(
+                f"dtype (--dtype): Unknown dtype {self.dtype!r}; use one of {sorted(DTYPE_NAMES)}."
+            )
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ConfigError(
+                    f"device (--device) must be a torch device such as cpu, cuda or cuda:1, got "
+                    f"{self.device!r}."
+                ) from None
+
+    def engine_spec(self, layers: tuple[int, ...]) -> EngineSpec:
+        """The engines' view of these settings over the layers actually patched."""
+        return EngineSpec(
+            site=self.site, layers=tuple(layers), engine=self.engine, published_compat=self.published_compat
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["layers"] = list(self.layers) if self.layers is not None else None
+        return out
+
+
+__all__ = [
+    "DEFAULT_TAU",
+    "DTYPE_NAMES",
+    "ENGINES",
+    "SCOPES",
+    "SITES",
+    "ConfigError",
+    "DtypeName",
+    "Engine",
+    "EngineSpec",
+    "Scope",
+    "Site",
+    "UDSConfig",
+    "check_choice",
+    "check_positive_int",
+    "check_tau",
+]
