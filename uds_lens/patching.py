@@ -54,6 +54,7 @@ from torch import Tensor
 from uds_lens.config import ENGINES, SCOPES, SITES
 from uds_lens.data import EncodedExample
 from uds_lens.models import describe
+from uds_lens.readout import mean_entity_logprob, segment_mean, unembedded_label_logprobs
 from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, hf_model_of, is_bridge
 
@@ -125,35 +126,6 @@ def pad_batch(
         read_pos=torch.tensor(read_pos),
         read_label=torch.tensor(read_label),
     )
-
-
-def mean_entity_logprob(
-    logits: Float[Tensor, "entity vocab"],
-    labels: Int[Tensor, " entity"],
-    segment: Int[Tensor, " entity"],
-    n_segments: int,
-    upcast: bool = True,
-) -> Float[Tensor, " segment"]:
-    """Mean over each segment's entity tokens of ``log_softmax(logits)[label]`` (fp32 unless ``upcast=False``)."""
-    if upcast:
-        # log_softmax(x)[y] = x[y] - logsumexp(x): one pass over the vocabulary, no [rows, vocab] output.
-        logits = logits.float()
-        picked = logits.gather(-1, labels[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    else:
-        # Published-compat: the log-softmax in the model dtype, rounded as the published code rounds it.
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0].float()
-    return segment_mean(picked, segment, n_segments)
-
-
-def segment_mean(
-    values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
-) -> Float[Tensor, " segment"]:
-    """Mean of ``values`` per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity tokens), fp32."""
-    total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
-    count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
-        0, segment, torch.ones_like(values)
-    )
-    return total / count
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -292,37 +264,6 @@ def _window_sites(site: str) -> tuple[str, ...]:
     }[site]
 
 
-# Logits per vocabulary slice in the read-out (4 MB in fp32: the slice and its exp stay in cache on the CPU).
-_LOGIT_SLICE_ELEMENTS = 1 << 20
-
-
-def _label_logprobs(
-    rows: Float[Tensor, "row d_model"],
-    w_u: Float[Tensor, "d_model vocab"],
-    b_u: Float[Tensor, " vocab"],
-    labels: Int[Tensor, " row"],
-) -> Float[Tensor, " row"]:
-    """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
-    at a time.
-
-    A whole ``[rows, vocab]`` buffer (hundreds of MB on a 49k vocabulary) makes each pass of the logsumexp a trip to
-    main memory; slices of about a million logits stay in cache, and their logsumexps combine exactly
-    (``logsumexp`` of the slices' logsumexps). Each row's label logit is picked from the slice that holds it.
-    """
-    n_rows, vocab = rows.shape[0], w_u.shape[1]
-    budget = _LOGIT_SLICE_ELEMENTS if rows.device.type == "cpu" else 64 * _LOGIT_SLICE_ELEMENTS
-    width = max(256, budget // max(1, n_rows))
-    label_logit = torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
-    slices = []
-    for first in range(0, vocab, width):
-        logits = torch.addmm(b_u[first : first + width], rows, w_u[:, first : first + width]).float()
-        slices.append(torch.logsumexp(logits, dim=-1))
-        inside = (labels >= first) & (labels < first + logits.shape[1])
-        picked = logits.gather(1, (labels - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
-        label_logit = torch.where(inside, picked, label_logit)
-    return label_logit - torch.logsumexp(torch.stack(slices), dim=0)
-
-
 def read_scores(
     model: Any,
     resid: Float[Tensor, "run entity d_model"],
@@ -335,7 +276,7 @@ def read_scores(
 
     The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
     they are made for the read rows alone, all runs together, a slice of the vocabulary at a time
-    (``_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole rows, a slice of
+    (``readout.unembedded_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole rows, a slice of
     runs at a time to bound the ``[rows, vocab]`` buffer.
     """
     n_runs, n_read, _ = resid.shape
@@ -344,7 +285,7 @@ def read_scores(
     ).flatten()
     if upcast:
         rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
-        picked = _label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
+        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
         return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
     chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
     scores = []

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from uds_lens import readout
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching import (
@@ -111,7 +112,7 @@ def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
     labels = torch.tensor([0, 999, 255, 256, 511, 512, 767, 768] * 5)
     reference = torch.log_softmax(rows @ w_u + b_u, dim=-1).gather(1, labels[:, None])[:, 0]
     monkeypatch.setattr(patching, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
-    sliced = patching._label_logprobs(rows, w_u, b_u, labels)
+    sliced = readout.unembedded_label_logprobs(rows, w_u, b_u, labels)
     assert torch.allclose(sliced, reference, atol=1e-5, rtol=0)
 
 

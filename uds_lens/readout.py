@@ -1,0 +1,84 @@
+"""The read-out, written once: a run's score is the mean over an example's entity tokens of the label's log-prob.
+
+Every place that turns logits (or final residuals) into UDS scores goes through here: the patching engines, component
+patching's metric, the logit and tuned lenses. ``label_logprobs`` is the per-token value, ``segment_mean`` the
+per-example mean (SPEC §2: ``score = mean_t log p(y_t | x_<t)`` over the entity tokens ``t``).
+
+Two precisions: by default the log-softmax runs in float32 as ``label logit - logsumexp`` (one pass over the
+vocabulary, no ``[rows, vocab]`` output); published-compat (``upcast=False``) takes ``log_softmax`` in the model's
+dtype and rounds as the published implementation does.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+
+def label_logprobs(
+    logits: Float[Tensor, "row vocab"], labels: Int[Tensor, " row"], upcast: bool = True
+) -> Float[Tensor, " row"]:
+    """``log_softmax(logits)[label]`` per row, as float32 (computed in float32 unless ``upcast=False``)."""
+    if upcast:
+        # log_softmax(x)[y] = x[y] - logsumexp(x): one pass over the vocabulary, no [rows, vocab] output.
+        logits = logits.float()
+        return logits.gather(-1, labels[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    # Published-compat: the log-softmax in the model dtype, rounded as the published code rounds it.
+    return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None])[:, 0].float()
+
+
+def segment_mean(
+    values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
+) -> Float[Tensor, " segment"]:
+    """Mean of ``values`` per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity tokens), fp32."""
+    total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
+    count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
+        0, segment, torch.ones_like(values)
+    )
+    return total / count
+
+
+def mean_entity_logprob(
+    logits: Float[Tensor, "entity vocab"],
+    labels: Int[Tensor, " entity"],
+    segment: Int[Tensor, " entity"],
+    n_segments: int,
+    upcast: bool = True,
+) -> Float[Tensor, " segment"]:
+    """Mean over each segment's entity tokens of ``log_softmax(logits)[label]`` (fp32 unless ``upcast=False``)."""
+    return segment_mean(label_logprobs(logits, labels, upcast), segment, n_segments)
+
+
+# Logits per vocabulary slice in the read-out (4 MB in fp32: the slice and its exp stay in cache on the CPU).
+_LOGIT_SLICE_ELEMENTS = 1 << 20
+
+
+def unembedded_label_logprobs(
+    rows: Float[Tensor, "row d_model"],
+    w_u: Float[Tensor, "d_model vocab"],
+    b_u: Float[Tensor, " vocab"],
+    labels: Int[Tensor, " row"],
+) -> Float[Tensor, " row"]:
+    """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
+    at a time.
+
+    A whole ``[rows, vocab]`` buffer (hundreds of MB on a 49k vocabulary) makes each pass of the logsumexp a trip to
+    main memory; slices of about a million logits stay in cache, and their logsumexps combine exactly
+    (``logsumexp`` of the slices' logsumexps). Each row's label logit is picked from the slice that holds it.
+    """
+    n_rows, vocab = rows.shape[0], w_u.shape[1]
+    budget = _LOGIT_SLICE_ELEMENTS if rows.device.type == "cpu" else 64 * _LOGIT_SLICE_ELEMENTS
+    width = max(256, budget // max(1, n_rows))
+    label_logit = torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
+    slices = []
+    for first in range(0, vocab, width):
+        logits = torch.addmm(b_u[first : first + width], rows, w_u[:, first : first + width]).float()
+        slices.append(torch.logsumexp(logits, dim=-1))
+        inside = (labels >= first) & (labels < first + logits.shape[1])
+        picked = logits.gather(1, (labels - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+        label_logit = torch.where(inside, picked, label_logit)
+    return label_logit - torch.logsumexp(torch.stack(slices), dim=0)
+
+
+__all__ = ["label_logprobs", "mean_entity_logprob", "segment_mean", "unembedded_label_logprobs"]
