@@ -32,7 +32,7 @@ _EXPORTS = {
     "verify_parity": "uds_lens.sources",
     "UDSResult": "uds_lens.results",
     "UDSAuditor": "uds_lens.auditor",
-    "UDSConfig": "uds_lens.auditor",
+    "UDSConfig": "uds_lens.config",
     "bootstrap_ci": "uds_lens.uds",
     "example_uds": "uds_lens.uds",
     "model_uds": "uds_lens.uds",
