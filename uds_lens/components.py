@@ -43,6 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens import models
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -56,7 +57,6 @@ from uds_lens.patching import (
     residual_patch_hooks,
     segment_mean,
 )
-from uds_lens.plotting.components import component_heatmap
 from uds_lens.sources import as_source
 from uds_lens.tl_compat import HookPoint, attn_result
 
@@ -164,7 +164,7 @@ class ComponentResult:
     s2: Float[Tensor, "example layer component"]
     valid: Bool[Tensor, "example component"]
     labels: list[list[str]] = field(default_factory=list)
-    tau: float = 0.05
+    tau: float = DEFAULT_TAU
     engine: str = "naive"
 
     @property
@@ -275,6 +275,10 @@ class ComponentResult:
             grid = values[self.idx.index(idx)] if idx is not None else values.nanmean(0)
         else:
             raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
+        from uds_lens.plotting.components import (
+            component_heatmap,
+        )  # drawing only: core modules import no plotly
+
         return component_heatmap(
             grid.double().numpy(),
             self.layers,

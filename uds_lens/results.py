@@ -48,7 +48,6 @@ import pandas as pd
 from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Example, Skip
-from uds_lens.plotting.curves import example_curves
 from uds_lens.uds import bootstrap_ci, rescore
 
 EXAMPLE_COLUMNS = [
@@ -469,6 +468,8 @@ class ExampleView:
 
     def figure(self, title: str | None = None) -> Any:
         """``plotting.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
+        from uds_lens.plotting.curves import example_curves  # drawing only: core modules import no plotly
+
         return example_curves(self, self.idx, title=title)
 
 

@@ -37,6 +37,7 @@ from uds_lens.auditor import UDSAuditor, UDSConfig
 from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.metrics import registry
 from uds_lens.results import UDSResult, atomic_result_dir
 
@@ -111,7 +112,7 @@ def diagnose(
     out_dir: str | os.PathLike | None = None,
     methods: Sequence[str] = METHODS,
     sites: Sequence[str] = ("resid_post",),
-    tau: float = 0.05,
+    tau: float = DEFAULT_TAU,
     taus: Sequence[float] = TAUS,
     calibration: Any = None,
     fisher_fractions: Sequence[float] = FISHER_FRACTIONS,

@@ -19,6 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import (
     KE_BAND,
     REFERENCE_LINE,
@@ -130,9 +131,9 @@ def example_curves(
         )
     if tau is None:
         tau = (
-            float(getattr(result, "settings", {}).get("tau", 0.05))
+            float(getattr(result, "settings", {}).get("tau", DEFAULT_TAU))
             if not isinstance(result, pd.DataFrame)
-            else 0.05
+            else DEFAULT_TAU
         )
     ke = ke_cells(rows, tau).to_numpy()
     info = (
@@ -185,7 +186,7 @@ def _example_uds(rows: pd.DataFrame, tau: float) -> float:
     return float(example_uds(d1, d2, tau)[0])
 
 
-def tau_curves(table: pd.DataFrame, default_tau: float = 0.05, title: str | None = None) -> go.Figure:
+def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str | None = None) -> go.Figure:
     """Model UDS as a function of the KE threshold tau, one line per model (appendix D.3).
 
     Args:
@@ -227,7 +228,7 @@ def lens_vs_uds_example(
     uds_layers: Any,
     lens_layers: pd.DataFrame,
     idx: int,
-    tau: float = 0.05,
+    tau: float = DEFAULT_TAU,
     site: str | None = None,
     title: str | None = None,
 ) -> go.Figure:
@@ -289,7 +290,7 @@ def lens_vs_uds_example(
 def lens_vs_uds_models(
     uds_layers: Any,
     lens_layers: Any,
-    tau: float = 0.05,
+    tau: float = DEFAULT_TAU,
     site: str | None = None,
     max_columns: int = 3,
     title: str | None = None,

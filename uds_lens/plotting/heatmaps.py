@@ -17,6 +17,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
 from uds_lens.plotting.tables import ke_cells, one_site, result_tables
 
@@ -30,7 +31,7 @@ def layer_heatmap(
     mark_ke: bool | None = None,
     ke_only: bool | None = None,
     site: str | None = None,
-    tau: float = 0.05,
+    tau: float = DEFAULT_TAU,
     title: str | None = None,
 ) -> go.Figure:
     """Heatmap of one per-layer quantity, y = layer, x = example, with KE cells marked.

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import layer_ticks, palette_colour
 from uds_lens.plotting.tables import long_by_model, mean_ler_on_ke, named_results, one_site
 from uds_lens.uds import bootstrap_ci, model_uds
@@ -273,7 +274,7 @@ def prompt_type_bar(results: Any, title: str | None = None) -> go.Figure:
 def rmu_layer_profile(
     results: Any,
     target_layers: Mapping[str, int] | None = None,
-    tau: float = 0.05,
+    tau: float = DEFAULT_TAU,
     site: str | None = None,
     title: str | None = None,
 ) -> go.Figure:
