@@ -4,6 +4,9 @@
 token or one patched position at a time) as ``[example, layer, component]`` tensors, and derives the UDS quantities
 from them: ``d1 = baseline - s1``, ``d2 = baseline - s2``, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
 KE cells (NaN elsewhere), and UDS, ``sum_KE d1 * LER / sum_KE d1``, per example and per (layer, component).
+Every one of them is computed by :mod:`uds_lens.uds` (NumPy, float64), the only place the formula is written; the
+tensors come back in the scores' dtype (float32), so ``d1``, ``d2``, ``ke`` and ``ler`` equal what float32 torch
+arithmetic gives, and the UDS values are the float64 ones rounded to float32.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from uds_lens import uds
 from uds_lens.config import DEFAULT_TAU
 
 
@@ -59,57 +63,62 @@ class ComponentResult:
 
     @property
     def d1(self) -> Float[Tensor, "example layer component"]:
-        """``baseline - s1``: what patching retain in at this component removes (NaN where not ``valid``)."""
-        return self._masked(self.baseline - self.s1)
+        """``baseline - s1`` (:func:`uds.deltas`): what patching retain in at this component removes (NaN where not
+        ``valid``)."""
+        return self._masked(self._tensor(uds.deltas(_array(self.baseline), _array(self.s1))))
 
     @property
     def d2(self) -> Float[Tensor, "example layer component"]:
-        """``baseline - s2``: what patching the unlearned model in at this component removes."""
-        return self._masked(self.baseline - self.s2)
+        """``baseline - s2`` (:func:`uds.deltas`): what patching the unlearned model in at this component removes."""
+        return self._masked(self._tensor(uds.deltas(_array(self.baseline), _array(self.s2))))
 
     @property
     def ke(self) -> Bool[Tensor, "example layer component"]:
-        """Knowledge-encoding cells: ``d1 > tau`` (strict; NaN cells are never KE)."""
-        return self.d1 > self.tau
+        """Knowledge-encoding cells: ``d1 > tau`` (:func:`uds.ke_mask`: strict; NaN cells are never KE)."""
+        return torch.from_numpy(uds.ke_mask(_array(self.d1), self.tau))
 
     @property
     def ler(self) -> Float[Tensor, "example layer component"]:
-        """``clip(d2 / d1, 0, 1)`` on KE cells, NaN elsewhere (outside KE the ratio is noise over noise)."""
-        d1 = self.d1
-        ratio = (self.d2 / torch.where(d1 == 0, torch.ones_like(d1), d1)).clamp(0.0, 1.0)
-        return torch.where(self.ke, ratio, torch.full_like(ratio, math.nan))
+        """``clip(d2 / d1, 0, 1)`` (:func:`uds.layer_erasure_ratio`) on KE cells, NaN elsewhere (outside KE the
+        ratio is noise over noise)."""
+        d1, d2 = _array(self.d1), _array(self.d2)
+        ratio = np.where(uds.ke_mask(d1, self.tau), uds.layer_erasure_ratio(d1, d2), math.nan)
+        return self._tensor(ratio)
 
     def _masked(self, values: Tensor) -> Tensor:
         return torch.where(self.valid[:, None, :], values, torch.full_like(values, math.nan))
 
+    def _tensor(self, values: np.ndarray) -> Tensor:
+        """A NumPy result of ``uds`` (float64) back as a tensor of the scores' dtype (float32 from the runs)."""
+        return torch.from_numpy(np.ascontiguousarray(values)).to(self.s1.dtype)
+
+    def _example_uds(self) -> Float[np.ndarray, " example"]:
+        """:func:`uds.example_uds` with every (layer, component) cell of an example as one of its layers."""
+        n_examples = self.s1.shape[0]
+        d1, d2 = _array(self.d1).reshape(n_examples, -1), _array(self.d2).reshape(n_examples, -1)
+        return uds.example_uds(d1, d2, self.tau)
+
     @property
     def example_uds(self) -> Float[Tensor, " example"]:
         """Per example, UDS over all KE (layer, component) cells; NaN with none."""
-        weights = torch.where(self.ke, self.d1, torch.zeros_like(self.d1)).flatten(1)
-        numerator = (weights * self.ler.nan_to_num(0.0).flatten(1)).sum(-1)
-        defined = self.ke.flatten(1).any(-1)
-        denominator = torch.where(defined, weights.sum(-1), torch.ones(len(self.idx)))
-        return torch.where(defined, numerator / denominator, torch.full_like(numerator, math.nan))
+        return self._tensor(self._example_uds())
 
     @property
     def component_uds(self) -> Float[Tensor, "layer component"]:
         """Per (layer, component), UDS over the examples where that cell is KE (d1-weighted); NaN where none is.
 
         For heads this is the answer to "did unlearning remove the fact where this head carried it": 0 = the
-        head still carries it as in full, 1 = as absent as in retain.
+        head still carries it as in full, 1 = as absent as in retain. Computed by :func:`uds.example_uds` with the
+        examples as the summed axis (each (layer, component) cell in the role of an example).
         """
-        weights = torch.where(self.ke, self.d1, torch.zeros_like(self.d1))
-        numerator = (weights * self.ler.nan_to_num(0.0)).sum(0)
-        defined = self.ke.any(0)
-        denominator = torch.where(defined, weights.sum(0), torch.ones_like(numerator))
-        return torch.where(defined, numerator / denominator, torch.full_like(numerator, math.nan))
+        n_examples, n_layers, n_components = self.s1.shape
+        d1, d2 = _array(self.d1).reshape(n_examples, -1).T, _array(self.d2).reshape(n_examples, -1).T
+        return self._tensor(uds.example_uds(d1, d2, self.tau).reshape(n_layers, n_components))
 
     @property
     def uds(self) -> float:
-        """Mean of the defined per-example scores (NaN if none is defined)."""
-        values = self.example_uds
-        values = values[~torch.isnan(values)]
-        return float(values.mean()) if values.numel() else math.nan
+        """Mean of the defined per-example scores (:func:`uds.model_uds`; NaN if none is defined)."""
+        return uds.model_uds(self._example_uds())
 
     def frame(self) -> pd.DataFrame:
         """Long table ``idx, layer, <axis>, label, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``.
@@ -182,6 +191,11 @@ class ComponentResult:
             f"ComponentResult({self.name!r}, hook={self.hook!r}, axis={self.axis!r}, "
             f"shape={tuple(self.s1.shape)}, uds={self.uds:.3f}, engine={self.engine!r})"
         )
+
+
+def _array(values: Tensor) -> np.ndarray:
+    """A CPU tensor as the NumPy array ``uds`` computes on (no copy for a CPU tensor)."""
+    return values.detach().cpu().numpy()
 
 
 __all__ = ["ComponentResult"]
