@@ -18,37 +18,46 @@ installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_valu
 ``UDSResult.load(dir)`` gives the same tables back. tau is re-applied from the stored deltas by ``with_tau``, so a
 different threshold never needs the models again.
 
-A result directory is only worth reading when all its files come from one run. So a save never writes into
-``OUT/NAME`` itself: :func:`atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
-writers take turns), lets the writer fill a temporary sibling directory, and renames it into place at the end. A
-reader therefore sees the old directory, no directory, or the new one, never a mixture; a run killed mid-write leaves
-the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and :func:`verify_result_dir`
-(used by ``load``) refuses a directory whose files do not match it. :func:`can_reuse` decides whether a saved result
-may stand in for a new computation: only when its fingerprint (``uds.result_fingerprint``: the full, retain and
-unlearned weights, the data and the settings) equals the new one.
+Saved results are read back only when whole: the directory is written as one step and its files checked against
+their digests (:mod:`uds_lens.result_store`, whose names this module re-exports). :func:`can_reuse` decides whether a
+saved result may stand in for a new computation: only when its fingerprint (``result_fingerprint``: the full,
+retain and unlearned weights, the data and the settings) equals the new one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
 import json
 import math
-import os
-import shutil
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Example, Skip
-from uds_lens.uds import bootstrap_ci, rescore
+from uds_lens.result_store import (
+    INPUT_KEYS,
+    LOCK_TIMEOUT_S,
+    RESULT_FILES,
+    RESULT_FORMAT,
+    OutputConflictError,
+    ResultIntegrityError,
+    ResultNameError,
+    _difference,
+    _file_digest,
+    _json_default,
+    _normal,
+    _read_verified,
+    atomic_result_dir,
+    check_result_name,
+    conflict_error,
+    result_lock,
+    verify_result_dir,
+)
+from uds_lens.uds import bootstrap_ci, deltas, rescore
 
 EXAMPLE_COLUMNS = [
     "idx",
@@ -76,42 +85,6 @@ LAYER_COLUMNS = [
 ]
 # Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
 _OLD_COLUMNS = {"s_full": "baseline_score"}
-# The files of one saved result; meta.json (written last) holds their digests.
-RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
-# Bumped when the saved tables change meaning: a result of another format is never reused (3: layers.s_full
-# renamed baseline_score, s0 and examples' question/entity added, LER NaN outside KE layers).
-RESULT_FORMAT = 3
-LOCK_TIMEOUT_S = 600.0
-
-
-class ResultIntegrityError(ValueError):
-    """A saved result directory is incomplete, or its files come from different runs."""
-
-
-class ResultNameError(ValueError):
-    """A result name would not stay one directory inside the output directory."""
-
-
-def check_result_name(name: str) -> str:
-    """A result name is one path component: ``OUT/NAME`` must stay inside ``OUT``.
-
-    Raises:
-        ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
-            (names starting with a dot are this module's lock and temporary files).
-    """
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or name.startswith(".")
-        or any(sep in name for sep in ("/", "\\", "\0", os.sep))
-    ):
-        raise ResultNameError(
-            f"Result name {name!r} is not a single path component: names become directories under the output "
-            "directory, so they may not be empty, start with '.', or contain '/', '\\' or NUL. Pick a plain name "
-            "(e.g. 'npo_lr1e-5')."
-        )
-    return name
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -153,6 +126,9 @@ class UDSResult:
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)
         s2_flat = s2.numpy().reshape(-1)
+        # uds.deltas subtracts in float64; rounded back to the stages' float32 it is their float32 difference exactly
+        d1 = deltas(base, s1.numpy().reshape(-1)).astype(base.dtype) if s1 is not None else np.nan
+        d2 = deltas(base, s2_flat).astype(base.dtype)
         table = pd.DataFrame(
             {
                 "idx": idx.astype(int),
@@ -162,8 +138,8 @@ class UDSResult:
                 "baseline_score": base,
                 "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
                 "s2_score": s2_flat,
-                "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
-                "d2": base - s2_flat,
+                "d1": d1,
+                "d2": d2,
             }
         )
         meta = dict(meta)
@@ -473,76 +449,6 @@ class ExampleView:
         return example_curves(self, self.idx, title=title)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)
-
-
-def _file_digest(content: bytes) -> str:
-    return hashlib.sha256(content).hexdigest()
-
-
-def _read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], str | None]:
-    """``meta.json`` and the files it lists, each read once, and what is wrong with them (None when they belong
-    together). Reading each file's bytes once and checking those bytes means a concurrent rename cannot slip a file
-    of another run in between the check and the parse."""
-    if not directory.is_dir():
-        return {}, {}, "there is no result directory"
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-    except FileNotFoundError:
-        return {}, {}, "meta.json is missing (the run that wrote it did not finish)"
-    except (OSError, json.JSONDecodeError) as err:
-        return {}, {}, f"meta.json is unreadable ({err})"
-    files = meta.get("files") if isinstance(meta, dict) else None
-    if not isinstance(files, dict) or not files:
-        return (
-            {},
-            {},
-            "meta.json lists no file digests (an older uds_lens wrote it, or the write did not finish)",
-        )
-    missing = [name for name in ("summary.json", "examples.csv", "layers.csv") if name not in files]
-    if missing:
-        return {}, {}, f"meta.json does not list {missing}"
-    contents: dict[str, bytes] = {}
-    for name, digest in files.items():
-        try:
-            content = (directory / name).read_bytes()
-        except OSError:
-            return {}, {}, f"{name} is missing"
-        if _file_digest(content) != digest:
-            return {}, {}, f"{name} does not belong with meta.json (another run wrote it)"
-        contents[name] = content
-    return meta, contents, None
-
-
-def verify_result_dir(directory: str | Path) -> str | None:
-    """What makes a saved result directory untrustworthy, or None when its files belong together.
-
-    Checks that ``meta.json`` exists and that every file it lists is there with the recorded SHA-256.
-    """
-    return _read_verified(Path(directory))[2]
-
-
-def _normal(value: Any) -> Any:
-    """JSON round trip, so a fingerprint computed now compares equal to one read back from meta.json."""
-    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
-
-
-# Fingerprint keys that name an input of the computation: a saved result that differs in one of them is another
-# run's result (another model, data set or setting), which a new run does not silently replace.
-INPUT_KEYS = ("full", "retain", "unlearned", "data", "tokenizer", "settings")
-
-
-class OutputConflictError(ValueError):
-    """``OUT/NAME`` holds the result of another run (other inputs): replacing it needs ``force``."""
-
-
 @dataclass(frozen=True)
 class SavedCheck:
     """What a saved result directory holds compared with a new computation (:func:`check_saved`).
@@ -557,30 +463,6 @@ class SavedCheck:
     result: UDSResult | None
     reason: str
     conflicts: tuple[str, ...] = ()
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=_json_default) if not isinstance(value, str) else value
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _difference(key: str, saved: Any, wanted: Any) -> str:
-    """One differing fingerprint key in words (what a rerun prints when it recomputes or refuses)."""
-    if key == "s1":
-        return (
-            "the Stage 1 values it was computed from differ from this run's (it used a corrupt or since-rebuilt "
-            "S1 cache, or none of that digest)"
-        )
-    if key == "format":
-        return f"its fingerprint is of format {saved} (an older uds_lens), this one writes format {wanted}"
-    if key == "settings" and isinstance(saved, dict) and isinstance(wanted, dict):
-        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
-        return (
-            "settings differ ("
-            + ", ".join(f"{k}: saved {saved.get(k)!r}, now {wanted.get(k)!r}" for k in changed)
-            + ")"
-        )
-    return f"{key} differs (saved {_short(saved)}, now {_short(wanted)})"
 
 
 def check_saved(
@@ -617,15 +499,6 @@ def check_saved(
     return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
 
 
-def conflict_error(conflicts: dict[str, str], option: str = "--force") -> OutputConflictError:
-    """The refusal for result directories that hold other runs' results: ``{directory: what differs}``."""
-    lines = "; ".join(f"{directory}: {why}" for directory, why in conflicts.items())
-    return OutputConflictError(
-        f"Refusing to replace the result(s) of another run: {lines}. Pass {option} to replace them, or write to "
-        "another output directory."
-    )
-
-
 def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[UDSResult | None, str]:
     """The saved result in ``directory`` if it was computed from exactly these inputs, and why (not).
 
@@ -649,71 +522,15 @@ def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool,
     return result is not None, reason
 
 
-def result_lock(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> FileLock:
-    """The inter-process lock of result directory ``OUT/NAME``: the file ``OUT/.NAME.lock`` (outside the directory,
-    which is replaced as a whole)."""
-    target = Path(target)
-    return FileLock(str(target.parent / f".{target.name}.lock"), timeout=timeout)
-
-
-@contextlib.contextmanager
-def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[Path]:
-    """Write a result directory as one step: yields an empty staging directory; on normal exit it replaces ``target``.
-
-    While the block runs, ``target``'s lock is held, so concurrent writers of the same ``OUT/NAME`` take turns and
-    the last one wins whole. The staging directory is a hidden sibling (``OUT/.NAME.tmp-*``, same filesystem), so the
-    final step is a rename: an existing ``target`` is renamed aside, the staging directory renamed into place, and
-    the old one deleted. A reader sees the old directory, none, or the new one; an exception or a kill inside the
-    block leaves ``target`` as it was (leftover staging directories are removed by the next writer). Files in the
-    old directory that the writer did not produce are carried over.
-
-    Example:
-        >>> with atomic_result_dir(out / "npo") as staging:
-        ...     (staging / "summary.json").write_text("{}")
-
-    Raises:
-        ResultNameError: ``target``'s name is not a single plain path component.
-        ValueError: ``target`` is a file.
-        filelock.Timeout: another writer held the lock for more than ``timeout`` seconds.
-    """
-    target = Path(target)
-    check_result_name(target.name)
-    if target.exists() and not target.is_dir():
-        raise ValueError(
-            f"{target} is a file, not a result directory: remove it or choose another output directory."
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with result_lock(target, timeout):
-        for leftover in target.parent.iterdir():
-            if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
-                shutil.rmtree(leftover, ignore_errors=True)
-        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
-        staging.mkdir()
-        try:
-            yield staging
-            if target.is_dir():
-                for entry in target.iterdir():
-                    if entry.name not in (*RESULT_FILES, "meta.json") and not (staging / entry.name).exists():
-                        copy = shutil.copytree if entry.is_dir() else shutil.copy2
-                        copy(entry, staging / entry.name)
-                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-                os.rename(target, old)
-                os.rename(staging, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
-
 __all__ = [
     "EXAMPLE_COLUMNS",
     "INPUT_KEYS",
+    "LOCK_TIMEOUT_S",
     "ExampleView",
     "OutputConflictError",
     "SavedCheck",
     "LAYER_COLUMNS",
+    "RESULT_FILES",
     "RESULT_FORMAT",
     "ResultIntegrityError",
     "ResultNameError",
