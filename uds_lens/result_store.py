@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
+from uds_lens.files import staging_path
+
 # The files of one saved result; meta.json (written last) holds their digests.
 RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
 # Bumped when the saved tables change meaning: a result of another format is never reused (3: layers.s_full
@@ -204,7 +206,7 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
         for leftover in target.parent.iterdir():
             if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
                 shutil.rmtree(leftover, ignore_errors=True)
-        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        staging = staging_path(target)  # OUT/.NAME.tmp-*: the one spelling of a writer's hidden sibling
         staging.mkdir()
         try:
             yield staging

@@ -28,6 +28,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from uds_lens import plotting
+from uds_lens.files import write_atomic
 from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
 
 __all__ = [
@@ -200,8 +201,7 @@ def record_roles(results_dir: str | Path, roles: Mapping[str, str]) -> Path:
     merged = dict(roles)
     for name, role in load_roles(results_dir).items():
         merged.setdefault(name, role)
-    path.write_text(json.dumps(merged, indent=2))
-    return path
+    return write_atomic(path, json.dumps(merged, indent=2))
 
 
 def _table_order(root: Path) -> list[str]:
