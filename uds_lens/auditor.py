@@ -33,6 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens import checkpoint, models
+from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
@@ -785,7 +786,7 @@ class UDSAuditor:
             self.full.cfg.device
         )
 
-    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Any:
+    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
         """A tensor-valued patching metric for logits of :meth:`tokens` ``(idxs)``: the mean entity log-prob.
 
         Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
@@ -808,17 +809,17 @@ class UDSAuditor:
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
-    def patch_heads(self, unlearned: Any, **kwargs: Any) -> Any:
+    def patch_heads(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
 
         return patch_heads(self, unlearned, **kwargs)
 
-    def patch_tokens(self, unlearned: Any, **kwargs: Any) -> Any:
+    def patch_tokens(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
 
         return patch_tokens(self, unlearned, **kwargs)
 
-    def patch_positions(self, unlearned: Any, **kwargs: Any) -> Any:
+    def patch_positions(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
 
         return patch_positions(self, unlearned, **kwargs)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import einops
 import torch
@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from uds_lens import models
 from uds_lens.component_result import ComponentResult
+from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -64,6 +65,56 @@ HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
 """Per-head hook points (TransformerLens names inside ``blocks.{l}``): ``[batch, pos, head, d]``."""
 
 AXES = ("head", "token", "position")
+
+
+@runtime_checkable
+class PatchContext(Protocol):
+    """What component patching reads from the auditor it runs for, and nothing more.
+
+    ``UDSAuditor`` satisfies it structurally (``patch_heads(auditor, "zoo:npo")`` and ``auditor.patch_heads(...)`` are
+    the same call); so does any object with these members, e.g. a test double. Component patching never calls back
+    into the auditor's own scoring, and writes only to ``component_cache``.
+    """
+
+    @property
+    def full(self) -> Any:
+        """The full model, a TransformerLens model: the patch target."""
+
+    @property
+    def retain(self) -> Any:
+        """The retain model (S1's source), or None in retain-free mode (component patching then refuses)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The full model's tokenizer: decodes the labels of entity tokens and patched positions."""
+
+    @property
+    def pad_id(self) -> int:
+        """The token id that pads batches."""
+
+    @property
+    def config(self) -> UDSConfig:
+        """The settings read here: ``site``, ``tau``, ``patch_scope``, ``batch_size``, ``published_compat``."""
+
+    @property
+    def layers(self) -> Sequence[int]:
+        """The layers patched by default."""
+
+    @property
+    def progress(self) -> bool:
+        """Whether tqdm bars are shown by default."""
+
+    @property
+    def component_cache(self) -> MutableMapping[tuple, Any]:
+        """Where S1's component scores are kept for the next unlearned model (keyed by the run's settings)."""
+
+    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
+        """The encoded examples with these dataset ``idx`` (default all scored ones), in that order."""
+        ...
+
+    def load_source(self, model: Any, role: str = "unlearned") -> Any:
+        """A source model (path, zoo name or loaded model), loaded once and kept."""
+        ...
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,7 +275,7 @@ class _StageScores:
 class _Runner:
     """Batches of an auditor's encoded examples and the per-batch runs of one patching experiment."""
 
-    def __init__(self, auditor: Any, idxs: Sequence[int] | None, batch_size: int | None) -> None:
+    def __init__(self, auditor: PatchContext, idxs: Sequence[int] | None, batch_size: int | None) -> None:
         self.auditor = auditor
         self.full: Any = auditor.full
         self.encoded: list[EncodedExample] = auditor.select(idxs)
@@ -385,7 +436,7 @@ def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
 # The public calls
 
 
-def _hooked_source(auditor: Any, source: Any) -> Any:
+def _hooked_source(auditor: PatchContext, source: Any) -> Any:
     """The source as a Any: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
     is converted (an NF4 one from a dequantised copy) into the full model's dtype and device."""
     full = auditor.full.cfg
@@ -393,7 +444,7 @@ def _hooked_source(auditor: Any, source: Any) -> Any:
 
 
 def _stage_scores(
-    auditor: Any, source: Any, role: str, key: tuple, compute: Callable[[Any], _StageScores]
+    auditor: PatchContext, source: Any, role: str, key: tuple, compute: Callable[[Any], _StageScores]
 ) -> _StageScores:
     """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``."""
     store = auditor.component_cache if role == "retain" else None
@@ -406,12 +457,12 @@ def _stage_scores(
 
 
 def _result(
-    auditor: Any,
+    auditor: PatchContext,
     unlearned: Any,
     name: str | None,
     hook: str,
     axis: str,
-    layers: Sequence[int] | None,
+    layers: Sequence[int],
     idxs: Sequence[int] | None,
     compute: Callable[[Any], _StageScores],
     engine: str,
@@ -440,7 +491,7 @@ def _result(
 
 
 def patch_heads(
-    auditor: Any,
+    auditor: PatchContext,
     unlearned: Any,
     hook: str = "z",
     layers: Sequence[int] | None = None,
@@ -460,7 +511,8 @@ def patch_heads(
         >>> heads.frame().head()                               # long: idx, layer, head, ..., d1, d2, ke, ler
 
     Args:
-        auditor: a ``UDSAuditor`` (full, retain, forget set and settings).
+        auditor: a ``UDSAuditor`` (full, retain, forget set and settings), or anything that is a
+            :class:`PatchContext`.
         unlearned: the S2 source (path, zoo name, or Any).
         hook: ``"z"`` (``attn.hook_z``: the head's value-weighted mix, through full's ``W_O``) or ``"result"``
             (``attn.hook_result``: the head's output through the source's own ``W_O``).
@@ -507,7 +559,7 @@ def patch_heads(
 
 
 def _patch_each(
-    auditor: Any,
+    auditor: PatchContext,
     unlearned: Any,
     axis: str,
     site: str | None,
@@ -533,7 +585,7 @@ def _patch_each(
 
 
 def patch_tokens(
-    auditor: Any,
+    auditor: PatchContext,
     unlearned: Any,
     site: str | None = None,
     layers: Sequence[int] | None = None,
@@ -559,7 +611,7 @@ def patch_tokens(
 
 
 def patch_positions(
-    auditor: Any,
+    auditor: PatchContext,
     unlearned: Any,
     site: str | None = None,
     layers: Sequence[int] | None = None,
@@ -586,6 +638,7 @@ __all__ = [
     "ComponentResult",
     "ExampleInputs",
     "HEAD_HOOKS",
+    "PatchContext",
     "entity_metric",
     "patch_heads",
     "patch_positions",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from uds_lens import UDSAuditor, UDSConfig
-from uds_lens.components import patch_heads, patch_positions, patch_tokens
+from uds_lens.components import PatchContext, patch_heads, patch_positions, patch_tokens
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.tl_compat import tl_patching
 
@@ -251,6 +252,13 @@ def test_ler_is_nan_outside_ke_and_uds_is_the_usual_formula(auditor, unlearned):
     defined = ke.flatten(1).any(-1)
     assert torch.allclose(heads.example_uds[defined], by_hand[defined], atol=1e-6)
     assert heads.component_uds.shape == heads.s1.shape[1:]
+    # per (layer, head): the same formula over the examples where that cell is KE
+    cell_weights = weights.sum(0)
+    cell_by_hand = (weights * ler.nan_to_num(0)).sum(0) / torch.where(ke.any(0), cell_weights, 1.0)
+    assert torch.equal(torch.isnan(heads.component_uds), ~ke.any(0))
+    assert torch.allclose(heads.component_uds[ke.any(0)], cell_by_hand[ke.any(0)], atol=1e-6)
+    assert heads.uds == pytest.approx(float(by_hand[defined].double().mean()), abs=1e-6)
+    assert heads.d1.dtype == heads.s1.dtype and heads.ler.dtype == heads.s1.dtype
     frame = heads.frame()
     assert list(frame.columns[:4]) == ["idx", "layer", "head", "label"]
     assert {"s0", "baseline_score", "s1_score", "s2_score", "d1", "d2", "ke", "ler"} <= set(frame.columns)
@@ -275,3 +283,30 @@ def test_auditor_example_and_errors(auditor, unlearned):
         patch_heads(auditor, object())
     with pytest.raises(ValueError, match="hook_resid_pots"):
         patch_tokens(auditor, unlearned, site="hook_resid_pots")
+
+
+def test_components_read_only_the_patch_context(auditor, unlearned):
+    """Component patching needs the PatchContext members and nothing else of the auditor: a bare object holding
+    only those gives the auditor's own numbers."""
+    assert isinstance(auditor, PatchContext) and not isinstance(object(), PatchContext)
+    members = (
+        "full",
+        "retain",
+        "tokenizer",
+        "pad_id",
+        "config",
+        "layers",
+        "progress",
+        "select",
+        "load_source",
+    )
+    context = SimpleNamespace(**{name: getattr(auditor, name) for name in members}, component_cache={})
+    assert isinstance(context, PatchContext)
+    for run in (patch_heads, patch_tokens):
+        mine, theirs = run(context, unlearned, idxs=[0, 2]), run(auditor, unlearned, idxs=[0, 2])
+        for stage in ("s0", "baseline", "s1", "s2"):  # bit for bit, NaN cells included
+            torch.testing.assert_close(
+                getattr(mine, stage), getattr(theirs, stage), rtol=0, atol=0, equal_nan=True
+            )
+        assert mine.labels == theirs.labels and mine.idx == theirs.idx
+    assert context.component_cache  # S1 kept on the context it ran for
