@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.result_store import (
     INPUT_KEYS,
@@ -83,8 +84,37 @@ LAYER_COLUMNS = [
     "ke",
     "ler",
 ]
+DEFAULT_SITE: str = UDSConfig.site
+"""The site a multi-site ``layers`` table is read at when none is named: ``UDSConfig``'s default."""
 # Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
 _OLD_COLUMNS = {"s_full": "baseline_score"}
+
+
+def one_site(layers: pd.DataFrame, site: str | None = None) -> pd.DataFrame:
+    """The rows of one patching site of a long ``layers`` table: the one policy of every analysis and figure.
+
+    A table holds several sites when results of several ``--site`` runs are stacked. Then:
+
+    * ``site`` given: its rows (``ValueError`` naming the sites there when the table has none of it);
+    * no ``site``: a table of one site, or without a ``site`` column, as it is; of several, the rows of the default
+      site (``UDSConfig.site``, ``resid_post``: the site ``uds-lens score`` patches without ``--site``), and
+      ``ValueError`` asking for ``site=`` when that site is not among them (no silent pick of an arbitrary one).
+    """
+    if "site" not in layers.columns:
+        return layers
+    sites = list(dict.fromkeys(layers["site"].dropna()))
+    if site is None:
+        if len(sites) <= 1:
+            return layers
+        if DEFAULT_SITE not in sites:
+            raise ValueError(
+                f"the layers table has several sites {sites} and none is the default {DEFAULT_SITE!r}; "
+                "pass site= to pick one"
+            )
+        site = DEFAULT_SITE
+    if site not in sites:
+        raise ValueError(f"site {site!r} is not in the layers table (sites: {sites})")
+    return layers[layers["site"] == site]
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -539,6 +569,7 @@ __all__ = [
     "can_reuse",
     "check_result_name",
     "check_saved",
+    "one_site",
     "conflict_error",
     "load_reusable",
     "result_lock",

@@ -29,6 +29,7 @@ import pandas as pd
 from scipy import stats
 
 from uds_lens import uds
+from uds_lens.results import one_site
 from uds_lens.uds import DEFAULT_TAU, bootstrap_ci
 
 __all__ = [
@@ -55,29 +56,18 @@ TAUS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1)
 """The thresholds of the paper's appendix D.3."""
 
 
-def _single_site(layers: pd.DataFrame, site: str | None) -> pd.DataFrame:
-    if "site" not in layers.columns:
-        return layers
-    if site is not None:
-        return layers[layers["site"] == site]
-    sites = layers["site"].unique()
-    if len(sites) > 1:
-        raise ValueError(f"layers table has several sites {list(sites)}; pass site= to pick one")
-    return layers
-
-
 def rescore_uds(layers: pd.DataFrame, tau: float = DEFAULT_TAU, site: str | None = None) -> pd.DataFrame:
     """Per-example UDS at another tau from a ``layers`` table, without re-running any model.
 
     Args:
         layers: Long UDS table (``idx, layer, d1, d2``; ``site`` optional).
         tau: KE threshold (strict ``d1 > tau``).
-        site: Site to use when the table holds several.
+        site: Site to use when the table holds several (default resid_post: :func:`results.one_site`).
 
     Returns:
         ``idx, n_ke, uds, status`` (``scored`` or ``no_ke``), one row per example in the table.
     """
-    _, per_example = uds.rescore(_single_site(layers, site), tau)
+    _, per_example = uds.rescore(one_site(layers, site), tau)
     per_example = per_example.sort_values("idx", kind="stable", ignore_index=True)
     return per_example.assign(status=np.where(per_example["uds"].isna(), "no_ke", "scored"))
 
@@ -245,7 +235,7 @@ def first_erased_layer(
 
     ``onset`` is NaN when no layer has ``d2 > tau``.
     """
-    table = _single_site(layers, site)
+    table = one_site(layers, site)
     above = table[table["d2"] > tau]
     onset = above.groupby("idx")["layer"].min()
     ids = pd.Index(sorted(table["idx"].unique()), name="idx")
@@ -259,7 +249,7 @@ def layer_profile(layers: pd.DataFrame, tau: float = DEFAULT_TAU, site: str | No
         ``layer, mean_d1, mean_d2, mean_ler_ke`` (LER averaged over KE rows), ``frac_ke``, ``frac_d2_above_tau`` and
         ``n_onset`` (examples whose first ``d2 > tau`` layer is this one).
     """
-    table, _ = uds.rescore(_single_site(layers, site), tau)
+    table, _ = uds.rescore(one_site(layers, site), tau)
     onset = first_erased_layer(table, tau)["onset"].dropna().astype(int).value_counts()
     grouped = table.groupby("layer")
     profile = pd.DataFrame(
@@ -340,7 +330,7 @@ def lens_vs_uds(
         tau: KE threshold for both.
     """
     columns = ["layer", "d1", "d2"]
-    patching = _single_site(uds_layers, None)
+    patching = one_site(uds_layers, None)
     patching = patching[patching["idx"] == idx][columns].set_index("layer")
     lens = lens_layers[lens_layers["idx"] == idx][columns].set_index("layer")
     if patching.empty or lens.empty:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 
+from uds_lens.results import one_site as one_site  # re-exported: figures and analyses share one site policy
 from uds_lens.uds import ke_mask
 
 
@@ -33,20 +34,6 @@ def result_tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
         )
     examples = getattr(result, "examples", None)
     return layers, examples if isinstance(examples, pd.DataFrame) else None
-
-
-def one_site(layers: pd.DataFrame, site: str | None) -> pd.DataFrame:
-    """Keep one patching site of a long layers table (the requested one, else resid_post, else the first)."""
-    if "site" not in layers.columns:
-        return layers
-    sites = list(dict.fromkeys(layers["site"].dropna()))
-    if site is None:
-        if len(sites) <= 1:
-            return layers
-        site = "resid_post" if "resid_post" in sites else sites[0]
-    if site not in sites:
-        raise ValueError(f"site {site!r} is not in the layers table (sites: {sites})")
-    return layers[layers["site"] == site]
 
 
 def named_results(results: Any) -> dict[str, Any]:

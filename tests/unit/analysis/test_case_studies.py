@@ -27,6 +27,8 @@ from uds_lens.analysis.case_studies import (
     uds_by_entity_length,
 )
 from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.plotting.tables import one_site as plotting_one_site
+from uds_lens.results import one_site
 
 
 def test_rescore_at_default_tau_matches_the_results_own_uds():
@@ -35,8 +37,22 @@ def test_rescore_at_default_tau_matches_the_results_own_uds():
     scored = result.examples.set_index("idx").loc[rescored.index]
     np.testing.assert_allclose(rescored["uds"].to_numpy(), scored["uds"].to_numpy(), equal_nan=True)
     assert (rescored["status"] == scored["status"]).all()
+
+
+def test_one_site_policy_is_shared_by_analyses_and_figures():
+    """results.one_site is the one policy: a named site must exist, a multi-site table is read at resid_post (the
+    default site), and one without resid_post needs site= (never an arbitrary pick)."""
+    stacked = make_result(sites=("resid_post", "mlp_out")).layers
+    at_default = rescore_uds(stacked).set_index("idx")
+    at_post = rescore_uds(stacked[stacked["site"] == "resid_post"]).set_index("idx")
+    pd.testing.assert_frame_equal(at_default, at_post)
+    at_mlp = rescore_uds(stacked, site="mlp_out").set_index("idx")
+    assert not np.allclose(at_mlp["uds"].fillna(-1), at_post["uds"].fillna(-1))  # the site chosen matters
     with pytest.raises(ValueError, match="several sites"):
-        rescore_uds(make_result(sites=("resid_post", "mlp_out")).layers)
+        rescore_uds(make_result(sites=("attn_out", "mlp_out")).layers)
+    with pytest.raises(ValueError, match="'attn_out' is not in the layers table"):
+        first_erased_layer(stacked, site="attn_out")  # was an empty table
+    assert plotting_one_site is one_site
 
 
 def test_tau_reapplied_equals_recomputation_with_the_core(trio):
