@@ -18,7 +18,6 @@ import html
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from plotly.offline import get_plotlyjs
 
 from uds_lens import plotting
 from uds_lens.files import write_atomic
+from uds_lens.plotting.tables import SavedResult
 from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
 
 __all__ = [
@@ -46,48 +46,6 @@ logger = logging.getLogger(__name__)
 REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
 RESULT_FILES = ("meta.json", "summary.json", "examples.csv", "layers.csv")
 DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
-
-
-@dataclass
-class SavedResult:
-    """One result directory read back, in the shape the figures take (``.examples``, ``.layers``, ``.summary``).
-
-    Attributes:
-        name: the result's name (its directory's for a ``diagnose``-only directory).
-        path: the directory.
-        result: what ``UDSResult.load`` gives back; None where only ``diagnose`` wrote (then the model UDS comes
-            from ``scores.json``, without CI or per-example tables).
-        scores: ``diagnose``'s ``scores.json`` (every white-box score of the model).
-        layerwise: ``diagnose``'s ``layerwise.csv`` (``method, layer, erasure, weight``).
-        components: ``diagnose``'s ``components.csv`` (``site, layer, mean_d1, mean_d2``).
-    """
-
-    name: str
-    path: Path
-    result: UDSResult | None = None
-    scores: dict[str, Any] | None = None
-    layerwise: pd.DataFrame | None = None
-    components: pd.DataFrame | None = None
-
-    @functools.cached_property
-    def summary(self) -> dict[str, Any]:
-        if self.result is not None:
-            return self.result.summary
-        uds = (self.scores or {}).get("uds")
-        return {"name": self.name} if uds is None else {"name": self.name, "uds": uds}
-
-    @property
-    def examples(self) -> pd.DataFrame | None:
-        return self.result.examples if self.result is not None else None
-
-    @property
-    def layers(self) -> pd.DataFrame | None:
-        return self.result.layers if self.result is not None else None
-
-    @property
-    def uds(self) -> float:
-        value = self.summary.get("uds")
-        return float("nan") if value is None else float(value)
 
 
 def _read_json(path: Path) -> Any:

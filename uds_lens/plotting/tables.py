@@ -14,13 +14,59 @@ Nothing here computes UDS: KE masks come from the table's ``ke`` column or :func
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from uds_lens.results import UDSResult
 from uds_lens.results import one_site as one_site  # re-exported: figures and analyses share one site policy
 from uds_lens.uds import ke_mask
+
+
+@dataclass
+class SavedResult:
+    """One result directory read back, in the shape the figures take (``.examples``, ``.layers``, ``.summary``).
+
+    Attributes:
+        name: the result's name (its directory's for a ``diagnose``-only directory).
+        path: the directory.
+        result: what ``UDSResult.load`` gives back; None where only ``diagnose`` wrote (then the model UDS comes
+            from ``scores.json``, without CI or per-example tables).
+        scores: ``diagnose``'s ``scores.json`` (every white-box score of the model).
+        layerwise: ``diagnose``'s ``layerwise.csv`` (``method, layer, erasure, weight``).
+        components: ``diagnose``'s ``components.csv`` (``site, layer, mean_d1, mean_d2``).
+    """
+
+    name: str
+    path: Path
+    result: UDSResult | None = None
+    scores: dict[str, Any] | None = None
+    layerwise: pd.DataFrame | None = None
+    components: pd.DataFrame | None = None
+
+    @functools.cached_property
+    def summary(self) -> dict[str, Any]:
+        if self.result is not None:
+            return self.result.summary
+        uds = (self.scores or {}).get("uds")
+        return {"name": self.name} if uds is None else {"name": self.name, "uds": uds}
+
+    @property
+    def examples(self) -> pd.DataFrame | None:
+        return self.result.examples if self.result is not None else None
+
+    @property
+    def layers(self) -> pd.DataFrame | None:
+        return self.result.layers if self.result is not None else None
+
+    @property
+    def uds(self) -> float:
+        value = self.summary.get("uds")
+        return float("nan") if value is None else float(value)
 
 
 def result_tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
