@@ -10,12 +10,12 @@ of one component).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+from numpy.typing import ArrayLike
 from plotly.subplots import make_subplots
 
 from uds_lens.plotting.style import (
@@ -95,7 +95,7 @@ def component_patching(
 
 
 def component_heatmap(
-    grid: Any,
+    grid: ArrayLike,
     layers: Sequence[int],
     axis: str = "head",
     value: str = "component_uds",
@@ -203,6 +203,6 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
     return fig
 
 
-def _visible(token: Any) -> str:
+def _visible(token: object) -> str:
     """Show leading spaces and newlines in token labels."""
     return str(token).replace("\n", "\\n").replace(" ", "␣")

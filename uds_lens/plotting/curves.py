@@ -11,8 +11,7 @@ everywhere, and S1 once in grey when every model shares it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -31,6 +30,8 @@ from uds_lens.plotting.style import (
     palette_colour,
 )
 from uds_lens.plotting.tables import (
+    Result,
+    Results,
     ke_cells,
     long_by_model,
     mean_ler_on_ke,
@@ -42,7 +43,7 @@ from uds_lens.uds import example_uds, ke_mask
 
 
 def stage_curves(
-    results: Any,
+    results: Results,
     quantity: str = "delta",
     band: str | None = "std",
     site: str | None = None,
@@ -110,7 +111,7 @@ def stage_curves(
 
 
 def example_curves(
-    result: Any, idx: int, site: str | None = None, tau: float | None = None, title: str | None = None
+    result: Result, idx: int, site: str | None = None, tau: float | None = None, title: str | None = None
 ) -> go.Figure:
     """One example's layer curves: ``d1`` (S1, solid) and ``d2`` (S2, dashed), KE layers shaded, UDS in the title.
 
@@ -225,7 +226,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
 
 
 def lens_vs_uds_example(
-    uds_layers: Any,
+    uds_layers: Result,
     lens_layers: pd.DataFrame,
     idx: int,
     tau: float = DEFAULT_TAU,
@@ -288,8 +289,8 @@ def lens_vs_uds_example(
 
 
 def lens_vs_uds_models(
-    uds_layers: Any,
-    lens_layers: Any,
+    uds_layers: Results,
+    lens_layers: pd.DataFrame | Mapping[str, pd.DataFrame],
     tau: float = DEFAULT_TAU,
     site: str | None = None,
     max_columns: int = 3,
@@ -335,7 +336,7 @@ def lens_vs_uds_models(
 
 
 def layerwise_methods(
-    layerwise: Any,
+    layerwise: Results,
     methods: Sequence[str] | None = None,
     max_columns: int = 3,
     title: str | None = None,

@@ -10,7 +10,7 @@ grouped by prompt type, and every cell's hover names the example's question and 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -18,15 +18,19 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
+from uds_lens.data import Example
 from uds_lens.plotting.style import DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
-from uds_lens.plotting.tables import ke_cells, one_site, result_tables
+from uds_lens.plotting.tables import Result, ke_cells, one_site, result_tables
+
+ExampleData: TypeAlias = pd.DataFrame | Sequence[Example | Mapping[str, Any]]
+"""Examples whose ``idx, question, entity, prompt_type`` the hover shows: a table, ``Example`` records or dicts."""
 
 
 def layer_heatmap(
-    result: Any,
+    result: Result,
     value: str = "d1",
     examples: pd.DataFrame | None = None,
-    data: Any = None,
+    data: ExampleData | None = None,
     sort_by: str | None = None,
     mark_ke: bool | None = None,
     ke_only: bool | None = None,
@@ -107,7 +111,7 @@ def layer_heatmap(
         fig.update_layout(coloraxis_cmid=0.0)
 
     # Hover: one row of facts per example, repeated over layers.
-    columns = {"uds": [], "prompt_type": [], "question": [], "entity": []}
+    columns: dict[str, list[Any]] = {"uds": [], "prompt_type": [], "question": [], "entity": []}
     for idx in order:
         row = info.loc[idx] if info is not None and idx in info.index else None
         for key in columns:
@@ -213,7 +217,7 @@ def _mark_groups(fig: go.Figure, order: list[Any], info: pd.DataFrame) -> None:
             start = position
 
 
-def _hover_frame(examples: pd.DataFrame | None, data: Any) -> pd.DataFrame | None:
+def _hover_frame(examples: pd.DataFrame | None, data: ExampleData | None) -> pd.DataFrame | None:
     """Per-example hover columns (question, entity, prompt_type, uds) indexed by idx."""
     parts = []
     if isinstance(examples, pd.DataFrame) and "idx" in examples.columns:

@@ -18,7 +18,14 @@ import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import layer_ticks, palette_colour
-from uds_lens.plotting.tables import long_by_model, mean_ler_on_ke, named_results, one_site
+from uds_lens.plotting.tables import (
+    HasExamples,
+    Results,
+    long_by_model,
+    mean_ler_on_ke,
+    named_results,
+    one_site,
+)
 from uds_lens.uds import bootstrap_ci, model_uds
 
 
@@ -36,7 +43,9 @@ def _ci_pair(ci: Any) -> tuple[float, float] | None:
     return float(low), float(high)
 
 
-def model_frame(results: Any, roles: Mapping[str, str] | None = None, n_boot: int = 2000) -> pd.DataFrame:
+def model_frame(
+    results: Results | Mapping[str, HasExamples], roles: Mapping[str, str] | None = None, n_boot: int = 2000
+) -> pd.DataFrame:
     """One row per model: UDS, its 95% CI and the example counts.
 
     Args:
@@ -92,7 +101,7 @@ def model_frame(results: Any, roles: Mapping[str, str] | None = None, n_boot: in
 
 
 def uds_bar(
-    results: Any,
+    results: Results | pd.DataFrame,
     roles: Mapping[str, str] | None = None,
     sort: bool = False,
     title: str | None = None,
@@ -158,7 +167,7 @@ def uds_bar(
     return fig
 
 
-def uds_distribution(results: Any, kind: str = "violin", title: str | None = None) -> go.Figure:
+def uds_distribution(results: Results, kind: str = "violin", title: str | None = None) -> go.Figure:
     """Distribution of per-example UDS for each model (examples with a defined UDS only).
 
     Args:
@@ -211,7 +220,7 @@ def uds_distribution(results: Any, kind: str = "violin", title: str | None = Non
     return fig
 
 
-def prompt_type_bar(results: Any, title: str | None = None) -> go.Figure:
+def prompt_type_bar(results: Results, title: str | None = None) -> go.Figure:
     """Mean UDS per prompt type (the paper's Table 5 as a figure), grouped by model, with example counts.
 
     Args:
@@ -272,7 +281,7 @@ def prompt_type_bar(results: Any, title: str | None = None) -> go.Figure:
 
 
 def rmu_layer_profile(
-    results: Any,
+    results: Results,
     target_layers: Mapping[str, int] | None = None,
     tau: float = DEFAULT_TAU,
     site: str | None = None,

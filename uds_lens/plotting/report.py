@@ -204,7 +204,7 @@ def _scores_table(results: Mapping[str, SavedResult]) -> pd.DataFrame | None:
     for name, result in results.items():
         if not result.scores:
             continue
-        flat = {"model": name}
+        flat: dict[str, Any] = {"model": name}
         for key, value in result.scores.items():
             if isinstance(value, Mapping) and "agg_value" in value:
                 value = value["agg_value"]

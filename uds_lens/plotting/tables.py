@@ -1,9 +1,10 @@
 """How figures read results: anything carrying UDS tables in, plain DataFrames out.
 
-A figure takes a ``UDSResult`` (or anything with the same ``.layers`` / ``.examples`` / ``.summary``, such as a
-saved result read back by :mod:`uds_lens.plotting.report`), a bare long ``layers`` table, or several of them as
-``{name: result}``. The objects are read by attribute, not by type, because ``results.py`` itself imports the figures
-(``UDSResult.example(idx).figure()``) and must not be imported back. The tables (SPEC §1.8):
+A figure takes a :data:`Result`: a ``UDSResult``, a :class:`SavedResult` (a result directory read back by
+:mod:`uds_lens.plotting.report`), an ``ExampleView`` (one example of a result) or a bare long ``layers`` table; or
+several of them (:data:`Results`: a list or ``{name: result}``). They are typed with the real classes (``results.py``
+imports no plotting, so plotting may import it) and read by attribute (``.layers`` / ``.examples`` / ``.summary``).
+The tables (SPEC §1.8):
 
 - examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (+ ``question``, ``entity``);
 - layers (long, one row per example x layer x site): ``idx, layer, site, s0, baseline_score, s1_score, s2_score,
@@ -18,11 +19,11 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import pandas as pd
 
-from uds_lens.results import UDSResult
+from uds_lens.results import ExampleView, UDSResult
 from uds_lens.results import one_site as one_site  # re-exported: figures and analyses share one site policy
 from uds_lens.uds import ke_mask
 
@@ -69,7 +70,22 @@ class SavedResult:
         return float("nan") if value is None else float(value)
 
 
-def result_tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+Result: TypeAlias = UDSResult | SavedResult | ExampleView | pd.DataFrame
+"""One result as figures take it: its tables (a bare DataFrame is its long ``layers`` table)."""
+Results: TypeAlias = Result | Sequence[Result] | Mapping[str, Result]
+"""One result, a list of them (named by their ``summary["name"]``) or ``{name: result}``."""
+
+
+@runtime_checkable
+class HasExamples(Protocol):
+    """Any object with an ``examples`` table: what :func:`~uds_lens.plotting.models.model_frame` needs at least."""
+
+    @property
+    def examples(self) -> pd.DataFrame | None:
+        """The per-example table (``idx, uds, status, ...``)."""
+
+
+def result_tables(result: Result) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """``(layers, examples)`` of a result, or ``(layers, None)`` for a bare layers table."""
     if isinstance(result, pd.DataFrame):
         return result, None
@@ -82,7 +98,7 @@ def result_tables(result: Any) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     return layers, examples if isinstance(examples, pd.DataFrame) else None
 
 
-def named_results(results: Any) -> dict[str, Any]:
+def named_results(results: Results | Mapping[str, HasExamples]) -> dict[str, Any]:
     """One result, a sequence of results or a ``{name: result}`` mapping as ``{name: result}``.
 
     A result is named by its ``summary["name"]``, else by its position (``"model 0"``).
@@ -98,14 +114,14 @@ def named_results(results: Any) -> dict[str, Any]:
     )
 
 
-def _result_name(result: Any, position: int) -> str:
+def _result_name(result: Result | HasExamples, position: int) -> str:
     summary = getattr(result, "summary", None)
     if isinstance(summary, Mapping) and summary.get("name"):
         return str(summary["name"])
     return f"model {position}"
 
 
-def long_by_model(tables: Any, attribute: str = "layers") -> pd.DataFrame:
+def long_by_model(tables: Results, attribute: str = "layers") -> pd.DataFrame:
     """Per-model tables (``.{attribute}`` of each result) stacked into one with a ``model`` column.
 
     A DataFrame that already has a ``model`` column is returned as it is.
