@@ -144,7 +144,7 @@ class UDSResult:
         baseline: Any,
         s1: Any,
         s2: Any,
-        config: Any,
+        config: UDSConfig,
         meta: dict[str, Any],
         records: Sequence[Example] = (),
     ) -> UDSResult:
