@@ -134,7 +134,7 @@ def test_registry_names_are_unique_directory_names():
 
 
 def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("uds_lens.sweep.ray_available", lambda: False)
+    monkeypatch.setattr("uds_lens.sweep.driver.ray_available", lambda: False)
     with pytest.raises(SweepError, match="needs Ray"):
         sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", [tiny.unlearned], address="auto")
     with pytest.warns(UserWarning, match="Ray is not installed"):
