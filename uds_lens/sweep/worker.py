@@ -216,6 +216,7 @@ class SweepWorker:
         # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
         compute_stage = compute_stage and not _restarted_actor()
         retain = plan.retain if compute_stage else None
+        # every worker's results name the plan's retain model and data file, whether it loaded retain or not
         self.auditor = UDSAuditor(
             plan.full,
             retain,
@@ -223,12 +224,13 @@ class SweepWorker:
             config=plan.config,
             cache_dir=plan.cache_dir if compute_stage else False,
             progress=False,
+            retain_name=plan.retain,
+            data_name=plan.data_name,
         )
-        self.auditor.data_name = plan.data_name
         self.shipped: ShippedStage | None = None
         if compute_stage:
             self.shipped = ShippedStage.of(self.auditor)
-            self.auditor.retain = None  # Stage 1 is all a sweep needs the retain model for
+            self.auditor.drop_retain()  # Stage 1 is all a sweep needs the retain model for
 
     def stage(self) -> ShippedStage:
         """The Stage 1 this worker computed, to ship to the others."""
@@ -246,9 +248,13 @@ class SweepWorker:
                     f"({here[key]} vs {shipped.payload[key]} where Stage 1 was computed): give every worker the same "
                     "checkpoint files and package versions, and an explicit --dtype/--device."
                 )
+        names = (self.auditor.retain_name, self.auditor.data_name)
+        if names != (shipped.retain_name, shipped.data_name):
+            raise SweepError(
+                f"Worker {_worker_label()} was built for retain and data {names}, but the Stage 1 handed to it "
+                f"names {(shipped.retain_name, shipped.data_name)}: it belongs to another sweep."
+            )
         self.auditor.use_stage1(shipped.stage1, shipped.batches, shipped.inputs_fingerprint)
-        self.auditor.retain_name = shipped.retain_name
-        self.auditor.data_name = shipped.data_name
         self.shipped = shipped
         return _worker_label()
 
