@@ -98,7 +98,7 @@ def test_bad_options_fail_before_any_model_is_loaded(tmp_path):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "file", ["/x"])
     with pytest.raises(SweepError, match="workers must be >= 1"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], workers=0)
-    with pytest.raises(SweepError, match="limit must be a positive"):
+    with pytest.raises(SweepError, match=r"limit \(--limit\) must be a positive integer"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], limit=0)
     with pytest.raises(SweepError, match="max_retries"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], max_retries=-1)

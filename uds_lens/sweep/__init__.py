@@ -30,7 +30,7 @@ Both paths write the same files under ``out``:
 * with ``compare_published``: ``published_uds`` and ``uds_minus_published`` columns and ``published_scatter.html``.
 
 Resume rule (never stale), decided on the driver before any worker loads a model: a finished model is reused only
-when the fingerprint saved with its intact result (``uds.result_fingerprint``: full, retain and unlearned weights by
+when the fingerprint saved with its intact result (``auditor.result_fingerprint``: full, retain and unlearned weights by
 file contents, the data records, tokenizer, settings, and the digest of the Stage 1 values) equals this run's
 (``results.check_saved``). A saved result of other inputs is another run's: the sweep refuses it before any model
 is loaded (``force`` replaces it, and recomputes always); one that is damaged or used other Stage 1 values is
@@ -40,6 +40,17 @@ A worker that dies (killed, out of memory) has its model retried on another acto
 model that keeps failing, or fails to load, is reported in ``sweep.csv`` with its error and the sweep goes on.
 Numbers do not depend on the number of workers or their order: every worker scores with the batches and the Stage 1
 of the one auditor that computed Stage 1, exactly as ``uds-lens score`` would.
+
+The package, one concept per module (every name is re-exported here):
+
+* ``lists``: what to sweep (:class:`SweepModel`, model-list files, the shipped registries, result-name checks);
+* ``staging``: a model made ready before its turn (:func:`prepare_model`, pinning, the move to the device) and the
+  :class:`StagingPipeline` that stages one model ahead;
+* ``worker``: :class:`SweepWorker` (its auditor, the shipped Stage 1, :func:`finish_model`) and its threads;
+* ``ledger``: ``sweep.csv``'s :data:`COLUMNS` and :data:`PHASES`, the rows, the reuse decision and the writes;
+* ``driver``: :func:`sweep`, in-process or on Ray (actors, dispatch, retries);
+* ``published``: the comparison with the published figures and its scatter (``plotting`` imported only to draw);
+* ``outputs`` / ``errors``: the names of the sweep's own files, and :class:`SweepError`.
 """
 
 from __future__ import annotations

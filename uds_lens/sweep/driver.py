@@ -15,15 +15,14 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from uds_lens.auditor import refuse_other_runs
-from uds_lens.config import UDSConfig
+from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
-from uds_lens.plotting import published_scatter
 from uds_lens.results import OutputConflictError
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import _Ledger
 from uds_lens.sweep.lists import SweepModel, resolve_models
 from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_TABLE
-from uds_lens.sweep.published import add_published_comparison
+from uds_lens.sweep.published import add_published_comparison, write_published_scatter
 from uds_lens.sweep.staging import Prepared, StagingPipeline
 from uds_lens.sweep.worker import (
     ModelOutcome,
@@ -111,8 +110,10 @@ def sweep(
         raise SweepError(f"max_retries must be >= 0, got {max_retries}.")
     if workers is not None and workers < 1:
         raise SweepError(f"workers must be >= 1 (1 = in-process), got {workers}.")
-    if limit is not None and limit < 1:
-        raise SweepError(f"limit must be a positive number of examples, got {limit}.")
+    try:
+        limit = check_positive_int("limit (--limit)", limit, "score every example")
+    except ConfigError as error:
+        raise SweepError(str(error)) from None
     if (cpus_per_worker is not None and cpus_per_worker < 1) or (
         gpus_per_worker is not None and gpus_per_worker < 0
     ):
@@ -185,7 +186,7 @@ def sweep(
     if compare_published:
         table = add_published_comparison(table)
         table.to_csv(out_dir / SWEEP_TABLE, index=False)
-        published_scatter(table).write_html(out_dir / SCATTER_HTML, include_plotlyjs=True)
+        write_published_scatter(table, out_dir / SCATTER_HTML)
     return table
 
 

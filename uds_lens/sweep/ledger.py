@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from uds_lens.files import json_digest, write_atomic
 from uds_lens.results import SavedCheck, UDSResult, check_saved, conflict_error
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.lists import SweepModel
@@ -67,19 +66,15 @@ COLUMNS = [
 ]
 
 
-def _short_digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
 def fingerprint_columns(fingerprint: Mapping[str, Any]) -> dict[str, str]:
-    """``sweep.csv``'s fingerprint columns from a result fingerprint (``uds.result_fingerprint``): full, retain and
+    """``sweep.csv``'s fingerprint columns from a result fingerprint (``auditor.result_fingerprint``): full, retain and
     unlearned weights, the data (records as scored), the settings (with the tokenizer; tau is not part of them)."""
     return {
         "fp_full": str(fingerprint.get("full")),
         "fp_retain": str(fingerprint.get("retain")),
         "fp_data": str(fingerprint.get("data")),
-        "fp_settings": _short_digest(
-            [fingerprint.get("settings"), fingerprint.get("tokenizer"), fingerprint.get("format")]
+        "fp_settings": json_digest(
+            [fingerprint.get("settings"), fingerprint.get("tokenizer"), fingerprint.get("format")], 24
         ),
         "fp_unlearned": str(fingerprint.get("unlearned")),
     }
@@ -240,8 +235,8 @@ class _Ledger:
         return frame[COLUMNS + extra]
 
     def write(self) -> None:
-        _write_atomic(self.out / SWEEP_TABLE, self.table().to_csv(index=False))
-        _write_atomic(
+        write_atomic(self.out / SWEEP_TABLE, self.table().to_csv(index=False))
+        write_atomic(
             self.out / SWEEP_JSON,
             json.dumps(
                 {
@@ -252,9 +247,3 @@ class _Ledger:
                 indent=2,
             ),
         )
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    staging.write_text(text)
-    os.replace(staging, path)

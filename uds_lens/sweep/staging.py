@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from uds_lens import checkpoint, models
+from uds_lens.config import DtypeName
 from uds_lens.results import UDSResult
 from uds_lens.sweep.lists import SweepModel
 
@@ -56,7 +57,7 @@ class Prepared:
 
 def prepare_model(
     entry: SweepModel,
-    dtype: str | torch.dtype | None,
+    dtype: DtypeName | torch.dtype | None,
     device: str,
     reuse: Callable[[Prepared], None] | None = None,
 ) -> Prepared:
