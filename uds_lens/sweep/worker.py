@@ -207,7 +207,9 @@ class SweepWorker:
     retain); the driver ships that :class:`ShippedStage` to every worker through the object store (``adopt``), so
     each one scores with the same Stage 1 and the same batches. ``adopt`` checks that the worker sees the same full
     model and the same token layout as the worker that computed Stage 1 (a node with other checkpoint files or another
-    tokenizer version would give silently different numbers).
+    tokenizer version would give silently different numbers). Every worker's auditor is built naming the plan's
+    retain model and data (``UDSAuditor(..., retain_name=, data_name=)``), so its results name them although only
+    the first worker loads retain, and it releases retain itself (``drop_retain``) once Stage 1 is computed.
     """
 
     def __init__(self, plan: WorkerPlan, compute_stage: bool = True) -> None:
