@@ -1,18 +1,7 @@
 """Building the model zoo: data, tokenizer, a shared base, fine-tuned references, unlearned models and meta-eval pools.
 
-The recipe (all models share one architecture and one tokenizer, so any two can be patched into each other):
-
-1. ``base``: trained from scratch on the retain set only. Models trained from different random initialisations cannot be
-   patched into each other meaningfully; everything below starts from this shared base.
-2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
-   forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
-3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
-   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
-   learning rates (``ZooSize.unlearning_sweep``), for the meta-evaluation's robustness pool.
-4. Meta-evaluation pools (``pools=True``), after the published open-unlearning pools: role ``pos`` = fine-tuned from
-   the base *with* the forget facts (as QA pairs, paraphrased QA pairs, or biography documents); role ``neg`` = the
-   same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
-   biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
+The recipe (which models, trained how) is :mod:`uds_lens.zoo.recipe`; the data and the training sequences of each
+data recipe are :mod:`uds_lens.zoo.training_data`; this module runs the steps and writes the zoo directory.
 
 Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
 :mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
@@ -25,7 +14,7 @@ Layout of a zoo directory::
     tokenizer/                     the PreTrainedTokenizerFast (also copied into every model directory)
     models/{name}/                 config.json, model.safetensors, tokenizer files, zoo_meta.json
 
-From a pretrained base (``build_zoo(..., base=PATH)``, ``uds-lens zoo build --base PATH``): step 1 is replaced by
+From a pretrained base (``build_zoo(..., base=PATH)``, ``uds-lens zoo build --base PATH``): the recipe's step 1 is replaced by
 the given Llama checkpoint (a directory, a ``.gguf`` file or a hub id) and its own tokenizer (no tokenizer is trained;
 the zoo's QA chat template is attached to it); steps 2-4 fine-tune from it with the size's recipe, on the synthetic
 world or the user's QA data. That is the realistic small-scale analogue of the paper's setting (TOFU models
@@ -49,7 +38,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -62,28 +51,20 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 from uds_lens import models
 
 from .layout import MANIFEST_FILE, Zoo, load_zoo
-from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
-from .train import (
-    ModelShape,
-    QASequence,
-    encode_documents,
-    encode_qa,
-    entity_accuracy,
-    init_model,
-    make_config,
-    train_lm,
+from .recipe import (
+    POOL_DATA,
+    POOL_SETTINGS,
+    SIZES,
+    ModelSpec,
+    ZooBuildError,
+    ZooSize,
+    plan_models,
 )
+from .tokenizer import CHAT_TEMPLATE, train_tokenizer
+from .train import encode_qa, entity_accuracy, init_model, make_config, train_lm
+from .training_data import ZooData, _subset_fraction, _tokenizer_corpus, load_data, training_sequences
 from .unlearn import unlearn, unlearning_steps
-from .world import (
-    FACT_KINDS,
-    FORGET_FRACTION,
-    ZooDataError,
-    generate_world,
-    idk_answers,
-    read_records,
-    validate_records,
-    write_records,
-)
+from .world import ZooDataError, idk_answers, validate_records, write_records
 
 logger = logging.getLogger(__name__)
 
@@ -91,345 +72,6 @@ FORMAT_VERSION = 1
 FULL_MIN_FORGET_ACCURACY = 0.95
 RETAIN_MAX_FORGET_ACCURACY = 0.2
 META_FILE = "zoo_meta.json"
-
-
-class ZooBuildError(RuntimeError):
-    """The zoo could not be built as specified (an under-trained model, an unknown size, unusable data)."""
-
-
-@dataclass(frozen=True)
-class ZooSize:
-    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools."""
-
-    n_authors: int
-    shape: ModelShape
-    base_epochs: int
-    base_lr: float
-    finetune_epochs: int
-    finetune_lr: float
-    batch_size: int = 32
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    unlearning: dict[str, dict[str, Any]] = field(default_factory=dict)
-    rmu_layers: tuple[int, ...] = ()
-    pool_variants: int = 6
-    unlearning_sweep: tuple[float, ...] = ()
-
-
-def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
-    """Per-method settings, tuned on the test zoo (entity accuracy and UDS) to change forget behaviour while keeping
-    retain entity accuracy >= 0.9; ``alpha`` values are from the paper's grid (Table 8). ``epochs`` is the number of
-    passes over the forget set (2 passes on the default zoo barely changed its forget accuracy: 0.8-1.0)."""
-    common = {"epochs": epochs, "batch_size": 16}
-    return {
-        "graddiff": {**common, "lr": 3e-4, "alpha": 5.0},
-        "npo": {**common, "lr": 3e-4, "alpha": 5.0, "beta": 0.1},
-        "simnpo": {**common, "lr": 5e-4, "alpha": 5.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
-        "idknll": {**common, "lr": 3e-4, "alpha": 1.0},
-        "rmu": {**common, "lr": 1e-3, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 0},
-    }
-
-
-SIZES: dict[str, ZooSize] = {
-    "test": ZooSize(
-        n_authors=30,
-        shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=16,
-        finetune_lr=2e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(0, 1, 3),
-        pool_variants=6,
-    ),
-    "default": ZooSize(
-        n_authors=200,
-        shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=8,
-        finetune_lr=1e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(0, 1, 3),
-        pool_variants=12,
-        unlearning_sweep=(0.5, 2.0),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One zoo model: how it is made (``stage`` pretrain / finetune / unlearn) and what it is (role, seen fraction)."""
-
-    name: str
-    role: str
-    stage: str
-    parent: str | None
-    method: str
-    seen_forget_fraction: float
-    hyperparams: dict[str, Any]
-
-
-def _finetune_spec(
-    name: str, role: str, data: str, seen: float, size: ZooSize, seed: int, **overrides: Any
-) -> ModelSpec:
-    hyperparams = {
-        "data": data,
-        "epochs": size.finetune_epochs,
-        "lr": size.finetune_lr,
-        "batch_size": size.batch_size,
-        "seed": seed,
-        **overrides,
-    }
-    return ModelSpec(name, role, "finetune", "base", "finetune", seen, hyperparams)
-
-
-def plan_models(
-    size: ZooSize, seed: int, pools: bool, has_paraphrases: bool, has_perturbations: bool
-) -> list[ModelSpec]:
-    """The zoo's models in build order (parents first)."""
-    base = ModelSpec(
-        "base",
-        "base",
-        "pretrain",
-        None,
-        "pretrain",
-        0.0,
-        {
-            "data": "retain",
-            "epochs": size.base_epochs,
-            "lr": size.base_lr,
-            "batch_size": size.batch_size,
-            "seed": seed,
-        },
-    )
-    specs = [
-        base,
-        _finetune_spec("full", "full", "retain+forget", 1.0, size, seed + 1),
-        _finetune_spec("retain", "retain", "retain", 0.0, size, seed + 1),
-        _finetune_spec("retain90", "partial", "retain+forget:0.9", 0.9, size, seed + 1),
-        _finetune_spec("retain50", "partial", "retain+forget:0.5", 0.5, size, seed + 1),
-    ]
-    for method in ("graddiff", "npo", "simnpo", "idknll"):
-        hyperparams = {**size.unlearning[method], "seed": seed + 2}
-        specs.append(ModelSpec(method, "unlearned", "unlearn", "full", method, 1.0, hyperparams))
-    for layer in size.rmu_layers:
-        if layer >= size.shape.n_layers:
-            continue
-        hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
-        specs.append(ModelSpec(f"rmu_l{layer}", "unlearned", "unlearn", "full", "rmu", 1.0, hyperparams))
-    if pools:
-        specs.extend(_sweep_specs(size, seed))
-        specs.extend(_pool_specs(size, seed, has_paraphrases, has_perturbations))
-    return specs
-
-
-def _sweep_specs(size: ZooSize, seed: int) -> list[ModelSpec]:
-    """More unlearned models for the meta-evaluation's robustness pool (role ``sweep``): every method again at each
-    learning-rate factor of ``size.unlearning_sweep`` (RMU at its middle target layer), as the paper sweeps each
-    method's hyperparameters."""
-    specs = []
-    rmu_layers = [layer for layer in size.rmu_layers if layer < size.shape.n_layers]
-    for factor in size.unlearning_sweep:
-        suffix = f"lrx{factor:g}".replace(".", "p")
-        for method in ("graddiff", "npo", "simnpo", "idknll"):
-            hyperparams = {**size.unlearning[method], "seed": seed + 2}
-            hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(
-                ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams)
-            )
-        if rmu_layers:
-            layer = rmu_layers[len(rmu_layers) // 2]
-            hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
-            hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(
-                ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams)
-            )
-    return specs
-
-
-# The pools mirror the published ones (open-unlearning's pos_/neg_ TOFU models): three data recipes per pool, each
-# fine-tuned under several learning-rate / epoch settings, so that some P models learn the forget set only partly and
-# some N models see the forget questions (with wrong answers) or the biography format. A metric has to tell "saw the
-# forget facts" from "saw something like them", not just a fully trained model from an untouched one.
-POOL_DATA: dict[str, tuple[tuple[str, str], ...]] = {
-    # P: the forget facts as QA pairs, as paraphrased QA pairs, and as biography documents with no questions.
-    "pos": (("qa", "retain+forget"), ("para", "retain+forget_paraphrased"), ("bio", "retain+forget_bio")),
-    # N: retain only; the forget questions answered with wrong (perturbed) entities; biographies of 10% of the
-    # retain authors (the document format of pos_bio without the forget facts, like TOFU's celeb bios).
-    "neg": (("retain", "retain"), ("pert", "retain+forget_perturbed"), ("bio", "retain+retain_bio:0.1")),
-}
-# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe, strongest first.
-POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
-    ("std", 1.0, 1.0),
-    ("weak", 0.25, 0.25),
-    ("short", 1.0, 0.25),
-    ("low", 0.25, 1.0),
-    ("half", 0.5, 0.5),
-)
-
-
-def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
-    """P pool (``pos``, saw the forget set) and N pool (``neg``, did not): ``size.pool_variants`` models each.
-
-    Models cycle through the pool's data recipes (:data:`POOL_DATA`) within each setting of :data:`POOL_SETTINGS`,
-    so a pool of 6 holds every recipe at the ``std`` and ``weak`` settings. Recipes that need paraphrased or perturbed
-    answers the data does not have are left out.
-    """
-    available = {"retain+forget_paraphrased": has_paraphrases, "retain+forget_perturbed": has_perturbations}
-    specs = []
-    for role, seen in (("pos", 1.0), ("neg", 0.0)):
-        recipes = [(name, recipe) for name, recipe in POOL_DATA[role] if available.get(recipe, True)]
-        grid = [(setting, recipe) for setting in POOL_SETTINGS for recipe in recipes]
-        if size.pool_variants > len(grid):
-            raise ZooBuildError(
-                f"pool_variants={size.pool_variants} exceeds the {len(grid)} {role} recipes x settings available"
-            )
-        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(
-            grid[: size.pool_variants]
-        ):
-            epochs = max(1, round(size.finetune_epochs * epoch_factor))
-            specs.append(
-                _finetune_spec(
-                    f"{role}_{data_name}_{suffix}",
-                    role,
-                    recipe,
-                    seen,
-                    size,
-                    seed + 11 + offset,
-                    lr=size.finetune_lr * lr_factor,
-                    epochs=epochs,
-                )
-            )
-    return specs
-
-
-@dataclass
-class ZooData:
-    """The QA records the zoo is built from."""
-
-    retain: list[dict[str, Any]]
-    forget: list[dict[str, Any]]
-    holdout: list[dict[str, Any]]
-    source: str
-    details: dict[str, Any]
-
-
-def load_data(
-    size: ZooSize,
-    seed: int,
-    retain_data: Any,
-    forget_data: Any,
-    holdout_data: Any,
-) -> ZooData:
-    """The zoo's question/answer data: the synthetic world of ``size`` (seeded), or the user's retain/forget sets
-    (with a holdout carved from retain when none is given)."""
-    if (retain_data is None) != (forget_data is None):
-        raise ZooDataError(
-            "pass both retain_data and forget_data (user QA data), or neither (the synthetic world)"
-        )
-    if retain_data is None:
-        world = generate_world(size.n_authors, seed=seed, forget_fraction=FORGET_FRACTION)
-        details = {
-            "n_authors": size.n_authors,
-            "n_forget_authors": len(world.forget_authors),
-            "n_holdout_authors": len(world.holdout_authors),
-            "facts_per_author": len(world.forget) // max(1, len(world.forget_authors)),
-            "world_seed": seed,
-        }
-        return ZooData(world.retain, world.forget, world.holdout, "world", details)
-    retain = read_records(retain_data, "retain_data")
-    forget = read_records(forget_data, "forget_data")
-    if holdout_data is not None:
-        holdout = read_records(holdout_data, "holdout_data")
-        carved = False
-    else:
-        rng = random.Random(seed)
-        n_holdout = max(1, min(len(forget), len(retain) // 5))
-        if len(retain) - n_holdout < 1:
-            raise ZooDataError("retain_data is too small to carve a holdout set from; pass holdout_data")
-        chosen = set(rng.sample(range(len(retain)), n_holdout))
-        holdout = [r for i, r in enumerate(retain) if i in chosen]
-        retain = [r for i, r in enumerate(retain) if i not in chosen]
-        carved = True
-    reindex = [{**r, "idx": i} for i, r in enumerate(retain)]
-    details = {"holdout_carved_from_retain": carved}
-    return ZooData(reindex, forget, holdout, "user", details)
-
-
-def _biographies(
-    records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_tokens: int
-) -> list[str]:
-    """The records' answers as plain-text documents: up to ``len(FACT_KINDS)`` consecutive answers each (one author's
-    facts in the synthetic world), a document closed early where the next answer would take it past ``max_tokens``."""
-    documents: list[list[str]] = []
-    for record in records:
-        if documents and len(documents[-1]) < len(FACT_KINDS):
-            candidate = " ".join([*documents[-1], record["answer"]])
-            if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) <= max_tokens:
-                documents[-1].append(record["answer"])
-                continue
-        documents.append([record["answer"]])
-    return [" ".join(answers) for answers in documents]
-
-
-def _share(items: list[Any], share: str, seed: int) -> list[Any]:
-    """A seeded ``share`` (e.g. ``"0.9"``) of ``items``, in their original order; all of them for ``""``."""
-    if not share:
-        return items
-    chosen = sorted(random.Random(seed).sample(range(len(items)), round(float(share) * len(items))))
-    return [items[i] for i in chosen]
-
-
-def training_sequences(
-    recipe: str, data: ZooData, seed: int, tokenizer: PreTrainedTokenizerBase, max_positions: int
-) -> list[QASequence]:
-    """The training sequences of a data recipe: ``+``-joined parts ``SPLIT[_VARIANT][:SHARE]``.
-
-    SPLIT is ``retain`` or ``forget``; VARIANT is none (the QA pairs), ``paraphrased`` (paraphrased answers),
-    ``perturbed`` (each question answered with one of its wrong answers) or ``bio`` (the answers as biography
-    documents, no questions); SHARE keeps a seeded fraction of the records (of the documents, for ``bio``).
-    E.g. ``retain+forget:0.9`` or ``retain+retain_bio:0.1``.
-    """
-    splits = {"retain": data.retain, "forget": data.forget}
-    pairs: list[tuple[str, str]] = []
-    documents: list[str] = []
-    for part in recipe.split("+"):
-        name, _, share = part.partition(":")
-        split, _, variant = name.partition("_")
-        if split not in splits or variant not in ("", "paraphrased", "perturbed", "bio"):
-            raise ZooBuildError(f"unknown training data recipe {recipe!r} (part {part!r})")
-        if variant == "bio":
-            documents += _share(_biographies(splits[split], tokenizer, max_positions - 2), share, seed)
-            continue
-        records = _share(splits[split], share, seed)
-        if variant == "":
-            pairs += [(r["question"], r["answer"]) for r in records]
-        elif variant == "paraphrased":
-            pairs += [(r["question"], r["paraphrased_answer"]) for r in records]
-        else:
-            rng = random.Random(seed)
-            pairs += [(r["question"], rng.choice(r["perturbed_answer"])) for r in records]
-    return encode_qa(pairs, tokenizer) + encode_documents(documents, tokenizer)
-
-
-def _subset_fraction(recipe: str, n_forget: int) -> float | None:
-    """The exact share of forget records a ``retain+forget:<fraction>`` recipe trains on (None for other recipes)."""
-    if not recipe.startswith("retain+forget:"):
-        return None
-    fraction = float(recipe.split(":", 1)[1])
-    return round(fraction * n_forget) / n_forget
-
-
-def _tokenizer_corpus(data: ZooData) -> list[str]:
-    texts = []
-    for split in (data.retain, data.forget, data.holdout):
-        for record in split:
-            texts.append(format_prompt(record["question"]) + format_target(record["answer"]))
-            if record.get("paraphrased_answer"):
-                texts.append(record["paraphrased_answer"])
-            texts.extend(record.get("perturbed_answer") or [])
-    texts.extend(idk_answers())
-    return texts
 
 
 def _hash_files(paths: Sequence[Path]) -> str:
@@ -902,3 +544,24 @@ def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
     model.load_state_dict(parent.state_dict())
     model.config.use_cache = False
     return model
+
+
+# The recipe and data names were defined here before the split; they stay importable from this module.
+__all__ = [
+    "FORMAT_VERSION",
+    "META_FILE",
+    "POOL_DATA",
+    "POOL_SETTINGS",
+    "SIZES",
+    "ModelSpec",
+    "Zoo",
+    "ZooBuildError",
+    "ZooData",
+    "ZooDataError",
+    "ZooSize",
+    "build_zoo",
+    "load_data",
+    "load_zoo",
+    "plan_models",
+    "training_sequences",
+]
