@@ -38,7 +38,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from uds_lens import models
+from uds_lens.files import json_digest, write_atomic
 
 from .layout import MANIFEST_FILE, Zoo, load_zoo
 from .recipe import (
@@ -61,7 +62,7 @@ from .recipe import (
     plan_models,
 )
 from .tokenizer import CHAT_TEMPLATE, train_tokenizer
-from .train import encode_qa, entity_accuracy, init_model, make_config, train_lm
+from .train import QASequence, encode_qa, entity_accuracy, init_model, make_config, train_lm
 from .training_data import ZooData, _subset_fraction, _tokenizer_corpus, load_data, training_sequences
 from .unlearn import unlearn, unlearning_steps
 from .world import ZooDataError, idk_answers, validate_records, write_records
@@ -89,7 +90,7 @@ def _fingerprint(spec: ModelSpec, parent_fingerprint: str | None, context: dict[
         "context": context,
         "format_version": FORMAT_VERSION,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(payload, length=16)
 
 
 def _read_meta(model_dir: Path) -> dict[str, Any] | None:
@@ -106,9 +107,7 @@ def _read_meta(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 @contextmanager
@@ -182,9 +181,7 @@ def _refresh_tokenizer_files(tokenizer_dir: Path, model_dir: Path) -> None:
             continue
         target = model_dir / source.name
         if not target.is_file() or target.read_bytes() != source.read_bytes():
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_bytes(source.read_bytes())
-            os.replace(tmp, target)
+            write_atomic(target, source.read_bytes())
 
 
 def _load_model(model_dir: Path) -> LlamaForCausalLM:
@@ -284,6 +281,50 @@ def build_zoo(
     return load_zoo(root)
 
 
+@dataclass
+class _Build:
+    """What every step of one build reads: the zoo directory, the recipe, the data and the tokenizer."""
+
+    root: Path
+    size: ZooSize
+    seed: int
+    threads: int
+    data: ZooData
+    tokenizer: Any
+    progress: bool
+    strict: bool
+    base: str | os.PathLike | None
+    sequences: _UnlearningSequences
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    def model_dir(self, name: str) -> Path:
+        return self.root / "models" / name
+
+
+@dataclass(frozen=True)
+class _UnlearningSequences:
+    """The encoded sequences the unlearning methods read: forget and retain QA, and the forget questions answered
+    with a seeded "I don't know" (IdkNLL's targets)."""
+
+    forget: list[QASequence]
+    retain: list[QASequence]
+    idk: list[QASequence]
+
+    @classmethod
+    def encode(cls, data: ZooData, tokenizer: Any, seed: int) -> _UnlearningSequences:
+        idk = idk_answers()
+        idk_rng = random.Random(seed)
+        return cls(
+            forget=encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer),
+            retain=encode_qa([(r["question"], r["answer"]) for r in data.retain], tokenizer),
+            idk=encode_qa([(r["question"], idk_rng.choice(idk)) for r in data.forget], tokenizer),
+        )
+
+
 def _build_locked(
     root: Path,
     size: ZooSize,
@@ -299,8 +340,51 @@ def _build_locked(
     overwrite: bool,
     base: str | os.PathLike | None = None,
 ) -> None:
+    """The build, step by step: data, tokenizer, fingerprints, then each model (reused or trained), then the
+    manifest."""
     started = time.perf_counter()
     data = load_data(size, seed, retain_data, forget_data, holdout_data)
+    paths = _write_data(root, data, size, size_name, seed, overwrite)
+    base_identity = _base_identity(base) if base is not None else None
+    tokenizer = _prepare_tokenizer(root / "tokenizer", data, size, base, base_identity)
+    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity)
+    specs = _plan(size, seed, pools, data, base_identity)
+    build = _Build(
+        root,
+        size,
+        seed,
+        threads,
+        data,
+        tokenizer,
+        progress,
+        strict,
+        base,
+        _UnlearningSequences.encode(data, tokenizer, seed),
+    )
+    fingerprints: dict[str, str] = {}
+    in_memory: dict[str, LlamaForCausalLM] = {}
+    entries = []
+    children = {spec.parent for spec in specs if spec.parent}
+    for spec in specs:
+        fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
+        fingerprints[spec.name] = fingerprint
+        meta = _reuse(build, spec, fingerprint)
+        if meta is not None:
+            entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
+            continue
+        meta, model = _build_model(build, spec, fingerprint, in_memory, children)
+        if spec.name in children:
+            in_memory[spec.name] = model
+        entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": False})
+    manifest = _manifest(build, size_name, entries, context, time.perf_counter() - started)
+    _write_json_atomic(root / MANIFEST_FILE, manifest)
+
+
+def _write_data(
+    root: Path, data: ZooData, size: ZooSize, size_name: str, seed: int, overwrite: bool
+) -> dict[str, Path]:
+    """Validate the QA records and write ``data/{forget,retain,holdout}.json`` where they differ (after refusing to
+    replace another zoo's data unless ``overwrite``); the three paths, by split."""
     data_dir = root / "data"
     paths = {split: data_dir / f"{split}.json" for split in ("forget", "retain", "holdout")}
     texts = {}
@@ -312,17 +396,25 @@ def _build_locked(
     for split, records in (("forget", data.forget), ("retain", data.retain), ("holdout", data.holdout)):
         if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != texts[split]:
             write_records(records, paths[split])
-    tokenizer_dir = root / "tokenizer"
-    if base is not None:
-        base_identity = _base_identity(base)
+    return paths
+
+
+def _prepare_tokenizer(
+    tokenizer_dir: Path,
+    data: ZooData,
+    size: ZooSize,
+    base: str | os.PathLike | None,
+    base_identity: dict[str, Any] | None,
+) -> Any:
+    """The zoo's tokenizer, saved in ``tokenizer_dir``: the base's own, or one trained on the data's texts (each
+    redone only when its stamp file records another base or corpus), with the zoo's chat template."""
+    if base is not None and base_identity is not None:
         stamp = tokenizer_dir / "base_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != base_identity["stamp"]:
             models.load_tokenizer(base).save_pretrained(tokenizer_dir)
             stamp.write_text(base_identity["stamp"] + "\n")
     else:
-        corpus_hash = hashlib.sha256(
-            json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()
-        ).hexdigest()[:16]
+        corpus_hash = json_digest([_tokenizer_corpus(data), size.vocab_size], length=16)
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
             tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
@@ -333,20 +425,39 @@ def _build_locked(
         # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
         tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(tokenizer_dir)
+    return tokenizer
+
+
+def _fingerprint_context(
+    paths: dict[str, Path],
+    tokenizer_dir: Path,
+    size: ZooSize,
+    threads: int,
+    base_identity: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base)."""
     context = {
         "data": _hash_files([paths["forget"], paths["retain"], paths["holdout"]]),
         "tokenizer": _hash_files([tokenizer_dir / "tokenizer.json"]),
         "shape": asdict(size.shape),
         "threads": threads,
     }
-    if base is not None:
+    if base_identity is not None:
         # Only with a base: the default and test zoos' fingerprints (and so the shared caches) stay as they were.
         context["base"] = base_identity
         context["shape"] = base_identity["shape"]
+    return context
+
+
+def _plan(
+    size: ZooSize, seed: int, pools: bool, data: ZooData, base_identity: dict[str, Any] | None
+) -> list[ModelSpec]:
+    """The recipe's models for this data (pool recipes need paraphrased / perturbed answers), the base replaced by
+    the pretrained one when there is one."""
     has_paraphrases = all(r.get("paraphrased_answer") for r in data.forget)
     has_perturbations = all(r.get("perturbed_answer") for r in data.forget)
     specs = plan_models(size, seed, pools, has_paraphrases, has_perturbations)
-    if base is not None:
+    if base_identity is not None:
         specs[0] = ModelSpec(
             "base",
             "base",
@@ -356,111 +467,144 @@ def _build_locked(
             0.0,
             {"source": base_identity["source"], "seed": seed},
         )
-    idk = idk_answers()
-    idk_rng = random.Random(seed)
-    forget_sequences = encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer)
-    retain_sequences = encode_qa([(r["question"], r["answer"]) for r in data.retain], tokenizer)
-    idk_sequences = encode_qa([(r["question"], idk_rng.choice(idk)) for r in data.forget], tokenizer)
-    fingerprints: dict[str, str] = {}
-    in_memory: dict[str, LlamaForCausalLM] = {}
-    entries = []
-    checks: dict[str, Any] = {}
-    children = {spec.parent for spec in specs if spec.parent}
-    for spec in specs:
-        model_dir = root / "models" / spec.name
-        fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
-        fingerprints[spec.name] = fingerprint
-        meta = _read_meta(model_dir)
-        if meta is not None and meta.get("fingerprint") == fingerprint:
-            logger.info("zoo: reusing %s", spec.name)
-            _refresh_tokenizer_files(tokenizer_dir, model_dir)
-            if spec.name in ("full", "retain"):
-                _check(spec, meta["metrics"], checks, strict)
-            entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
-            continue
-        model_started = time.perf_counter()
-        computed: dict[str, Any] = {}
+    return specs
+
+
+def _reuse(build: _Build, spec: ModelSpec, fingerprint: str) -> dict[str, Any] | None:
+    """The saved ``zoo_meta.json`` of a model already built with this fingerprint (its tokenizer files refreshed,
+    its checks recorded), or None when it must be trained."""
+    model_dir = build.model_dir(spec.name)
+    meta = _read_meta(model_dir)
+    if meta is None or meta.get("fingerprint") != fingerprint:
+        return None
+    logger.info("zoo: reusing %s", spec.name)
+    _refresh_tokenizer_files(build.tokenizer_dir, model_dir)
+    if spec.name in ("full", "retain"):
+        _check(spec, meta["metrics"], build.checks, build.strict)
+    return meta
+
+
+def _build_model(
+    build: _Build,
+    spec: ModelSpec,
+    fingerprint: str,
+    in_memory: dict[str, LlamaForCausalLM],
+    children: set[str | None],
+) -> tuple[dict[str, Any], LlamaForCausalLM]:
+    """Make one model (initialise or copy its parent, train or unlearn), evaluate and check it, save it with its
+    ``zoo_meta.json``; that meta and the model."""
+    model_started = time.perf_counter()
+    model, sequences, steps = _starting_point(build, spec, in_memory, children)
+    computed = _train(build, spec, model, sequences, steps)
+    metrics = _evaluate(model, build.tokenizer, build.data)
+    _check(spec, metrics, build.checks, build.strict)
+    model_dir = build.model_dir(spec.name)
+    _save(model, build.tokenizer, model_dir)
+    meta = {
+        "name": spec.name,
+        "fingerprint": fingerprint,
+        "role": spec.role,
+        "method": spec.method,
+        "hyperparams": spec.hyperparams,
+        "computed": computed,
+        "metrics": metrics,
+        "train_seconds": round(time.perf_counter() - model_started, 2),
+        "threads": build.threads,
+    }
+    _write_json_atomic(model_dir / META_FILE, meta)
+    logger.info("zoo: built %s in %.1fs %s", spec.name, meta["train_seconds"], metrics)
+    return meta, model
+
+
+def _starting_point(
+    build: _Build,
+    spec: ModelSpec,
+    in_memory: dict[str, LlamaForCausalLM],
+    children: set[str | None],
+) -> tuple[LlamaForCausalLM, list[QASequence], int]:
+    """The model a spec starts from (the pretrained base, a fresh initialisation, or a copy of its parent), its
+    training sequences (none for unlearning, which reads the shared ones) and its number of optimiser steps."""
+    size, hyperparams = build.size, spec.hyperparams
+    if spec.stage == "pretrained":
+        assert build.base is not None
+        return _load_pretrained_base(build.base), [], 0
+    if spec.stage == "pretrain":
+        model = init_model(make_config(size.shape, build.tokenizer), seed=int(hyperparams["seed"]))
+        sequences = training_sequences(
+            hyperparams["data"], build.data, hyperparams["seed"], build.tokenizer, size.shape.max_positions
+        )
+        return model, sequences, hyperparams["epochs"] * -(-len(sequences) // hyperparams["batch_size"])
+    assert spec.parent is not None
+    parent = in_memory.get(spec.parent) or _load_model(build.model_dir(spec.parent))
+    if spec.parent in children:
+        in_memory[spec.parent] = parent
+    model = _copy_model(parent)
+    if spec.stage == "finetune":
+        sequences = training_sequences(
+            hyperparams["data"],
+            build.data,
+            hyperparams["seed"],
+            build.tokenizer,
+            size.shape.max_positions,
+        )
+        return model, sequences, hyperparams["epochs"] * -(-len(sequences) // hyperparams["batch_size"])
+    return model, [], unlearning_steps(len(build.sequences.forget), hyperparams)
+
+
+def _train(
+    build: _Build, spec: ModelSpec, model: LlamaForCausalLM, sequences: list[QASequence], steps: int
+) -> dict[str, Any]:
+    """Train (pretrain / fine-tune) or unlearn ``model`` in place, seeded by the spec; what the run computed (the
+    final training loss, the unlearning method's statistics, or the pretrained base's source)."""
+    computed: dict[str, Any] = {}
+    tokenizer = build.tokenizer
+    bar = tqdm(total=steps, desc=f"zoo {spec.name}", disable=not build.progress, leave=False)
+    try:
+        torch.manual_seed(int(spec.hyperparams["seed"]))
         if spec.stage == "pretrained":
-            model, sequences, steps = _load_pretrained_base(base), [], 0
-        elif spec.stage == "pretrain":
-            model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
-            sequences = training_sequences(
-                spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
+            computed["source"] = spec.hyperparams["source"]
+        elif spec.stage in ("pretrain", "finetune"):
+            losses = train_lm(
+                model,
+                sequences,
+                epochs=int(spec.hyperparams["epochs"]),
+                lr=float(spec.hyperparams["lr"]),
+                seed=int(spec.hyperparams["seed"]),
+                pad_id=tokenizer.pad_token_id,
+                batch_size=int(spec.hyperparams["batch_size"]),
+                on_step=bar.update,
             )
-            steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
+            computed["final_train_loss"] = round(losses[-1], 5)
         else:
-            parent = in_memory.get(spec.parent) or _load_model(root / "models" / spec.parent)
-            if spec.parent in children:
-                in_memory[spec.parent] = parent
-            model = _copy_model(parent)
-            if spec.stage == "finetune":
-                sequences = training_sequences(
-                    spec.hyperparams["data"],
-                    data,
-                    spec.hyperparams["seed"],
-                    tokenizer,
-                    size.shape.max_positions,
-                )
-                steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
-            else:
-                steps = unlearning_steps(len(forget_sequences), spec.hyperparams)
-        bar = tqdm(total=steps, desc=f"zoo {spec.name}", disable=not progress, leave=False)
-        try:
-            torch.manual_seed(int(spec.hyperparams["seed"]))
-            if spec.stage == "pretrained":
-                computed["source"] = spec.hyperparams["source"]
-            elif spec.stage in ("pretrain", "finetune"):
-                losses = train_lm(
+            computed.update(
+                unlearn(
                     model,
-                    sequences,
-                    epochs=int(spec.hyperparams["epochs"]),
-                    lr=float(spec.hyperparams["lr"]),
+                    spec.method,
+                    build.sequences.forget,
+                    build.sequences.retain,
+                    spec.hyperparams,
                     seed=int(spec.hyperparams["seed"]),
                     pad_id=tokenizer.pad_token_id,
-                    batch_size=int(spec.hyperparams["batch_size"]),
+                    forget_idk=build.sequences.idk,
                     on_step=bar.update,
                 )
-                computed["final_train_loss"] = round(losses[-1], 5)
-            else:
-                computed.update(
-                    unlearn(
-                        model,
-                        spec.method,
-                        forget_sequences,
-                        retain_sequences,
-                        spec.hyperparams,
-                        seed=int(spec.hyperparams["seed"]),
-                        pad_id=tokenizer.pad_token_id,
-                        forget_idk=idk_sequences,
-                        on_step=bar.update,
-                    )
-                )
-        finally:
-            bar.close()
-        metrics = _evaluate(model, tokenizer, data)
-        _check(spec, metrics, checks, strict)
-        _save(model, tokenizer, model_dir)
-        meta = {
-            "name": spec.name,
-            "fingerprint": fingerprint,
-            "role": spec.role,
-            "method": spec.method,
-            "hyperparams": spec.hyperparams,
-            "computed": computed,
-            "metrics": metrics,
-            "train_seconds": round(time.perf_counter() - model_started, 2),
-            "threads": threads,
-        }
-        _write_json_atomic(model_dir / META_FILE, meta)
-        if spec.name in children:
-            in_memory[spec.name] = model
-        logger.info("zoo: built %s in %.1fs %s", spec.name, meta["train_seconds"], metrics)
-        entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": False})
-    manifest = {
+            )
+    finally:
+        bar.close()
+    return computed
+
+
+def _manifest(
+    build: _Build, size_name: str, entries: list[dict[str, Any]], context: dict[str, Any], seconds: float
+) -> dict[str, Any]:
+    """The zoo's ``manifest.json`` (see :mod:`uds_lens.zoo.layout`): the models in build order, the data, the
+    checks, the relearning settings, timings and library versions."""
+    data, size = build.data, build.size
+    return {
         "format_version": FORMAT_VERSION,
         "size": size_name,
-        "seed": seed,
-        "threads": threads,
+        "seed": build.seed,
+        "threads": build.threads,
         "models": entries,
         "data": {
             "source": data.source,
@@ -475,12 +619,12 @@ def _build_locked(
         },
         "tokenizer": "tokenizer",
         "shape": asdict(size.shape),
-        **({"base": context["base"]} if base is not None else {}),
-        "checks": checks,
+        **({"base": context["base"]} if build.base is not None else {}),
+        "checks": build.checks,
         # The relearning attack of the meta-evaluation, scaled to this zoo: the published attack relearns at twice the
         # learning rate TOFU fine-tunes at (2e-5 vs 1e-5); the published 2e-5 would barely move a model trained at 1e-3.
         "relearn": {"lr": 2 * size.finetune_lr},
-        "build_seconds": round(time.perf_counter() - started, 2),
+        "build_seconds": round(seconds, 2),
         "models_train_seconds": round(sum(entry["train_seconds"] or 0.0 for entry in entries), 2),
         "versions": {
             "torch": torch.__version__,
@@ -488,7 +632,6 @@ def _build_locked(
             "python": platform.python_version(),
         },
     }
-    _write_json_atomic(root / MANIFEST_FILE, manifest)
 
 
 def _refuse_to_replace(
