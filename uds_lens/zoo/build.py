@@ -51,7 +51,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 from uds_lens import models
 from uds_lens.files import json_digest, write_atomic
 
-from .layout import MANIFEST_FILE, Zoo, load_zoo
+from .layout import MANIFEST_FILE, Zoo, load_zoo, read_manifest
 from .recipe import (
     POOL_DATA,
     POOL_SETTINGS,
@@ -643,8 +643,7 @@ def _refuse_to_replace(
         for split, path in paths.items()
         if path.is_file() and path.read_text(encoding="utf-8") != texts[split]
     ]
-    manifest_path = root / MANIFEST_FILE
-    old: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    old: dict[str, Any] = read_manifest(root) or {}
     if old and old.get("shape") != asdict(size.shape):
         differ.append("model shape")
     if differ and old.get("size") == size_name and old.get("seed") == seed:
