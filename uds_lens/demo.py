@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from uds_lens.auditor import UDSConfig, score_models
+from uds_lens.files import zoo_root
 from uds_lens.plotting.report import write_report
 from uds_lens.results import OutputConflictError
 from uds_lens.zoo import build_zoo
@@ -28,7 +29,9 @@ DEMO_ROLES = ("full", "retain", "partial", "unlearned")
 
 
 def default_zoo_dir(size: str) -> Path:
-    return Path(os.environ.get("UDS_LENS_ZOO", f"~/.cache/uds_lens/zoo-{size}")).expanduser()
+    """Where the demo builds or finds the zoo of ``size``: ``files.zoo_root`` (``$UDS_LENS_ZOO``, or
+    ``<cache root>/zoo-<size>`` under ``$UDS_LENS_CACHE``)."""
+    return zoo_root(size)
 
 
 def _has_pools(zoo_dir: Path) -> bool:

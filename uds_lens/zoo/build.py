@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from uds_lens import models
+from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.files import json_digest, write_atomic
 
 from .layout import MANIFEST_FILE, Zoo, load_zoo, read_manifest
@@ -666,7 +667,7 @@ def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
     config = models.load_hf_config(base)
     models.check_supported(config, str(base))
     signature = asdict(models.ArchitectureSignature.of_config(config))
-    return {"source": str(base), "stamp": models.checkpoint_stamp(base), "shape": signature}
+    return {"source": str(base), "stamp": checkpoint_stamp(base), "shape": signature}
 
 
 def _load_pretrained_base(base: str | os.PathLike) -> LlamaForCausalLM:
