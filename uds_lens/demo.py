@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from uds_lens.auditor import UDSConfig, score_models
-from uds_lens.files import zoo_root
+from uds_lens.files import write_atomic, zoo_root
 from uds_lens.plotting.report import write_report
 from uds_lens.results import OutputConflictError
 from uds_lens.zoo import build_zoo
@@ -156,7 +156,7 @@ def run_demo(
         table, entries, _ = score_zoo(zoo, out, config, progress)
     finally:
         torch.set_num_threads(previous_threads)
-    (out / "roles.json").write_text(json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
+    write_atomic(out / "roles.json", json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
     table.to_csv(out / "uds_table.csv", index=False)
     write_report(out, out / "report.html", title=f"UDS on the embedded zoo ({size})")
     logger.info("demo finished in %.1f s", time.perf_counter() - started)

@@ -36,6 +36,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights
 from uds_lens.config import DTYPE_NAMES
+from uds_lens.files import staging_path
 from uds_lens.resolve import (
     SAFE_LOAD_KWARGS,
     ZOO_PREFIX,
@@ -422,7 +423,7 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     out = Path(out_dir).expanduser()
     hf_model = load_hf_model(source.location, dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer(source.location)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
     # config without the GGUF quantisation entry are a plain fp32 checkpoint.

@@ -140,9 +140,9 @@ ZOO_PREFIX = "zoo:"
 def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
 
-    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``~/.cache/uds_lens/zoo-default``,
-    ``zoo-test``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")`` or
-    ``load_zoo(dir).model("npo")``.
+    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``zoo-default``, ``zoo-test`` under
+    ``files.cache_root()``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")``
+    or ``load_zoo(dir).model("npo")``.
     """
     text = str(path_or_id)
     cache = cache_root()

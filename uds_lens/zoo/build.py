@@ -413,14 +413,14 @@ def _prepare_tokenizer(
         stamp = tokenizer_dir / "base_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != base_identity["stamp"]:
             models.load_tokenizer(base).save_pretrained(tokenizer_dir)
-            stamp.write_text(base_identity["stamp"] + "\n")
+            write_atomic(stamp, base_identity["stamp"] + "\n")
     else:
         corpus_hash = json_digest([_tokenizer_corpus(data), size.vocab_size], length=16)
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
             tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
             tokenizer.save_pretrained(tokenizer_dir)
-            stamp.write_text(corpus_hash + "\n")
+            write_atomic(stamp, corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **models.SAFE_LOAD_KWARGS)
     if tokenizer.chat_template != CHAT_TEMPLATE:
         # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
