@@ -3,9 +3,8 @@
 The recipe (which models, trained how) is :mod:`uds_lens.zoo.recipe`; the data and the training sequences of each
 data recipe are :mod:`uds_lens.zoo.training_data`; this module runs the steps and writes the zoo directory.
 
-Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
-:mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
-under-trained zoo gives misleading UDS without any error.
+Before saving, the builder checks that ``full`` knows the forget facts and ``retain`` does not
+(:mod:`uds_lens.zoo.checks`), and raises :class:`ZooBuildError` otherwise.
 
 Layout of a zoo directory::
 
@@ -52,6 +51,7 @@ from uds_lens import models
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.files import json_digest, write_atomic
 
+from .checks import FULL_MIN_FORGET_ACCURACY, RETAIN_MAX_FORGET_ACCURACY, check, evaluate
 from .layout import MANIFEST_FILE, Zoo, load_zoo, read_manifest
 from .recipe import (
     POOL_DATA,
@@ -63,7 +63,7 @@ from .recipe import (
     plan_models,
 )
 from .tokenizer import CHAT_TEMPLATE, train_tokenizer
-from .train import QASequence, encode_qa, entity_accuracy, init_model, make_config, train_lm
+from .train import QASequence, encode_qa, init_model, make_config, train_lm
 from .training_data import ZooData, _subset_fraction, _tokenizer_corpus, load_data, training_sequences
 from .unlearn import unlearn, unlearning_steps
 from .world import ZooDataError, idk_answers, validate_records, write_records
@@ -71,8 +71,6 @@ from .world import ZooDataError, idk_answers, validate_records, write_records
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-FULL_MIN_FORGET_ACCURACY = 0.95
-RETAIN_MAX_FORGET_ACCURACY = 0.2
 META_FILE = "zoo_meta.json"
 
 
@@ -119,49 +117,6 @@ def _pinned_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, data: ZooData) -> dict[str, float]:
-    """Entity accuracy on forget, holdout and (up to 200 records of) retain."""
-    metrics = {}
-    retain_sample = data.retain[:: max(1, len(data.retain) // 200)][:200]
-    for split, records in (("forget", data.forget), ("retain", retain_sample), ("holdout", data.holdout)):
-        accuracy = entity_accuracy(model, tokenizer, records)
-        metrics[f"{split}_entity_exact"] = round(accuracy.exact, 4)
-        metrics[f"{split}_entity_token"] = round(accuracy.token, 4)
-    return metrics
-
-
-def _check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
-    """The build checks of module docstring; raise before a bad ``full`` / ``retain`` is saved."""
-    if spec.name == "full":
-        value = metrics["forget_entity_exact"]
-        passed = value >= FULL_MIN_FORGET_ACCURACY
-        checks["full_forget_entity_accuracy"] = {
-            "value": value,
-            "min": FULL_MIN_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the full model predicts only {value:.3f} of the forget entities (needs >= "
-                f"{FULL_MIN_FORGET_ACCURACY}): it is under-trained and UDS on this zoo would mislead. Train longer "
-                "(ZooSize.finetune_epochs / base_epochs), raise the learning rate, or use a larger size."
-            )
-    if spec.name == "retain":
-        value = metrics["forget_entity_exact"]
-        passed = value <= RETAIN_MAX_FORGET_ACCURACY
-        checks["retain_forget_entity_accuracy"] = {
-            "value": value,
-            "max": RETAIN_MAX_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= "
-                f"{RETAIN_MAX_FORGET_ACCURACY}): the forget facts are guessable from the retain set, so UDS has no "
-                "knowledge to measure. Use forget facts that are not inferable from the retain data."
-            )
 
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
@@ -481,7 +436,7 @@ def _reuse(build: _Build, spec: ModelSpec, fingerprint: str) -> dict[str, Any] |
     logger.info("zoo: reusing %s", spec.name)
     _refresh_tokenizer_files(build.tokenizer_dir, model_dir)
     if spec.name in ("full", "retain"):
-        _check(spec, meta["metrics"], build.checks, build.strict)
+        check(spec, meta["metrics"], build.checks, build.strict)
     return meta
 
 
@@ -497,8 +452,8 @@ def _build_model(
     model_started = time.perf_counter()
     model, sequences, steps = _starting_point(build, spec, in_memory, children)
     computed = _train(build, spec, model, sequences, steps)
-    metrics = _evaluate(model, build.tokenizer, build.data)
-    _check(spec, metrics, build.checks, build.strict)
+    metrics = evaluate(model, build.tokenizer, build.data)
+    check(spec, metrics, build.checks, build.strict)
     model_dir = build.model_dir(spec.name)
     _save(model, build.tokenizer, model_dir)
     meta = {
@@ -692,6 +647,8 @@ def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
 # The recipe and data names were defined here before the split; they stay importable from this module.
 __all__ = [
     "FORMAT_VERSION",
+    "FULL_MIN_FORGET_ACCURACY",
+    "RETAIN_MAX_FORGET_ACCURACY",
     "META_FILE",
     "POOL_DATA",
     "POOL_SETTINGS",
