@@ -373,8 +373,9 @@ def _prepare_tokenizer(
         corpus_hash = json_digest([_tokenizer_corpus(data), size.vocab_size], length=16)
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
-            tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
-            tokenizer.save_pretrained(tokenizer_dir)
+            train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(
+                tokenizer_dir
+            )
             write_atomic(stamp, corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **models.SAFE_LOAD_KWARGS)
     if tokenizer.chat_template != CHAT_TEMPLATE:
@@ -445,7 +446,7 @@ def _build_model(
     spec: ModelSpec,
     fingerprint: str,
     in_memory: dict[str, LlamaForCausalLM],
-    children: set[str | None],
+    children: set[str],
 ) -> tuple[dict[str, Any], LlamaForCausalLM]:
     """Make one model (initialise or copy its parent, train or unlearn), evaluate and check it, save it with its
     ``zoo_meta.json``; that meta and the model."""
@@ -476,7 +477,7 @@ def _starting_point(
     build: _Build,
     spec: ModelSpec,
     in_memory: dict[str, LlamaForCausalLM],
-    children: set[str | None],
+    children: set[str],
 ) -> tuple[LlamaForCausalLM, list[QASequence], int]:
     """The model a spec starts from (the pretrained base, a fresh initialisation, or a copy of its parent), its
     training sequences (none for unlearning, which reads the shared ones) and its number of optimiser steps."""
