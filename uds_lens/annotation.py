@@ -55,6 +55,7 @@ import numpy as np
 from jaxtyping import Float
 
 from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
+from uds_lens.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +161,8 @@ class AnnotationResult:
         (``NAME.summary.json``). Returns the records file's path."""
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.records, indent=1, ensure_ascii=False), encoding="utf-8")
-        summary_path(path).write_text(json.dumps(self.summary, indent=1), encoding="utf-8")
+        write_atomic(path, json.dumps(self.records, indent=1, ensure_ascii=False).encode("utf-8"))
+        write_atomic(summary_path(path), json.dumps(self.summary, indent=1).encode("utf-8"))
         return path
 
 

@@ -319,6 +319,9 @@ class UDSAuditor:
         cache_dir: S1 cache directory (default ``~/.cache/uds_lens``, or ``$UDS_LENS_CACHE``); ``False`` disables it.
         progress: tqdm progress bars over example batches.
         limit: score only the first ``limit`` examples.
+        retain_name / data_name: how results name the retain model and the forget set (default: their paths, or
+            ``<records>`` for data given as records); a sweep worker that adopts another worker's Stage 1 names
+            the retain model it never loaded, and the data file its examples were read from.
 
     Attributes:
         full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
@@ -347,6 +350,8 @@ class UDSAuditor:
         cache_dir: str | os.PathLike | bool | None = None,
         progress: bool = True,
         limit: int | None = None,
+        retain_name: str | None = None,
+        data_name: str | None = None,
     ) -> None:
         self.config = config or UDSConfig()
         self.progress = progress
@@ -372,11 +377,15 @@ class UDSAuditor:
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
         self.retain = self._load(retain, "retain") if retain is not None else None
-        self.retain_name = models.describe(retain) if retain is not None else None
+        if retain_name is None and retain is not None:
+            retain_name = models.describe(retain)
+        self.retain_name = retain_name
         if self.retain is not None:
             models.check_compatible(self.full, self.retain, "full", "retain")
         self.examples: list[Example] = load_examples(data, limit=limit)
-        self.data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
+        if data_name is None:
+            data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
+        self.data_name = data_name
         self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
@@ -399,6 +408,16 @@ class UDSAuditor:
         self._stage1: StageOne | None = None
         self.sources: dict[str, Any] = {}
         self.component_cache: dict[tuple, Any] = {}
+
+    def drop_retain(self) -> None:
+        """Release the retain model once Stage 1 is computed (computing it first if it is not yet).
+
+        Stage 1 is all the retain model is needed for; results keep naming it (``retain_name``) and fingerprinting
+        it (from the source it was given), so a sweep worker frees its memory before it scores the unlearned models. Component
+        patching (``patch_heads`` ...) needs the retain model and raises once it is dropped.
+        """
+        _ = self.stage1
+        self.retain = None
 
     # -- loading -----------------------------------------------------------------------------------------------
 

@@ -1,5 +1,9 @@
 """Checkpoint identity from one pass over its bytes, and staging: the same pass keeps the weights in memory.
 
+Two identities, each computed in one place: a checkpoint on disk by its files' contents (:func:`file_digest`;
+:func:`checkpoint_stamp` is the same for any checkpoint argument, a hub id standing for itself), and a model in memory
+by its tensors' bytes (:func:`model_fingerprint` over :func:`named_weights`).
+
 A result may be reused only when the checkpoint it was computed from is byte for byte the one asked for, so a
 checkpoint directory is identified by the contents of the files that can change its numbers (weights, config,
 tokenizer): :func:`file_digest`. At GPU speed a sweep's pace is set by reading and hashing checkpoints, so the digest
@@ -19,6 +23,7 @@ once, the fingerprint of a staged model costs nothing, and a checkpoint rewritte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -32,6 +37,8 @@ from typing import Any
 import torch
 import xxhash
 from torch import Tensor
+
+from uds_lens.tl_compat import hf_model_of, is_hooked_transformer
 
 # What is hashed, and how: bump on any change, so old identities never match new ones.
 DIGEST_VERSION = 2
@@ -251,6 +258,57 @@ def stage(path: str | os.PathLike, pin_memory: bool = False) -> Staged:
     return Staged(root, digest, buffers, nbytes, time.perf_counter() - started)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Identity of a model in memory: its tensors' bytes
+
+
+def named_weights(model: Any) -> list[tuple[str, Tensor]]:
+    """The tensors a fingerprint hashes, by name: a Hugging Face model's parameters under their Hugging Face names
+    (a bridge's are its Hugging Face model's: the bridge wraps each module in one holding it as
+    ``_original_component``, a segment dropped here, and parameters the bridge added are left out), or a
+    ``HookedTransformer``'s state dict."""
+    if is_hooked_transformer(model):
+        return [(name, value) for name, value in model.state_dict().items() if torch.is_tensor(value)]
+    hf = hf_model_of(model) or model
+    own = hf.__dict__.get("_uds_weight_names")
+    named = [(name.replace("._original_component", ""), param) for name, param in hf.named_parameters()]
+    return [(name, param) for name, param in named if own is None or name in own]
+
+
+def model_fingerprint(model: Any) -> str:
+    """A digest of every weight's bytes (not the path): any change to any weight changes it.
+
+    A bridge and the Hugging Face model it wraps have the same fingerprint (their tensors are the same), on every
+    TransformerLens version. Each tensor is hashed in its logical (row-major) order, in slices of at most 16M
+    elements, so neither a transposed view nor a GPU tensor is ever copied whole.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_weights(model), key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+        if tensor.numel() == 0:
+            continue
+        flat = (
+            tensor.detach().reshape(tensor.shape[0], -1)
+            if tensor.dim() > 1
+            else tensor.detach().reshape(1, -1)
+        )
+        rows = max(1, (1 << 24) // flat.shape[1])
+        for chunk in flat.split(rows, dim=0):
+            digest.update(chunk.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:24]
+
+
+def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
+    """The identity result caches key a checkpoint argument by: :func:`file_digest` of a local checkpoint file or
+    directory (its contents: retrained weights or a new chat template change it, a copy or a touch does not), a hub id
+    as itself."""
+    root = Path(path_or_id).expanduser()
+    if root.is_file() or root.is_dir():
+        return file_digest(root)
+    return str(path_or_id)
+
+
 __all__ = [
     "CHECKPOINT_SUFFIXES",
     "DIGEST_SCHEME",
@@ -259,6 +317,9 @@ __all__ = [
     "Staged",
     "cached_digest",
     "checkpoint_files",
+    "checkpoint_stamp",
     "file_digest",
+    "model_fingerprint",
+    "named_weights",
     "stage",
 ]

@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from uds_lens.auditor import UDSConfig, score_models
+from uds_lens.files import write_atomic, zoo_root
 from uds_lens.plotting.report import write_report
 from uds_lens.results import OutputConflictError
 from uds_lens.zoo import build_zoo
@@ -28,7 +29,9 @@ DEMO_ROLES = ("full", "retain", "partial", "unlearned")
 
 
 def default_zoo_dir(size: str) -> Path:
-    return Path(os.environ.get("UDS_LENS_ZOO", f"~/.cache/uds_lens/zoo-{size}")).expanduser()
+    """Where the demo builds or finds the zoo of ``size``: ``files.zoo_root`` (``$UDS_LENS_ZOO``, or
+    ``<cache root>/zoo-<size>`` under ``$UDS_LENS_CACHE``)."""
+    return zoo_root(size)
 
 
 def _has_pools(zoo_dir: Path) -> bool:
@@ -153,7 +156,7 @@ def run_demo(
         table, entries, _ = score_zoo(zoo, out, config, progress)
     finally:
         torch.set_num_threads(previous_threads)
-    (out / "roles.json").write_text(json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
+    write_atomic(out / "roles.json", json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
     table.to_csv(out / "uds_table.csv", index=False)
     write_report(out, out / "report.html", title=f"UDS on the embedded zoo ({size})")
     logger.info("demo finished in %.1f s", time.perf_counter() - started)

@@ -4,25 +4,24 @@ A UDS audit patches activations between three checkpoints of one architecture, s
 checkpoint is read from a local Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
 holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
 model type must be one uds_lens supports, and two models are only accepted together when their architecture and
-vocabulary match. A string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once,
-before any hub request.
+vocabulary match. Which checkpoint an argument names (and what a model is called) is decided first, without the
+network, by :mod:`uds_lens.resolve`; the identity of a checkpoint or of a model's weights is
+:mod:`uds_lens.checkpoint`. Both modules' names stay importable from here.
 
 A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
 (``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its
 forward is Hugging Face's, so ``blocks.{l}.hook_resid_post`` equals Hugging Face's ``hidden_states[l + 1]`` exactly
-(``sources.verify_parity`` checks it). This works alike on TransformerLens 3.9 and 4.x. Fingerprints hash the
-Hugging Face tensors under their Hugging Face names, so they do not depend on the TransformerLens version.
+(``sources.verify_parity`` checks it). This works alike on TransformerLens 3.9 and 4.x. Every loader error becomes one
+:class:`ModelLoadError` line naming the checkpoint and the fix (:func:`loader_errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,8 +34,21 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from uds_lens.data import looks_like_local_path
-from uds_lens.files import cache_root
+from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights
+from uds_lens.config import DTYPE_NAMES
+from uds_lens.files import staging_path
+from uds_lens.resolve import (
+    SAFE_LOAD_KWARGS,
+    ZOO_PREFIX,
+    CheckpointSource,
+    ModelLoadError,
+    _hub_error,
+    describe,
+    is_local,
+    model_name,
+    resolve_source,
+    resolve_zoo_name,
+)
 from uds_lens.tl_compat import (
     TransformerBridge,
     bridge_from_hf,
@@ -52,16 +64,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2")
 # The same families as a GGUF file's general.architecture names them.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
-
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture)."""
-
-
-# Every transformers ``from_pretrained`` call (config, tokenizer, model) gets these: a checkpoint's own Python code
-# (an ``auto_map`` in its config or tokenizer config) is never run, and transformers never asks on the terminal whether
-# to run it (it asks, and reads stdin even when it is not a terminal, when trust_remote_code is left unset).
-SAFE_LOAD_KWARGS: dict[str, Any] = {"trust_remote_code": False}
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -136,126 +138,27 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+# The torch dtype of each name ``UDSConfig.dtype`` / ``--dtype`` accepts (``config.DTYPE_NAMES``).
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+assert set(_TORCH_DTYPES) == set(DTYPE_NAMES), "config.DTYPE_NAMES and the loader's dtypes must agree"
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """A torch dtype from a dtype, one of ``config.DTYPE_NAMES``, or None (the device's default)."""
     if dtype is None:
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in names:
-        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(names)}.")
-    return names[dtype]
-
-
-# A hub repository id is "owner/name" (letters, digits, "-", "_", "."; at most 96 characters per part).
-_HUB_ID = re.compile(
-    r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$"
-)
-
-
-@dataclass(frozen=True)
-class CheckpointSource:
-    """Where a checkpoint lives, resolved once: ``kind`` is ``"directory"`` (a Hugging Face directory), ``"gguf"``
-    (``location`` is the ``.gguf`` file) or ``"hub"`` (``location`` is the hub id)."""
-
-    kind: str
-    location: str
-
-    @property
-    def local(self) -> bool:
-        return self.kind != "hub"
-
-    def from_pretrained_args(self) -> tuple[str, dict[str, Any]]:
-        """First argument and extra keyword arguments of a ``transformers`` ``from_pretrained`` call."""
-        if self.kind == "gguf":
-            path = Path(self.location)
-            return str(path.parent), {"gguf_file": path.name, **SAFE_LOAD_KWARGS}
-        return self.location, {"local_files_only": self.local, **SAFE_LOAD_KWARGS}
-
-
-def _looks_like_path(text: str) -> bool:
-    """A string the user meant as a local path (``data.looks_like_local_path``, shared with the data loader), or a
-    ``.`` / ``~`` start such as ``.ckpt``."""
-    return text.startswith((".", "~")) or looks_like_local_path(text)
-
-
-def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> CheckpointSource:
-    """Classify a checkpoint argument without touching the network, failing at once on what cannot be one.
-
-    Args:
-        path_or_id: a directory, a ``.gguf`` file, or a hub id.
-        weights: a directory must hold a model (``config.json`` or one ``.gguf``); ``False`` accepts any
-            directory (a tokenizer-only one).
-
-    Raises:
-        ModelLoadError: a path that does not exist, a directory that is neither a Hugging Face checkpoint nor holds
-            exactly one ``.gguf`` file, a file that is not ``.gguf``, or a string that is not a plausible hub id.
-    """
-    path_or_id = resolve_zoo_name(path_or_id)
-    text = os.fspath(path_or_id)
-    path = Path(text).expanduser()
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return CheckpointSource("gguf", str(path))
-        raise ModelLoadError(
-            f"{text} is a file but not a .gguf checkpoint. Pass a Hugging Face checkpoint directory (config.json + "
-            "weights), a .gguf file, or a hub id (owner/name)."
-        )
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return CheckpointSource("directory", str(path))
-        ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-        if len(ggufs) == 1:
-            return CheckpointSource("gguf", str(path / ggufs[0]))
-        if ggufs:
-            raise ModelLoadError(
-                f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path."
-            )
-        if not weights:
-            return CheckpointSource("directory", str(path))
-        raise ModelLoadError(
-            f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint."
-        )
-    if isinstance(path_or_id, os.PathLike) or _looks_like_path(text):
-        raise ModelLoadError(
-            f"No such checkpoint: {text} does not exist (resolved to {path.absolute()}). Check the path; it was not "
-            "looked up on the Hugging Face hub."
-        )
-    if not _HUB_ID.match(text) or ".." in text or "--" in text:
-        raise ModelLoadError(
-            f"{text!r} is neither an existing directory or .gguf file nor a plausible Hugging Face hub id "
-            "(owner/name). Pass a local checkpoint directory, a .gguf file, or a hub id such as "
-            "'meta-llama/Llama-3.2-1B'."
-        )
-    return CheckpointSource("hub", text)
-
-
-def is_local(path_or_id: str | os.PathLike) -> bool:
-    """True for an existing local checkpoint: a directory or a ``.gguf`` file."""
-    path = Path(path_or_id).expanduser()
-    return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
-
-
-def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-    return ModelLoadError(
-        f"Could not load {model_id!r}: it is not a local directory, and fetching it from the Hugging Face hub failed "
-        f"({type(err).__name__}: {err}). "
-        + (
-            "HF_HUB_OFFLINE is set, so the hub is not contacted. "
-            if offline
-            else "This machine may have no access to the hub (set HF_HUB_OFFLINE=1 to fail fast). "
-        )
-        + "Pass a local checkpoint directory instead (e.g. one saved with `save_pretrained`, or a zoo model from "
-        "`uds-lens zoo build`)."
-    )
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}.")
+    return _TORCH_DTYPES[dtype]
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
@@ -282,60 +185,6 @@ def _check_gguf(source: CheckpointSource) -> None:
             f"{source.location} is a GGUF checkpoint of architecture {architecture!r}; uds_lens supports "
             f"general.architecture in {SUPPORTED_GGUF_ARCHITECTURES}. Use a model of one of those families."
         )
-
-
-ZOO_PREFIX = "zoo:"
-
-
-def _zoo_entries(root: Path) -> dict[str, str]:
-    """``{model name: path relative to the zoo}`` of a built zoo's manifest (empty when there is none)."""
-    manifest = root / "manifest.json"
-    if not manifest.is_file():
-        return {}
-    return {m["name"]: m["path"] for m in json.loads(manifest.read_text()).get("models", [])}
-
-
-def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
-    """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
-
-    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``~/.cache/uds_lens/zoo-default``,
-    ``zoo-test``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")`` or
-    ``load_zoo(dir).model("npo")``.
-    """
-    text = str(path_or_id)
-    cache = cache_root()
-    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
-    default_roots += [cache / "zoo-default", cache / "zoo-test"]
-    if not text.startswith(ZOO_PREFIX):
-        if "/" not in text and not Path(text).expanduser().exists():
-            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
-            for root in default_roots:
-                if text in _zoo_entries(root):
-                    raise ModelLoadError(
-                        f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
-                        f"of that name: pass 'zoo:{text}' (or its directory, {root / _zoo_entries(root)[text]})."
-                    )
-        return path_or_id
-    name = text[len(ZOO_PREFIX) :]
-    if "/" in name:
-        size, name = name.split("/", 1)
-        roots = [cache / f"zoo-{size}"]
-    else:
-        roots = default_roots
-    seen = []
-    for root in roots:
-        entries = _zoo_entries(root)
-        if not entries:
-            continue
-        seen.append(f"{root}: {sorted(entries)}")
-        if name in entries:
-            return str(root / entries[name])
-    raise ModelLoadError(
-        f"{text!r} names no model of a built zoo ("
-        + ("; ".join(seen) if seen else f"no zoo found in {[str(r) for r in roots]}")
-        + "). Build one with `uds-lens zoo build --out DIR --size test` (and set UDS_LENS_ZOO=DIR), or pass a "
-        "checkpoint directory."
-    )
 
 
 def load_hf_config(path_or_id: str | os.PathLike) -> Any:
@@ -574,7 +423,7 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     out = Path(out_dir).expanduser()
     hf_model = load_hf_model(source.location, dtype=torch.float32, device="cpu")
     tokenizer = load_tokenizer(source.location)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
     # config without the GGUF quantisation entry are a plain fp32 checkpoint.
@@ -654,71 +503,11 @@ def check_compatible(
     )
 
 
-def named_weights(model: Any) -> list[tuple[str, Tensor]]:
-    """The tensors a fingerprint hashes, by name: a Hugging Face model's parameters under their Hugging Face names
-    (a bridge's are its Hugging Face model's: the bridge wraps each module in one holding it as
-    ``_original_component``, a segment dropped here, and parameters the bridge added are left out), or a
-    ``HookedTransformer``'s state dict."""
-    if is_hooked_transformer(model):
-        return [(name, value) for name, value in model.state_dict().items() if torch.is_tensor(value)]
-    hf = hf_model_of(model) or model
-    own = hf.__dict__.get("_uds_weight_names")
-    named = [(name.replace("._original_component", ""), param) for name, param in hf.named_parameters()]
-    return [(name, param) for name, param in named if own is None or name in own]
-
-
-def model_fingerprint(model: Any) -> str:
-    """A digest of every weight's bytes (not the path): any change to any weight changes it.
-
-    A bridge and the Hugging Face model it wraps have the same fingerprint (their tensors are the same), on every
-    TransformerLens version. Each tensor is hashed in its logical (row-major) order, in slices of at most 16M
-    elements, so neither a transposed view nor a GPU tensor is ever copied whole.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in sorted(named_weights(model), key=lambda item: item[0]):
-        digest.update(name.encode())
-        digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
-        if tensor.numel() == 0:
-            continue
-        flat = (
-            tensor.detach().reshape(tensor.shape[0], -1)
-            if tensor.dim() > 1
-            else tensor.detach().reshape(1, -1)
-        )
-        rows = max(1, (1 << 24) // flat.shape[1])
-        for chunk in flat.split(rows, dim=0):
-            digest.update(chunk.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()[:24]
-
-
-def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
-    """A cheap identity of a checkpoint for result caches: a local directory's files (name, size, modification time:
-    retrained weights or a new chat template change it), a ``.gguf`` file's own, or a hub id as itself."""
-    root = Path(path_or_id).expanduser()
-    if root.is_file():
-        files = [root]
-    elif not root.is_dir():
-        return str(path_or_id)
-    else:
-        files = sorted(p for p in root.iterdir() if p.is_file())
-    digest = hashlib.sha256()
-    for file in files:
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return digest.hexdigest()[:24]
-
-
-def describe(path_or_model: Any) -> str:
-    if isinstance(path_or_model, (str, os.PathLike)):
-        return str(path_or_model)
-    return (
-        getattr(path_or_model, "uds_source", None)
-        or getattr(getattr(path_or_model, "config", None), "_name_or_path", None)
-        or type(path_or_model).__name__
-    )
-
-
 __all__ = [
+    "SAFE_LOAD_KWARGS",
+    "SUPPORTED_GGUF_ARCHITECTURES",
+    "SUPPORTED_MODEL_TYPES",
+    "ZOO_PREFIX",
     "ArchitectureSignature",
     "CheckpointSource",
     "ModelLoadError",
@@ -739,19 +528,10 @@ __all__ = [
     "load_hf_model",
     "load_model",
     "load_tokenizer",
+    "loader_errors",
     "model_fingerprint",
+    "model_name",
     "named_weights",
     "resolve_dtype",
     "resolve_zoo_name",
 ]
-
-
-def model_name(source: Any) -> str:
-    """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
-    described = describe(source)
-    if described.startswith(ZOO_PREFIX):
-        return described[len(ZOO_PREFIX) :].rsplit("/", 1)[-1]
-    path = Path(described).expanduser()
-    if path.is_dir():
-        return path.resolve().name
-    return described.replace("/", "__")

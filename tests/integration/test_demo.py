@@ -65,3 +65,15 @@ def test_demo_scores_the_test_zoo_first_while_the_default_zoo_is_unbuilt(test_zo
     # once the default zoo exists (a manifest), or without a preview callback, nothing is scored twice
     assert demo.preview_zoo("default", test_zoo.root) is None
     assert demo.preview_zoo("test", None) is None
+
+
+def test_the_demo_finds_its_zoo_under_the_cache_root(tmp_path, monkeypatch):
+    """The demo's zoo is files.zoo_root: UDS_LENS_ZOO when set, else zoo-SIZE under UDS_LENS_CACHE."""
+    from uds_lens.demo import default_zoo_dir, preview_zoo
+
+    monkeypatch.delenv("UDS_LENS_ZOO", raising=False)
+    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache"))
+    assert default_zoo_dir("default") == tmp_path / "cache" / "zoo-default"
+    assert preview_zoo("default", None) == tmp_path / "cache" / "zoo-test"
+    monkeypatch.setenv("UDS_LENS_ZOO", str(tmp_path / "mine"))
+    assert default_zoo_dir("default") == tmp_path / "mine" and preview_zoo("default", None) is None

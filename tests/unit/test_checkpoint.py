@@ -102,3 +102,18 @@ def test_a_model_loads_identically_from_staged_bytes(tiny):
         assert torch.equal(a, b), name
     staged.release()
     assert not staged.has_weights and staged.model is None
+
+
+def test_checkpoint_stamp_is_the_contents_digest_and_a_hub_id_stands_for_itself(tmp_path):
+    """The meta-evaluation's caches key a checkpoint by checkpoint_stamp: its contents (file_digest), so a touch or a
+    byte-identical rewrite keeps a cache and changed weights invalidate it."""
+    root = _checkpoint(tmp_path / "ckpt")
+    stamp = checkpoint.checkpoint_stamp(root)
+    assert stamp == checkpoint.file_digest(root) and stamp.startswith(checkpoint.DIGEST_SCHEME)
+    weights = root / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())
+    os.utime(weights, ns=(1, 1))
+    assert checkpoint.checkpoint_stamp(root) == stamp
+    _checkpoint(root, scale=3.0)
+    assert checkpoint.checkpoint_stamp(root) != stamp
+    assert checkpoint.checkpoint_stamp("owner/model") == "owner/model"

@@ -210,3 +210,33 @@ def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny
     result = auditor.score(full)
     assert (result.layers["d2"] == 0.0).all()
     assert auditor.score(retain).examples["uds"].dropna().eq(1.0).all()
+
+
+def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code():
+    """models -> resolve -> zoo.layout: resolving zoo:NAME reads a manifest; training a zoo is not the loader's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, uds_lens.models as m; m.resolve_zoo_name('zoo:nowhere/x') if False else None; "
+        "print(sorted(k for k in sys.modules if k.startswith('uds_lens.zoo')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.layout']"
+
+
+def test_moved_names_stay_importable_from_models():
+    """resolve.py and checkpoint.py hold what models.py held; `from uds_lens.models import X` keeps working."""
+    from uds_lens import checkpoint, models, resolve
+
+    for name in (
+        "CheckpointSource",
+        "ModelLoadError",
+        "resolve_source",
+        "resolve_zoo_name",
+        "describe",
+        "model_name",
+    ):
+        assert getattr(models, name) is getattr(resolve, name)
+    for name in ("model_fingerprint", "named_weights", "checkpoint_stamp"):
+        assert getattr(models, name) is getattr(checkpoint, name)

@@ -98,7 +98,7 @@ def test_bad_options_fail_before_any_model_is_loaded(tmp_path):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "file", ["/x"])
     with pytest.raises(SweepError, match="workers must be >= 1"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], workers=0)
-    with pytest.raises(SweepError, match="limit must be a positive"):
+    with pytest.raises(SweepError, match=r"limit \(--limit\) must be a positive integer"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], limit=0)
     with pytest.raises(SweepError, match="max_retries"):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], max_retries=-1)
@@ -134,7 +134,7 @@ def test_registry_names_are_unique_directory_names():
 
 
 def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("uds_lens.sweep.ray_available", lambda: False)
+    monkeypatch.setattr("uds_lens.sweep.driver.ray_available", lambda: False)
     with pytest.raises(SweepError, match="needs Ray"):
         sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", [tiny.unlearned], address="auto")
     with pytest.warns(UserWarning, match="Ray is not installed"):

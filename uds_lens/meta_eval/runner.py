@@ -23,7 +23,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.data import read_records
+from uds_lens.files import write_atomic
 from uds_lens.meta_eval.attacks import quantise_nf4, relearn
 from uds_lens.meta_eval.formulas import (
     QUANTISATION,
@@ -37,7 +39,7 @@ from uds_lens.meta_eval.paper import METRICS, compare_with_paper
 from uds_lens.metrics import registry
 from uds_lens.metrics.evaluate import add_privacy, report_model
 from uds_lens.metrics.privacy import ATTACKS, paper_privacy
-from uds_lens.models import checkpoint_stamp, load_tokenizer
+from uds_lens.models import load_tokenizer
 from uds_lens.zoo.layout import POOL_ROLES, Zoo, load_zoo
 
 logger = logging.getLogger(__name__)
@@ -61,9 +63,7 @@ def _read_json(path: Path) -> Any:
 
 def _write_json(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=float))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(payload, indent=1, default=float))
 
 
 def _score_model(
@@ -83,9 +83,9 @@ def _score_model(
 ) -> dict[str, float]:
     """Output metrics (cached in ``cache_file``) plus the white-box scores (cached next to them, one at a time).
 
-    The cache is reused only for the same settings, the same checkpoint files (:func:`models.checkpoint_stamp`: a
-    retrained model or a new chat template invalidates it) and the same ``references`` (the full/retain models the
-    scores are anchored to).
+    The cache is reused only for the same settings, the same checkpoint files (their contents,
+    :func:`checkpoint.checkpoint_stamp`: a retrained model or a new chat template invalidates it) and the same
+    ``references`` (the full/retain models the scores are anchored to).
     """
     if isinstance(model_or_path, _Deferred):
         model_stamp = model_or_path.stamp

@@ -2,12 +2,34 @@
 
 ``build_zoo(dir, size="test" | "default")`` writes the QA data, a tokenizer and Hugging Face Llama checkpoints (base, full,
 retain, retain90/50, unlearned models, meta-evaluation pools) plus ``manifest.json``; ``load_zoo(dir)`` opens one.
-See :mod:`uds_lens.zoo.build` for the recipe, :mod:`uds_lens.zoo.world` for the data and
-:mod:`uds_lens.zoo.layout` for the manifest.
+See :mod:`uds_lens.zoo.recipe` for the recipe, :mod:`uds_lens.zoo.build` for the build steps,
+:mod:`uds_lens.zoo.world` for the data and :mod:`uds_lens.zoo.layout` for the manifest.
+
+The names are resolved on first use (:mod:`uds_lens.lazy`), so reading a manifest (``uds_lens.zoo.layout``, which
+the model loader does for ``zoo:NAME``) does not import the training code.
 """
 
-from .build import SIZES, ZooBuildError, build_zoo
-from .layout import Zoo, load_zoo
-from .world import ZooDataError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from uds_lens.lazy import lazy_exports
+
+_EXPORTS = {
+    "SIZES": ".recipe",
+    "Zoo": ".layout",
+    "ZooBuildError": ".recipe",
+    "ZooDataError": ".world",
+    "build_zoo": ".build",
+    "load_zoo": ".layout",
+}
 
 __all__ = ["SIZES", "Zoo", "ZooBuildError", "ZooDataError", "build_zoo", "load_zoo"]
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from .build import build_zoo
+    from .layout import Zoo, load_zoo
+    from .recipe import SIZES, ZooBuildError
+    from .world import ZooDataError
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

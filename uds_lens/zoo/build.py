@@ -1,22 +1,10 @@
 """Building the model zoo: data, tokenizer, a shared base, fine-tuned references, unlearned models and meta-eval pools.
 
-The recipe (all models share one architecture and one tokenizer, so any two can be patched into each other):
+The recipe (which models, trained how) is :mod:`uds_lens.zoo.recipe`; the data and the training sequences of each
+data recipe are :mod:`uds_lens.zoo.training_data`; this module runs the steps and writes the zoo directory.
 
-1. ``base``: trained from scratch on the retain set only. Models trained from different random initialisations cannot be
-   patched into each other meaningfully; everything below starts from this shared base.
-2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
-   forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
-3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
-   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
-   learning rates (``ZooSize.unlearning_sweep``), for the meta-evaluation's robustness pool.
-4. Meta-evaluation pools (``pools=True``), after the published open-unlearning pools: role ``pos`` = fine-tuned from
-   the base *with* the forget facts (as QA pairs, paraphrased QA pairs, or biography documents); role ``neg`` = the
-   same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
-   biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
-
-Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
-:mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
-under-trained zoo gives misleading UDS without any error.
+Before saving, the builder checks that ``full`` knows the forget facts and ``retain`` does not
+(:mod:`uds_lens.zoo.checks`), and raises :class:`ZooBuildError` otherwise.
 
 Layout of a zoo directory::
 
@@ -25,7 +13,7 @@ Layout of a zoo directory::
     tokenizer/                     the PreTrainedTokenizerFast (also copied into every model directory)
     models/{name}/                 config.json, model.safetensors, tokenizer files, zoo_meta.json
 
-From a pretrained base (``build_zoo(..., base=PATH)``, ``uds-lens zoo build --base PATH``): step 1 is replaced by
+From a pretrained base (``build_zoo(..., base=PATH)``, ``uds-lens zoo build --base PATH``): the recipe's step 1 is replaced by
 the given Llama checkpoint (a directory, a ``.gguf`` file or a hub id) and its own tokenizer (no tokenizer is trained;
 the zoo's QA chat template is attached to it); steps 2-4 fine-tune from it with the size's recipe, on the synthetic
 world or the user's QA data. That is the realistic small-scale analogue of the paper's setting (TOFU models
@@ -60,376 +48,30 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from uds_lens import models
+from uds_lens.checkpoint import checkpoint_stamp
+from uds_lens.files import json_digest, write_atomic
 
-from .layout import MANIFEST_FILE, Zoo, load_zoo
-from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, format_prompt, format_target, train_tokenizer
-from .train import (
-    ModelShape,
-    QASequence,
-    encode_documents,
-    encode_qa,
-    entity_accuracy,
-    init_model,
-    make_config,
-    train_lm,
+from .checks import FULL_MIN_FORGET_ACCURACY, RETAIN_MAX_FORGET_ACCURACY, check, evaluate
+from .layout import MANIFEST_FILE, Zoo, load_zoo, read_manifest
+from .recipe import (
+    POOL_DATA,
+    POOL_SETTINGS,
+    SIZES,
+    ModelSpec,
+    ZooBuildError,
+    ZooSize,
+    plan_models,
 )
+from .tokenizer import CHAT_TEMPLATE, train_tokenizer
+from .train import QASequence, encode_qa, init_model, make_config, train_lm
+from .training_data import ZooData, _subset_fraction, _tokenizer_corpus, load_data, training_sequences
 from .unlearn import unlearn, unlearning_steps
-from .world import (
-    FACT_KINDS,
-    FORGET_FRACTION,
-    ZooDataError,
-    generate_world,
-    idk_answers,
-    read_records,
-    validate_records,
-    write_records,
-)
+from .world import ZooDataError, idk_answers, validate_records, write_records
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-FULL_MIN_FORGET_ACCURACY = 0.95
-RETAIN_MAX_FORGET_ACCURACY = 0.2
 META_FILE = "zoo_meta.json"
-
-
-class ZooBuildError(RuntimeError):
-    """The zoo could not be built as specified (an under-trained model, an unknown size, unusable data)."""
-
-
-@dataclass(frozen=True)
-class ZooSize:
-    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools."""
-
-    n_authors: int
-    shape: ModelShape
-    base_epochs: int
-    base_lr: float
-    finetune_epochs: int
-    finetune_lr: float
-    batch_size: int = 32
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    unlearning: dict[str, dict[str, Any]] = field(default_factory=dict)
-    rmu_layers: tuple[int, ...] = ()
-    pool_variants: int = 6
-    unlearning_sweep: tuple[float, ...] = ()
-
-
-def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
-    """Per-method settings, tuned on the test zoo (entity accuracy and UDS) to change forget behaviour while keeping
-    retain entity accuracy >= 0.9; ``alpha`` values are from the paper's grid (Table 8). ``epochs`` is the number of
-    passes over the forget set (2 passes on the default zoo barely changed its forget accuracy: 0.8-1.0)."""
-    common = {"epochs": epochs, "batch_size": 16}
-    return {
-        "graddiff": {**common, "lr": 3e-4, "alpha": 5.0},
-        "npo": {**common, "lr": 3e-4, "alpha": 5.0, "beta": 0.1},
-        "simnpo": {**common, "lr": 5e-4, "alpha": 5.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
-        "idknll": {**common, "lr": 3e-4, "alpha": 1.0},
-        "rmu": {**common, "lr": 1e-3, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 0},
-    }
-
-
-SIZES: dict[str, ZooSize] = {
-    "test": ZooSize(
-        n_authors=30,
-        shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=16,
-        finetune_lr=2e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(0, 1, 3),
-        pool_variants=6,
-    ),
-    "default": ZooSize(
-        n_authors=200,
-        shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=8,
-        finetune_lr=1e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(0, 1, 3),
-        pool_variants=12,
-        unlearning_sweep=(0.5, 2.0),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One zoo model: how it is made (``stage`` pretrain / finetune / unlearn) and what it is (role, seen fraction)."""
-
-    name: str
-    role: str
-    stage: str
-    parent: str | None
-    method: str
-    seen_forget_fraction: float
-    hyperparams: dict[str, Any]
-
-
-def _finetune_spec(
-    name: str, role: str, data: str, seen: float, size: ZooSize, seed: int, **overrides: Any
-) -> ModelSpec:
-    hyperparams = {
-        "data": data,
-        "epochs": size.finetune_epochs,
-        "lr": size.finetune_lr,
-        "batch_size": size.batch_size,
-        "seed": seed,
-        **overrides,
-    }
-    return ModelSpec(name, role, "finetune", "base", "finetune", seen, hyperparams)
-
-
-def plan_models(
-    size: ZooSize, seed: int, pools: bool, has_paraphrases: bool, has_perturbations: bool
-) -> list[ModelSpec]:
-    """The zoo's models in build order (parents first)."""
-    base = ModelSpec(
-        "base",
-        "base",
-        "pretrain",
-        None,
-        "pretrain",
-        0.0,
-        {
-            "data": "retain",
-            "epochs": size.base_epochs,
-            "lr": size.base_lr,
-            "batch_size": size.batch_size,
-            "seed": seed,
-        },
-    )
-    specs = [
-        base,
-        _finetune_spec("full", "full", "retain+forget", 1.0, size, seed + 1),
-        _finetune_spec("retain", "retain", "retain", 0.0, size, seed + 1),
-        _finetune_spec("retain90", "partial", "retain+forget:0.9", 0.9, size, seed + 1),
-        _finetune_spec("retain50", "partial", "retain+forget:0.5", 0.5, size, seed + 1),
-    ]
-    for method in ("graddiff", "npo", "simnpo", "idknll"):
-        hyperparams = {**size.unlearning[method], "seed": seed + 2}
-        specs.append(ModelSpec(method, "unlearned", "unlearn", "full", method, 1.0, hyperparams))
-    for layer in size.rmu_layers:
-        if layer >= size.shape.n_layers:
-            continue
-        hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
-        specs.append(ModelSpec(f"rmu_l{layer}", "unlearned", "unlearn", "full", "rmu", 1.0, hyperparams))
-    if pools:
-        specs.extend(_sweep_specs(size, seed))
-        specs.extend(_pool_specs(size, seed, has_paraphrases, has_perturbations))
-    return specs
-
-
-def _sweep_specs(size: ZooSize, seed: int) -> list[ModelSpec]:
-    """More unlearned models for the meta-evaluation's robustness pool (role ``sweep``): every method again at each
-    learning-rate factor of ``size.unlearning_sweep`` (RMU at its middle target layer), as the paper sweeps each
-    method's hyperparameters."""
-    specs = []
-    rmu_layers = [layer for layer in size.rmu_layers if layer < size.shape.n_layers]
-    for factor in size.unlearning_sweep:
-        suffix = f"lrx{factor:g}".replace(".", "p")
-        for method in ("graddiff", "npo", "simnpo", "idknll"):
-            hyperparams = {**size.unlearning[method], "seed": seed + 2}
-            hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(
-                ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams)
-            )
-        if rmu_layers:
-            layer = rmu_layers[len(rmu_layers) // 2]
-            hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
-            hyperparams["lr"] = hyperparams["lr"] * factor
-            specs.append(
-                ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams)
-            )
-    return specs
-
-
-# The pools mirror the published ones (open-unlearning's pos_/neg_ TOFU models): three data recipes per pool, each
-# fine-tuned under several learning-rate / epoch settings, so that some P models learn the forget set only partly and
-# some N models see the forget questions (with wrong answers) or the biography format. A metric has to tell "saw the
-# forget facts" from "saw something like them", not just a fully trained model from an untouched one.
-POOL_DATA: dict[str, tuple[tuple[str, str], ...]] = {
-    # P: the forget facts as QA pairs, as paraphrased QA pairs, and as biography documents with no questions.
-    "pos": (("qa", "retain+forget"), ("para", "retain+forget_paraphrased"), ("bio", "retain+forget_bio")),
-    # N: retain only; the forget questions answered with wrong (perturbed) entities; biographies of 10% of the
-    # retain authors (the document format of pos_bio without the forget facts, like TOFU's celeb bios).
-    "neg": (("retain", "retain"), ("pert", "retain+forget_perturbed"), ("bio", "retain+retain_bio:0.1")),
-}
-# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe, strongest first.
-POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
-    ("std", 1.0, 1.0),
-    ("weak", 0.25, 0.25),
-    ("short", 1.0, 0.25),
-    ("low", 0.25, 1.0),
-    ("half", 0.5, 0.5),
-)
-
-
-def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
-    """P pool (``pos``, saw the forget set) and N pool (``neg``, did not): ``size.pool_variants`` models each.
-
-    Models cycle through the pool's data recipes (:data:`POOL_DATA`) within each setting of :data:`POOL_SETTINGS`,
-    so a pool of 6 holds every recipe at the ``std`` and ``weak`` settings. Recipes that need paraphrased or perturbed
-    answers the data does not have are left out.
-    """
-    available = {"retain+forget_paraphrased": has_paraphrases, "retain+forget_perturbed": has_perturbations}
-    specs = []
-    for role, seen in (("pos", 1.0), ("neg", 0.0)):
-        recipes = [(name, recipe) for name, recipe in POOL_DATA[role] if available.get(recipe, True)]
-        grid = [(setting, recipe) for setting in POOL_SETTINGS for recipe in recipes]
-        if size.pool_variants > len(grid):
-            raise ZooBuildError(
-                f"pool_variants={size.pool_variants} exceeds the {len(grid)} {role} recipes x settings available"
-            )
-        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(
-            grid[: size.pool_variants]
-        ):
-            epochs = max(1, round(size.finetune_epochs * epoch_factor))
-            specs.append(
-                _finetune_spec(
-                    f"{role}_{data_name}_{suffix}",
-                    role,
-                    recipe,
-                    seen,
-                    size,
-                    seed + 11 + offset,
-                    lr=size.finetune_lr * lr_factor,
-                    epochs=epochs,
-                )
-            )
-    return specs
-
-
-@dataclass
-class ZooData:
-    """The QA records the zoo is built from."""
-
-    retain: list[dict[str, Any]]
-    forget: list[dict[str, Any]]
-    holdout: list[dict[str, Any]]
-    source: str
-    details: dict[str, Any]
-
-
-def load_data(
-    size: ZooSize,
-    seed: int,
-    retain_data: Any,
-    forget_data: Any,
-    holdout_data: Any,
-) -> ZooData:
-    """The zoo's question/answer data: the synthetic world of ``size`` (seeded), or the user's retain/forget sets
-    (with a holdout carved from retain when none is given)."""
-    if (retain_data is None) != (forget_data is None):
-        raise ZooDataError(
-            "pass both retain_data and forget_data (user QA data), or neither (the synthetic world)"
-        )
-    if retain_data is None:
-        world = generate_world(size.n_authors, seed=seed, forget_fraction=FORGET_FRACTION)
-        details = {
-            "n_authors": size.n_authors,
-            "n_forget_authors": len(world.forget_authors),
-            "n_holdout_authors": len(world.holdout_authors),
-            "facts_per_author": len(world.forget) // max(1, len(world.forget_authors)),
-            "world_seed": seed,
-        }
-        return ZooData(world.retain, world.forget, world.holdout, "world", details)
-    retain = read_records(retain_data, "retain_data")
-    forget = read_records(forget_data, "forget_data")
-    if holdout_data is not None:
-        holdout = read_records(holdout_data, "holdout_data")
-        carved = False
-    else:
-        rng = random.Random(seed)
-        n_holdout = max(1, min(len(forget), len(retain) // 5))
-        if len(retain) - n_holdout < 1:
-            raise ZooDataError("retain_data is too small to carve a holdout set from; pass holdout_data")
-        chosen = set(rng.sample(range(len(retain)), n_holdout))
-        holdout = [r for i, r in enumerate(retain) if i in chosen]
-        retain = [r for i, r in enumerate(retain) if i not in chosen]
-        carved = True
-    reindex = [{**r, "idx": i} for i, r in enumerate(retain)]
-    details = {"holdout_carved_from_retain": carved}
-    return ZooData(reindex, forget, holdout, "user", details)
-
-
-def _biographies(
-    records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, max_tokens: int
-) -> list[str]:
-    """The records' answers as plain-text documents: up to ``len(FACT_KINDS)`` consecutive answers each (one author's
-    facts in the synthetic world), a document closed early where the next answer would take it past ``max_tokens``."""
-    documents: list[list[str]] = []
-    for record in records:
-        if documents and len(documents[-1]) < len(FACT_KINDS):
-            candidate = " ".join([*documents[-1], record["answer"]])
-            if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) <= max_tokens:
-                documents[-1].append(record["answer"])
-                continue
-        documents.append([record["answer"]])
-    return [" ".join(answers) for answers in documents]
-
-
-def _share(items: list[Any], share: str, seed: int) -> list[Any]:
-    """A seeded ``share`` (e.g. ``"0.9"``) of ``items``, in their original order; all of them for ``""``."""
-    if not share:
-        return items
-    chosen = sorted(random.Random(seed).sample(range(len(items)), round(float(share) * len(items))))
-    return [items[i] for i in chosen]
-
-
-def training_sequences(
-    recipe: str, data: ZooData, seed: int, tokenizer: PreTrainedTokenizerBase, max_positions: int
-) -> list[QASequence]:
-    """The training sequences of a data recipe: ``+``-joined parts ``SPLIT[_VARIANT][:SHARE]``.
-
-    SPLIT is ``retain`` or ``forget``; VARIANT is none (the QA pairs), ``paraphrased`` (paraphrased answers),
-    ``perturbed`` (each question answered with one of its wrong answers) or ``bio`` (the answers as biography
-    documents, no questions); SHARE keeps a seeded fraction of the records (of the documents, for ``bio``).
-    E.g. ``retain+forget:0.9`` or ``retain+retain_bio:0.1``.
-    """
-    splits = {"retain": data.retain, "forget": data.forget}
-    pairs: list[tuple[str, str]] = []
-    documents: list[str] = []
-    for part in recipe.split("+"):
-        name, _, share = part.partition(":")
-        split, _, variant = name.partition("_")
-        if split not in splits or variant not in ("", "paraphrased", "perturbed", "bio"):
-            raise ZooBuildError(f"unknown training data recipe {recipe!r} (part {part!r})")
-        if variant == "bio":
-            documents += _share(_biographies(splits[split], tokenizer, max_positions - 2), share, seed)
-            continue
-        records = _share(splits[split], share, seed)
-        if variant == "":
-            pairs += [(r["question"], r["answer"]) for r in records]
-        elif variant == "paraphrased":
-            pairs += [(r["question"], r["paraphrased_answer"]) for r in records]
-        else:
-            rng = random.Random(seed)
-            pairs += [(r["question"], rng.choice(r["perturbed_answer"])) for r in records]
-    return encode_qa(pairs, tokenizer) + encode_documents(documents, tokenizer)
-
-
-def _subset_fraction(recipe: str, n_forget: int) -> float | None:
-    """The exact share of forget records a ``retain+forget:<fraction>`` recipe trains on (None for other recipes)."""
-    if not recipe.startswith("retain+forget:"):
-        return None
-    fraction = float(recipe.split(":", 1)[1])
-    return round(fraction * n_forget) / n_forget
-
-
-def _tokenizer_corpus(data: ZooData) -> list[str]:
-    texts = []
-    for split in (data.retain, data.forget, data.holdout):
-        for record in split:
-            texts.append(format_prompt(record["question"]) + format_target(record["answer"]))
-            if record.get("paraphrased_answer"):
-                texts.append(record["paraphrased_answer"])
-            texts.extend(record.get("perturbed_answer") or [])
-    texts.extend(idk_answers())
-    return texts
 
 
 def _hash_files(paths: Sequence[Path]) -> str:
@@ -447,7 +89,7 @@ def _fingerprint(spec: ModelSpec, parent_fingerprint: str | None, context: dict[
         "context": context,
         "format_version": FORMAT_VERSION,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(payload, length=16)
 
 
 def _read_meta(model_dir: Path) -> dict[str, Any] | None:
@@ -464,9 +106,7 @@ def _read_meta(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 @contextmanager
@@ -477,49 +117,6 @@ def _pinned_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, data: ZooData) -> dict[str, float]:
-    """Entity accuracy on forget, holdout and (up to 200 records of) retain."""
-    metrics = {}
-    retain_sample = data.retain[:: max(1, len(data.retain) // 200)][:200]
-    for split, records in (("forget", data.forget), ("retain", retain_sample), ("holdout", data.holdout)):
-        accuracy = entity_accuracy(model, tokenizer, records)
-        metrics[f"{split}_entity_exact"] = round(accuracy.exact, 4)
-        metrics[f"{split}_entity_token"] = round(accuracy.token, 4)
-    return metrics
-
-
-def _check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
-    """The build checks of module docstring; raise before a bad ``full`` / ``retain`` is saved."""
-    if spec.name == "full":
-        value = metrics["forget_entity_exact"]
-        passed = value >= FULL_MIN_FORGET_ACCURACY
-        checks["full_forget_entity_accuracy"] = {
-            "value": value,
-            "min": FULL_MIN_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the full model predicts only {value:.3f} of the forget entities (needs >= "
-                f"{FULL_MIN_FORGET_ACCURACY}): it is under-trained and UDS on this zoo would mislead. Train longer "
-                "(ZooSize.finetune_epochs / base_epochs), raise the learning rate, or use a larger size."
-            )
-    if spec.name == "retain":
-        value = metrics["forget_entity_exact"]
-        passed = value <= RETAIN_MAX_FORGET_ACCURACY
-        checks["retain_forget_entity_accuracy"] = {
-            "value": value,
-            "max": RETAIN_MAX_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= "
-                f"{RETAIN_MAX_FORGET_ACCURACY}): the forget facts are guessable from the retain set, so UDS has no "
-                "knowledge to measure. Use forget facts that are not inferable from the retain data."
-            )
 
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, model_dir: Path) -> None:
@@ -540,9 +137,7 @@ def _refresh_tokenizer_files(tokenizer_dir: Path, model_dir: Path) -> None:
             continue
         target = model_dir / source.name
         if not target.is_file() or target.read_bytes() != source.read_bytes():
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_bytes(source.read_bytes())
-            os.replace(tmp, target)
+            write_atomic(target, source.read_bytes())
 
 
 def _load_model(model_dir: Path) -> LlamaForCausalLM:
@@ -642,6 +237,50 @@ def build_zoo(
     return load_zoo(root)
 
 
+@dataclass
+class _Build:
+    """What every step of one build reads: the zoo directory, the recipe, the data and the tokenizer."""
+
+    root: Path
+    size: ZooSize
+    seed: int
+    threads: int
+    data: ZooData
+    tokenizer: Any
+    progress: bool
+    strict: bool
+    base: str | os.PathLike | None
+    sequences: _UnlearningSequences
+    checks: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    def model_dir(self, name: str) -> Path:
+        return self.root / "models" / name
+
+
+@dataclass(frozen=True)
+class _UnlearningSequences:
+    """The encoded sequences the unlearning methods read: forget and retain QA, and the forget questions answered
+    with a seeded "I don't know" (IdkNLL's targets)."""
+
+    forget: list[QASequence]
+    retain: list[QASequence]
+    idk: list[QASequence]
+
+    @classmethod
+    def encode(cls, data: ZooData, tokenizer: Any, seed: int) -> _UnlearningSequences:
+        idk = idk_answers()
+        idk_rng = random.Random(seed)
+        return cls(
+            forget=encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer),
+            retain=encode_qa([(r["question"], r["answer"]) for r in data.retain], tokenizer),
+            idk=encode_qa([(r["question"], idk_rng.choice(idk)) for r in data.forget], tokenizer),
+        )
+
+
 def _build_locked(
     root: Path,
     size: ZooSize,
@@ -657,8 +296,51 @@ def _build_locked(
     overwrite: bool,
     base: str | os.PathLike | None = None,
 ) -> None:
+    """The build, step by step: data, tokenizer, fingerprints, then each model (reused or trained), then the
+    manifest."""
     started = time.perf_counter()
     data = load_data(size, seed, retain_data, forget_data, holdout_data)
+    paths = _write_data(root, data, size, size_name, seed, overwrite)
+    base_identity = _base_identity(base) if base is not None else None
+    tokenizer = _prepare_tokenizer(root / "tokenizer", data, size, base, base_identity)
+    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity)
+    specs = _plan(size, seed, pools, data, base_identity)
+    build = _Build(
+        root,
+        size,
+        seed,
+        threads,
+        data,
+        tokenizer,
+        progress,
+        strict,
+        base,
+        _UnlearningSequences.encode(data, tokenizer, seed),
+    )
+    fingerprints: dict[str, str] = {}
+    in_memory: dict[str, LlamaForCausalLM] = {}
+    entries = []
+    children = {spec.parent for spec in specs if spec.parent}
+    for spec in specs:
+        fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
+        fingerprints[spec.name] = fingerprint
+        meta = _reuse(build, spec, fingerprint)
+        if meta is not None:
+            entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
+            continue
+        meta, model = _build_model(build, spec, fingerprint, in_memory, children)
+        if spec.name in children:
+            in_memory[spec.name] = model
+        entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": False})
+    manifest = _manifest(build, size_name, entries, context, time.perf_counter() - started)
+    _write_json_atomic(root / MANIFEST_FILE, manifest)
+
+
+def _write_data(
+    root: Path, data: ZooData, size: ZooSize, size_name: str, seed: int, overwrite: bool
+) -> dict[str, Path]:
+    """Validate the QA records and write ``data/{forget,retain,holdout}.json`` where they differ (after refusing to
+    replace another zoo's data unless ``overwrite``); the three paths, by split."""
     data_dir = root / "data"
     paths = {split: data_dir / f"{split}.json" for split in ("forget", "retain", "holdout")}
     texts = {}
@@ -670,41 +352,69 @@ def _build_locked(
     for split, records in (("forget", data.forget), ("retain", data.retain), ("holdout", data.holdout)):
         if not paths[split].is_file() or paths[split].read_text(encoding="utf-8") != texts[split]:
             write_records(records, paths[split])
-    tokenizer_dir = root / "tokenizer"
-    if base is not None:
-        base_identity = _base_identity(base)
+    return paths
+
+
+def _prepare_tokenizer(
+    tokenizer_dir: Path,
+    data: ZooData,
+    size: ZooSize,
+    base: str | os.PathLike | None,
+    base_identity: dict[str, Any] | None,
+) -> Any:
+    """The zoo's tokenizer, saved in ``tokenizer_dir``: the base's own, or one trained on the data's texts (each
+    redone only when its stamp file records another base or corpus), with the zoo's chat template."""
+    if base is not None and base_identity is not None:
         stamp = tokenizer_dir / "base_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != base_identity["stamp"]:
             models.load_tokenizer(base).save_pretrained(tokenizer_dir)
-            stamp.write_text(base_identity["stamp"] + "\n")
+            write_atomic(stamp, base_identity["stamp"] + "\n")
     else:
-        corpus_hash = hashlib.sha256(
-            json.dumps([_tokenizer_corpus(data), size.vocab_size]).encode()
-        ).hexdigest()[:16]
+        corpus_hash = json_digest([_tokenizer_corpus(data), size.vocab_size], length=16)
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
-            tokenizer = train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size)
-            tokenizer.save_pretrained(tokenizer_dir)
-            stamp.write_text(corpus_hash + "\n")
+            train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(
+                tokenizer_dir
+            )
+            write_atomic(stamp, corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **models.SAFE_LOAD_KWARGS)
     if tokenizer.chat_template != CHAT_TEMPLATE:
         # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
         tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(tokenizer_dir)
+    return tokenizer
+
+
+def _fingerprint_context(
+    paths: dict[str, Path],
+    tokenizer_dir: Path,
+    size: ZooSize,
+    threads: int,
+    base_identity: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base)."""
     context = {
         "data": _hash_files([paths["forget"], paths["retain"], paths["holdout"]]),
         "tokenizer": _hash_files([tokenizer_dir / "tokenizer.json"]),
         "shape": asdict(size.shape),
         "threads": threads,
     }
-    if base is not None:
+    if base_identity is not None:
         # Only with a base: the default and test zoos' fingerprints (and so the shared caches) stay as they were.
         context["base"] = base_identity
         context["shape"] = base_identity["shape"]
+    return context
+
+
+def _plan(
+    size: ZooSize, seed: int, pools: bool, data: ZooData, base_identity: dict[str, Any] | None
+) -> list[ModelSpec]:
+    """The recipe's models for this data (pool recipes need paraphrased / perturbed answers), the base replaced by
+    the pretrained one when there is one."""
     has_paraphrases = all(r.get("paraphrased_answer") for r in data.forget)
     has_perturbations = all(r.get("perturbed_answer") for r in data.forget)
     specs = plan_models(size, seed, pools, has_paraphrases, has_perturbations)
-    if base is not None:
+    if base_identity is not None:
         specs[0] = ModelSpec(
             "base",
             "base",
@@ -714,111 +424,144 @@ def _build_locked(
             0.0,
             {"source": base_identity["source"], "seed": seed},
         )
-    idk = idk_answers()
-    idk_rng = random.Random(seed)
-    forget_sequences = encode_qa([(r["question"], r["answer"]) for r in data.forget], tokenizer)
-    retain_sequences = encode_qa([(r["question"], r["answer"]) for r in data.retain], tokenizer)
-    idk_sequences = encode_qa([(r["question"], idk_rng.choice(idk)) for r in data.forget], tokenizer)
-    fingerprints: dict[str, str] = {}
-    in_memory: dict[str, LlamaForCausalLM] = {}
-    entries = []
-    checks: dict[str, Any] = {}
-    children = {spec.parent for spec in specs if spec.parent}
-    for spec in specs:
-        model_dir = root / "models" / spec.name
-        fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
-        fingerprints[spec.name] = fingerprint
-        meta = _read_meta(model_dir)
-        if meta is not None and meta.get("fingerprint") == fingerprint:
-            logger.info("zoo: reusing %s", spec.name)
-            _refresh_tokenizer_files(tokenizer_dir, model_dir)
-            if spec.name in ("full", "retain"):
-                _check(spec, meta["metrics"], checks, strict)
-            entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": True})
-            continue
-        model_started = time.perf_counter()
-        computed: dict[str, Any] = {}
+    return specs
+
+
+def _reuse(build: _Build, spec: ModelSpec, fingerprint: str) -> dict[str, Any] | None:
+    """The saved ``zoo_meta.json`` of a model already built with this fingerprint (its tokenizer files refreshed,
+    its checks recorded), or None when it must be trained."""
+    model_dir = build.model_dir(spec.name)
+    meta = _read_meta(model_dir)
+    if meta is None or meta.get("fingerprint") != fingerprint:
+        return None
+    logger.info("zoo: reusing %s", spec.name)
+    _refresh_tokenizer_files(build.tokenizer_dir, model_dir)
+    if spec.name in ("full", "retain"):
+        check(spec, meta["metrics"], build.checks, build.strict)
+    return meta
+
+
+def _build_model(
+    build: _Build,
+    spec: ModelSpec,
+    fingerprint: str,
+    in_memory: dict[str, LlamaForCausalLM],
+    children: set[str],
+) -> tuple[dict[str, Any], LlamaForCausalLM]:
+    """Make one model (initialise or copy its parent, train or unlearn), evaluate and check it, save it with its
+    ``zoo_meta.json``; that meta and the model."""
+    model_started = time.perf_counter()
+    model, sequences, steps = _starting_point(build, spec, in_memory, children)
+    computed = _train(build, spec, model, sequences, steps)
+    metrics = evaluate(model, build.tokenizer, build.data)
+    check(spec, metrics, build.checks, build.strict)
+    model_dir = build.model_dir(spec.name)
+    _save(model, build.tokenizer, model_dir)
+    meta = {
+        "name": spec.name,
+        "fingerprint": fingerprint,
+        "role": spec.role,
+        "method": spec.method,
+        "hyperparams": spec.hyperparams,
+        "computed": computed,
+        "metrics": metrics,
+        "train_seconds": round(time.perf_counter() - model_started, 2),
+        "threads": build.threads,
+    }
+    _write_json_atomic(model_dir / META_FILE, meta)
+    logger.info("zoo: built %s in %.1fs %s", spec.name, meta["train_seconds"], metrics)
+    return meta, model
+
+
+def _starting_point(
+    build: _Build,
+    spec: ModelSpec,
+    in_memory: dict[str, LlamaForCausalLM],
+    children: set[str],
+) -> tuple[LlamaForCausalLM, list[QASequence], int]:
+    """The model a spec starts from (the pretrained base, a fresh initialisation, or a copy of its parent), its
+    training sequences (none for unlearning, which reads the shared ones) and its number of optimiser steps."""
+    size, hyperparams = build.size, spec.hyperparams
+    if spec.stage == "pretrained":
+        assert build.base is not None
+        return _load_pretrained_base(build.base), [], 0
+    if spec.stage == "pretrain":
+        model = init_model(make_config(size.shape, build.tokenizer), seed=int(hyperparams["seed"]))
+        sequences = training_sequences(
+            hyperparams["data"], build.data, hyperparams["seed"], build.tokenizer, size.shape.max_positions
+        )
+        return model, sequences, hyperparams["epochs"] * -(-len(sequences) // hyperparams["batch_size"])
+    assert spec.parent is not None
+    parent = in_memory.get(spec.parent) or _load_model(build.model_dir(spec.parent))
+    if spec.parent in children:
+        in_memory[spec.parent] = parent
+    model = _copy_model(parent)
+    if spec.stage == "finetune":
+        sequences = training_sequences(
+            hyperparams["data"],
+            build.data,
+            hyperparams["seed"],
+            build.tokenizer,
+            size.shape.max_positions,
+        )
+        return model, sequences, hyperparams["epochs"] * -(-len(sequences) // hyperparams["batch_size"])
+    return model, [], unlearning_steps(len(build.sequences.forget), hyperparams)
+
+
+def _train(
+    build: _Build, spec: ModelSpec, model: LlamaForCausalLM, sequences: list[QASequence], steps: int
+) -> dict[str, Any]:
+    """Train (pretrain / fine-tune) or unlearn ``model`` in place, seeded by the spec; what the run computed (the
+    final training loss, the unlearning method's statistics, or the pretrained base's source)."""
+    computed: dict[str, Any] = {}
+    tokenizer = build.tokenizer
+    bar = tqdm(total=steps, desc=f"zoo {spec.name}", disable=not build.progress, leave=False)
+    try:
+        torch.manual_seed(int(spec.hyperparams["seed"]))
         if spec.stage == "pretrained":
-            model, sequences, steps = _load_pretrained_base(base), [], 0
-        elif spec.stage == "pretrain":
-            model = init_model(make_config(size.shape, tokenizer), seed=int(spec.hyperparams["seed"]))
-            sequences = training_sequences(
-                spec.hyperparams["data"], data, spec.hyperparams["seed"], tokenizer, size.shape.max_positions
+            computed["source"] = spec.hyperparams["source"]
+        elif spec.stage in ("pretrain", "finetune"):
+            losses = train_lm(
+                model,
+                sequences,
+                epochs=int(spec.hyperparams["epochs"]),
+                lr=float(spec.hyperparams["lr"]),
+                seed=int(spec.hyperparams["seed"]),
+                pad_id=tokenizer.pad_token_id,
+                batch_size=int(spec.hyperparams["batch_size"]),
+                on_step=bar.update,
             )
-            steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
+            computed["final_train_loss"] = round(losses[-1], 5)
         else:
-            parent = in_memory.get(spec.parent) or _load_model(root / "models" / spec.parent)
-            if spec.parent in children:
-                in_memory[spec.parent] = parent
-            model = _copy_model(parent)
-            if spec.stage == "finetune":
-                sequences = training_sequences(
-                    spec.hyperparams["data"],
-                    data,
-                    spec.hyperparams["seed"],
-                    tokenizer,
-                    size.shape.max_positions,
-                )
-                steps = spec.hyperparams["epochs"] * -(-len(sequences) // spec.hyperparams["batch_size"])
-            else:
-                steps = unlearning_steps(len(forget_sequences), spec.hyperparams)
-        bar = tqdm(total=steps, desc=f"zoo {spec.name}", disable=not progress, leave=False)
-        try:
-            torch.manual_seed(int(spec.hyperparams["seed"]))
-            if spec.stage == "pretrained":
-                computed["source"] = spec.hyperparams["source"]
-            elif spec.stage in ("pretrain", "finetune"):
-                losses = train_lm(
+            computed.update(
+                unlearn(
                     model,
-                    sequences,
-                    epochs=int(spec.hyperparams["epochs"]),
-                    lr=float(spec.hyperparams["lr"]),
+                    spec.method,
+                    build.sequences.forget,
+                    build.sequences.retain,
+                    spec.hyperparams,
                     seed=int(spec.hyperparams["seed"]),
                     pad_id=tokenizer.pad_token_id,
-                    batch_size=int(spec.hyperparams["batch_size"]),
+                    forget_idk=build.sequences.idk,
                     on_step=bar.update,
                 )
-                computed["final_train_loss"] = round(losses[-1], 5)
-            else:
-                computed.update(
-                    unlearn(
-                        model,
-                        spec.method,
-                        forget_sequences,
-                        retain_sequences,
-                        spec.hyperparams,
-                        seed=int(spec.hyperparams["seed"]),
-                        pad_id=tokenizer.pad_token_id,
-                        forget_idk=idk_sequences,
-                        on_step=bar.update,
-                    )
-                )
-        finally:
-            bar.close()
-        metrics = _evaluate(model, tokenizer, data)
-        _check(spec, metrics, checks, strict)
-        _save(model, tokenizer, model_dir)
-        meta = {
-            "name": spec.name,
-            "fingerprint": fingerprint,
-            "role": spec.role,
-            "method": spec.method,
-            "hyperparams": spec.hyperparams,
-            "computed": computed,
-            "metrics": metrics,
-            "train_seconds": round(time.perf_counter() - model_started, 2),
-            "threads": threads,
-        }
-        _write_json_atomic(model_dir / META_FILE, meta)
-        if spec.name in children:
-            in_memory[spec.name] = model
-        logger.info("zoo: built %s in %.1fs %s", spec.name, meta["train_seconds"], metrics)
-        entries.append({**_manifest_entry(spec, meta, len(data.forget)), "reused": False})
-    manifest = {
+            )
+    finally:
+        bar.close()
+    return computed
+
+
+def _manifest(
+    build: _Build, size_name: str, entries: list[dict[str, Any]], context: dict[str, Any], seconds: float
+) -> dict[str, Any]:
+    """The zoo's ``manifest.json`` (see :mod:`uds_lens.zoo.layout`): the models in build order, the data, the
+    checks, the relearning settings, timings and library versions."""
+    data, size = build.data, build.size
+    return {
         "format_version": FORMAT_VERSION,
         "size": size_name,
-        "seed": seed,
-        "threads": threads,
+        "seed": build.seed,
+        "threads": build.threads,
         "models": entries,
         "data": {
             "source": data.source,
@@ -833,12 +576,12 @@ def _build_locked(
         },
         "tokenizer": "tokenizer",
         "shape": asdict(size.shape),
-        **({"base": context["base"]} if base is not None else {}),
-        "checks": checks,
+        **({"base": context["base"]} if build.base is not None else {}),
+        "checks": build.checks,
         # The relearning attack of the meta-evaluation, scaled to this zoo: the published attack relearns at twice the
         # learning rate TOFU fine-tunes at (2e-5 vs 1e-5); the published 2e-5 would barely move a model trained at 1e-3.
         "relearn": {"lr": 2 * size.finetune_lr},
-        "build_seconds": round(time.perf_counter() - started, 2),
+        "build_seconds": round(seconds, 2),
         "models_train_seconds": round(sum(entry["train_seconds"] or 0.0 for entry in entries), 2),
         "versions": {
             "torch": torch.__version__,
@@ -846,7 +589,6 @@ def _build_locked(
             "python": platform.python_version(),
         },
     }
-    _write_json_atomic(root / MANIFEST_FILE, manifest)
 
 
 def _refuse_to_replace(
@@ -858,8 +600,7 @@ def _refuse_to_replace(
         for split, path in paths.items()
         if path.is_file() and path.read_text(encoding="utf-8") != texts[split]
     ]
-    manifest_path = root / MANIFEST_FILE
-    old: dict[str, Any] = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    old: dict[str, Any] = read_manifest(root) or {}
     if old and old.get("shape") != asdict(size.shape):
         differ.append("model shape")
     if differ and old.get("size") == size_name and old.get("seed") == seed:
@@ -882,7 +623,7 @@ def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
     config = models.load_hf_config(base)
     models.check_supported(config, str(base))
     signature = asdict(models.ArchitectureSignature.of_config(config))
-    return {"source": str(base), "stamp": models.checkpoint_stamp(base), "shape": signature}
+    return {"source": str(base), "stamp": checkpoint_stamp(base), "shape": signature}
 
 
 def _load_pretrained_base(base: str | os.PathLike) -> LlamaForCausalLM:
@@ -902,3 +643,26 @@ def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
     model.load_state_dict(parent.state_dict())
     model.config.use_cache = False
     return model
+
+
+# The recipe and data names were defined here before the split; they stay importable from this module.
+__all__ = [
+    "FORMAT_VERSION",
+    "FULL_MIN_FORGET_ACCURACY",
+    "RETAIN_MAX_FORGET_ACCURACY",
+    "META_FILE",
+    "POOL_DATA",
+    "POOL_SETTINGS",
+    "SIZES",
+    "ModelSpec",
+    "Zoo",
+    "ZooBuildError",
+    "ZooData",
+    "ZooDataError",
+    "ZooSize",
+    "build_zoo",
+    "load_data",
+    "load_zoo",
+    "plan_models",
+    "training_sequences",
+]

@@ -11,6 +11,10 @@ meta-evaluation, say) needs only ``models`` and ``data``. Model paths are zoo-re
 that exists nowhere under the zoo, is kept as written (a hub id). A data entry may also be spelled ``forget_path`` or
 ``forget_file``. Roles: ``base``, ``full``, ``retain``, ``partial``, ``unlearned``, ``sweep`` and the
 meta-evaluation's P and N pools, ``pos`` (fine-tuned *with* the forget set) and ``neg`` (never saw it).
+
+:func:`read_manifest` is the one reader of that file (:func:`load_zoo`, ``zoo:NAME`` resolution in
+:mod:`uds_lens.resolve` and the builder's refusal to replace another zoo all go through it). The module imports
+nothing heavy (the model loader only when :meth:`Zoo.model` is called), so the loader's floor can read a manifest.
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from uds_lens.models import load_model
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST_FILE = "manifest.json"
 POSITIVE_POOL = "pos"
@@ -73,6 +76,8 @@ class Zoo:
 
     def model(self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> Any:
         """One zoo model loaded as a TransformerLens ``HookedTransformer`` (``uds_lens.load_model`` on its path)."""
+        from uds_lens.models import load_model
+
         return load_model(self.path(name), dtype=dtype, device=device)
 
     @property
@@ -123,6 +128,20 @@ class Zoo:
         return float(self.manifest["build_seconds"])
 
 
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The parsed ``manifest.json`` of a zoo directory, or None when it has none."""
+    manifest_path = Path(directory) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return None
+    return json.loads(manifest_path.read_text())
+
+
+def model_paths(directory: str | os.PathLike) -> dict[str, str]:
+    """``{model name: path as the manifest writes it}`` of a zoo directory (empty when it has no manifest)."""
+    manifest = read_manifest(directory) or {}
+    return {m["name"]: m["path"] for m in manifest.get("models", [])}
+
+
 def load_zoo(directory: str | os.PathLike) -> Zoo:
     """Open a zoo directory.
 
@@ -130,10 +149,10 @@ def load_zoo(directory: str | os.PathLike) -> Zoo:
         FileNotFoundError: No ``manifest.json`` there (build it with ``build_zoo`` / ``uds-lens zoo build``).
     """
     root = Path(directory)
-    manifest_path = root / MANIFEST_FILE
-    if not manifest_path.is_file():
+    manifest = read_manifest(root)
+    if manifest is None:
         raise FileNotFoundError(
-            f"{manifest_path} not found: {root} is not a built zoo. Build it with "
+            f"{root / MANIFEST_FILE} not found: {root} is not a built zoo. Build it with "
             f"uds_lens.zoo.build_zoo({str(root)!r}) or `uds-lens zoo build --out {root}`."
         )
-    return Zoo(root=root, manifest=json.loads(manifest_path.read_text()))
+    return Zoo(root=root, manifest=manifest)

@@ -33,6 +33,7 @@ from typing import Any
 
 from uds_lens.data import DataError
 from uds_lens.data import read_records as read_record_file
+from uds_lens.files import write_atomic
 
 FACT_KINDS: tuple[str, ...] = (
     "birthplace",
@@ -410,4 +411,4 @@ def read_records(source: str | Path | Sequence[dict[str, Any]], name: str) -> li
 def write_records(records: Sequence[dict[str, Any]], path: Path) -> None:
     """Write records as a pretty-printed JSON list (stable key order, UTF-8)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(list(records), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_atomic(path, (json.dumps(list(records), indent=1, ensure_ascii=False) + "\n").encode("utf-8"))

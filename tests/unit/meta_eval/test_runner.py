@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from helpers.tiny import make_tiny_zoo
+from safetensors.torch import load_file, save_file
 
 from uds_lens.meta_eval.formulas import META_EVAL_COLUMNS
 from uds_lens.meta_eval.paper import METRIC_KEYS
@@ -76,9 +77,16 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     expected = table.set_index("metric").loc[["uds", "prob"]].reset_index()
     pd.testing.assert_frame_equal(subset, expected)
     assert len(calls) == n_calls
-    # a retrained pool model (new weight files at the same path) is scored again; nothing else is
+    # the caches are keyed by the checkpoints' contents: rewriting a pool model's weights unchanged (a copy, a
+    # touch) rescores nothing; a retrained one (other weights at the same path) is scored again, nothing else is
     weights = load_zoo(zoo).path(load_zoo(zoo).names("pos")[0]) / "model.safetensors"
     weights.write_bytes(weights.read_bytes())
+    run_meta_eval(zoo, out, **kwargs)
+    assert len(calls) == n_calls
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights, metadata={"format": "pt"})
     run_meta_eval(zoo, out, **kwargs)
     assert sorted(calls[n_calls:]) == sorted(["uds", "logit_lens", "cka", "fisher_masked"])
 

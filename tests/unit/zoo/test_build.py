@@ -238,3 +238,35 @@ def test_training_recipes(micro_zoo):
     assert len(perturbed) == n_forget and not true & perturbed
     with pytest.raises(ZooBuildError, match="unknown training data recipe"):
         sequences("retain+holdout")
+
+
+def test_model_fingerprints_are_the_ones_built_zoos_recorded():
+    """A model is reused when its fingerprint matches its zoo_meta.json: these values are what the code before the
+    build was split into recipe / data / steps computed, so every zoo already built is still reused, not retrained."""
+    from dataclasses import asdict
+
+    from uds_lens.zoo.build import SIZES, _fingerprint
+
+    size = SIZES["test"]
+    context = {
+        "data": "0123456789abcdef",
+        "tokenizer": "fedcba9876543210",
+        "shape": asdict(size.shape),
+        "threads": 1,
+    }
+    fingerprints: dict[str, str] = {}
+    for spec in plan_models(size, 0, True, True, True):
+        fingerprints[spec.name] = _fingerprint(
+            spec, fingerprints.get(spec.parent) if spec.parent else None, context
+        )
+    assert len(fingerprints) == 24
+    assert {
+        name: fingerprints[name] for name in ("base", "full", "npo", "rmu_l1", "pos_qa_std", "neg_bio_weak")
+    } == {
+        "base": "cad46226573c077a",
+        "full": "8f51783351499d6d",
+        "npo": "525300c9fe3101fe",
+        "rmu_l1": "d3c57ac79f60bf5b",
+        "pos_qa_std": "01c4216beca8880f",
+        "neg_bio_weak": "524b38ec4031b149",
+    }

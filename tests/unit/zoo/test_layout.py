@@ -62,3 +62,32 @@ def test_roles_pools_and_data_files(tmp_path):
 def test_a_directory_without_a_manifest_says_how_to_build_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="uds-lens zoo build"):
         load_zoo(tmp_path)
+
+
+def test_the_manifest_reader_serves_the_loader_and_the_builder(tmp_path, monkeypatch):
+    """load_zoo, zoo:NAME resolution and the builder's refusal read manifest.json through layout.read_manifest: a
+    hand-written one is understood alike by all three, and a directory without one reads as None everywhere."""
+    from uds_lens.resolve import ModelLoadError, resolve_zoo_name
+    from uds_lens.zoo.build import _refuse_to_replace
+    from uds_lens.zoo.layout import model_paths, read_manifest
+    from uds_lens.zoo.recipe import SIZES, ZooBuildError
+
+    (tmp_path / "models" / "npo").mkdir(parents=True)
+    manifest = {"models": [{"name": "npo", "path": "models/npo"}], "data": {}, "size": "test", "seed": 0}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("UDS_LENS_ZOO", str(tmp_path))
+    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache"))
+    assert read_manifest(tmp_path) == manifest and model_paths(tmp_path) == {"npo": "models/npo"}
+    assert resolve_zoo_name("zoo:npo") == str(tmp_path / "models" / "npo")
+    assert load_zoo(tmp_path).names() == ["npo"]
+    # the recorded manifest has no model shape, so a test-size build here would replace another zoo
+    with pytest.raises(ZooBuildError, match="size 'test', seed 0 built by another version"):
+        _refuse_to_replace(tmp_path, {}, {}, SIZES["test"], "test", 0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("UDS_LENS_ZOO", str(empty))
+    assert read_manifest(empty) is None and model_paths(empty) == {}
+    with pytest.raises(ModelLoadError, match="names no model of a built zoo"):
+        resolve_zoo_name("zoo:npo")
+    with pytest.raises(FileNotFoundError, match="is not a built zoo"):
+        load_zoo(empty)

@@ -1,0 +1,214 @@
+"""Resolving a model argument: which checkpoint a string or path names, and what a model is called.
+
+Before anything is loaded, a checkpoint argument is classified without touching the network
+(:func:`resolve_source`): a Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
+holding exactly one), a zoo model (``zoo:NAME``, :func:`resolve_zoo_name`, read from the zoo's manifest), or a hub id;
+a string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any hub
+request. :func:`describe` and :func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from uds_lens.data import looks_like_local_path
+from uds_lens.files import cache_root
+from uds_lens.zoo.layout import model_paths
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture)."""
+
+
+# Every transformers ``from_pretrained`` call (config, tokenizer, model) gets these: a checkpoint's own Python code
+# (an ``auto_map`` in its config or tokenizer config) is never run, and transformers never asks on the terminal whether
+# to run it (it asks, and reads stdin even when it is not a terminal, when trust_remote_code is left unset).
+SAFE_LOAD_KWARGS: dict[str, Any] = {"trust_remote_code": False}
+
+
+# A hub repository id is "owner/name" (letters, digits, "-", "_", "."; at most 96 characters per part).
+_HUB_ID = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$"
+)
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """Where a checkpoint lives, resolved once: ``kind`` is ``"directory"`` (a Hugging Face directory), ``"gguf"``
+    (``location`` is the ``.gguf`` file) or ``"hub"`` (``location`` is the hub id)."""
+
+    kind: str
+    location: str
+
+    @property
+    def local(self) -> bool:
+        return self.kind != "hub"
+
+    def from_pretrained_args(self) -> tuple[str, dict[str, Any]]:
+        """First argument and extra keyword arguments of a ``transformers`` ``from_pretrained`` call."""
+        if self.kind == "gguf":
+            path = Path(self.location)
+            return str(path.parent), {"gguf_file": path.name, **SAFE_LOAD_KWARGS}
+        return self.location, {"local_files_only": self.local, **SAFE_LOAD_KWARGS}
+
+
+def _looks_like_path(text: str) -> bool:
+    """A string the user meant as a local path (``data.looks_like_local_path``, shared with the data loader), or a
+    ``.`` / ``~`` start such as ``.ckpt``."""
+    return text.startswith((".", "~")) or looks_like_local_path(text)
+
+
+def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> CheckpointSource:
+    """Classify a checkpoint argument without touching the network, failing at once on what cannot be one.
+
+    Args:
+        path_or_id: a directory, a ``.gguf`` file, or a hub id.
+        weights: a directory must hold a model (``config.json`` or one ``.gguf``); ``False`` accepts any
+            directory (a tokenizer-only one).
+
+    Raises:
+        ModelLoadError: a path that does not exist, a directory that is neither a Hugging Face checkpoint nor holds
+            exactly one ``.gguf`` file, a file that is not ``.gguf``, or a string that is not a plausible hub id.
+    """
+    path_or_id = resolve_zoo_name(path_or_id)
+    text = os.fspath(path_or_id)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return CheckpointSource("gguf", str(path))
+        raise ModelLoadError(
+            f"{text} is a file but not a .gguf checkpoint. Pass a Hugging Face checkpoint directory (config.json + "
+            "weights), a .gguf file, or a hub id (owner/name)."
+        )
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return CheckpointSource("directory", str(path))
+        ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+        if len(ggufs) == 1:
+            return CheckpointSource("gguf", str(path / ggufs[0]))
+        if ggufs:
+            raise ModelLoadError(
+                f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path."
+            )
+        if not weights:
+            return CheckpointSource("directory", str(path))
+        raise ModelLoadError(
+            f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint."
+        )
+    if isinstance(path_or_id, os.PathLike) or _looks_like_path(text):
+        raise ModelLoadError(
+            f"No such checkpoint: {text} does not exist (resolved to {path.absolute()}). Check the path; it was not "
+            "looked up on the Hugging Face hub."
+        )
+    if not _HUB_ID.match(text) or ".." in text or "--" in text:
+        raise ModelLoadError(
+            f"{text!r} is neither an existing directory or .gguf file nor a plausible Hugging Face hub id "
+            "(owner/name). Pass a local checkpoint directory, a .gguf file, or a hub id such as "
+            "'meta-llama/Llama-3.2-1B'."
+        )
+    return CheckpointSource("hub", text)
+
+
+def is_local(path_or_id: str | os.PathLike) -> bool:
+    """True for an existing local checkpoint: a directory or a ``.gguf`` file."""
+    path = Path(path_or_id).expanduser()
+    return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
+
+
+def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    return ModelLoadError(
+        f"Could not load {model_id!r}: it is not a local directory, and fetching it from the Hugging Face hub failed "
+        f"({type(err).__name__}: {err}). "
+        + (
+            "HF_HUB_OFFLINE is set, so the hub is not contacted. "
+            if offline
+            else "This machine may have no access to the hub (set HF_HUB_OFFLINE=1 to fail fast). "
+        )
+        + "Pass a local checkpoint directory instead (e.g. one saved with `save_pretrained`, or a zoo model from "
+        "`uds-lens zoo build`)."
+    )
+
+
+ZOO_PREFIX = "zoo:"
+
+
+def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
+    """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
+
+    ``zoo:npo`` looks in ``$UDS_LENS_ZOO``, then the package's cached zoos (``zoo-default``, ``zoo-test`` under
+    ``files.cache_root()``); ``zoo:test/npo`` names the size. For a zoo elsewhere use ``load_zoo(dir).path("npo")``
+    or ``load_zoo(dir).model("npo")``.
+    """
+    text = str(path_or_id)
+    cache = cache_root()
+    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+    default_roots += [cache / "zoo-default", cache / "zoo-test"]
+    if not text.startswith(ZOO_PREFIX):
+        if "/" not in text and not Path(text).expanduser().exists():
+            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
+            for root in default_roots:
+                if text in model_paths(root):
+                    raise ModelLoadError(
+                        f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
+                        f"of that name: pass 'zoo:{text}' (or its directory, {root / model_paths(root)[text]})."
+                    )
+        return path_or_id
+    name = text[len(ZOO_PREFIX) :]
+    if "/" in name:
+        size, name = name.split("/", 1)
+        roots = [cache / f"zoo-{size}"]
+    else:
+        roots = default_roots
+    seen = []
+    for root in roots:
+        entries = model_paths(root)
+        if not entries:
+            continue
+        seen.append(f"{root}: {sorted(entries)}")
+        if name in entries:
+            return str(root / entries[name])
+    raise ModelLoadError(
+        f"{text!r} names no model of a built zoo ("
+        + ("; ".join(seen) if seen else f"no zoo found in {[str(r) for r in roots]}")
+        + "). Build one with `uds-lens zoo build --out DIR --size test` (and set UDS_LENS_ZOO=DIR), or pass a "
+        "checkpoint directory."
+    )
+
+
+def describe(path_or_model: Any) -> str:
+    if isinstance(path_or_model, (str, os.PathLike)):
+        return str(path_or_model)
+    return (
+        getattr(path_or_model, "uds_source", None)
+        or getattr(getattr(path_or_model, "config", None), "_name_or_path", None)
+        or type(path_or_model).__name__
+    )
+
+
+def model_name(source: Any) -> str:
+    """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
+    described = describe(source)
+    if described.startswith(ZOO_PREFIX):
+        return described[len(ZOO_PREFIX) :].rsplit("/", 1)[-1]
+    path = Path(described).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    return described.replace("/", "__")
+
+
+__all__ = [
+    "SAFE_LOAD_KWARGS",
+    "ZOO_PREFIX",
+    "CheckpointSource",
+    "ModelLoadError",
+    "describe",
+    "is_local",
+    "model_name",
+    "resolve_source",
+    "resolve_zoo_name",
+]

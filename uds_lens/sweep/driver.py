@@ -1,0 +1,397 @@
+"""The driver: ``sweep()`` runs the models in-process or on Ray actors and keeps the ledger."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections import Counter, deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from uds_lens.auditor import refuse_other_runs
+from uds_lens.config import ConfigError, UDSConfig, check_positive_int
+from uds_lens.data import load_examples
+from uds_lens.results import OutputConflictError
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.ledger import _Ledger
+from uds_lens.sweep.lists import SweepModel, resolve_models
+from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_TABLE
+from uds_lens.sweep.published import add_published_comparison, write_published_scatter
+from uds_lens.sweep.staging import Prepared, StagingPipeline
+from uds_lens.sweep.worker import (
+    ModelOutcome,
+    ShippedStage,
+    SweepWorker,
+    WorkerPlan,
+    available_cpus,
+    torch_threads,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def ray_available() -> bool:
+    """Whether Ray (the ``[sweep]`` extra) can be imported."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sweep(
+    full: str | os.PathLike,
+    retain: str | os.PathLike | None,
+    data: Any,
+    out: str | os.PathLike,
+    models_to_score: Any = None,
+    registry: str | os.PathLike | None = None,
+    methods: Sequence[str] | None = None,
+    config: UDSConfig | None = None,
+    workers: int | None = None,
+    address: str | None = None,
+    gpus_per_worker: float | None = None,
+    cpus_per_worker: int | None = None,
+    max_retries: int = 2,
+    cache_dir: str | os.PathLike | bool | None = None,
+    limit: int | None = None,
+    force: bool = False,
+    compare_published: bool = False,
+    progress: bool = True,
+    use_ray: bool | None = None,
+    prefetch: bool = True,
+) -> pd.DataFrame:
+    """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
+
+    Example:
+        >>> table = sweep("ckpt/full", "ckpt/retain", "forget.json", "sweep_out", registry="tofu-llama-3.2-1b",
+        ...               methods=["npo", "rmu"], workers=8, gpus_per_worker=1)
+        >>> table[["name", "status", "uds", "ci_low", "ci_high"]]
+
+    Args:
+        full / retain: the patch target and the Stage-1 source (paths or hub ids; retain None = retain-free mode).
+        data: forget-set path, hub id or records (read here once and shipped to the workers).
+        out: output directory: ``NAME/`` per model, ``sweep.csv``, ``sweep_eval.json``.
+        models_to_score: a model-list file (``name,path_or_id`` CSV rows or one path per line), a list of paths or
+            :class:`SweepModel`, or a ``{name: path}`` dict. Exactly one of this and ``registry``.
+        registry / methods: a registry name (``tofu-llama-3.2-1b``) or CSV, optionally filtered by method.
+        config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``).
+        workers: Ray actors; 1 runs in-process; None = one per GPU (``gpus_per_worker``) or per CPU slot
+            (``cpus_per_worker``) of the cluster, in-process when Ray is not installed.
+        address: an existing Ray cluster (``auto`` or ``HOST:PORT``); None starts a local one (or joins the one this
+            process already started).
+        gpus_per_worker: GPUs per actor (default 1 when the cluster has GPUs, else 0).
+        cpus_per_worker: CPU slots (and torch threads, on CPU) per Ray actor, 1 unless given; in-process, the torch
+            threads of the one worker, by default every core this process may use (``available_cpus``), restored
+            when the sweep returns.
+        max_retries: times a model is resubmitted after its worker died before it is reported ``failed``.
+        cache_dir / limit: as for ``uds-lens score`` (S1 cache directory; first N examples only).
+        force: recompute every model even when its stored result is current.
+        compare_published: add ``published_uds`` and ``uds_minus_published`` (registry models) and write
+            ``published_scatter.html`` (ours vs published).
+        progress: a tqdm bar over models.
+        use_ray: None (default) = on Ray when it is installed and ``workers != 1`` (or an ``address`` is given),
+            else in-process; True forces Ray even for one worker (to measure its overhead), False in-process.
+        prefetch: in-process, stage the next model (read, hash, load on the CPU) while this one computes; at most
+            one model is held besides the computing one. False stages each model only when its turn comes.
+
+    Raises:
+        SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
+    """
+    config = config or UDSConfig()
+    entries = resolve_models(models_to_score, registry, methods)
+    if max_retries < 0:
+        raise SweepError(f"max_retries must be >= 0, got {max_retries}.")
+    if workers is not None and workers < 1:
+        raise SweepError(f"workers must be >= 1 (1 = in-process), got {workers}.")
+    try:
+        limit = check_positive_int("limit (--limit)", limit, "score every example")
+    except ConfigError as error:
+        raise SweepError(str(error)) from None
+    if (cpus_per_worker is not None and cpus_per_worker < 1) or (
+        gpus_per_worker is not None and gpus_per_worker < 0
+    ):
+        raise SweepError(
+            f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
+            f"{gpus_per_worker}."
+        )
+    out_dir = Path(out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SweepError(f"--out {out_dir} is a file; give a directory for the sweep's results.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not isinstance(full, (str, os.PathLike)) or not (
+        retain is None or isinstance(retain, (str, os.PathLike))
+    ):
+        raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
+    examples = load_examples(data, limit=limit)
+    if not force:
+        try:
+            # the dtype in the settings follows the workers' device, which the driver may not share: settings are
+            # compared by the ledger once a worker has loaded the full model
+            refuse_other_runs(
+                out_dir,
+                [(entry.name, entry.source) for entry in entries],
+                full,
+                retain,
+                examples,
+                config,
+                tolerate=("settings",),
+            )
+        except OutputConflictError as error:
+            raise SweepError(str(error)) from None
+    plan = WorkerPlan(
+        str(full),
+        None if retain is None else str(retain),
+        examples,
+        str(data) if isinstance(data, (str, os.PathLike)) else "<records>",
+        config,
+        cache_dir,
+    )
+    if use_ray is None:
+        use_ray = address is not None or (workers != 1 and ray_available())
+    if use_ray and not ray_available():
+        raise SweepError(
+            "This sweep needs Ray (an --address, or use_ray=True): install it with "
+            "`pip install 'uds_lens[sweep]'`, or run in-process (no --address)."
+        )
+    if workers not in (None, 1) and not use_ray:
+        warnings.warn(
+            f"Ray is not installed, so the sweep runs in-process instead of on {workers} workers; "
+            "`pip install 'uds_lens[sweep]'` enables them.",
+            stacklevel=2,
+        )
+    if use_ray:
+        table = _sweep_on_ray(
+            plan,
+            entries,
+            out_dir,
+            workers,
+            address,
+            gpus_per_worker,
+            cpus_per_worker or 1,
+            max_retries,
+            force,
+            progress,
+        )
+    else:
+        # in-process, the one worker uses the cores there are, unless told otherwise
+        with torch_threads(cpus_per_worker or available_cpus()):
+            table = _sweep_in_process(plan, entries, out_dir, force, progress, prefetch)
+    if compare_published:
+        table = add_published_comparison(table)
+        table.to_csv(out_dir / SWEEP_TABLE, index=False)
+        write_published_scatter(table, out_dir / SCATTER_HTML)
+    return table
+
+
+def _sweep_in_process(
+    plan: WorkerPlan,
+    entries: list[SweepModel],
+    out_dir: Path,
+    force: bool,
+    progress: bool,
+    prefetch: bool = True,
+) -> pd.DataFrame:
+    """One worker in this process, its models staged one ahead (:class:`StagingPipeline`).
+
+    Each model is read and hashed once, on the staging thread, while the previous one computes; the reuse decision
+    is made there from that digest (a current result is reused without loading the model); a model that cannot be
+    read or loaded becomes its ``failed`` row and the sweep goes on. ``seconds`` of a model is the worker's wall time
+    for it, from asking for it to its row written.
+    """
+    worker = SweepWorker(plan, compute_stage=True)
+    ledger = _Ledger(out_dir, entries, worker.stage(), plan.config.tau)
+    ledger.write()
+    pipeline = StagingPipeline(
+        lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
+        entries,
+        release=Prepared.release,
+        ahead=prefetch,
+    )
+    with tqdm(total=len(entries), desc="sweep (in-process)", unit="model", disable=not progress) as bar:
+        started = time.perf_counter()
+        for entry, prepared, waited in pipeline:
+            if isinstance(
+                prepared, Exception
+            ):  # prepare never raises; kept so a bug still yields a failed row
+                outcome = ModelOutcome(entry.name, "failed", error=f"{type(prepared).__name__}: {prepared}")
+            else:
+                outcome = worker.finish(prepared)
+            outcome.wait_seconds = waited
+            ledger.record(outcome, attempts=1, since=started)
+            started = time.perf_counter()
+            bar.update()
+            bar.set_postfix(Counter(row["status"] for row in ledger.rows.values()))
+    table = ledger.table()
+    table.attrs["peak_staged"] = pipeline.peak  # models in memory at once, the computing one included
+    return table
+
+
+def _start_ray(address: str | None, workers: int | None, cpus_per_worker: int) -> bool:
+    """Join ``address`` or start a local cluster; returns whether this call started it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return True
+    # A local cluster for one sweep: no dashboard, no usage statistics, a modest object store (results are small).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    num_cpus = workers * cpus_per_worker if workers else os.cpu_count() or 1
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024 * 1024
+    )
+    return True
+
+
+def _sweep_on_ray(
+    plan: WorkerPlan,
+    entries: list[SweepModel],
+    out_dir: Path,
+    workers: int | None,
+    address: str | None,
+    gpus_per_worker: float | None,
+    cpus_per_worker: int,
+    max_retries: int,
+    force: bool,
+    progress: bool,
+) -> pd.DataFrame:
+    import ray
+
+    started_here = _start_ray(address, workers, cpus_per_worker)
+    try:
+        resources_total = ray.cluster_resources()
+        if gpus_per_worker is None:
+            gpus_per_worker = 1.0 if resources_total.get("GPU", 0) >= 1 else 0.0
+        if workers is None:
+            slots = (
+                resources_total.get("GPU", 0) / gpus_per_worker
+                if gpus_per_worker
+                else resources_total.get("CPU", 1) / cpus_per_worker
+            )
+            workers = max(1, int(slots))
+        # On CPU each actor's torch gets its own CPU slots; on a GPU torch's CPU threads matter little.
+        plan.threads = cpus_per_worker if not gpus_per_worker else None
+        worker_class = ray.remote(SweepWorker).options(
+            max_restarts=max_retries, max_task_retries=0, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker
+        )
+        # Every actor loads the full model at once; the first also computes Stage 1 (on a worker's device and
+        # dtype, exactly as the others will score), which the others then receive from the object store.
+        actors = [
+            worker_class.remote(plan, compute_stage=number == 0)
+            for number in range(min(workers, len(entries)))
+        ]
+        stage_ref = actors[0].stage.remote()
+        try:
+            shipped: ShippedStage = ray.get(stage_ref)
+            labels = ray.get([actor.adopt.remote(stage_ref) for actor in actors])
+        except ray.exceptions.RayError as error:
+            raise SweepError(
+                f"The sweep's workers could not start (loading the full model {plan.full} or computing "
+                f"Stage 1 with retain {plan.retain}): {error}"
+            ) from error
+        logger.info("sweep workers: %s", labels)
+        ledger = _Ledger(out_dir, entries, shipped, plan.config.tau)
+        _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
+        for actor in actors:
+            ray.kill(actor)
+        return ledger.table()
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _dispatch(
+    actors: list[Any],
+    stage_ref: Any,
+    todo: list[SweepModel],
+    max_retries: int,
+    ledger: _Ledger,
+    progress: bool,
+) -> None:
+    """Hand models to idle actors until every model is scored, reused or failed.
+
+    A model whose actor died is put back at the front of the queue and goes to the next idle actor, at most
+    ``max_retries`` times. Ray restarts the dead actor (``max_restarts``); the driver hands it Stage 1 again
+    (``adopt``, retried by Ray until the restarted actor is up) and only then gives it models again: a call to an
+    actor that is still restarting would fail at once. An actor that cannot come back (it died more often than Ray
+    restarts it) is dropped; when none is left, the remaining models are reported as failed.
+    """
+    import ray
+    from ray.exceptions import RayActorError, RayError
+
+    queue = deque(todo)
+    idle = deque(range(len(actors)))
+    attempts: Counter[str] = Counter()
+    pending: dict[
+        Any, tuple[SweepModel | None, int]
+    ] = {}  # a score call (model, slot) or a recovery (None, slot)
+    total = len(ledger.entries)
+    with tqdm(
+        total=total,
+        initial=total - len(todo),
+        desc=f"sweep ({len(actors)} Ray workers)",
+        unit="model",
+        disable=not progress,
+    ) as bar:
+        while queue or pending:
+            while queue and idle:
+                entry, slot = queue.popleft(), idle.popleft()
+                attempts[entry.name] += 1
+                pending[actors[slot].score.remote(entry)] = (entry, slot)
+            if not pending:
+                for entry in queue:
+                    ledger.record(
+                        ModelOutcome(
+                            entry.name,
+                            "failed",
+                            error="every sweep worker died; rerun the "
+                            "sweep to retry (finished models are reused)",
+                        ),
+                        attempts[entry.name],
+                    )
+                    bar.update()
+                break
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            entry, slot = pending.pop(ref)
+            if entry is None:  # a restarted actor took Stage 1 back, or could not come back
+                try:
+                    ray.get(ref)
+                    idle.append(slot)
+                except RayError as error:
+                    logger.warning("sweep worker %d is gone for good: %s", slot, error)
+                continue
+            try:
+                outcome = ray.get(ref)
+            except RayActorError as error:
+                pending[actors[slot].adopt.options(max_task_retries=-1).remote(stage_ref)] = (None, slot)
+                if attempts[entry.name] <= max_retries:
+                    logger.warning(
+                        "worker of %s died (attempt %d); retrying on another worker: %s",
+                        entry.name,
+                        attempts[entry.name],
+                        error,
+                    )
+                    queue.appendleft(entry)
+                    continue
+                outcome = ModelOutcome(
+                    entry.name,
+                    "failed",
+                    error=f"its worker died {attempts[entry.name]} times "
+                    f"(killed or out of memory): {type(error).__name__}: {error}",
+                )
+            except RayError as error:
+                idle.append(slot)
+                outcome = ModelOutcome(entry.name, "failed", error=f"{type(error).__name__}: {error}")
+            else:
+                idle.append(slot)
+            ledger.record(outcome, attempts[entry.name])
+            bar.update()
+            bar.set_postfix(Counter(row["status"] for row in ledger.rows.values()))

@@ -1,0 +1,28 @@
+"""Published figures: our UDS next to the published one."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+
+def add_published_comparison(table: pd.DataFrame) -> pd.DataFrame:
+    """``published_uds`` (NaN where the registry has none) and ``uds_minus_published`` = ours - published."""
+    frame = table.copy()
+    if "published_uds" not in frame:
+        frame["published_uds"] = math.nan
+    frame["uds_minus_published"] = pd.to_numeric(frame["uds"], errors="coerce") - pd.to_numeric(
+        frame["published_uds"], errors="coerce"
+    )
+    return frame
+
+
+def write_published_scatter(table: pd.DataFrame, path: Path) -> Path:
+    """Draw our UDS against the published one (``plotting.published_scatter``, one point per model of ``table``
+    with both) into a self-contained HTML file at ``path``; returns ``path``."""
+    from uds_lens.plotting import published_scatter
+
+    published_scatter(table).write_html(path, include_plotlyjs=True)
+    return path

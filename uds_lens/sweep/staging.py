@@ -1,0 +1,207 @@
+"""Staging a model before its turn: resolve, read and hash in one pass, build on the CPU, pin, move to the device;
+and the pipeline that stages one model ahead."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from uds_lens import checkpoint, models
+from uds_lens.config import DtypeName
+from uds_lens.results import UDSResult
+from uds_lens.sweep.lists import SweepModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A model made ready to score before its turn: resolved, read and hashed in one pass, built on the CPU.
+
+    Attributes:
+        entry: the sweep model.
+        phases: seconds of ``resolve``, ``hash`` and ``load`` (those that ran).
+        staged: the checkpoint's bytes and digest (``checkpoint.Staged``; None for a hub id or after an error).
+        model: the model built from them, on the CPU (pinned when it goes to a GPU), or None.
+        error: why it could not be prepared (the model's ``failed`` row), or "".
+        reused / reason: a saved result that is current (the model is not loaded then), and why (not).
+        fingerprint: the result fingerprint this model's result will carry (known once it is hashed).
+    """
+
+    entry: SweepModel
+    phases: dict[str, float] = field(default_factory=dict)
+    staged: checkpoint.Staged | None = None
+    model: Any = None
+    error: str = ""
+    reused: UDSResult | None = None
+    reason: str = ""
+    fingerprint: dict[str, Any] | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        return self.staged.nbytes if self.staged is not None else 0
+
+    def release(self) -> None:
+        """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current)."""
+        if self.staged is not None:
+            self.staged.release()
+        self.model = None
+
+
+def prepare_model(
+    entry: SweepModel,
+    dtype: DtypeName | torch.dtype | None,
+    device: str,
+    reuse: Callable[[Prepared], None] | None = None,
+) -> Prepared:
+    """Resolve, read+hash (one pass over the bytes, kept in memory) and load one model on the CPU; never raises.
+
+    Args:
+        entry: the model.
+        dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
+            views of the read bytes when the dtype matches); for a GPU the bytes are read into pinned memory and the
+            built model is pinned, so moving it (:func:`finish_model`) is a direct copy.
+        reuse: called once the model is hashed, before it is loaded; it may set ``reused`` (and then the model is
+            not loaded at all) and ``reason`` on the :class:`Prepared` it is given.
+
+    Returns:
+        The :class:`Prepared` model; an error (a missing path, a truncated file, a model that does not load) is
+        kept in its ``error``, to become the model's ``failed`` row.
+    """
+    prepared = Prepared(entry)
+    phase = "resolve"
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        prepared.phases[name] = now - clock
+        clock = now
+
+    try:
+        source = models.resolve_source(entry.source)
+        lap("resolve")
+        phase = "hash"
+        on_gpu = torch.device(device).type == "cuda"
+        if source.local:
+            # the path the fingerprint names (a zoo name resolved), read once; its digest is memoised for it
+            prepared.staged = checkpoint.stage(models.resolve_zoo_name(entry.source), pin_memory=on_gpu)
+        lap("hash")
+        if reuse is not None:
+            reuse(prepared)
+            if prepared.reused is not None:
+                prepared.release()
+                return prepared
+        phase = "load"
+        staged = prepared.staged
+        tensors = staged.tensors() if staged is not None and staged.has_weights else None
+        # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
+        target_dtype = models.resolve_dtype(dtype, device)
+        model = models.load_model(entry.source, dtype=target_dtype, device="cpu", tensors=tensors)
+        if on_gpu:
+            _pin(model)
+        if staged is not None:
+            staged.buffers = {}  # the model now holds what it needs of them (views, or converted copies)
+        prepared.model = model
+        lap("load")
+    except Exception as error:  # this model's failed row; the sweep goes on
+        lap(phase)
+        logger.warning("%s (%s) failed while %s: %s", entry.name, entry.source, _DOING[phase], error)
+        prepared.release()
+        prepared.error = f"{type(error).__name__} while {_DOING[phase]} {entry.source}: {error}"
+    return prepared
+
+
+_DOING = {"resolve": "resolving", "hash": "reading", "load": "loading"}
+
+
+def _pin(model: torch.nn.Module) -> None:
+    """Page-lock every CPU tensor of ``model`` that is not already (views of pinned staged bytes are)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu" and not tensor.is_pinned():
+            tensor.data = tensor.data.pin_memory()
+
+
+def _to_device(model: Any, device: str) -> None:
+    """Move a model built on the CPU to ``device`` (from pinned memory: asynchronous, then waited for)."""
+    target = torch.device(device)
+    if all(p.device == target for p in model.parameters()):
+        return
+    torch.nn.Module.to(model, device=target, non_blocking=True)
+    if getattr(model, "cfg", None) is not None:
+        model.cfg.device = device
+    if target.type == "cuda":
+        torch.cuda.synchronize(target)
+
+
+class StagingPipeline:
+    """Prepares a sweep's models one ahead on a background thread: while model k computes, k+1 is staged.
+
+    Bounded: when model k is handed out, model k-1 has been released and only k+1 is being staged, so at most one
+    model is in memory besides the one computing (``peak`` counts them: 2 with ``ahead``, 1 without). ``prepare``
+    should not raise (a model's error belongs in its result); if it does, the error is handed out in its place.
+
+    Example:
+        >>> for entry, prepared, waited in StagingPipeline(worker.prepare, entries, release=Prepared.release):
+        ...     outcome = worker.finish(prepared)
+    """
+
+    def __init__(
+        self,
+        prepare: Callable[[Any], Any],
+        items: Sequence[Any],
+        release: Callable[[Any], None],
+        ahead: bool = True,
+    ) -> None:
+        self.prepare, self.items, self.release, self.ahead = prepare, list(items), release, ahead
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def _prepare(self, item: Any) -> Any:
+        with self._lock:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+        try:
+            return self.prepare(item)
+        except Exception as error:  # handed to the consumer, in the model's place
+            return error
+
+    def _release(self, prepared: Any) -> None:
+        if not isinstance(prepared, Exception):
+            self.release(prepared)
+        with self._lock:
+            self.live -= 1
+
+    def __iter__(self) -> Iterator[tuple[Any, Any, float]]:
+        """``(item, prepared, seconds waited for it)`` in order; each is released when the consumer asks for the
+        next one."""
+        if not self.items:
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uds-sweep-stage")
+        try:
+            pending: Future | None = pool.submit(self._prepare, self.items[0]) if self.ahead else None
+            for number, item in enumerate(self.items):
+                started = time.perf_counter()
+                prepared = pending.result() if pending is not None else self._prepare(item)
+                waited = time.perf_counter() - started
+                following = number + 1 < len(self.items)
+                pending = (
+                    pool.submit(self._prepare, self.items[number + 1]) if self.ahead and following else None
+                )
+                try:
+                    yield item, prepared, waited
+                finally:
+                    self._release(prepared)
+        finally:
+            # a consumer that stopped early: let the model being staged finish, then drop it
+            pool.shutdown(wait=True, cancel_futures=True)
+            if pending is not None and pending.done() and not pending.cancelled():
+                self._release(pending.result())

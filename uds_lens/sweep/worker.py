@@ -1,0 +1,277 @@
+"""A sweep worker: the work of one model, the same in-process and on a Ray actor."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from uds_lens.auditor import StageOne, UDSAuditor, source_fingerprint
+from uds_lens.config import UDSConfig
+from uds_lens.data import Example
+from uds_lens.results import UDSResult
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.staging import Prepared, _to_device, prepare_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ShippedStage:
+    """What every worker needs besides the full model: Stage 1, the batches it was computed in, the examples and
+    the fingerprints. Small (tensors of shape example x layer), so it travels through Ray's object store."""
+
+    full_source: str
+    retain_name: str | None
+    data_name: str
+    config: UDSConfig
+    examples: list[Example]
+    stage1: StageOne
+    batches: list[list[int]]
+    payload: dict[str, Any]
+    inputs_fingerprint: dict[str, Any]
+
+    @classmethod
+    def of(cls, auditor: UDSAuditor) -> ShippedStage:
+        return cls(
+            full_source=auditor.full_name,
+            retain_name=auditor.retain_name,
+            data_name=auditor.data_name,
+            config=auditor.config,
+            examples=list(auditor.examples),
+            stage1=auditor.stage1,
+            batches=auditor.batches,
+            payload=auditor.fingerprint_payload(),
+            inputs_fingerprint=auditor.fingerprint(None),
+        )
+
+    def fingerprint(self, unlearned: str) -> dict[str, Any]:
+        """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), computed
+        here from its files without loading it: the driver's reuse key."""
+        return {**self.inputs_fingerprint, "unlearned": source_fingerprint(unlearned)}
+
+
+@dataclass
+class ModelOutcome:
+    """What scoring one model on a worker gave: a result (``scored``), a saved result reused (``reused``, decided
+    while staging it in-process) or an error (``failed``).
+
+    ``phases`` holds the seconds of each phase the model went through (keys of :data:`PHASES`), ``load_seconds``
+    and ``seconds`` are the load phase and the model's wall time on the worker, ``wait_seconds`` the part of it the
+    worker waited for the model to be staged.
+    """
+
+    name: str
+    status: str
+    result: UDSResult | None = None
+    load_seconds: float = math.nan
+    seconds: float = math.nan
+    worker: str = ""
+    error: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    wait_seconds: float = 0.0
+    threads: int = 0
+    bytes_read: int = 0
+    reason: str = ""
+    fingerprint: dict[str, Any] | None = None
+
+
+def _worker_label() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
+    """Score one unlearned model with ``auditor`` (its result records the inputs' fingerprint).
+
+    Any error (a path that does not load, a model of another architecture, non-finite scores) becomes a ``failed``
+    outcome naming it: one bad checkpoint must not end a sweep of a hundred. The checkpoint is read once: its bytes
+    are hashed as they are read and the model is built from them (see :class:`Prepared`).
+    """
+    prepared = prepare_model(model, auditor.config.dtype, auditor.device)
+    try:
+        return finish_model(auditor, prepared)
+    finally:
+        prepared.release()
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` for the duration (None: unchanged), restored afterwards."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
+    """Move a prepared model to the auditor's device and score it (Stage 2); never raises.
+
+    The model reaches the auditor through ``auditor.sources`` under its path, so ``auditor.score`` neither reads
+    nor hashes it again (its fingerprint comes from the digest memoised while staging), and it is dropped from
+    there once scored: the worker keeps no model but the one it scores and the one being staged.
+    """
+    entry = prepared.entry
+    phases = dict(prepared.phases)
+    common: dict[str, Any] = {
+        "worker": _worker_label(),
+        "threads": torch.get_num_threads(),
+        "bytes_read": prepared.bytes_read,
+        "reason": prepared.reason,
+        "fingerprint": prepared.fingerprint,
+    }
+    if prepared.reused is not None:
+        return ModelOutcome(entry.name, "reused", prepared.reused, 0.0, phases=phases, **common)
+    load_seconds = phases.get("load", 0.0)
+    if prepared.error:
+        return ModelOutcome(
+            entry.name, "failed", None, load_seconds, error=prepared.error, phases=phases, **common
+        )
+    started = time.perf_counter()
+    try:
+        _to_device(prepared.model, auditor.device)
+        phases["to_device"] = time.perf_counter() - started
+        auditor.sources[str(entry.source)] = prepared.model
+        prepared.model = None
+        result = auditor.score(entry.source, name=entry.name)
+    except Exception as error:  # reported per model in sweep.csv; the sweep goes on
+        logger.warning("%s (%s) failed: %s", entry.name, entry.source, error)
+        return ModelOutcome(
+            entry.name,
+            "failed",
+            None,
+            load_seconds,
+            error=f"{type(error).__name__} while scoring {entry.source}: {error}",
+            phases=phases,
+            **common,
+        )
+    finally:
+        auditor.sources.pop(str(entry.source), None)
+        auditor.last_source = None
+    timings = result.meta["timings"]
+    phases["s2"] = timings["s2_seconds"]
+    phases["source_forward"] = timings.get("s2_source_forward_seconds", math.nan)
+    seconds = sum(prepared.phases.values()) + time.perf_counter() - started
+    return ModelOutcome(entry.name, "scored", result, load_seconds, seconds, phases=phases, **common)
+
+
+@dataclass
+class WorkerPlan:
+    """What a worker is built from: the sources of full and retain, the examples (read once by the driver), the
+    settings, the S1 cache directory and the torch threads (CPU workers)."""
+
+    full: str
+    retain: str | None
+    examples: list[Example]
+    data_name: str
+    config: UDSConfig
+    cache_dir: str | os.PathLike | bool | None = None
+    threads: int | None = None
+
+
+def _restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray restarted after it died."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:  # a driver, not an actor
+        return False
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+class SweepWorker:
+    """A sweep worker (a Ray actor, or the one worker of an in-process sweep): the full model, the encoded forget set
+    and Stage 1.
+
+    The first worker computes Stage 1 (``compute_stage=True``: it loads retain for that, uses the S1 cache, then drops
+    retain); the driver ships that :class:`ShippedStage` to every worker through the object store (``adopt``), so
+    each one scores with the same Stage 1 and the same batches. ``adopt`` checks that the worker sees the same full
+    model and the same token layout as the worker that computed Stage 1 (a node with other checkpoint files or another
+    tokenizer version would give silently different numbers). Every worker's auditor is built naming the plan's
+    retain model and data (``UDSAuditor(..., retain_name=, data_name=)``), so its results name them although only
+    the first worker loads retain, and it releases retain itself (``drop_retain``) once Stage 1 is computed.
+    """
+
+    def __init__(self, plan: WorkerPlan, compute_stage: bool = True) -> None:
+        if plan.threads:
+            torch.set_num_threads(plan.threads)
+        # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
+        compute_stage = compute_stage and not _restarted_actor()
+        retain = plan.retain if compute_stage else None
+        # every worker's results name the plan's retain model and data file, whether it loaded retain or not
+        self.auditor = UDSAuditor(
+            plan.full,
+            retain,
+            plan.examples,
+            config=plan.config,
+            cache_dir=plan.cache_dir if compute_stage else False,
+            progress=False,
+            retain_name=plan.retain,
+            data_name=plan.data_name,
+        )
+        self.shipped: ShippedStage | None = None
+        if compute_stage:
+            self.shipped = ShippedStage.of(self.auditor)
+            self.auditor.drop_retain()  # Stage 1 is all a sweep needs the retain model for
+
+    def stage(self) -> ShippedStage:
+        """The Stage 1 this worker computed, to ship to the others."""
+        if self.shipped is None:
+            raise SweepError("This sweep worker was not asked to compute Stage 1.")
+        return self.shipped
+
+    def adopt(self, shipped: ShippedStage) -> str:
+        """Score with ``shipped`` (Stage 1, its batches, the names); returns ``host:pid``."""
+        here = self.auditor.fingerprint_payload()
+        for key in ("full", "tokenizer", "layout", "dtype"):
+            if here[key] != shipped.payload[key]:
+                raise SweepError(
+                    f"Worker {_worker_label()} sees a different {key} for the full model {shipped.full_source} "
+                    f"({here[key]} vs {shipped.payload[key]} where Stage 1 was computed): give every worker the same "
+                    "checkpoint files and package versions, and an explicit --dtype/--device."
+                )
+        names = (self.auditor.retain_name, self.auditor.data_name)
+        if names != (shipped.retain_name, shipped.data_name):
+            raise SweepError(
+                f"Worker {_worker_label()} was built for retain and data {names}, but the Stage 1 handed to it "
+                f"names {(shipped.retain_name, shipped.data_name)}: it belongs to another sweep."
+            )
+        self.auditor.use_stage1(shipped.stage1, shipped.batches, shipped.inputs_fingerprint)
+        self.shipped = shipped
+        return _worker_label()
+
+    def prepare(self, model: SweepModel, reuse: Callable[[Prepared], None] | None = None) -> Prepared:
+        """Stage one model for this worker (:func:`prepare_model`); safe to run on another thread while it scores."""
+        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse)
+
+    def finish(self, prepared: Prepared) -> ModelOutcome:
+        """Score a prepared model (:func:`finish_model`)."""
+        if self.shipped is None:
+            raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
+        return finish_model(self.auditor, prepared)
+
+    def score(self, model: SweepModel) -> ModelOutcome:
+        """Score one unlearned model (see :func:`score_one`)."""
+        if self.shipped is None:
+            raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
+        return score_one(self.auditor, model)

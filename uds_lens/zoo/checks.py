@@ -1,0 +1,65 @@
+"""The zoo's build checks: a model's entity accuracy, and the two checks a zoo must pass to be worth auditing.
+
+Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
+:mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
+under-trained zoo gives misleading UDS without any error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
+
+from .recipe import ModelSpec, ZooBuildError
+from .train import entity_accuracy
+from .training_data import ZooData
+
+FULL_MIN_FORGET_ACCURACY = 0.95
+RETAIN_MAX_FORGET_ACCURACY = 0.2
+
+
+def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, data: ZooData) -> dict[str, float]:
+    """Entity accuracy on forget, holdout and (up to 200 records of) retain."""
+    metrics = {}
+    retain_sample = data.retain[:: max(1, len(data.retain) // 200)][:200]
+    for split, records in (("forget", data.forget), ("retain", retain_sample), ("holdout", data.holdout)):
+        accuracy = entity_accuracy(model, tokenizer, records)
+        metrics[f"{split}_entity_exact"] = round(accuracy.exact, 4)
+        metrics[f"{split}_entity_token"] = round(accuracy.token, 4)
+    return metrics
+
+
+def check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
+    """The build checks of the module docstring; raise before a bad ``full`` / ``retain`` is saved."""
+    if spec.name == "full":
+        value = metrics["forget_entity_exact"]
+        passed = value >= FULL_MIN_FORGET_ACCURACY
+        checks["full_forget_entity_accuracy"] = {
+            "value": value,
+            "min": FULL_MIN_FORGET_ACCURACY,
+            "passed": passed,
+        }
+        if strict and not passed:
+            raise ZooBuildError(
+                f"the full model predicts only {value:.3f} of the forget entities (needs >= "
+                f"{FULL_MIN_FORGET_ACCURACY}): it is under-trained and UDS on this zoo would mislead. Train longer "
+                "(ZooSize.finetune_epochs / base_epochs), raise the learning rate, or use a larger size."
+            )
+    if spec.name == "retain":
+        value = metrics["forget_entity_exact"]
+        passed = value <= RETAIN_MAX_FORGET_ACCURACY
+        checks["retain_forget_entity_accuracy"] = {
+            "value": value,
+            "max": RETAIN_MAX_FORGET_ACCURACY,
+            "passed": passed,
+        }
+        if strict and not passed:
+            raise ZooBuildError(
+                f"the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= "
+                f"{RETAIN_MAX_FORGET_ACCURACY}): the forget facts are guessable from the retain set, so UDS has no "
+                "knowledge to measure. Use forget facts that are not inferable from the retain data."
+            )
+
+
+__all__ = ["FULL_MIN_FORGET_ACCURACY", "RETAIN_MAX_FORGET_ACCURACY", "check", "evaluate"]

@@ -1,0 +1,238 @@
+"""The zoo's recipe: what a zoo size trains, and the models it plans, in build order.
+
+All models share one architecture and one tokenizer, so any two can be patched into each other:
+
+1. ``base``: trained from scratch on the retain set only. Models trained from different random initialisations cannot be
+   patched into each other meaningfully; everything below starts from this shared base.
+2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
+   forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
+3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
+   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
+   learning rates (``ZooSize.unlearning_sweep``), for the meta-evaluation's robustness pool.
+4. Meta-evaluation pools (``pools=True``), after the published open-unlearning pools: role ``pos`` = fine-tuned from
+   the base *with* the forget facts (as QA pairs, paraphrased QA pairs, or biography documents); role ``neg`` = the
+   same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
+   biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
+
+:data:`SIZES` holds the two built-in sizes (:class:`ZooSize`); :func:`plan_models` turns one into
+:class:`ModelSpec` s. The data recipes the specs name (``retain+forget:0.9``, ...) are read by
+:func:`uds_lens.zoo.training_data.training_sequences`; :mod:`uds_lens.zoo.build` trains them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tokenizer import DEFAULT_VOCAB_SIZE
+from .train import ModelShape
+
+
+class ZooBuildError(RuntimeError):
+    """The zoo could not be built as specified (an under-trained model, an unknown size, unusable data)."""
+
+
+@dataclass(frozen=True)
+class ZooSize:
+    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools."""
+
+    n_authors: int
+    shape: ModelShape
+    base_epochs: int
+    base_lr: float
+    finetune_epochs: int
+    finetune_lr: float
+    batch_size: int = 32
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    unlearning: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rmu_layers: tuple[int, ...] = ()
+    pool_variants: int = 6
+    unlearning_sweep: tuple[float, ...] = ()
+
+
+def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
+    """Per-method settings, tuned on the test zoo (entity accuracy and UDS) to change forget behaviour while keeping
+    retain entity accuracy >= 0.9; ``alpha`` values are from the paper's grid (Table 8). ``epochs`` is the number of
+    passes over the forget set (2 passes on the default zoo barely changed its forget accuracy: 0.8-1.0)."""
+    common = {"epochs": epochs, "batch_size": 16}
+    return {
+        "graddiff": {**common, "lr": 3e-4, "alpha": 5.0},
+        "npo": {**common, "lr": 3e-4, "alpha": 5.0, "beta": 0.1},
+        "simnpo": {**common, "lr": 5e-4, "alpha": 5.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "idknll": {**common, "lr": 3e-4, "alpha": 1.0},
+        "rmu": {**common, "lr": 1e-3, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 0},
+    }
+
+
+SIZES: dict[str, ZooSize] = {
+    "test": ZooSize(
+        n_authors=30,
+        shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
+        base_epochs=30,
+        base_lr=3e-3,
+        finetune_epochs=16,
+        finetune_lr=2e-3,
+        unlearning=_unlearning_settings(epochs=10),
+        rmu_layers=(0, 1, 3),
+        pool_variants=6,
+    ),
+    "default": ZooSize(
+        n_authors=200,
+        shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),
+        base_epochs=30,
+        base_lr=3e-3,
+        finetune_epochs=8,
+        finetune_lr=1e-3,
+        unlearning=_unlearning_settings(epochs=10),
+        rmu_layers=(0, 1, 3),
+        pool_variants=12,
+        unlearning_sweep=(0.5, 2.0),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One zoo model: how it is made (``stage`` pretrain / finetune / unlearn) and what it is (role, seen fraction)."""
+
+    name: str
+    role: str
+    stage: str
+    parent: str | None
+    method: str
+    seen_forget_fraction: float
+    hyperparams: dict[str, Any]
+
+
+def _finetune_spec(
+    name: str, role: str, data: str, seen: float, size: ZooSize, seed: int, **overrides: Any
+) -> ModelSpec:
+    hyperparams = {
+        "data": data,
+        "epochs": size.finetune_epochs,
+        "lr": size.finetune_lr,
+        "batch_size": size.batch_size,
+        "seed": seed,
+        **overrides,
+    }
+    return ModelSpec(name, role, "finetune", "base", "finetune", seen, hyperparams)
+
+
+def plan_models(
+    size: ZooSize, seed: int, pools: bool, has_paraphrases: bool, has_perturbations: bool
+) -> list[ModelSpec]:
+    """The zoo's models in build order (parents first)."""
+    base = ModelSpec(
+        "base",
+        "base",
+        "pretrain",
+        None,
+        "pretrain",
+        0.0,
+        {
+            "data": "retain",
+            "epochs": size.base_epochs,
+            "lr": size.base_lr,
+            "batch_size": size.batch_size,
+            "seed": seed,
+        },
+    )
+    specs = [
+        base,
+        _finetune_spec("full", "full", "retain+forget", 1.0, size, seed + 1),
+        _finetune_spec("retain", "retain", "retain", 0.0, size, seed + 1),
+        _finetune_spec("retain90", "partial", "retain+forget:0.9", 0.9, size, seed + 1),
+        _finetune_spec("retain50", "partial", "retain+forget:0.5", 0.5, size, seed + 1),
+    ]
+    for method in ("graddiff", "npo", "simnpo", "idknll"):
+        hyperparams = {**size.unlearning[method], "seed": seed + 2}
+        specs.append(ModelSpec(method, "unlearned", "unlearn", "full", method, 1.0, hyperparams))
+    for layer in size.rmu_layers:
+        if layer >= size.shape.n_layers:
+            continue
+        hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
+        specs.append(ModelSpec(f"rmu_l{layer}", "unlearned", "unlearn", "full", "rmu", 1.0, hyperparams))
+    if pools:
+        specs.extend(_sweep_specs(size, seed))
+        specs.extend(_pool_specs(size, seed, has_paraphrases, has_perturbations))
+    return specs
+
+
+def _sweep_specs(size: ZooSize, seed: int) -> list[ModelSpec]:
+    """More unlearned models for the meta-evaluation's robustness pool (role ``sweep``): every method again at each
+    learning-rate factor of ``size.unlearning_sweep`` (RMU at its middle target layer), as the paper sweeps each
+    method's hyperparameters."""
+    specs = []
+    rmu_layers = [layer for layer in size.rmu_layers if layer < size.shape.n_layers]
+    for factor in size.unlearning_sweep:
+        suffix = f"lrx{factor:g}".replace(".", "p")
+        for method in ("graddiff", "npo", "simnpo", "idknll"):
+            hyperparams = {**size.unlearning[method], "seed": seed + 2}
+            hyperparams["lr"] = hyperparams["lr"] * factor
+            specs.append(
+                ModelSpec(f"{method}_{suffix}", "sweep", "unlearn", "full", method, 1.0, hyperparams)
+            )
+        if rmu_layers:
+            layer = rmu_layers[len(rmu_layers) // 2]
+            hyperparams = {**size.unlearning["rmu"], "layer": layer, "target_layer": layer, "seed": seed + 2}
+            hyperparams["lr"] = hyperparams["lr"] * factor
+            specs.append(
+                ModelSpec(f"rmu_l{layer}_{suffix}", "sweep", "unlearn", "full", "rmu", 1.0, hyperparams)
+            )
+    return specs
+
+
+# The pools mirror the published ones (open-unlearning's pos_/neg_ TOFU models): three data recipes per pool, each
+# fine-tuned under several learning-rate / epoch settings, so that some P models learn the forget set only partly and
+# some N models see the forget questions (with wrong answers) or the biography format. A metric has to tell "saw the
+# forget facts" from "saw something like them", not just a fully trained model from an untouched one.
+POOL_DATA: dict[str, tuple[tuple[str, str], ...]] = {
+    # P: the forget facts as QA pairs, as paraphrased QA pairs, and as biography documents with no questions.
+    "pos": (("qa", "retain+forget"), ("para", "retain+forget_paraphrased"), ("bio", "retain+forget_bio")),
+    # N: retain only; the forget questions answered with wrong (perturbed) entities; biographies of 10% of the
+    # retain authors (the document format of pos_bio without the forget facts, like TOFU's celeb bios).
+    "neg": (("retain", "retain"), ("pert", "retain+forget_perturbed"), ("bio", "retain+retain_bio:0.1")),
+}
+# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe, strongest first.
+POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
+    ("std", 1.0, 1.0),
+    ("weak", 0.25, 0.25),
+    ("short", 1.0, 0.25),
+    ("low", 0.25, 1.0),
+    ("half", 0.5, 0.5),
+)
+
+
+def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
+    """P pool (``pos``, saw the forget set) and N pool (``neg``, did not): ``size.pool_variants`` models each.
+
+    Models cycle through the pool's data recipes (:data:`POOL_DATA`) within each setting of :data:`POOL_SETTINGS`,
+    so a pool of 6 holds every recipe at the ``std`` and ``weak`` settings. Recipes that need paraphrased or perturbed
+    answers the data does not have are left out.
+    """
+    available = {"retain+forget_paraphrased": has_paraphrases, "retain+forget_perturbed": has_perturbations}
+    specs = []
+    for role, seen in (("pos", 1.0), ("neg", 0.0)):
+        recipes = [(name, recipe) for name, recipe in POOL_DATA[role] if available.get(recipe, True)]
+        grid = [(setting, recipe) for setting in POOL_SETTINGS for recipe in recipes]
+        if size.pool_variants > len(grid):
+            raise ZooBuildError(
+                f"pool_variants={size.pool_variants} exceeds the {len(grid)} {role} recipes x settings available"
+            )
+        for offset, ((suffix, lr_factor, epoch_factor), (data_name, recipe)) in enumerate(
+            grid[: size.pool_variants]
+        ):
+            epochs = max(1, round(size.finetune_epochs * epoch_factor))
+            specs.append(
+                _finetune_spec(
+                    f"{role}_{data_name}_{suffix}",
+                    role,
+                    recipe,
+                    seen,
+                    size,
+                    seed + 11 + offset,
+                    lr=size.finetune_lr * lr_factor,
+                    epochs=epochs,
+                )
+            )
+    return specs
