@@ -383,8 +383,19 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import uds_lens.patching as patching
+    from uds_lens.patching import engines, kernels
 
-    originals = {name: getattr(patching, name) for name in (*TOP_LEVEL, *INNER)}
+    # A function is looked up in the module that calls it: scope it in every module of the package that holds it.
+    modules = (patching, engines, kernels)
+    originals = {
+        name: next(getattr(module, name) for module in modules if hasattr(module, name))
+        for name in (*TOP_LEVEL, *INNER)
+    }
+
+    def swap(name, function):
+        for module in modules:
+            if hasattr(module, name):
+                setattr(module, name, function)
 
     def scoped(name):
         function = originals[name]
@@ -419,13 +430,13 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
         run()
         seconds = time.process_time() - started
         for name in originals:
-            setattr(patching, name, scoped(name))
+            swap(name, scoped(name))
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
         finally:
             for name, function in originals.items():
-                setattr(patching, name, function)
+                swap(name, function)
         parts: dict[str, float] = {}
         operators = 0.0
         for event in prof.events():

@@ -102,8 +102,6 @@ def test_compat_last_layer_uses_source_final_norm(tiny, setup):
 
 
 def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
-    import uds_lens.patching as patching
-
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(40, 16, generator=generator)
     w_u = torch.randn(16, 1000, generator=generator) * 3
@@ -111,7 +109,7 @@ def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
     # labels at both ends of the vocabulary and on slice boundaries (256-wide slices below)
     labels = torch.tensor([0, 999, 255, 256, 511, 512, 767, 768] * 5)
     reference = torch.log_softmax(rows @ w_u + b_u, dim=-1).gather(1, labels[:, None])[:, 0]
-    monkeypatch.setattr(patching, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
+    monkeypatch.setattr(readout, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
     sliced = readout.unembedded_label_logprobs(rows, w_u, b_u, labels)
     assert torch.allclose(sliced, reference, atol=1e-5, rtol=0)
 
