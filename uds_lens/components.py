@@ -43,6 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens import models
+from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -406,16 +407,19 @@ class _Runner:
 def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
+    spec = EngineSpec(
+        site="attn_out", layers=tuple(layers), published_compat=runner.auditor.config.published_compat
+    )
     s0_parts, base_parts, score_parts = [], [], []
     for chunk in tqdm(runner.chunks, desc="heads (fast)", unit="batch", disable=not progress):
         batch = runner.batch(chunk)
-        clean = clean_run(full, batch, "attn_out", keep_kv=True, upcast=runner.upcast)
+        clean = clean_run(full, batch, spec)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
         full_cache = _source_cache(
             full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers}
         )
         source_cache = _source_cache(source, batch.tokens, z_names)
-        base = baseline_scores(full, batch, clean, "attn_out", layers, "fast", runner.upcast)
+        base = baseline_scores(full, batch, clean, spec)
         per_head = []
         for head in range(n_heads):
             acts = []
@@ -430,11 +434,7 @@ def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], prog
                     z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model"
                 ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
                 acts.append(full_cache[hook_name("attn_out", layer)] + change)
-            per_head.append(
-                patched_scores(
-                    full, batch, torch.stack(acts), "attn_out", layers, "fast", clean, runner.upcast
-                )
-            )
+            per_head.append(patched_scores(full, batch, torch.stack(acts), spec, clean))
         s0_parts.append(clean.scores.float().cpu())
         base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
         score_parts.append(torch.stack(per_head, dim=-1).float().cpu())

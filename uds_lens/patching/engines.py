@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import einops
@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from uds_lens.config import ENGINES
+from uds_lens.config import ENGINES, EngineSpec
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, _window_sites
 from uds_lens.patching.kernels import (
     _attention,
@@ -35,20 +35,18 @@ from uds_lens.tl_compat import HookPoint, is_bridge
 
 
 def source_activations(
-    source: Any,
-    tokens: Int[Tensor, "batch pos"],
-    site: str,
-    layers: Sequence[int],
-    published_compat: bool = False,
+    source: Any, tokens: Int[Tensor, "batch pos"], spec: EngineSpec
 ) -> Float[Tensor, "layer batch pos d_model"]:
-    """Activations of ``source`` at ``blocks.{l}.hook_{site}`` for every ``l`` in ``layers``, one forward.
+    """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` for every ``l`` in ``spec.layers``, one forward.
 
     ``source`` is a HookedTransformer or a Hugging Face Llama (hooks on its modules; for ``resid_post`` the last
-    block's output is the raw pre-final-norm residual, as TransformerLens has it). With ``published_compat`` and site
-    ``resid_post``, the last layer's value is the source's own final-norm output, which is what the published
-    implementation patches there (Hugging Face's ``hidden_states[L]``).
+    block's output is the raw pre-final-norm residual, as TransformerLens has it). With ``spec.published_compat``
+    and site ``resid_post``, the last layer's value is the source's own final-norm output, which is what the
+    published implementation patches there (Hugging Face's ``hidden_states[L]``).
     """
-    return as_source(source).activations(tokens, site, layers, final_norm_last=published_compat)
+    return as_source(source).activations(
+        tokens, spec.site, spec.layers, final_norm_last=spec.published_compat
+    )
 
 
 def read_scores(
@@ -91,16 +89,18 @@ def read_scores(
     return torch.cat(scores)
 
 
-def clean_run(full: Any, batch: PatchBatch, site: str, keep_kv: bool = True, upcast: bool = True) -> CleanRun:
+def clean_run(full: Any, batch: PatchBatch, spec: EngineSpec) -> CleanRun:
     """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
 
     The naive engine's clean run is the model's forward on the padded batch (its logits read as the naive patched
     runs read theirs); the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs
-    share, with logits at the read positions only.
+    share, with logits at the read positions only. Only ``spec.site``, ``spec.engine`` and ``spec.upcast`` matter
+    here: one clean run serves every layer.
     """
     n_layers = full.cfg.n_layers
+    site, upcast = spec.site, spec.upcast
     with torch.no_grad():
-        if not keep_kv:
+        if spec.engine == "naive":
             # The model's own forward and logits, as each naive patched run computes them (a family's final
             # soft-capping included), so a source equal to the full model gives deltas of exactly 0.
             logits = full(batch.tokens, return_type="logits")
@@ -171,17 +171,12 @@ def residual_patch_hooks(model: Any, name: str, hook_fn: Callable[..., Tensor]) 
 
 
 def naive_patched_scores(
-    full: Any,
-    batch: PatchBatch,
-    acts: Float[Tensor, "layer batch pos d_model"],
-    site: str,
-    layers: Sequence[int],
-    upcast: bool = True,
+    full: Any, batch: PatchBatch, acts: Float[Tensor, "layer batch pos d_model"], spec: EngineSpec
 ) -> Float[Tensor, "batch layer"]:
     """One full patched forward per layer, hooks via ``run_with_hooks`` (always removed, even on error)."""
     columns = []
     mask = batch.patch_mask
-    for position, layer in enumerate(layers):
+    for position, layer in enumerate(spec.layers):
         source = acts[position]
 
         def overwrite(
@@ -193,7 +188,7 @@ def naive_patched_scores(
 
         with torch.no_grad():
             logits = full.run_with_hooks(
-                batch.tokens, fwd_hooks=residual_patch_hooks(full, hook_name(site, layer), overwrite)
+                batch.tokens, fwd_hooks=residual_patch_hooks(full, hook_name(spec.site, layer), overwrite)
             )
         columns.append(
             mean_entity_logprob(
@@ -201,7 +196,7 @@ def naive_patched_scores(
                 batch.read_label,
                 batch.read_batch,
                 batch.size,
-                upcast,
+                spec.upcast,
             )
         )
         del logits
@@ -209,24 +204,20 @@ def naive_patched_scores(
 
 
 def window_source_activations(
-    source: Any,
-    batch: PatchBatch,
-    site: str,
-    layers: Sequence[int],
-    published_compat: bool = False,
+    source: Any, batch: PatchBatch, spec: EngineSpec
 ) -> Float[Tensor, "layer row d_model"]:
-    """Activations of ``source`` at ``blocks.{l}.hook_{site}`` at the window rows of ``batch`` (``WindowPacking.of``
-    order), for every ``l`` in ``layers``: what the fast engine patches from.
+    """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
+    (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
 
     A HookedTransformer runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
     run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """
-    layers = list(layers)
+    site, layers = spec.site, list(spec.layers)
     window = WindowPacking.of(batch)
     wrapped = as_source(source)
     if fast_engine_refusal(wrapped.model) is not None:
-        acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=published_compat)
+        acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=spec.published_compat)
         return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
     model = wrapped.model
     on_source = batch.to(wrapped.device)
@@ -235,7 +226,7 @@ def window_source_activations(
     with torch.no_grad():
         _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
         per_layer = [captured[site][layer] for layer in layers]
-        if published_compat and site == "resid_post" and (n_layers - 1) in layers:
+        if spec.published_compat and site == "resid_post" and (n_layers - 1) in layers:
             per_layer[layers.index(n_layers - 1)] = model.ln_final(per_layer[layers.index(n_layers - 1)])
     return torch.stack(per_layer)
 
@@ -245,11 +236,9 @@ def fast_patched_scores(
     batch: PatchBatch,
     clean: CleanRun,
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
-    site: str,
-    layers: Sequence[int],
-    upcast: bool = True,
+    spec: EngineSpec,
 ) -> Float[Tensor, "batch layer"]:
-    """Patched scores for every (example, layer), recomputing only the window of each run.
+    """Patched scores for every (example, layer of ``spec.layers``), recomputing only the window of each run.
 
     ``acts`` is ``[layer, batch, pos, d_model]`` (``source_activations``) or already at the packed window rows
     (``window_source_activations``); ``acts=None`` writes the clean activations back (the engine's own unpatched
@@ -260,9 +249,9 @@ def fast_patched_scores(
     clean prefix keys/values. Runs are ordered latest start first, so the runs active at a block are a tail of them
     and each block is one call over ``[run, row, d_model]``.
     """
+    site, layers = spec.site, list(spec.layers)
     if clean.site != site or not clean.keys:
         raise ValueError("The clean run was made for another site or without keys/values; rebuild it.")
-    layers = list(layers)
     n_layers = full.cfg.n_layers
     packing = WindowPacking.of(batch)
 
@@ -313,7 +302,7 @@ def fast_patched_scores(
             resid[first_active:] = _mlp_half(weights, active)
 
         scores = read_scores(
-            full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast
+            full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, spec.upcast
         )
     result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
     result[:, order] = scores.T
@@ -328,42 +317,35 @@ def patched_scores(
     full: Any,
     batch: PatchBatch,
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"],
-    site: str,
-    layers: Sequence[int],
-    engine: str = "fast",
+    spec: EngineSpec,
     clean: CleanRun | None = None,
-    upcast: bool = True,
 ) -> Float[Tensor, "batch layer"]:
-    """Score of the full model patched at each layer of ``layers`` with ``acts`` (one per layer).
+    """Score of the full model patched at each layer of ``spec.layers`` with ``acts`` (one per layer).
 
-    ``acts[i]`` is the source activation at ``blocks.{layers[i]}.hook_{site}``, over the padded batch, or (fast
-    engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine changes no
+    ``acts[i]`` is the source activation at ``blocks.{spec.layers[i]}.hook_{spec.site}``, over the padded batch,
+    or (fast engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine changes no
     number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
     """
-    if engine == "naive":
+    if spec.engine == "naive":
         if acts.ndim != 4:
             raise ValueError(
                 "The naive engine patches from [layer, batch, pos, d_model] activations "
                 "(source_activations), not packed window rows."
             )
-        return naive_patched_scores(full, batch, acts, site, layers, upcast)
-    if engine == "fast":
+        return naive_patched_scores(full, batch, acts, spec)
+    if spec.engine == "fast":
         if clean is None:
-            clean = clean_run(full, batch, site, upcast=upcast)
-        return fast_patched_scores(full, batch, clean, acts, site, layers, upcast)
-    raise ValueError(f"Unknown engine {engine!r}; use one of {ENGINES}.")
+            clean = clean_run(full, batch, spec)
+        return fast_patched_scores(full, batch, clean, acts, spec)
+    raise ValueError(f"Unknown engine {spec.engine!r}; use one of {ENGINES}.")
 
 
 def source_scores(
     full: Any,
     source: Any,
     batch: PatchBatch,
-    site: str,
-    layers: Sequence[int],
-    engine: str = "fast",
+    spec: EngineSpec,
     clean: CleanRun | None = None,
-    upcast: bool = True,
-    published_compat: bool = False,
     timings: dict[str, float] | None = None,
 ) -> Float[Tensor, "batch layer"]:
     """One source forward and the patched scores of every layer: what a stage costs per batch.
@@ -374,27 +356,24 @@ def source_scores(
     the device is synchronised first, so the figure is the forward's, not its launch's).
     """
     started = time.perf_counter()
-    if engine == "fast":
-        acts = window_source_activations(source, batch, site, layers, published_compat)
+    if spec.engine == "fast":
+        acts = window_source_activations(source, batch, spec)
     else:
-        acts = source_activations(source, batch.tokens, site, layers, published_compat)
+        acts = source_activations(source, batch.tokens, spec)
     if timings is not None:
         if acts.is_cuda:
             torch.cuda.synchronize(acts.device)
         timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
             time.perf_counter() - started
         )
-    return patched_scores(full, batch, acts.to(full.cfg.device), site, layers, engine, clean, upcast)
+    return patched_scores(full, batch, acts.to(full.cfg.device), spec, clean)
 
 
 def baseline_scores(
     full: Any,
     batch: PatchBatch,
     clean: CleanRun,
-    site: str,
-    layers: Sequence[int],
-    engine: str = "fast",
-    upcast: bool = True,
+    spec: EngineSpec,
 ) -> Float[Tensor, "batch layer"]:
     """The unpatched score as each engine computes it, per layer (S0 repeated for ``naive``).
 
@@ -402,9 +381,9 @@ def baseline_scores(
     the same computation with the clean activation written back: a source equal to the full model then gives
     deltas of exactly 0 rather than float noise.
     """
-    if engine == "naive":
-        return clean.scores[:, None].expand(-1, len(layers)).clone()
-    return fast_patched_scores(full, batch, clean, None, site, layers, upcast)
+    if spec.engine == "naive":
+        return clean.scores[:, None].expand(-1, len(spec.layers)).clone()
+    return fast_patched_scores(full, batch, clean, None, spec)
 
 
 __all__ = [
