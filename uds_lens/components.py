@@ -473,11 +473,10 @@ def _components_naive(
         for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
-            last = f"blocks.{full.cfg.n_layers - 1}.hook_resid_post"
-            if runner.auditor.config.published_compat and last in cache:
+            if runner.auditor.config.published_compat:
                 # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
-                with torch.no_grad():
-                    cache[last] = source.ln_final(cache[last].to(source.cfg.device)).to(cache[last].device)
+                compat = as_source(source)
+                cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}
             mask = _all_positions(batch) if positions == "all" else batch.patch_mask
             clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
             s0 = _per_example_mean(clean_tokens, batch)

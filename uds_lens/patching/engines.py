@@ -222,12 +222,14 @@ def window_source_activations(
     model = wrapped.model
     on_source = batch.to(wrapped.device)
     rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
-    n_layers = model.cfg.n_layers
     with torch.no_grad():
         _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
         per_layer = [captured[site][layer] for layer in layers]
-        if spec.published_compat and site == "resid_post" and (n_layers - 1) in layers:
-            per_layer[layers.index(n_layers - 1)] = model.ln_final(per_layer[layers.index(n_layers - 1)])
+        if spec.published_compat:
+            per_layer = [
+                wrapped.published_compat_activation(hook_name(site, layer), acts)
+                for layer, acts in zip(layers, per_layer, strict=True)
+            ]
     return torch.stack(per_layer)
 
 
