@@ -58,6 +58,7 @@ from uds_lens.patching import (
     segment_mean,
 )
 from uds_lens.plotting.components import component_heatmap
+from uds_lens.readout import label_logprobs, mean_entity_logprob
 from uds_lens.sources import as_source
 from uds_lens.tl_compat import HookPoint, attn_result
 
@@ -118,11 +119,7 @@ def entity_metric(
         device = logits.device
         rows = read_batch.to(device)
         picked = logits[rows, read_pos.to(device)]
-        logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
-        chosen = logprobs.gather(-1, labels.to(device)[:, None])[:, 0].float()
-        total = torch.zeros(n_examples, device=device).index_add_(0, rows, chosen)
-        count = torch.zeros(n_examples, device=device).index_add_(0, rows, torch.ones_like(chosen))
-        scores = total / count
+        scores = mean_entity_logprob(picked, labels.to(device), rows, n_examples, upcast)
         return scores if per_example else scores.mean()
 
     return metric
@@ -311,9 +308,7 @@ def _source_cache(
 
 
 def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Tensor, " entity"]:
-    picked = logits[batch.read_batch, batch.read_pos]
-    logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
-    return logprobs.gather(-1, batch.read_label[:, None])[:, 0].float()
+    return label_logprobs(logits[batch.read_batch, batch.read_pos], batch.read_label, upcast)
 
 
 def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
