@@ -113,6 +113,35 @@ def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
     assert torch.allclose(sliced, reference, atol=1e-5, rtol=0)
 
 
+def test_segment_mean_reduces_the_last_axis_in_the_given_dtype():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 7, generator=generator) * 10
+    segment = torch.tensor([0, 0, 2, 1, 1, 1, 2])
+    expected = torch.stack([values[:, segment == s].double().mean(-1) for s in range(3)], dim=-1)
+    wide = readout.segment_mean(values, segment, 3, dtype=torch.float64)
+    assert wide.dtype == torch.float64 and wide.shape == (3, 3)
+    assert torch.allclose(wide, expected, atol=1e-12, rtol=0)
+    narrow = readout.segment_mean(values[1], segment, 3)
+    assert narrow.dtype == torch.float32
+    assert torch.allclose(narrow, expected[1].float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_component_metric_is_the_naive_engines_read_out(setup, compat):
+    """One read-out: the metric hand-written hooks use reads the clean logits exactly as the naive engine's S0."""
+    from uds_lens.components import entity_metric
+
+    encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
+    batch = pad_batch(encoded, setup["tok"].pad_token_id, cut=False)
+    spec = EngineSpec("resid_post", (0,), "naive", published_compat=compat)
+    clean = clean_run(setup["full"], batch, spec)
+    metric = entity_metric(
+        batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example=True, upcast=spec.upcast
+    )
+    with torch.no_grad():
+        assert torch.equal(metric(setup["full"](batch.tokens)), clean.scores)
+
+
 def test_fast_engine_refuses_other_architectures(setup):
     """A family whose blocks the fast engine does not compute is refused with a reason, never run wrong."""
     from transformers import GPT2Config, GPT2LMHeadModel
