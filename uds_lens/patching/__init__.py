@@ -33,11 +33,23 @@ compared with, so a source identical to the full model gives deltas of exactly 0
 
 Sources only have to yield activations (``source_activations``): a HookedTransformer, or a plain Hugging Face
 model through forward hooks (that is how a 4-bit NF4 model is measured).
+
+Every engine call takes one ``config.EngineSpec`` (site, layers, engine, published_compat) instead of loose
+arguments. The package, one concept per module:
+
+* ``batch``: ``PatchBatch`` (where to patch and read), ``WindowPacking`` (window tokens packed into flat rows),
+  ``CleanRun`` (what the fast engine keeps from the clean forward);
+* ``kernels``: the fast engine's Llama-family block kernels and ``packed_forward``; ``fast_engine_refusal``;
+* ``engines``: ``clean_run``, the naive and fast engines, ``patched_scores`` / ``source_scores`` /
+  ``baseline_scores``, the source reads;
+* ``planning``: which examples share a batch and how many fit in memory.
+
+The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s.
 """
 
 from __future__ import annotations
 
-from uds_lens.config import ENGINES, SCOPES, SITES
+from uds_lens.config import ENGINES, SCOPES, SITES, EngineSpec
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, pad_batch
 from uds_lens.patching.engines import (
     baseline_scores,
@@ -68,6 +80,7 @@ __all__ = [
     "PatchBatch",
     "SCOPES",
     "SITES",
+    "EngineSpec",
     "WindowPacking",
     "baseline_scores",
     "choose_batch_size",

@@ -179,13 +179,6 @@ class CleanRun:
     window_acts: dict[str, Float[Tensor, "layer row d_model"]] = field(default_factory=dict)
 
 
-def _window_index(batch: PatchBatch) -> tuple[Int[Tensor, "batch window"], Bool[Tensor, "batch window"]]:
-    offsets = torch.arange(batch.max_window, device=batch.window_start.device)
-    positions = batch.window_start[:, None] + offsets[None, :]
-    valid = offsets[None, :] < batch.window_len[:, None]
-    return torch.where(valid, positions, torch.zeros_like(positions)), valid
-
-
 def _window_sites(site: str) -> tuple[str, ...]:
     """Clean activations the fast engine needs at window positions to rebuild a patched layer."""
     return {
