@@ -61,8 +61,8 @@ def read_scores(
 
     The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
     they are made for the read rows alone, all runs together, a slice of the vocabulary at a time
-    (``readout.unembedded_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole rows, a slice of
-    runs at a time to bound the ``[rows, vocab]`` buffer.
+    (``readout.unembedded_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole
+    rows, a slice of runs at a time to bound the ``[rows, vocab]`` buffer.
     """
     n_runs, n_read, _ = resid.shape
     run_segment = (
@@ -325,8 +325,8 @@ def patched_scores(
     """Score of the full model patched at each layer of ``spec.layers`` with ``acts`` (one per layer).
 
     ``acts[i]`` is the source activation at ``blocks.{spec.layers[i]}.hook_{spec.site}``, over the padded batch,
-    or (fast engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine changes no
-    number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
+    or (fast engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine
+    changes no number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
     """
     if spec.engine == "naive":
         if acts.ndim != 4:
