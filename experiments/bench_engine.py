@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
 from uds_lens.patching import (
@@ -226,15 +227,15 @@ def run_stage2(full, source, examples, batch_size, engine, device, cleans=None):
 
     Each engine runs as the library does: the fast one on sequences cut after the last read position, the naive one
     on whole sequences (the published implementation's cost)."""
-    layers = list(range(full.cfg.n_layers))
+    spec = EngineSpec(SITE, range(full.cfg.n_layers), engine)
     plan, padded = batches(examples, batch_size, engine, device)
     if cleans is None:
-        cleans = [clean_run(full, b, SITE, keep_kv=engine == "fast") for b in padded]
+        cleans = [clean_run(full, b, spec) for b in padded]
     sync(device)
     started = clock(device)
     outputs = []
     for batch, clean in zip(padded, cleans):
-        outputs.append(source_scores(full, source, batch, SITE, layers, engine, clean))
+        outputs.append(source_scores(full, source, batch, spec, clean))
     sync(device)
     seconds = clock(device) - started
     by_example = {}
@@ -246,15 +247,15 @@ def run_stage2(full, source, examples, batch_size, engine, device, cleans=None):
 
 def run_stage1(full, source, examples, batch_size, engine, device):
     """Seconds for Stage 1 as the auditor does it: clean run, the engine's baseline, retain forward, patched runs."""
-    layers = list(range(full.cfg.n_layers))
+    spec = EngineSpec(SITE, range(full.cfg.n_layers), engine)
     sync(device)
     started = clock(device)
     _, padded = batches(examples, batch_size, engine, device)
     cleans = []
     for batch in padded:
-        clean = clean_run(full, batch, SITE, keep_kv=engine == "fast")
-        baseline_scores(full, batch, clean, SITE, layers, engine)
-        source_scores(full, source, batch, SITE, layers, engine, clean)
+        clean = clean_run(full, batch, spec)
+        baseline_scores(full, batch, clean, spec)
+        source_scores(full, source, batch, spec, clean)
         cleans.append(clean)
     sync(device)
     return clock(device) - started, cleans
@@ -383,8 +384,19 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import uds_lens.patching as patching
+    from uds_lens.patching import engines, kernels
 
-    originals = {name: getattr(patching, name) for name in (*TOP_LEVEL, *INNER)}
+    # A function is looked up in the module that calls it: scope it in every module of the package that holds it.
+    modules = (patching, engines, kernels)
+    originals = {
+        name: next(getattr(module, name) for module in modules if hasattr(module, name))
+        for name in (*TOP_LEVEL, *INNER)
+    }
+
+    def swap(name, function):
+        for module in modules:
+            if hasattr(module, name):
+                setattr(module, name, function)
 
     def scoped(name):
         function = originals[name]
@@ -395,19 +407,19 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
 
         return run
 
-    layers = list(range(full.cfg.n_layers))
+    spec = EngineSpec(SITE, range(full.cfg.n_layers), "fast")
     _, padded = batches(examples, batch_size, "fast", device)
-    cleans = [clean_run(full, batch, SITE) for batch in padded]
+    cleans = [clean_run(full, batch, spec) for batch in padded]
 
     def stage1():
         for batch in padded:
-            clean = patching.clean_run(full, batch, SITE)
-            patching.baseline_scores(full, batch, clean, SITE, layers)
-            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+            clean = patching.clean_run(full, batch, spec)
+            patching.baseline_scores(full, batch, clean, spec)
+            patching.source_scores(full, source, batch, spec, clean)
 
     def stage2():
         for batch, clean in zip(padded, cleans):
-            patching.source_scores(full, source, batch, SITE, layers, "fast", clean)
+            patching.source_scores(full, source, batch, spec, clean)
 
     def add(parts, key, seconds):
         parts[key] = parts.get(key, 0.0) + seconds
@@ -419,13 +431,13 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
         run()
         seconds = time.process_time() - started
         for name in originals:
-            setattr(patching, name, scoped(name))
+            swap(name, scoped(name))
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 run()
         finally:
             for name, function in originals.items():
-                setattr(patching, name, function)
+                swap(name, function)
         parts: dict[str, float] = {}
         operators = 0.0
         for event in prof.events():

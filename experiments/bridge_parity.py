@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from uds_lens.config import EngineSpec  # noqa: E402
 from uds_lens.data import encode, load_examples  # noqa: E402
 from uds_lens.models import load_hf_model, load_model, load_tokenizer  # noqa: E402
 from uds_lens.patching import fast_engine_refusal, pad_batch, patched_scores, source_activations  # noqa: E402
@@ -62,10 +63,16 @@ def measure(name: str, full_dir: Path, retain_dir: Path, tokenizer, data) -> Non
         encoded_c, _ = encode(load_examples(data), tokenizer, published_compat=compat)
         cut = pad_batch(encoded_c, tokenizer.pad_token_id)
         layers = list(range(n_layers))
-        acts = source_activations(retain, cut.tokens, "resid_post", layers, published_compat=compat)
-        naive = patched_scores(full, cut, acts, "resid_post", layers, engine="naive", upcast=not compat)
+        acts = source_activations(
+            retain, cut.tokens, EngineSpec("resid_post", layers, published_compat=compat)
+        )
+        naive = patched_scores(
+            full, cut, acts, EngineSpec("resid_post", layers, "naive", published_compat=compat)
+        )
         if refusal is None:
-            fast = patched_scores(full, cut, acts, "resid_post", layers, engine="fast", upcast=not compat)
+            fast = patched_scores(
+                full, cut, acts, EngineSpec("resid_post", layers, "fast", published_compat=compat)
+            )
             engines.append(f"{float((fast - naive).abs().max()):.2e}")
         else:
             engines.append("naive only")

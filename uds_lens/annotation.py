@@ -392,12 +392,11 @@ def _label_logprobs(logits: Any, labels: Any) -> Any:
 
     Shapes: logits ``Float[Tensor, "answer_token vocab"]`` (the positions predicting the answer tokens), labels
     ``Int[Tensor, "answer_token"]``; returns ``Float[Tensor, "answer_token"]``. Taken one record at a time, so a
-    batch never holds a second, fp32 copy of its logits.
+    batch never holds a second, fp32 copy of its logits; the read-out itself is ``readout.label_logprobs``.
     """
-    import torch
+    from uds_lens.readout import label_logprobs
 
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, labels[:, None])[:, 0]
+    return label_logprobs(logits, labels)
 
 
 def _layout(question: str, answer: str, tokenizer: Any) -> tuple[list[int], int, list[tuple[int, int]]]:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from uds_lens import checkpoint, models
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
-from uds_lens.config import ConfigError, UDSConfig
+from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
 from uds_lens.files import cache_root, json_digest
 from uds_lens.patching import (
@@ -450,6 +450,11 @@ class UDSAuditor:
         return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
 
     @property
+    def engine_spec(self) -> EngineSpec:
+        """What the patching engines need of these settings, over the layers this auditor patches."""
+        return self.config.engine_spec(tuple(self.layers))
+
+    @property
     def upcast(self) -> bool:
         return not self.config.published_compat
 
@@ -515,25 +520,14 @@ class UDSAuditor:
 
     def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
         if number not in self._clean:
-            self._clean[number] = clean_run(
-                self.full, batch, self.config.site, keep_kv=self.config.engine == "fast", upcast=self.upcast
-            )
+            self._clean[number] = clean_run(self.full, batch, self.engine_spec)
         return self._clean[number]
 
     def _source_scores(
         self, source: Any, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
     ) -> Tensor:
         return source_scores(
-            self.full,
-            source,
-            batch,
-            self.config.site,
-            self.layers,
-            self.config.engine,
-            self._clean_run(number, batch),
-            self.upcast,
-            self.config.published_compat,
-            timings,
+            self.full, source, batch, self.engine_spec, self._clean_run(number, batch), timings
         )
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
@@ -602,13 +596,7 @@ class UDSAuditor:
             self._require_finite(
                 s_full[members], members, self.full, "full", self.full_name, "clean score (S0)"
             )
-            baseline[members] = (
-                baseline_scores(
-                    self.full, batch, clean, self.config.site, self.layers, self.config.engine, self.upcast
-                )
-                .float()
-                .cpu()
-            )
+            baseline[members] = baseline_scores(self.full, batch, clean, self.engine_spec).float().cpu()
             self._require_finite(
                 baseline[members], members, self.full, "full", self.full_name, "baseline score"
             )

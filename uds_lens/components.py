@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from uds_lens import models
 from uds_lens.component_result import ComponentResult
-from uds_lens.config import UDSConfig
+from uds_lens.config import EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -58,6 +58,7 @@ from uds_lens.patching import (
     residual_patch_hooks,
     segment_mean,
 )
+from uds_lens.readout import label_logprobs, mean_entity_logprob
 from uds_lens.sources import as_source
 from uds_lens.tl_compat import HookPoint, attn_result
 
@@ -168,11 +169,7 @@ def entity_metric(
         device = logits.device
         rows = read_batch.to(device)
         picked = logits[rows, read_pos.to(device)]
-        logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
-        chosen = logprobs.gather(-1, labels.to(device)[:, None])[:, 0].float()
-        total = torch.zeros(n_examples, device=device).index_add_(0, rows, chosen)
-        count = torch.zeros(n_examples, device=device).index_add_(0, rows, torch.ones_like(chosen))
-        scores = total / count
+        scores = mean_entity_logprob(picked, labels.to(device), rows, n_examples, upcast)
         return scores if per_example else scores.mean()
 
     return metric
@@ -198,9 +195,7 @@ def _source_cache(
 
 
 def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Tensor, " entity"]:
-    picked = logits[batch.read_batch, batch.read_pos]
-    logprobs = torch.log_softmax(picked.float() if upcast else picked, dim=-1)
-    return logprobs.gather(-1, batch.read_label[:, None])[:, 0].float()
+    return label_logprobs(logits[batch.read_batch, batch.read_pos], batch.read_label, upcast)
 
 
 def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
@@ -294,16 +289,19 @@ class _Runner:
 def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
+    spec = EngineSpec(
+        site="attn_out", layers=tuple(layers), published_compat=runner.auditor.config.published_compat
+    )
     s0_parts, base_parts, score_parts = [], [], []
     for chunk in tqdm(runner.chunks, desc="heads (fast)", unit="batch", disable=not progress):
         batch = runner.batch(chunk)
-        clean = clean_run(full, batch, "attn_out", keep_kv=True, upcast=runner.upcast)
+        clean = clean_run(full, batch, spec)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
         full_cache = _source_cache(
             full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers}
         )
         source_cache = _source_cache(source, batch.tokens, z_names)
-        base = baseline_scores(full, batch, clean, "attn_out", layers, "fast", runner.upcast)
+        base = baseline_scores(full, batch, clean, spec)
         per_head = []
         for head in range(n_heads):
             acts = []
@@ -318,11 +316,7 @@ def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], prog
                     z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model"
                 ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
                 acts.append(full_cache[hook_name("attn_out", layer)] + change)
-            per_head.append(
-                patched_scores(
-                    full, batch, torch.stack(acts), "attn_out", layers, "fast", clean, runner.upcast
-                )
-            )
+            per_head.append(patched_scores(full, batch, torch.stack(acts), spec, clean))
         s0_parts.append(clean.scores.float().cpu())
         base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
         score_parts.append(torch.stack(per_head, dim=-1).float().cpu())
@@ -361,11 +355,10 @@ def _components_naive(
         for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
-            last = f"blocks.{full.cfg.n_layers - 1}.hook_resid_post"
-            if runner.auditor.config.published_compat and last in cache:
+            if runner.auditor.config.published_compat:
                 # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
-                with torch.no_grad():
-                    cache[last] = source.ln_final(cache[last].to(source.cfg.device)).to(cache[last].device)
+                compat = as_source(source)
+                cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}
             mask = _all_positions(batch) if positions == "all" else batch.patch_mask
             clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
             s0 = _per_example_mean(clean_tokens, batch)

@@ -1,7 +1,8 @@
 """The read-out, written once: a run's score is the mean over an example's entity tokens of the label's log-prob.
 
 Every place that turns logits (or final residuals) into UDS scores goes through here: the patching engines, component
-patching's metric, the logit and tuned lenses. ``label_logprobs`` is the per-token value, ``segment_mean`` the
+patching's metric and per-token reads, the logit and tuned lenses (and their per-example mean over hidden-state rows),
+and the annotator's answer-token log-probs. ``label_logprobs`` is the per-token value, ``segment_mean`` the
 per-example mean (SPEC §2: ``score = mean_t log p(y_t | x_<t)`` over the entity tokens ``t``).
 
 Two precisions: by default the log-softmax runs in float32 as ``label logit - logsumexp`` (one pass over the
@@ -29,12 +30,18 @@ def label_logprobs(
 
 
 def segment_mean(
-    values: Float[Tensor, " entity"], segment: Int[Tensor, " entity"], n_segments: int
-) -> Float[Tensor, " segment"]:
-    """Mean of ``values`` per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity tokens), fp32."""
-    total = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(0, segment, values)
-    count = torch.zeros(n_segments, dtype=torch.float32, device=values.device).index_add_(
-        0, segment, torch.ones_like(values)
+    values: Float[Tensor, "*lead entity"],
+    segment: Int[Tensor, " entity"],
+    n_segments: int,
+    dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "*lead segment"]:
+    """Mean of ``values`` over the last axis per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity
+    tokens), summed and divided in ``dtype`` (fp32; the hidden-state baselines sum in fp64)."""
+    values = values.to(dtype)
+    shape = (*values.shape[:-1], n_segments)
+    total = torch.zeros(shape, dtype=dtype, device=values.device).index_add_(-1, segment, values)
+    count = torch.zeros(shape, dtype=dtype, device=values.device).index_add_(
+        -1, segment, torch.ones_like(values)
     )
     return total / count
 

@@ -91,6 +91,21 @@ class ActivationSource(ABC):
     def final_norm(self, resid: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         """The model's final norm (``ln_final`` / ``model.model.norm``)."""
 
+    def published_compat_activation(
+        self, name: str, activation: Float[Tensor, "... d_model"]
+    ) -> Float[Tensor, "... d_model"]:
+        """What the published implementation patches at hook point ``name`` (SPEC §1.5): at the last block's
+        ``hook_resid_post`` this model's own final-norm output (Hugging Face's ``hidden_states[L]``), computed on the
+        model's device and returned on ``activation``'s; anywhere else ``activation`` itself.
+
+        The one place published-compat's last layer is made: the padded and packed source reads of the engines and
+        component patching's hooked runs all call it.
+        """
+        if name != hook_name("resid_post", self.n_layers - 1):
+            return activation
+        with torch.no_grad():
+            return self.final_norm(activation.to(self.device)).to(activation.device)
+
     def activations(
         self,
         tokens: Int[Tensor, "batch pos"],
@@ -114,9 +129,11 @@ class ActivationSource(ABC):
         mask = None if attention_mask is None else attention_mask.to(self.device)
         with torch.no_grad():
             acts = self._read(tokens.to(self.device), site, layers, mask)
-            last = self.n_layers - 1
-            if final_norm_last and site == "resid_post" and last in layers:
-                acts[layers.index(last)] = self.final_norm(acts[layers.index(last)])
+            if final_norm_last:
+                acts = [
+                    self.published_compat_activation(hook_name(site, layer), act)
+                    for layer, act in zip(layers, acts, strict=True)
+                ]
         return torch.stack(acts)
 
     def residual_stream(

@@ -16,6 +16,7 @@ from nbclient import NotebookClient
 
 from uds_lens import UDSAuditor
 from uds_lens.analysis.diagnose import diagnose
+from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, model_fingerprint
 from uds_lens.patching import (
@@ -88,13 +89,13 @@ def test_fast_equals_naive_on_the_real_model(pretrained, encoded, scope):
     batch = pad_batch(encoded[:3], pretrained.tokenizer.pad_token_id, scope)
     layers = [0, 1, 14, 28, 29]
     for site in SITES:
-        acts = source_activations(source, batch.tokens, site, layers)
-        naive = patched_scores(full, batch, acts, site, layers, engine="naive")
-        fast = patched_scores(full, batch, acts, site, layers, engine="fast")
+        acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
+        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
+        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
         assert (naive - fast).abs().max() <= 1e-5, site
-        clean = clean_run(full, batch, site)
+        clean = clean_run(full, batch, EngineSpec(site, layers))
         assert (naive - clean.scores[:, None]).abs().max() > 1e-2, site  # the patch matters
-        base = baseline_scores(full, batch, clean, site, layers, "fast")
+        base = baseline_scores(full, batch, clean, EngineSpec(site, layers))
         assert (base - clean.scores[:, None]).abs().max() <= 1e-5, site
 
 
@@ -110,9 +111,9 @@ def test_fast_equals_naive_in_half_precision_on_the_real_model(pretrained, encod
     layers = [0, 14, 29]
     worst = {}
     for site in SITES:
-        acts = source_activations(source, batch.tokens, site, layers)
-        naive = patched_scores(full, batch, acts, site, layers, engine="naive")
-        fast = patched_scores(full, batch, acts, site, layers, engine="fast")
+        acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
+        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
+        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
         worst[site] = (naive - fast).abs().max().item()
     assert max(worst.values()) <= HALF_TOLERANCE[dtype], worst
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from uds_lens import UDSConfig
+from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.patching import SITES, available_memory_bytes, pad_batch, patched_scores, source_activations
@@ -49,9 +50,9 @@ def test_fast_equals_naive_within_the_dtype_tolerance(tiny, half_models, dtype, 
     layers = list(range(models["full"].cfg.n_layers))
     assert models["full"].W_U.dtype == dtype
     for site in SITES:
-        acts = source_activations(models["retain"], batch.tokens, site, layers)
-        naive = patched_scores(models["full"], batch, acts, site, layers, engine="naive")
-        fast = patched_scores(models["full"], batch, acts, site, layers, engine="fast")
+        acts = source_activations(models["retain"], batch.tokens, EngineSpec(site, layers))
+        naive = patched_scores(models["full"], batch, acts, EngineSpec(site, layers, "naive"))
+        fast = patched_scores(models["full"], batch, acts, EngineSpec(site, layers, "fast"))
         assert naive.dtype == torch.float32  # upcast before the log-softmax
         assert (naive - fast).abs().max() <= TOLERANCE[dtype], site
 
@@ -89,9 +90,9 @@ def test_bf16_on_cuda_fast_equals_naive(tiny, cuda_device, scope):
     batch = pad_batch(encoded, tok.pad_token_id, scope).to(cuda_device)
     layers = list(range(full.cfg.n_layers))
     for site in SITES:
-        acts = source_activations(source, batch.tokens, site, layers)
-        naive = patched_scores(full, batch, acts, site, layers, engine="naive")
-        fast = patched_scores(full, batch, acts, site, layers, engine="fast")
+        acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
+        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
+        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
         assert (naive - fast).abs().max().item() <= TOLERANCE[torch.bfloat16], site
 
 

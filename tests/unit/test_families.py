@@ -21,6 +21,7 @@ from helpers.hf_oracle import hf_site
 
 from uds_lens import UDSConfig, load_tokenizer
 from uds_lens.components import patch_heads
+from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model
 from uds_lens.patching import (
@@ -86,9 +87,9 @@ def test_fast_engine_equals_naive_or_is_refused(family, tiny, loaded):
         batch = pad_batch(encoded, tokenizer.pad_token_id, "span")
         layers = list(range(full.cfg.n_layers))
         for site in SITES:
-            acts = source_activations(retain, batch.tokens, site, layers, published_compat=compat)
-            naive = patched_scores(full, batch, acts, site, layers, engine="naive")
-            fast = patched_scores(full, batch, acts, site, layers, engine="fast")
+            acts = source_activations(retain, batch.tokens, EngineSpec(site, layers, published_compat=compat))
+            naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
+            fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
             assert (naive - fast).abs().max() <= 1e-5, (site, compat)
             assert (naive - naive.mean()).abs().max() > 1e-3  # not vacuous: layers and examples differ
 

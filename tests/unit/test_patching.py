@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from uds_lens import readout
+from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching import (
@@ -37,39 +38,36 @@ def setup(tiny):
 def test_fast_equals_naive(setup, site, scope, compat):
     encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
     batch = pad_batch(encoded, setup["tok"].pad_token_id, scope)
-    layers = list(range(setup["full"].cfg.n_layers))
-    acts = source_activations(setup["source"], batch.tokens, site, layers, published_compat=compat)
-    naive = patched_scores(setup["full"], batch, acts, site, layers, engine="naive")
-    fast = patched_scores(setup["full"], batch, acts, site, layers, engine="fast")
+    layers = tuple(range(setup["full"].cfg.n_layers))
+    spec = EngineSpec(site, layers, "fast", published_compat=compat)
+    oracle = EngineSpec(site, layers, "naive", published_compat=compat)
+    acts = source_activations(setup["source"], batch.tokens, spec)
+    naive = patched_scores(setup["full"], batch, acts, oracle)
+    fast = patched_scores(setup["full"], batch, acts, spec)
     assert torch.allclose(naive, fast, atol=1e-5, rtol=0)
-    clean = clean_run(setup["full"], batch, site)
+    clean = clean_run(setup["full"], batch, spec)
     # The patch changes something (the test is not vacuous) ...
     assert (naive - clean.scores[:, None]).abs().max() > 1e-3
     # ... and the fast baseline equals the clean score up to float noise.
-    base = baseline_scores(setup["full"], batch, clean, site, layers, "fast")
+    base = baseline_scores(setup["full"], batch, clean, spec)
     assert torch.allclose(base, clean.scores[:, None].expand_as(base), atol=1e-5)
     # The packed source forward the auditor uses gives the same scores as TransformerLens's padded one.
-    packed = source_scores(
-        setup["full"], setup["source"], batch, site, layers, "fast", clean, published_compat=compat
-    )
+    packed = source_scores(setup["full"], setup["source"], batch, spec, clean)
     assert torch.allclose(naive, packed, atol=1e-5, rtol=0)
     # A source identical to the target gives back its clean window activations bit for bit (deltas exactly 0).
-    same = window_source_activations(setup["full"], batch, site, layers, published_compat=False)
+    same = window_source_activations(setup["full"], batch, EngineSpec(site, layers))
     assert torch.equal(same, clean.window_acts[site])
 
 
 def test_subset_of_layers_and_padding_invariance(setup):
     encoded, _ = encode(setup["examples"], setup["tok"])
     full, src = setup["full"], setup["source"]
-    layers = [2, 0]
+    spec = EngineSpec("resid_post", (2, 0))
     together = pad_batch(encoded, setup["tok"].pad_token_id)
-    acts = source_activations(src, together.tokens, "resid_post", layers)
-    joint = patched_scores(full, together, acts, "resid_post", layers)
+    joint = patched_scores(full, together, source_activations(src, together.tokens, spec), spec)
     for row, example in enumerate(encoded):
         alone = pad_batch([example], setup["tok"].pad_token_id)
-        single = patched_scores(
-            full, alone, source_activations(src, alone.tokens, "resid_post", layers), "resid_post", layers
-        )
+        single = patched_scores(full, alone, source_activations(src, alone.tokens, spec), spec)
         assert torch.allclose(single[0], joint[row], atol=1e-5)
 
 
@@ -78,7 +76,7 @@ def test_naive_hooks_are_removed_after_an_error(setup):
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
     bad_acts = torch.zeros(1, batch.size, batch.tokens.shape[1] + 5, 3)  # wrong d_model
     with pytest.raises((RuntimeError, IndexError)):
-        naive_patched_scores(setup["full"], batch, bad_acts, "resid_post", [0])
+        naive_patched_scores(setup["full"], batch, bad_acts, EngineSpec("resid_post", (0,), "naive"))
     assert all(not hp.fwd_hooks for hp in setup["full"].hook_dict.values())
 
 
@@ -86,9 +84,9 @@ def test_naive_hooks_are_removed_after_an_error(setup):
 def test_hugging_face_source_matches_hooked_source(tiny, setup, site):
     encoded, _ = encode(setup["examples"], setup["tok"])
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
-    layers = [0, 1, 2]
-    hooked = source_activations(setup["source"], batch.tokens, site, layers)
-    hf = source_activations(load_hf_model(tiny.retain), batch.tokens, site, layers)
+    spec = EngineSpec(site, (0, 1, 2))
+    hooked = source_activations(setup["source"], batch.tokens, spec)
+    hf = source_activations(load_hf_model(tiny.retain), batch.tokens, spec)
     assert torch.allclose(hooked, hf, atol=1e-3, rtol=1e-4), (hooked - hf).abs().max()
 
 
@@ -96,14 +94,13 @@ def test_compat_last_layer_uses_source_final_norm(tiny, setup):
     encoded, _ = encode(setup["examples"], setup["tok"], published_compat=True)
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
     last = setup["full"].cfg.n_layers - 1
-    hooked = source_activations(setup["source"], batch.tokens, "resid_post", [last], published_compat=True)
+    compat = EngineSpec("resid_post", (last,), published_compat=True)
+    hooked = source_activations(setup["source"], batch.tokens, compat)
     hf_out = load_hf_model(tiny.retain)(batch.tokens, output_hidden_states=True)
     assert torch.allclose(hooked[0], hf_out.hidden_states[last + 1], atol=1e-4)
 
 
 def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
-    import uds_lens.patching as patching
-
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(40, 16, generator=generator)
     w_u = torch.randn(16, 1000, generator=generator) * 3
@@ -111,9 +108,38 @@ def test_read_out_by_vocabulary_slices_equals_log_softmax(monkeypatch):
     # labels at both ends of the vocabulary and on slice boundaries (256-wide slices below)
     labels = torch.tensor([0, 999, 255, 256, 511, 512, 767, 768] * 5)
     reference = torch.log_softmax(rows @ w_u + b_u, dim=-1).gather(1, labels[:, None])[:, 0]
-    monkeypatch.setattr(patching, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
+    monkeypatch.setattr(readout, "_LOGIT_SLICE_ELEMENTS", 40 * 256)  # four slices, the last one partial
     sliced = readout.unembedded_label_logprobs(rows, w_u, b_u, labels)
     assert torch.allclose(sliced, reference, atol=1e-5, rtol=0)
+
+
+def test_segment_mean_reduces_the_last_axis_in_the_given_dtype():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 7, generator=generator) * 10
+    segment = torch.tensor([0, 0, 2, 1, 1, 1, 2])
+    expected = torch.stack([values[:, segment == s].double().mean(-1) for s in range(3)], dim=-1)
+    wide = readout.segment_mean(values, segment, 3, dtype=torch.float64)
+    assert wide.dtype == torch.float64 and wide.shape == (3, 3)
+    assert torch.allclose(wide, expected, atol=1e-12, rtol=0)
+    narrow = readout.segment_mean(values[1], segment, 3)
+    assert narrow.dtype == torch.float32
+    assert torch.allclose(narrow, expected[1].float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_component_metric_is_the_naive_engines_read_out(setup, compat):
+    """One read-out: the metric hand-written hooks use reads the clean logits exactly as the naive engine's S0."""
+    from uds_lens.components import entity_metric
+
+    encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
+    batch = pad_batch(encoded, setup["tok"].pad_token_id, cut=False)
+    spec = EngineSpec("resid_post", (0,), "naive", published_compat=compat)
+    clean = clean_run(setup["full"], batch, spec)
+    metric = entity_metric(
+        batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example=True, upcast=spec.upcast
+    )
+    with torch.no_grad():
+        assert torch.equal(metric(setup["full"](batch.tokens)), clean.scores)
 
 
 def test_fast_engine_refuses_other_architectures(setup):
@@ -131,7 +157,7 @@ def test_fast_engine_refuses_other_architectures(setup):
     assert "gpt2" in fast_engine_refusal(gpt2)
     assert fast_engine_refusal(setup["full"]) is None
     with pytest.raises(ValueError, match="naive"):
-        clean_run(gpt2, batch, "resid_post")
+        clean_run(gpt2, batch, EngineSpec("resid_post", (0,)))
 
 
 def test_fast_engine_sees_weights_edited_in_place(tiny, setup):
@@ -139,14 +165,14 @@ def test_fast_engine_sees_weights_edited_in_place(tiny, setup):
     full = load_model(tiny.full)
     encoded, _ = encode(setup["examples"], setup["tok"])
     batch = pad_batch(encoded, setup["tok"].pad_token_id, "span")
-    layers = list(range(full.cfg.n_layers))
-    acts = source_activations(setup["source"], batch.tokens, "resid_post", layers)
-    before = patched_scores(full, batch, acts, "resid_post", layers, engine="fast")
+    spec = EngineSpec("resid_post", tuple(range(full.cfg.n_layers)))
+    acts = source_activations(setup["source"], batch.tokens, spec)
+    before = patched_scores(full, batch, acts, spec)
     with torch.no_grad():
         full.blocks[-1].mlp.W_in.mul_(1.5)
         full.blocks[-1].attn.W_Q.mul_(0.5)
-    after = patched_scores(full, batch, acts, "resid_post", layers, engine="fast")
-    naive = patched_scores(full, batch, acts, "resid_post", layers, engine="naive")
+    after = patched_scores(full, batch, acts, spec)
+    naive = patched_scores(full, batch, acts, EngineSpec("resid_post", spec.layers, "naive"))
     assert (after - before).abs().max() > 1e-3
     assert torch.allclose(after, naive, atol=1e-5, rtol=0)
 

@@ -95,6 +95,24 @@ def test_last_layer_conventions(hooked, hf):
         torch.testing.assert_close(other, source.activations(TOKENS, "mlp_out", [last]), atol=0, rtol=0)
 
 
+def test_published_compat_activation_is_the_final_norm_at_the_last_resid_post_only(hooked):
+    """The one place published-compat's last layer is made: the final norm at ``blocks.{L-1}.hook_resid_post``,
+    the activation itself (the same tensor) at every other hook point."""
+    source = as_source(hooked)
+    last = hooked.cfg.n_layers - 1
+    resid = torch.randn(2, 5, hooked.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    normed = source.published_compat_activation(f"blocks.{last}.hook_resid_post", resid)
+    with torch.no_grad():
+        assert torch.equal(normed, hooked.ln_final(resid))
+    assert (normed - resid).abs().max() > 1e-2
+    for name in (
+        f"blocks.{last - 1}.hook_resid_post",
+        f"blocks.{last}.hook_mlp_out",
+        f"blocks.{last}.attn.hook_z",
+    ):
+        assert source.published_compat_activation(name, resid) is resid
+
+
 def test_residual_stream_with_right_padding(hooked, hf):
     """Padding after a sequence changes nothing before it; the stream is fp32 and the same in both kinds."""
     short = TOKENS[:, :5]

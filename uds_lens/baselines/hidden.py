@@ -19,6 +19,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from uds_lens.readout import segment_mean
 from uds_lens.sources import as_source
 
 DEFAULT_BATCH_SIZE = 8
@@ -56,13 +57,8 @@ class HiddenStates:
         return torch.tensor([order[i] for i in self.example_idx.tolist()], dtype=torch.long)
 
     def per_example_mean(self, values: Float[Tensor, "layer token"]) -> Float[Tensor, "example layer"]:
-        """Mean of a per-row quantity over each example's rows (the UDS "mean over entity tokens")."""
-        rows = self.example_rows()
-        n_examples = len(self.example_ids)
-        totals = torch.zeros(values.shape[0], n_examples, dtype=torch.float64)
-        totals.index_add_(1, rows, values.double())
-        counts = torch.bincount(rows, minlength=n_examples).double()
-        return (totals / counts).T.float()
+        """Mean of a per-row quantity over each example's rows (the UDS "mean over entity tokens"), summed in fp64."""
+        return segment_mean(values, self.example_rows(), len(self.example_ids), dtype=torch.float64).T.float()
 
 
 def _read_layout(examples: Sequence[Any]) -> tuple[list[int], list[int], list[int], list[int]]:

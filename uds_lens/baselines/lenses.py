@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
 from uds_lens.data import PROMPT_TEMPLATE
+from uds_lens.readout import label_logprobs
 from uds_lens.sources import as_source
 
 LENS_TAU = 0.05
@@ -92,8 +93,8 @@ def entity_logprobs(
                 resid = translator(resid)
             labels = hidden.label[start : start + chunk]
             for layer in range(hidden.n_layers):
-                logprobs = torch.log_softmax(decoder(resid[layer]).float(), dim=-1).cpu()
-                per_row[layer, start : start + chunk] = logprobs.gather(1, labels[:, None])[:, 0]
+                logits = decoder(resid[layer])
+                per_row[layer, start : start + chunk] = label_logprobs(logits, labels.to(logits.device)).cpu()
     return hidden.per_example_mean(per_row)
 
 

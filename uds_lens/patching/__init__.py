@@ -1,0 +1,105 @@
+"""The patched-run engine: write a source model's activations into the full model, one layer at a time.
+
+For an example with read positions ``R`` (those predicting the entity tokens) and patched positions ``P``, a
+patched run at layer ``l`` and site ``s`` is the full model with ``blocks.{l}.hook_{s}`` overwritten at ``P`` by the
+source model's activation at the same hook, and its score is the mean over ``R`` of the entity tokens' log-probs:
+
+    score(l) = mean_{p in R} log_softmax(W_U · ln_final(x_L[p]))[label(p)]     with x patched at (l, s, P)
+
+Two engines compute exactly that:
+
+* ``naive``: one full forward per (batch, layer) with a TransformerLens hook (``run_with_hooks``). It is the
+  oracle the tests compare against, and what the published implementation does.
+* ``fast`` (the default): three facts make most of that work redundant. Blocks below ``l`` are untouched by the
+  patch, so the run starts at ``l`` from the cached clean activations. Positions before the first patched position
+  are untouched at every layer (causal attention), so only the *window* from the first patched position through the
+  last read position is recomputed, its attention reading the clean run's keys/values for the prefix. Nothing after
+  the last read position matters, and logits are only needed at read positions. The L runs of every example in a
+  batch go through each block together. Its cost is one clean forward plus about ``T·L²/2`` token-block
+  evaluations (``T`` = window length), against ``L`` full forwards for ``naive``.
+
+  Ragged lengths cost nothing extra: window tokens are packed into flat rows (``WindowPacking``) for the norms,
+  projections and MLPs, and laid out per example only inside attention; the clean and source forwards are packed
+  the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
+  label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
+
+  It computes Llama blocks (RMSNorm, rotary, gated MLP, grouped-query attention) directly on the
+  TransformerLens weights (``_BlockWeights``: Q, K and V in one product, the rest read in place), with the same
+  arithmetic as TransformerLens's modules; other architectures use ``naive``. On the CPU the work is matrix
+  products: what remains above the floor is mostly their smaller row counts (``experiments/bench_engine.py``).
+
+Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
+compared with, so a source identical to the full model gives deltas of exactly 0.
+
+Sources only have to yield activations (``source_activations``): a HookedTransformer, or a plain Hugging Face
+model through forward hooks (that is how a 4-bit NF4 model is measured).
+
+Every engine call takes one ``config.EngineSpec`` (site, layers, engine, published_compat) instead of loose
+arguments. The package, one concept per module:
+
+* ``batch``: ``PatchBatch`` (where to patch and read), ``WindowPacking`` (window tokens packed into flat rows),
+  ``CleanRun`` (what the fast engine keeps from the clean forward);
+* ``kernels``: the fast engine's Llama-family block kernels and ``packed_forward``; ``fast_engine_refusal``;
+* ``engines``: ``clean_run``, the naive and fast engines, ``patched_scores`` / ``source_scores`` /
+  ``baseline_scores``, the source reads;
+* ``planning``: which examples share a batch and how many fit in memory.
+
+The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s.
+"""
+
+from __future__ import annotations
+
+from uds_lens.config import ENGINES, SCOPES, SITES, EngineSpec
+from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, pad_batch
+from uds_lens.patching.engines import (
+    baseline_scores,
+    clean_run,
+    fast_patched_scores,
+    naive_patched_scores,
+    patched_scores,
+    read_scores,
+    residual_patch_hooks,
+    source_activations,
+    source_scores,
+    window_source_activations,
+)
+from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal, packed_forward
+from uds_lens.patching.planning import (
+    available_memory_bytes,
+    choose_batch_size,
+    estimate_bytes_per_example,
+    plan_batches,
+)
+from uds_lens.readout import mean_entity_logprob, segment_mean
+from uds_lens.sources import hook_name
+
+__all__ = [
+    "CleanRun",
+    "ENGINES",
+    "FAST_MODEL_TYPES",
+    "PatchBatch",
+    "SCOPES",
+    "SITES",
+    "EngineSpec",
+    "WindowPacking",
+    "baseline_scores",
+    "choose_batch_size",
+    "clean_run",
+    "available_memory_bytes",
+    "estimate_bytes_per_example",
+    "fast_engine_refusal",
+    "fast_patched_scores",
+    "plan_batches",
+    "hook_name",
+    "mean_entity_logprob",
+    "naive_patched_scores",
+    "packed_forward",
+    "pad_batch",
+    "patched_scores",
+    "read_scores",
+    "residual_patch_hooks",
+    "segment_mean",
+    "source_activations",
+    "source_scores",
+    "window_source_activations",
+]
