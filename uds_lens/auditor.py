@@ -340,16 +340,16 @@ class UDSAuditor:
                 return cached
         started = time.perf_counter()
         n, n_layers = len(self.encoded), len(self.layers)
-        s_full = torch.full((n,), float("nan"))
+        s0 = torch.full((n,), float("nan"))
         baseline = torch.full((n, n_layers), float("nan"))
         s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
 
         def stage_one_batch(number: int, members: list[int]) -> None:
             batch = self._batch(members)
             clean = self._clean_run(number, batch)
-            s_full[members] = clean.scores.float().cpu()
+            s0[members] = clean.scores.float().cpu()
             self._require_finite(
-                s_full[members], members, self.full, "full", self.full_name, "clean score (S0)"
+                s0[members], members, self.full, "full", self.full_name, "clean score (S0)"
             )
             baseline[members] = (
                 baseline_scores(
@@ -370,7 +370,7 @@ class UDSAuditor:
         self._each_batch("S1 (retain -> full)", stage_one_batch)
         stage = StageOne(
             idx=[e.idx for e in self.encoded],
-            s_full=s_full,
+            s0=s0,
             baseline=baseline,
             s1=s1,
             batches=self.batches,
@@ -476,7 +476,7 @@ class UDSAuditor:
             encoded=self.encoded,
             skipped=self.skipped,
             layers=self.layers,
-            s_full=stage.s_full,
+            s0=stage.s0,
             baseline=stage.baseline,
             s1=stage.s1,
             s2=s2,

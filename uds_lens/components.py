@@ -1,7 +1,7 @@
 """Head- and position-level patching: UDS at the granularity TransformerLens users work at.
 
 ``uds.py`` patches one hook site per layer (a whole residual or block output). Here the same patch is resolved
-further, with the same stages and the same definitions (``d1 = s0 - s_S1``, ``d2 = s0 - s_S2``, KE cells
+further, with the same stages and the same definitions (``d1 = baseline - s1``, ``d2 = baseline - s2``, KE cells
 ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``):
 
 * **per head** (:func:`patch_heads`): the source's ``blocks.{l}.attn.hook_z`` (or ``hook_result``) of one head

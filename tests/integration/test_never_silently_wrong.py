@@ -64,7 +64,7 @@ def _shift_s1(path: Path, shift: float, fix_digest: bool) -> None:
         header["digest"] = stage_digest(
             StageOne(
                 idx=header["idx"],
-                s_full=tensors["s_full"],
+                s0=tensors["s0"],
                 baseline=tensors["baseline"],
                 s1=tensors["s1"],
                 batches=header["batches"],
