@@ -348,9 +348,7 @@ class UDSAuditor:
             batch = self._batch(members)
             clean = self._clean_run(number, batch)
             s0[members] = clean.scores.float().cpu()
-            self._require_finite(
-                s0[members], members, self.full, "full", self.full_name, "clean score (S0)"
-            )
+            self._require_finite(s0[members], members, self.full, "full", self.full_name, "clean score (S0)")
             baseline[members] = (
                 baseline_scores(
                     self.full, batch, clean, self.config.site, self.layers, self.config.engine, self.upcast
