@@ -53,6 +53,7 @@ from uds_lens.patching import (
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
+from uds_lens.uds import deltas
 
 logger = logging.getLogger(__name__)
 
@@ -434,8 +435,11 @@ class UDSAuditor:
         raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
+        """``d1 = baseline - s1`` of Stage 1 (:func:`uds.deltas`), ``[example, layer]``; None in retain-free mode."""
         stage = self.stage1
-        return None if stage.s1 is None else stage.baseline - stage.s1
+        return (
+            None if stage.s1 is None else torch.from_numpy(deltas(stage.baseline.numpy(), stage.s1.numpy()))
+        )
 
     # -- Stage 2 -----------------------------------------------------------------------------------------------
 

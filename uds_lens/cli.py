@@ -82,7 +82,7 @@ def _split_named(value: str) -> tuple[str, str] | None:
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
     see :func:`_split_named`), a bare path is named after its directory (parent directories added where two basenames
-    clash, see ``uds.result_names``)."""
+    clash, see ``scoring.result_names``)."""
     from uds_lens.auditor import ConfigError, result_names
     from uds_lens.results import check_result_name
 

@@ -23,9 +23,9 @@ A result directory is only worth reading when all its files come from one run. S
 writers take turns), lets the writer fill a temporary sibling directory, and renames it into place at the end. A
 reader therefore sees the old directory, no directory, or the new one, never a mixture; a run killed mid-write leaves
 the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and :func:`verify_result_dir`
-(used by ``load``) refuses a directory whose files do not match it. :func:`can_reuse` decides whether a saved result
-may stand in for a new computation: only when its fingerprint (``uds.result_fingerprint``: the full, retain and
-unlearned weights, the data and the settings) equals the new one.
+(used by ``load``) refuses a directory whose files do not match it. :func:`can_reuse` decides whether a saved
+result may stand in for a new computation: only when its fingerprint (``fingerprints.result_fingerprint``: the
+full, retain and unlearned weights, the data and the settings) equals the new one.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from filelock import FileLock
 
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.plotting.curves import example_curves
-from uds_lens.uds import bootstrap_ci, rescore
+from uds_lens.uds import bootstrap_ci, deltas, rescore
 
 EXAMPLE_COLUMNS = [
     "idx",
@@ -163,8 +163,8 @@ class UDSResult:
                 "baseline_score": base,
                 "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
                 "s2_score": s2_flat,
-                "d1": (base - s1.numpy().reshape(-1)) if s1 is not None else np.nan,
-                "d2": base - s2_flat,
+                "d1": deltas(base, s1.numpy().reshape(-1)) if s1 is not None else np.nan,
+                "d2": deltas(base, s2_flat),
             }
         )
         meta = dict(meta)
@@ -630,7 +630,8 @@ def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[U
 
     Args:
         directory: ``OUT/NAME``.
-        fingerprint: the new computation's inputs, from ``uds.result_fingerprint`` (or ``UDSAuditor.fingerprint``).
+        fingerprint: the new computation's inputs, from ``fingerprints.result_fingerprint`` (or
+            ``UDSAuditor.fingerprint``).
 
     Returns:
         ``(result, "identical inputs")`` when the directory is intact and its fingerprint equals ``fingerprint``;

@@ -30,9 +30,9 @@ Both paths write the same files under ``out``:
 * with ``compare_published``: ``published_uds`` and ``uds_minus_published`` columns and ``published_scatter.html``.
 
 Resume rule (never stale), decided on the driver before any worker loads a model: a finished model is reused only
-when the fingerprint saved with its intact result (``uds.result_fingerprint``: full, retain and unlearned weights by
-file contents, the data records, tokenizer, settings, and the digest of the Stage 1 values) equals this run's
-(``results.check_saved``). A saved result of other inputs is another run's: the sweep refuses it before any model
+when the fingerprint saved with its intact result (``fingerprints.result_fingerprint``: full, retain and unlearned
+weights by file contents, the data records, tokenizer, settings, and the digest of the Stage 1 values) equals this
+run's (``results.check_saved``). A saved result of other inputs is another run's: the sweep refuses it before any model
 is loaded (``force`` replaces it, and recomputes always); one that is damaged or used other Stage 1 values is
 recomputed with a warning saying why. Model names may not be the sweep's own files (``SWEEP_FILES``). tau is applied
 after everything, so a new tau reuses.
@@ -321,8 +321,8 @@ def _short_digest(obj: Any) -> str:
 
 
 def fingerprint_columns(fingerprint: Mapping[str, Any]) -> dict[str, str]:
-    """``sweep.csv``'s fingerprint columns from a result fingerprint (``uds.result_fingerprint``): full, retain and
-    unlearned weights, the data (records as scored), the settings (with the tokenizer; tau is not part of them)."""
+    """``sweep.csv``'s fingerprint columns from a result fingerprint (``fingerprints.result_fingerprint``): full,
+    retain and unlearned weights, the data (records as scored), the settings (with the tokenizer; tau is not part of them)."""
     return {
         "fp_full": str(fingerprint.get("full")),
         "fp_retain": str(fingerprint.get("retain")),
