@@ -15,11 +15,18 @@ from typing import Any
 
 from uds_lens import models
 from uds_lens.auditor import UDSAuditor
-from uds_lens.config import UDSConfig
+from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.fingerprints import result_fingerprint
 from uds_lens.results import check_result_name, check_saved, conflict_error, load_reusable
 
 logger = logging.getLogger(__name__)
+
+
+def check_output_dir(path: str | os.PathLike, what: str = "output directory (--out)") -> None:
+    """:class:`~uds_lens.config.ConfigError` when ``path`` is an existing file: a directory is written there (it is
+    created when missing). ``what`` names the setting and its flag in the message."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"The {what} {path} is a file: pass a directory (it is created when missing).")
 
 
 def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
@@ -113,7 +120,9 @@ def score_models(
         force: recompute every model even when a saved result could be reused, and replace results of other runs.
 
     Raises:
-        ValueError: a result name is not a single path component, or ``out_dir`` is a file (both before any compute).
+        results.ResultNameError: a result name is not a single path component (before any compute).
+        config.ConfigError: ``out_dir`` or ``cache_dir`` is a file, or ``limit`` is not a positive integer (before
+            any compute).
         results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """
 
@@ -125,12 +134,12 @@ def score_models(
     )
     for name, _ in items:
         check_result_name(name)
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(
-            f"The output directory {out_dir} is a file: pass a directory (it is created if missing)."
-        )
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive number of examples, got {limit!r}.")
+    # The checks of `uds-lens score`'s --out, --cache-dir and --limit too (written once, here), before any compute.
+    if out_dir is not None:
+        check_output_dir(out_dir)
+    if cache_dir is not None and not isinstance(cache_dir, bool):
+        check_output_dir(cache_dir, "S1 cache directory (--cache-dir)")
+    check_positive_int("limit (--limit)", limit, "score every example")
     results: dict[str, Any] = {}
     auditor: UDSAuditor | None = None
     if out_dir is not None and not force:
