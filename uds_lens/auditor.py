@@ -21,6 +21,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+from transformers import PreTrainedTokenizerBase
 
 from uds_lens import models
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
@@ -30,6 +32,8 @@ from uds_lens.failures import NonFiniteScoreError, is_out_of_memory, nonfinite_e
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
     RESULT_FINGERPRINT_FORMAT,
+    DataArg,
+    ModelArg,
     _versions,
     examples_fingerprint,
     layout_digest,
@@ -108,18 +112,22 @@ class UDSAuditor:
 
     def __init__(
         self,
-        full: Any,
-        retain: Any,
-        data: Any,
+        full: ModelArg,
+        retain: ModelArg | None,
+        data: DataArg,
         config: UDSConfig | None = None,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         cache_dir: str | os.PathLike | bool | None = None,
         progress: bool = True,
         limit: int | None = None,
     ) -> None:
         self.config = config or UDSConfig()
         self.progress = progress
-        self._inputs = {"full": full, "retain": retain, "tokenizer_given": tokenizer is not None}
+        self._inputs: dict[str, Any] = {
+            "full": full,
+            "retain": retain,
+            "tokenizer_given": tokenizer is not None,
+        }
         self._base_fingerprint: dict[str, Any] | None = None
         self.device = self.config.device or models.default_device()
         self.full = self._load(full, "full")
@@ -171,12 +179,12 @@ class UDSAuditor:
 
     # -- loading -----------------------------------------------------------------------------------------------
 
-    def load(self, model: Any, role: str = "unlearned") -> Any:
+    def load(self, model: ModelArg, role: str = "unlearned") -> Any:
         """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
         HookedTransformer or Hugging Face model is returned as is."""
         return self._load(model, role)
 
-    def load_source(self, model: Any, role: str = "unlearned") -> Any:
+    def load_source(self, model: ModelArg, role: str = "unlearned") -> Any:
         """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
 
         Args:
@@ -194,7 +202,7 @@ class UDSAuditor:
             self.sources[key] = self._load(model, role)
         return self.sources[key]
 
-    def _load(self, model: Any, role: str) -> Any:
+    def _load(self, model: ModelArg, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
             return self.sources[str(model)]
         return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
@@ -288,7 +296,7 @@ class UDSAuditor:
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
-    def fingerprint(self, unlearned: Any) -> dict[str, Any]:
+    def fingerprint(self, unlearned: ModelArg | None) -> dict[str, Any]:
         """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once),
         plus ``s1``: the :func:`stage_digest` of the Stage 1 every result of this auditor is computed from (so this
         computes Stage 1, or reads it from the cache, when it is not there yet)."""
@@ -421,7 +429,13 @@ class UDSAuditor:
             }
 
     def _require_finite(
-        self, values: Tensor, members: Sequence[int], model: Any, role: str, label: str | None, what: str
+        self,
+        values: Tensor,
+        members: Sequence[int],
+        model: Any,
+        role: str,
+        label: str | None,
+        what: str,
     ) -> None:
         """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
         bad = ~torch.isfinite(values)
@@ -443,7 +457,7 @@ class UDSAuditor:
 
     # -- Stage 2 -----------------------------------------------------------------------------------------------
 
-    def score(self, unlearned: Any, name: str | None = None) -> Any:
+    def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
         """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
         source_label = models.describe(unlearned)
         source = self._load(unlearned, "unlearned")
@@ -522,7 +536,7 @@ class UDSAuditor:
                 )
         return out
 
-    def example(self, idx: int) -> Any:
+    def example(self, idx: int) -> ExampleInputs:
         """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
 
         ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
@@ -541,7 +555,7 @@ class UDSAuditor:
             prompt=prompt,
             reference=reference,
             tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[self.tokenizer.decode([token]) for token in encoded.input_ids],
+            str_tokens=[str(self.tokenizer.decode([token])) for token in encoded.input_ids],
             read_positions=torch.tensor(list(encoded.read_positions), device=device),
             labels=torch.tensor(encoded.labels, device=device),
             patch_positions=torch.tensor(
@@ -556,7 +570,7 @@ class UDSAuditor:
             self.full.cfg.device
         )
 
-    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Any:
+    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
         """A tensor-valued patching metric for logits of :meth:`tokens` ``(idxs)``: the mean entity log-prob.
 
         Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
@@ -573,7 +587,12 @@ class UDSAuditor:
             batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
         )
 
-    def run_with_cache(self, idxs: int | Sequence[int], model: Any = None, names_filter: Any = None) -> Any:
+    def run_with_cache(
+        self,
+        idxs: int | Sequence[int],
+        model: ModelArg | None = None,
+        names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
+    ) -> tuple[Tensor, ActivationCache]:
         """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
         target = self.full if model is None else self.load_source(model)
         with torch.no_grad():

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+from torch import nn
 
 from uds_lens import models
 from uds_lens.data import EncodedExample
@@ -39,7 +39,7 @@ class NonFiniteScoreError(FloatingPointError):
     """A model produced NaN/inf scores: the message names the model, the examples, the first layer and the fix."""
 
 
-def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
+def _first_nonfinite_layer(model: nn.Module, example: EncodedExample) -> int | None:
     """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
     source = as_source(model)
     n_layers = source.n_layers
@@ -48,7 +48,7 @@ def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
     return bad[0] if bad else None
 
 
-def _first_nonfinite_parameter(model: Any) -> str | None:
+def _first_nonfinite_parameter(model: nn.Module) -> str | None:
     # parameters only (buffers such as an attention mask's -inf are on purpose), by their Hugging Face names
     for name, tensor in models.named_weights(model):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -57,7 +57,7 @@ def _first_nonfinite_parameter(model: Any) -> str | None:
 
 
 def nonfinite_error(
-    model: Any,
+    model: nn.Module,
     role: str,
     label: str | None,
     what: str,

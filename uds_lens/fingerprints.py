@@ -13,15 +13,23 @@ import os
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from huggingface_hub.constants import HF_HUB_CACHE
+from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from uds_lens import checkpoint, models
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, load_examples
 from uds_lens.files import json_digest
 from uds_lens.sources import as_source
+
+ModelArg: TypeAlias = str | os.PathLike | nn.Module
+"""A model as the auditor takes it: a checkpoint directory, ``.gguf`` file, hub id or ``zoo:NAME``, or a model in
+memory (a TransformerBridge, a HookedTransformer or a Hugging Face causal LM)."""
+DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None
+"""A forget set as ``data.load_examples`` takes it: a JSON/JSONL path, a hub dataset id, records or ``Example``s."""
 
 
 def _versions() -> dict[str, str]:
@@ -35,7 +43,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def tokenizer_digest(tokenizer: Any) -> str:
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
@@ -58,7 +66,7 @@ def _hub_revision(model_id: str) -> str | None:
     return ref.read_text().strip() if ref.is_file() else None
 
 
-def source_fingerprint(source: Any) -> str | None:
+def source_fingerprint(source: ModelArg | None) -> str | None:
     """Identity of a model's weights, never of its path.
 
     A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
@@ -85,7 +93,7 @@ def examples_fingerprint(examples: Sequence[Example]) -> str:
     return json_digest([example.to_record() for example in examples])[:32]
 
 
-def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
+def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dict[str, Any]:
     """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
     are invariant to it) and device; plus the dtype the full model runs in."""
     settings = config.to_dict()
@@ -99,13 +107,13 @@ def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
 
 
 def result_fingerprint(
-    full: Any,
-    retain: Any,
-    unlearned: Any,
-    data: Any,
+    full: ModelArg,
+    retain: ModelArg | None,
+    unlearned: ModelArg | None,
+    data: DataArg,
     config: UDSConfig | None = None,
     limit: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> dict[str, Any]:
     """Everything a saved UDS result depends on, as a JSON-ready dict; two runs with equal fingerprints give the
     same tables, so a saved result may be reused only when its fingerprint equals the new one

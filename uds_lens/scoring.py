@@ -11,13 +11,12 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from uds_lens import models
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
-from uds_lens.fingerprints import result_fingerprint
-from uds_lens.results import check_result_name, check_saved, conflict_error, load_reusable
+from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
+from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "output directory (--o
         raise ConfigError(f"The {what} {path} is a file: pass a directory (it is created when missing).")
 
 
-def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
+def result_names(unlearned: Sequence[ModelArg]) -> dict[str, ModelArg]:
     """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
     directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
     ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
@@ -58,10 +57,10 @@ def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
 
 def refuse_other_runs(
     out_dir: Path,
-    named_models: Sequence[tuple[str, Any]],
-    full: Any,
-    retain: Any,
-    data: Any,
+    named_models: Sequence[tuple[str, ModelArg]],
+    full: ModelArg,
+    retain: ModelArg | None,
+    data: DataArg,
     config: UDSConfig,
     limit: int | None = None,
     tolerate: tuple[str, ...] = (),
@@ -92,17 +91,17 @@ def refuse_other_runs(
 
 
 def score_models(
-    full: Any,
-    retain: Any,
-    unlearned: Sequence[Any] | dict[str, Any],
-    data: Any,
+    full: ModelArg,
+    retain: ModelArg | None,
+    unlearned: Sequence[ModelArg] | dict[str, ModelArg],
+    data: DataArg,
     out_dir: str | os.PathLike | None = None,
     config: UDSConfig | None = None,
     cache_dir: str | os.PathLike | bool | None = None,
     limit: int | None = None,
     progress: bool = True,
     force: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, UDSResult]:
     """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
 
     A saved ``out_dir/NAME/`` is reused instead of recomputed only when it is intact and was computed from identical
@@ -140,7 +139,7 @@ def score_models(
     if cache_dir is not None and not isinstance(cache_dir, bool):
         check_output_dir(cache_dir, "S1 cache directory (--cache-dir)")
     check_positive_int("limit (--limit)", limit, "score every example")
-    results: dict[str, Any] = {}
+    results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
     if out_dir is not None and not force:
         # Before any model is loaded: a directory holding another run's result (other weights, data or settings)
