@@ -1,11 +1,16 @@
-"""The auditor: the UDS pipeline over real models, with its settings, the S1 cache and result reuse.
+"""The auditor: the UDS pipeline over real models, Stage 1 computed once.
 
 ``UDSAuditor(full, retain, data)`` loads the full (patch target) and retain models, encodes the forget set once, and
-computes Stage 1 (retain -> full) once: S1 depends only on (full, retain, data, settings), so it is cached on disk
-keyed by a fingerprint of all of those (:class:`S1Cache`) and reused by every unlearned model after that.
-``auditor.score(unlearned)`` runs Stage 2 and returns a :class:`~uds_lens.results.UDSResult`; :func:`score_models`
-does that for many models and reuses a saved result only when its full fingerprint (every model's weights, the data,
-the settings) matches. The score itself is ``uds.py``'s math; the patched runs are ``patching.py``'s engines.
+computes Stage 1 (retain -> full) once: S0, the per-layer baseline and S1 depend only on (full, retain, data,
+settings), so they are cached on disk keyed by a fingerprint of all of those (``stage_cache.S1Cache``) and reused by
+every unlearned model after that. ``auditor.score(unlearned)`` runs Stage 2 and returns a
+:class:`~uds_lens.results.UDSResult`. An out-of-memory batch is halved and retried, a non-finite score is an error
+(``failures``).
+
+Around it: ``config`` (the settings), ``fingerprints`` (what a result depends on), ``scoring.score_models`` (many models,
+reusing a saved result only when its full fingerprint matches). The score itself is ``uds.py``'s math; the patched
+runs are ``patching.py``'s engines. The names of those modules that were defined here before are still importable
+from here.
 """
 
 from __future__ import annotations
