@@ -184,12 +184,13 @@ class UDSAuditor:
 
     # -- loading -----------------------------------------------------------------------------------------------
 
-    def load(self, model: ModelArg, role: str = "unlearned") -> Any:
+    def load(self, model: object, role: str = "unlearned") -> Any:
         """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
-        HookedTransformer or Hugging Face model is returned as is."""
+        HookedTransformer or Hugging Face model is returned as is. ``model`` is typed ``object``: anything else is
+        refused here, by ``models.load``'s ``TypeError`` that names the forms a model may take."""
         return self._load(model, role)
 
-    def load_source(self, model: ModelArg, role: str = "unlearned") -> Any:
+    def load_source(self, model: object, role: str = "unlearned") -> Any:
         """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
 
         Args:
@@ -207,7 +208,7 @@ class UDSAuditor:
             self.sources[key] = self._load(model, role)
         return self.sources[key]
 
-    def _load(self, model: ModelArg, role: str) -> Any:
+    def _load(self, model: object, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
             return self.sources[str(model)]
         return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
