@@ -56,7 +56,8 @@ demo: setup
 # The core tests: every module a UDS number passes through (loading, sources, both engines, the auditor and its
 # published-compat mode, components), the real SmolLM2 and the notebooks' code paths.
 CORE_TESTS := tests/unit/test_models.py tests/unit/test_sources.py tests/unit/test_patching.py \
-	tests/unit/test_uds.py tests/unit/test_components.py tests/unit/test_dtypes.py tests/unit/test_families.py \
+	tests/unit/test_uds.py tests/unit/test_auditor.py tests/unit/test_components.py tests/unit/test_dtypes.py \
+	tests/unit/test_families.py \
 	tests/integration/test_pretrained_llama.py tests/integration/test_notebooks.py
 
 # The whole suite on the default environment (TransformerLens 4.x), then the core tests on TransformerLens 3.9.
@@ -75,7 +76,8 @@ test-fast: setup-dev
 MYPY_CORE := uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching uds_lens/uds.py \
 	uds_lens/auditor.py uds_lens/results.py uds_lens/config.py uds_lens/files.py uds_lens/readout.py \
 	uds_lens/resolve.py uds_lens/checkpoint.py uds_lens/result_store.py uds_lens/components.py \
-	uds_lens/component_result.py
+	uds_lens/component_result.py uds_lens/stage_cache.py uds_lens/fingerprints.py uds_lens/failures.py \
+	uds_lens/scoring.py
 
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments

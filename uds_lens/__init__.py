@@ -70,8 +70,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.annotation import annotate
-    from uds_lens.auditor import UDSAuditor, UDSConfig
+    from uds_lens.auditor import UDSAuditor
     from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
+    from uds_lens.config import UDSConfig
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
     from uds_lens.models import load_hf_model, load_model, load_tokenizer
     from uds_lens.results import UDSResult

@@ -1,43 +1,54 @@
-"""The auditor: the UDS pipeline over real models, with its settings, the S1 cache and result reuse.
+"""The auditor: the UDS pipeline over real models, Stage 1 computed once.
 
 ``UDSAuditor(full, retain, data)`` loads the full (patch target) and retain models, encodes the forget set once, and
-computes Stage 1 (retain -> full) once: S1 depends only on (full, retain, data, settings), so it is cached on disk
-keyed by a fingerprint of all of those (:class:`S1Cache`) and reused by every unlearned model after that.
-``auditor.score(unlearned)`` runs Stage 2 and returns a :class:`~uds_lens.results.UDSResult`; :func:`score_models`
-does that for many models and reuses a saved result only when its full fingerprint (every model's weights, the data,
-the settings) matches. The score itself is ``uds.py``'s math; the patched runs are ``patching.py``'s engines.
+computes Stage 1 (retain -> full) once: S0, the per-layer baseline and S1 depend only on (full, retain, data,
+settings), so they are cached on disk keyed by a fingerprint of all of those (``stage_cache.S1Cache``) and reused by
+every unlearned model after that. ``auditor.score(unlearned)`` runs Stage 2 and returns a
+:class:`~uds_lens.results.UDSResult`. An out-of-memory batch is halved and retried, a non-finite score is an error
+(``failures``).
+
+Around it: ``config`` (the settings), ``fingerprints`` (what a result depends on), ``scoring.score_models`` (many models,
+reusing a saved result only when its full fingerprint matches). The score itself is ``uds.py``'s math; the patched
+runs are ``patching.py``'s engines. The names of those modules that were defined here before are still importable
+from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import hashlib
-import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from huggingface_hub.constants import HF_HUB_CACHE
 from jaxtyping import Float
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+from transformers import PreTrainedTokenizerBase
 
-from uds_lens import checkpoint, models
+from uds_lens import models
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
-from uds_lens.files import cache_root, json_digest
+from uds_lens.failures import NonFiniteScoreError, is_out_of_memory, nonfinite_error, release_memory
+from uds_lens.files import json_digest
+from uds_lens.fingerprints import (
+    RESULT_FINGERPRINT_FORMAT,
+    DataArg,
+    ModelArg,
+    _versions,
+    examples_fingerprint,
+    layout_digest,
+    result_fingerprint,
+    settings_fingerprint,
+    source_fingerprint,
+    tokenizer_digest,
+)
+from uds_lens.lazy import lazy_exports
 from uds_lens.patching import (
     CleanRun,
     PatchBatch,
@@ -49,257 +60,25 @@ from uds_lens.patching import (
     plan_batches,
     source_scores,
 )
-from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
+from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
+from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
+from uds_lens.uds import deltas
 
 logger = logging.getLogger(__name__)
 
-# 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
-# 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
-# 6: the header holds the SHA-256 of the tensors and the batch plan (``stage_digest``), checked on every read.
-CACHE_FORMAT = 6
+if TYPE_CHECKING:  # static analysers see where the lazily resolved names below come from
+    from uds_lens.scoring import refuse_other_runs, result_names, score_models
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stage results and the S1 cache
-
-
-@dataclass
-class StageOne:
-    """Everything that depends only on (full, retain, data, settings), per scored example, in encoded order."""
-
-    idx: list[int]
-    s_full: Float[Tensor, " example"]
-    baseline: Float[Tensor, "example layer"]
-    s1: Float[Tensor, "example layer"] | None
-    batches: list[list[int]]  # the batch plan it was computed in (indices into the encoded examples)
-    seconds: float = 0.0
-    cached: bool = False
-
-
-def stage_digest(stage: StageOne) -> str:
-    """SHA-256 of the numbers a Stage 1 hands to every result: ``s_full``, ``baseline``, ``s1`` (as float32 bytes,
-    with their shapes), the example indices and the batch plan.
-
-    Stored in the S1 cache's header and checked on every read, so a cache whose scores were changed after it was
-    written (the header alone still parses and fits) is rebuilt instead of trusted; and recorded in every result's
-    fingerprint (``"s1"``), so a result computed from a corrupt cache is never reused once the cache is repaired.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in (("s_full", stage.s_full), ("baseline", stage.baseline), ("s1", stage.s1)):
-        digest.update(name.encode() + b"\0")
-        if tensor is None:
-            digest.update(b"none")
-            continue
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(json.dumps(list(values.shape)).encode())
-        digest.update(values.numpy().tobytes())
-    digest.update(json.dumps({"idx": [int(i) for i in stage.idx], "batches": stage.batches}).encode())
-    return digest.hexdigest()[:32]
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
-
-
-def layout_digest(encoded: Sequence[EncodedExample]) -> str:
-    return json_digest(
-        [[e.idx, list(e.input_ids), e.prompt_len, e.entity_start, e.entity_end] for e in encoded]
-    )
-
-
-class S1Cache:
-    """S1 on disk: one safetensors file per fingerprint; stale entries are never read, corrupt ones are rebuilt.
-
-    The tensors (``s_full``, ``baseline``, ``s1``) are stored with safetensors and everything else (format, the full
-    fingerprint payload, example indices) as JSON in the file's header, so reading a cache file can never run code,
-    whoever wrote it (the default directory is shared by every audit of the user). A file that does not parse, whose
-    payload differs, whose shapes do not fit, that holds a non-finite value, or whose tensors and batch plan do not
-    match the digest in its header (:func:`stage_digest`: values changed after the file was written) is deleted with
-    a warning and S1 is recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
-    """
-
-    def __init__(self, directory: str | os.PathLike | None) -> None:
-        self.directory = Path(directory).expanduser() if directory is not None else cache_root()
-
-    def path(self, key: str) -> Path:
-        return self.directory / f"s1_{key[:32]}.safetensors"
-
-    def load(self, key: str, payload: dict[str, Any]) -> StageOne | None:
-
-        path = self.path(key)
-        legacy = path.with_suffix(".pt")
-        if legacy.is_file():
-            warnings.warn(
-                f"S1 cache {legacy} is in the old pickle format, which could run code when read: it is not "
-                "read but deleted, and S1 is recomputed.",
-                stacklevel=2,
-            )
-            legacy.unlink(missing_ok=True)
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                header = json.loads((handle.metadata() or {})["uds_lens"])
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-            if header.get("format") != CACHE_FORMAT or header.get("payload") != json.loads(
-                json.dumps(payload, default=str)
-            ):
-                raise ValueError("fingerprint payload does not match")
-            idx = [int(i) for i in header["idx"]]
-            s_full, baseline, s1 = tensors["s_full"], tensors["baseline"], tensors.get("s1")
-            n_layers = len(payload["layers"])
-            if (
-                s_full.shape != (len(idx),)
-                or baseline.shape != (len(idx), n_layers)
-                or (s1 is not None and s1.shape != baseline.shape)
-            ):
-                raise ValueError("tensor shapes do not fit the examples and layers")
-            if not all(bool(torch.isfinite(t).all()) for t in (s_full, baseline, s1) if t is not None):
-                raise ValueError("it holds non-finite scores")
-            batches = [[int(i) for i in members] for members in header["batches"]]
-            if sorted(i for members in batches for i in members) != list(range(len(idx))):
-                raise ValueError("its batch plan does not cover every example exactly once")
-            stage = StageOne(idx=idx, s_full=s_full, baseline=baseline, s1=s1, batches=batches, cached=True)
-            if header.get("digest") != stage_digest(stage):
-                raise ValueError(
-                    "its scores or batch plan do not match the digest in its header (the file was changed after "
-                    "it was written); results computed from it are not reused"
-                )
-            return stage
-        except Exception as err:  # any unreadable or inconsistent file is rebuilt
-            warnings.warn(
-                f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2
-            )
-            path.unlink(missing_ok=True)
-            return None
-
-    def save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
-
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(key)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tensors = {"s_full": stage.s_full, "baseline": stage.baseline}
-        if stage.s1 is not None:
-            tensors["s1"] = stage.s1
-        header = {
-            "format": CACHE_FORMAT,
-            "payload": payload,
-            "idx": [int(i) for i in stage.idx],
-            "batches": stage.batches,
-            "digest": stage_digest(stage),
-        }
-        save_file(
-            {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
-            str(tmp),
-            metadata={"uds_lens": json.dumps(header, default=str)},
-        )
-        os.replace(tmp, path)
-        return path
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The auditor
-
-
-def _versions() -> dict[str, str]:
-
-    out = {}
-    for package in ("uds_lens", "torch", "transformer-lens", "transformers"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = "unknown"
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Fingerprints: what a result depends on
-
-
-# 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
-# 3: ``s1``, the digest of the Stage 1 values a result was computed from, is part of it.
-RESULT_FINGERPRINT_FORMAT = 3
-
-
-def _hub_revision(model_id: str) -> str | None:
-    """The commit a hub id resolves to in the local Hugging Face cache (offline; None when not cached)."""
-    ref = Path(HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / "main"
-    return ref.read_text().strip() if ref.is_file() else None
-
-
-def source_fingerprint(source: Any) -> str | None:
-    """Identity of a model's weights, never of its path.
-
-    A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
-    tokenizer files (``checkpoint.file_digest``: scheme and version in the string, so a change of digest re-keys
-    saved results instead of misreading them), an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
-    and the cached commit it resolves to. None stands for "no model" (retain-free mode).
-    """
-    if source is None:
-        return None
-    if isinstance(source, (str, os.PathLike)):
-        try:  # "zoo:NAME" is identified by its directory's files, like any other path
-            source = models.resolve_zoo_name(source)
-        except models.ModelLoadError:
-            pass  # a zoo name that names no model: identified by itself, and loading it fails with the reason
-        path = Path(source).expanduser()
-        if path.exists():
-            return "files:" + checkpoint.file_digest(path)
-        return f"hub:{source}@{_hub_revision(str(source)) or 'unresolved'}"
-    return "tensors:" + models.model_fingerprint(source)
-
-
-def examples_fingerprint(examples: Sequence[Example]) -> str:
-    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
-    return json_digest([example.to_record() for example in examples])[:32]
-
-
-def settings_fingerprint(config: UDSConfig, full: Any = None) -> dict[str, Any]:
-    """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it) and device; plus the dtype the full model runs in."""
-    settings = config.to_dict()
-    for volatile in ("tau", "batch_size", "device"):
-        settings.pop(volatile)
-    if full is not None and not isinstance(full, (str, os.PathLike)):
-        settings["dtype"] = str(as_source(full).dtype)
-    else:
-        settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
-    return settings
-
-
-def result_fingerprint(
-    full: Any,
-    retain: Any,
-    unlearned: Any,
-    data: Any,
-    config: UDSConfig | None = None,
-    limit: int | None = None,
-    tokenizer: Any = None,
-) -> dict[str, Any]:
-    """Everything a saved UDS result depends on, as a JSON-ready dict; two runs with equal fingerprints give the
-    same tables, so a saved result may be reused only when its fingerprint equals the new one
-    (``results.load_reusable``).
-
-    Keys: ``format``, ``full``, ``retain``, ``unlearned`` (:func:`source_fingerprint`: file contents or tensor
-    digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`).
-    Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
-    ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs plus ``s1``, the digest of
-    the Stage 1 values (which needs the models): a saved result is reused only when that matches too.
-    """
-    config = config or UDSConfig()
-    return {
-        "format": RESULT_FINGERPRINT_FORMAT,
-        "full": source_fingerprint(full),
-        "retain": source_fingerprint(retain),
-        "unlearned": source_fingerprint(unlearned),
-        "data": examples_fingerprint(load_examples(data, limit=limit)),
-        "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
-        "settings": settings_fingerprint(config, full),
-    }
+# Importable from here as before; they import UDSAuditor, so they are resolved on first use (PEP 562).
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "result_names": "uds_lens.scoring",
+        "refuse_other_runs": "uds_lens.scoring",
+        "score_models": "uds_lens.scoring",
+    },
+)
 
 
 class UDSAuditor:
@@ -342,11 +121,11 @@ class UDSAuditor:
 
     def __init__(
         self,
-        full: Any,
-        retain: Any,
-        data: Any,
+        full: ModelArg,
+        retain: ModelArg | None,
+        data: DataArg,
         config: UDSConfig | None = None,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         cache_dir: str | os.PathLike | bool | None = None,
         progress: bool = True,
         limit: int | None = None,
@@ -355,7 +134,11 @@ class UDSAuditor:
     ) -> None:
         self.config = config or UDSConfig()
         self.progress = progress
-        self._inputs = {"full": full, "retain": retain, "tokenizer_given": tokenizer is not None}
+        self._inputs: dict[str, Any] = {
+            "full": full,
+            "retain": retain,
+            "tokenizer_given": tokenizer is not None,
+        }
         self._base_fingerprint: dict[str, Any] | None = None
         self.device = self.config.device or models.default_device()
         self.full = self._load(full, "full")
@@ -421,12 +204,13 @@ class UDSAuditor:
 
     # -- loading -----------------------------------------------------------------------------------------------
 
-    def load(self, model: Any, role: str = "unlearned") -> Any:
+    def load(self, model: object, role: str = "unlearned") -> Any:
         """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
-        HookedTransformer or Hugging Face model is returned as is."""
+        HookedTransformer or Hugging Face model is returned as is. ``model`` is typed ``object``: anything else is
+        refused here, by ``models.load``'s ``TypeError`` that names the forms a model may take."""
         return self._load(model, role)
 
-    def load_source(self, model: Any, role: str = "unlearned") -> Any:
+    def load_source(self, model: object, role: str = "unlearned") -> Any:
         """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
 
         Args:
@@ -444,7 +228,7 @@ class UDSAuditor:
             self.sources[key] = self._load(model, role)
         return self.sources[key]
 
-    def _load(self, model: Any, role: str) -> Any:
+    def _load(self, model: object, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
             return self.sources[str(model)]
         return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
@@ -532,7 +316,7 @@ class UDSAuditor:
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
-    def fingerprint(self, unlearned: Any) -> dict[str, Any]:
+    def fingerprint(self, unlearned: ModelArg | None) -> dict[str, Any]:
         """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once),
         plus ``s1``: the :func:`stage_digest` of the Stage 1 every result of this auditor is computed from (so this
         computes Stage 1, or reads it from the cache, when it is not there yet)."""
@@ -585,17 +369,15 @@ class UDSAuditor:
                 return cached
         started = time.perf_counter()
         n, n_layers = len(self.encoded), len(self.layers)
-        s_full = torch.full((n,), float("nan"))
+        s0 = torch.full((n,), float("nan"))
         baseline = torch.full((n, n_layers), float("nan"))
         s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
 
         def stage_one_batch(number: int, members: list[int]) -> None:
             batch = self._batch(members)
             clean = self._clean_run(number, batch)
-            s_full[members] = clean.scores.float().cpu()
-            self._require_finite(
-                s_full[members], members, self.full, "full", self.full_name, "clean score (S0)"
-            )
+            s0[members] = clean.scores.float().cpu()
+            self._require_finite(s0[members], members, self.full, "full", self.full_name, "clean score (S0)")
             baseline[members] = baseline_scores(self.full, batch, clean, self.engine_spec).float().cpu()
             self._require_finite(
                 baseline[members], members, self.full, "full", self.full_name, "baseline score"
@@ -609,7 +391,7 @@ class UDSAuditor:
         self._each_batch("S1 (retain -> full)", stage_one_batch)
         stage = StageOne(
             idx=[e.idx for e in self.encoded],
-            s_full=s_full,
+            s0=s0,
             baseline=baseline,
             s1=s1,
             batches=self.batches,
@@ -661,7 +443,13 @@ class UDSAuditor:
             }
 
     def _require_finite(
-        self, values: Tensor, members: Sequence[int], model: Any, role: str, label: str | None, what: str
+        self,
+        values: Tensor,
+        members: Sequence[int],
+        model: Any,
+        role: str,
+        label: str | None,
+        what: str,
     ) -> None:
         """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
         bad = ~torch.isfinite(values)
@@ -675,12 +463,15 @@ class UDSAuditor:
         raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
+        """``d1 = baseline - s1`` of Stage 1 (:func:`uds.deltas`), ``[example, layer]``; None in retain-free mode."""
         stage = self.stage1
-        return None if stage.s1 is None else stage.baseline - stage.s1
+        return (
+            None if stage.s1 is None else torch.from_numpy(deltas(stage.baseline.numpy(), stage.s1.numpy()))
+        )
 
     # -- Stage 2 -----------------------------------------------------------------------------------------------
 
-    def score(self, unlearned: Any, name: str | None = None) -> Any:
+    def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
         """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
         source_label = models.describe(unlearned)
         source = self._load(unlearned, "unlearned")
@@ -715,7 +506,7 @@ class UDSAuditor:
             encoded=self.encoded,
             skipped=self.skipped,
             layers=self.layers,
-            s_full=stage.s_full,
+            s0=stage.s0,
             baseline=stage.baseline,
             s1=stage.s1,
             s2=s2,
@@ -759,7 +550,7 @@ class UDSAuditor:
                 )
         return out
 
-    def example(self, idx: int) -> Any:
+    def example(self, idx: int) -> ExampleInputs:
         """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
 
         ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
@@ -778,7 +569,7 @@ class UDSAuditor:
             prompt=prompt,
             reference=reference,
             tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[self.tokenizer.decode([token]) for token in encoded.input_ids],
+            str_tokens=[str(self.tokenizer.decode([token])) for token in encoded.input_ids],
             read_positions=torch.tensor(list(encoded.read_positions), device=device),
             labels=torch.tensor(encoded.labels, device=device),
             patch_positions=torch.tensor(
@@ -810,7 +601,12 @@ class UDSAuditor:
             batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
         )
 
-    def run_with_cache(self, idxs: int | Sequence[int], model: Any = None, names_filter: Any = None) -> Any:
+    def run_with_cache(
+        self,
+        idxs: int | Sequence[int],
+        model: ModelArg | None = None,
+        names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
+    ) -> tuple[Tensor, ActivationCache]:
         """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
         target = self.full if model is None else self.load_source(model)
         with torch.no_grad():
@@ -832,226 +628,26 @@ class UDSAuditor:
         return patch_positions(self, unlearned, **kwargs)
 
 
-def is_out_of_memory(err: BaseException) -> bool:
-    """An allocation failure: CUDA's ``OutOfMemoryError``, or the CPU allocator's "can't allocate memory"."""
-    if isinstance(err, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and (
-        "out of memory" in text.lower() or "can't allocate memory" in text
-    )
-
-
-def release_memory(device: str | torch.device) -> None:
-    """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-class NonFiniteScoreError(FloatingPointError):
-    """A model produced NaN/inf scores: the message names the model, the examples, the first layer and the fix."""
-
-
-def _first_nonfinite_layer(model: Any, example: EncodedExample) -> int | None:
-    """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
-    source = as_source(model)
-    n_layers = source.n_layers
-    acts = source.activations(torch.tensor([list(example.input_ids)]), "resid_post", range(n_layers))
-    bad = [layer for layer in range(n_layers) if not bool(torch.isfinite(acts[layer]).all())]
-    return bad[0] if bad else None
-
-
-def _first_nonfinite_parameter(model: Any) -> str | None:
-    # parameters only (buffers such as an attention mask's -inf are on purpose), by their Hugging Face names
-    for name, tensor in models.named_weights(model):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
-
-
-def nonfinite_error(
-    model: Any,
-    role: str,
-    label: str | None,
-    what: str,
-    idx: Sequence[int],
-    example: EncodedExample,
-    score_layer: int | None,
-) -> NonFiniteScoreError:
-    """The error for non-finite scores of one stage: which model, which examples, the first layer where the
-    activations (or, failing that, the scores) stop being finite, and advice that fits the cause: broken weights,
-    an overflow in a 16-bit dtype, or activations that blow up in float32 with finite weights."""
-    layer = _first_nonfinite_layer(model, example)
-    where = (
-        f"first at layer {layer} (blocks.{layer}.hook_resid_post)"
-        if layer is not None
-        else f"first in the scores of layer {score_layer}"
-        if score_layer is not None
-        else ""
-    )
-    parameter = _first_nonfinite_parameter(model)
-    dtype = as_source(model).dtype
-    if parameter is not None:
-        advice = (
-            f"its weights are already non-finite ({parameter}): the checkpoint is broken (a diverged training "
-            "run or a bad conversion); re-export or retrain it"
-        )
-    elif dtype in (torch.float16, torch.bfloat16):
-        advice = (
-            f"its weights are finite, so the activations overflow in {str(dtype).replace('torch.', '')}: run "
-            "in float32 (--dtype float32, or UDSConfig(dtype='float32'))"
-        )
-    else:
-        advice = (
-            f"its weights are finite and it already runs in {str(dtype).replace('torch.', '')}, so its "
-            "activations blow up on these inputs: check how the checkpoint was trained (a diverged run gives "
-            "such weights)"
-        )
-    return NonFiniteScoreError(
-        f"The {role} model ({label or type(model).__name__}) gives a non-finite {what} for example idx "
-        f"{list(idx)[:10]}{', ' + where if where else ''}: {advice}. Nothing was cached or saved."
-    )
-
-
-def result_names(unlearned: Sequence[Any]) -> dict[str, Any]:
-    """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
-    directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
-    ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
-    basenames = [models.model_name(model) for model in unlearned]
-    names = list(basenames)
-    for position, model in enumerate(unlearned):
-        if basenames.count(basenames[position]) == 1 or not isinstance(model, (str, os.PathLike)):
-            continue
-        parts = Path(model).expanduser().resolve().parts
-        clashing = [
-            Path(other).expanduser().resolve().parts
-            for other, name in zip(unlearned, basenames)
-            if name == basenames[position] and isinstance(other, (str, os.PathLike))
-        ]
-        for depth in range(2, len(parts) + 1):
-            if sum(other[-depth:] == parts[-depth:] for other in clashing) == 1:
-                names[position] = "__".join(parts[-depth:])
-                break
-    if len(set(names)) != len(names):
-        raise ValueError(
-            f"Two unlearned models share a result name ({names}): pass each model once, or a dict "
-            "{name: model} (CLI: --unlearned NAME=PATH)."
-        )
-    return dict(zip(names, unlearned))
-
-
-def refuse_other_runs(
-    out_dir: Path,
-    named_models: Sequence[tuple[str, Any]],
-    full: Any,
-    retain: Any,
-    data: Any,
-    config: UDSConfig,
-    limit: int | None = None,
-    tolerate: tuple[str, ...] = (),
-) -> None:
-    """Refuse, before any model is loaded, to write over ``out_dir/NAME`` directories that hold results of other
-    inputs (another full, retain, data set, setting or checkpoint under that name): they are another run's, and only
-    ``force`` replaces them. Reads the checkpoint files (digests memoised) and the saved fingerprints, nothing else;
-    the Stage 1 digest is not compared here (it needs the models).
-
-    Args:
-        named_models: ``(result name, unlearned model)`` pairs.
-        tolerate: input keys whose difference is left to a later check (the sweep's driver cannot know the
-            workers' dtype, so it tolerates ``"settings"``).
-
-    Raises:
-        results.OutputConflictError: naming every such directory and what differs.
-    """
-    conflicts = {}
-    for name, model in named_models:
-        saved = out_dir / name
-        if saved.exists():
-            inputs = result_fingerprint(full, retain, model, data, config, limit)
-            check = check_saved(saved, inputs, ignore=("s1",))
-            if set(check.conflicts) - set(tolerate):
-                conflicts[str(saved)] = check.reason
-    if conflicts:
-        raise conflict_error(conflicts)
-
-
-def score_models(
-    full: Any,
-    retain: Any,
-    unlearned: Sequence[Any] | dict[str, Any],
-    data: Any,
-    out_dir: str | os.PathLike | None = None,
-    config: UDSConfig | None = None,
-    cache_dir: str | os.PathLike | bool | None = None,
-    limit: int | None = None,
-    progress: bool = True,
-    force: bool = False,
-) -> dict[str, Any]:
-    """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
-
-    A saved ``out_dir/NAME/`` is reused instead of recomputed only when it is intact and was computed from identical
-    inputs: the same full, retain and unlearned weights (file contents, not paths), the same data (after ``limit``),
-    the same settings (tau aside: it is re-applied to the saved deltas) and the same Stage 1 values (their digest;
-    a result computed from a corrupt S1 cache is recomputed once the cache is repaired). Then the log says
-    ``reusing NAME: identical inputs`` and the result's ``meta["reused"]`` is set. A saved result of *other* inputs
-    (another run's) is refused before any model is loaded, naming what differs, unless ``force``; one that is
-    incomplete, fails its digests or used other Stage 1 values is recomputed with a warning saying why (also in
-    ``meta["recomputed"]``). Each result is written atomically under a lock (``results.atomic_result_dir``).
-
-    Args:
-        unlearned: models (result names from their paths, see :func:`result_names`) or ``{name: model}``; a name is
-            one path component.
-        force: recompute every model even when a saved result could be reused, and replace results of other runs.
-
-    Raises:
-        ValueError: a result name is not a single path component, or ``out_dir`` is a file (both before any compute).
-        results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
-    """
-
-    config = config or UDSConfig()
-    items = (
-        list(unlearned.items())
-        if isinstance(unlearned, dict)
-        else list(result_names(list(unlearned)).items())
-    )
-    for name, _ in items:
-        check_result_name(name)
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ValueError(
-            f"The output directory {out_dir} is a file: pass a directory (it is created if missing)."
-        )
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive number of examples, got {limit!r}.")
-    results: dict[str, Any] = {}
-    auditor: UDSAuditor | None = None
-    if out_dir is not None and not force:
-        # Before any model is loaded: a directory holding another run's result (other weights, data or settings)
-        # is never silently replaced.
-        refuse_other_runs(Path(out_dir), items, full, retain, data, config, limit)
-    for name, model in items:
-        target = Path(out_dir) / name if out_dir is not None else None
-        reason = "forced (--force)" if force else ""
-        if target is not None and not force and target.exists():
-            # The saved result's Stage 1 digest is compared too, which needs this run's Stage 1 (from the cache).
-            if auditor is None:
-                auditor = UDSAuditor(
-                    full, retain, data, config=config, cache_dir=cache_dir, progress=progress, limit=limit
-                )
-            previous, reason = load_reusable(target, auditor.fingerprint(model))
-            if previous is not None:
-                results[name] = previous.with_tau(config.tau)
-                results[name].meta["reused"] = reason
-                logger.info("reusing %s: %s", name, reason)
-                continue
-            logger.warning("recomputing %s: %s", name, reason)
-        if auditor is None:
-            auditor = UDSAuditor(
-                full, retain, data, config=config, cache_dir=cache_dir, progress=progress, limit=limit
-            )
-        results[name] = auditor.score(model, name=name)
-        if target is not None and target.exists():
-            results[name].meta["recomputed"] = reason
-        if target is not None:
-            results[name].save(target)
-    return results
+__all__ = [
+    "CACHE_FORMAT",
+    "RESULT_FINGERPRINT_FORMAT",
+    "ConfigError",
+    "NonFiniteScoreError",
+    "S1Cache",
+    "StageOne",
+    "UDSAuditor",
+    "UDSConfig",
+    "examples_fingerprint",
+    "is_out_of_memory",
+    "layout_digest",
+    "nonfinite_error",
+    "refuse_other_runs",
+    "release_memory",
+    "result_fingerprint",
+    "result_names",
+    "score_models",
+    "settings_fingerprint",
+    "source_fingerprint",
+    "stage_digest",
+    "tokenizer_digest",
+]

@@ -8,12 +8,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Any
 
 import typer
 
-if TYPE_CHECKING:  # imported at run time inside the commands: `--help` loads no torch
-    from uds_lens.auditor import UDSConfig
+# The settings' defaults and vocabularies, read from the one place they are written (config.py imports no torch, so
+# `--help` stays instant); the checks are UDSConfig's.
+from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, ConfigError, UDSConfig
+
+DEFAULTS = UDSConfig()
 
 app = typer.Typer(
     help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
@@ -82,9 +85,9 @@ def _split_named(value: str) -> tuple[str, str] | None:
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
     see :func:`_split_named`), a bare path is named after its directory (parent directories added where two basenames
-    clash, see ``uds.result_names``)."""
-    from uds_lens.auditor import ConfigError, result_names
+    clash, see ``scoring.result_names``)."""
     from uds_lens.results import check_result_name
+    from uds_lens.scoring import result_names
 
     named: dict[str, str] = {}
     plain: list[str] = []
@@ -109,22 +112,18 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
 
 
 # Options shared by `score` and `sweep` (the UDS settings and the inputs both take), declared once. Defaults stay at
-# the parameters (typer's rule for Annotated options); they are UDSConfig's defaults, repeated here so that `--help`
-# imports no torch.
+# the parameters (typer's rule for Annotated options) and are read from DEFAULTS; the choices from config's tuples.
 RetainOption = Annotated[
     str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
 ]
 DataOption = Annotated[str, typer.Option(help="Forget set: JSON list / JSONL file, or a hub dataset id.")]
 TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
-ScopeOption = Annotated[str, typer.Option(help="Patch scope: span | boundary.")]
-SiteOption = Annotated[
-    str, typer.Option(help="Hook site: resid_post | resid_mid | attn_out | mlp_out | resid_pre.")
-]
+ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
+SiteOption = Annotated[str, typer.Option(help=f"Hook site: {' | '.join(SITES)}.")]
+# DTYPE_NAMES lists each dtype's name followed by its short spelling
+_DTYPE_CHOICES = " | ".join(f"{name} ({short})" for name, short in zip(DTYPE_NAMES[::2], DTYPE_NAMES[1::2]))
 DtypeOption = Annotated[
-    str | None,
-    typer.Option(
-        help="float32 (fp32) | bfloat16 (bf16) | float16 (fp16) (default: fp32 on CPU, bf16 on CUDA)."
-    ),
+    str | None, typer.Option(help=f"{_DTYPE_CHOICES} (default: fp32 on CPU, bf16 on CUDA).")
 ]
 DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
 BatchSizeOption = Annotated[
@@ -136,44 +135,16 @@ PublishedCompatOption = Annotated[
 ]
 CacheDirOption = Annotated[Path | None, typer.Option(help="S1 cache directory (default ~/.cache/uds_lens).")]
 NoRetainOption = Annotated[bool, typer.Option("--no-retain", help="Retain-free mode: d2 only, unnormalised.")]
-EngineOption = Annotated[str, typer.Option(help="fast | naive (the one-forward-per-layer oracle).")]
+EngineOption = Annotated[str, typer.Option(help=f"{' | '.join(ENGINES)} (the one-forward-per-layer oracle).")]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 
 
-def _uds_config(
-    retain: str | None,
-    no_retain: bool,
-    tau: float,
-    scope: str,
-    site: str,
-    published_compat: bool,
-    batch_size: int | None,
-    dtype: str | None,
-    device: str | None,
-    engine: str,
-) -> UDSConfig:
-    """The UDSConfig of a `score` or `sweep` run, after checking that retain is given or explicitly omitted."""
-    from uds_lens.auditor import UDSConfig
-
+def _uds_config(retain: str | None, no_retain: bool, **settings: Any) -> UDSConfig:
+    """The UDSConfig of a `score` or `sweep` run (``settings``: UDSConfig's fields, which it checks), after checking
+    that retain is given or explicitly omitted."""
     if retain is None and not no_retain:
         raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    return UDSConfig(
-        tau=tau,
-        patch_scope=scope,
-        site=site,
-        published_compat=published_compat,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=device,
-        engine=engine,
-    )
-
-
-def _check_out_dir(out: Path, option: str = "--out") -> None:
-    from uds_lens.auditor import ConfigError
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{option} {out} is a file; pass a directory (it is created when missing).")
+    return UDSConfig(**settings)
 
 
 @app.command()
@@ -201,17 +172,17 @@ def score(
             "saying why."
         ),
     ],
-    tau: TauOption = 0.05,
-    scope: ScopeOption = "span",
-    site: SiteOption = "resid_post",
-    dtype: DtypeOption = None,
-    device: DeviceOption = None,
-    batch_size: BatchSizeOption = None,
+    tau: TauOption = DEFAULTS.tau,
+    scope: ScopeOption = DEFAULTS.patch_scope,
+    site: SiteOption = DEFAULTS.site,
+    dtype: DtypeOption = DEFAULTS.dtype,
+    device: DeviceOption = DEFAULTS.device,
+    batch_size: BatchSizeOption = DEFAULTS.batch_size,
     limit: LimitOption = None,
-    published_compat: PublishedCompatOption = False,
+    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
     cache_dir: CacheDirOption = None,
     no_retain: NoRetainOption = False,
-    engine: EngineOption = "fast",
+    engine: EngineOption = DEFAULTS.engine,
     force: Annotated[
         bool,
         typer.Option(
@@ -231,18 +202,24 @@ def score(
     recomputed with a warning saying why. Each result is written to a temporary directory and renamed into place
     under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
-    from uds_lens.auditor import ConfigError, score_models
+    from uds_lens.scoring import score_models
 
     _setup_logging(verbose)
     config = _uds_config(
-        retain, no_retain, tau, scope, site, published_compat, batch_size, dtype, device, engine
+        retain,
+        no_retain,
+        tau=tau,
+        patch_scope=scope,
+        site=site,
+        published_compat=published_compat,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        engine=engine,
     )
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit must be a positive number of examples, got {limit}.")
-    _check_out_dir(out)
-    if cache_dir is not None:
-        _check_out_dir(cache_dir, "--cache-dir")
-    models = _unlearned_models(unlearned)
+    models = _unlearned_models(
+        unlearned
+    )  # score_models checks --out, --cache-dir and --limit before any compute
     results = score_models(
         full,
         None if no_retain else retain,
@@ -328,17 +305,17 @@ def sweep(
             help="Recompute every model, even when its stored result is current, and replace other runs' results."
         ),
     ] = False,
-    tau: TauOption = 0.05,
-    scope: ScopeOption = "span",
-    site: SiteOption = "resid_post",
-    dtype: DtypeOption = None,
-    device: DeviceOption = None,
-    batch_size: BatchSizeOption = None,
+    tau: TauOption = DEFAULTS.tau,
+    scope: ScopeOption = DEFAULTS.patch_scope,
+    site: SiteOption = DEFAULTS.site,
+    dtype: DtypeOption = DEFAULTS.dtype,
+    device: DeviceOption = DEFAULTS.device,
+    batch_size: BatchSizeOption = DEFAULTS.batch_size,
     limit: LimitOption = None,
-    published_compat: PublishedCompatOption = False,
+    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
     cache_dir: CacheDirOption = None,
     no_retain: NoRetainOption = False,
-    engine: EngineOption = "fast",
+    engine: EngineOption = DEFAULTS.engine,
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -352,7 +329,16 @@ def sweep(
 
     _setup_logging(verbose)
     config = _uds_config(
-        retain, no_retain, tau, scope, site, published_compat, batch_size, dtype, device, engine
+        retain,
+        no_retain,
+        tau=tau,
+        patch_scope=scope,
+        site=site,
+        published_compat=published_compat,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        engine=engine,
     )
     table = run_sweep(
         full,
@@ -477,8 +463,8 @@ def diagnose(
     data: str = typer.Option(...),
     out: Path = typer.Option(...),
     methods: list[str] | None = typer.Option(None, help="Subset of methods (default: all)."),
-    sites: list[str] | None = typer.Option(None, help="Component-patching sites (default resid_post)."),
-    tau: float = typer.Option(0.05),
+    sites: list[str] | None = typer.Option(None, help=f"Component-patching sites (default {DEFAULTS.site})."),
+    tau: float = typer.Option(DEFAULTS.tau),
     dtype: str | None = typer.Option(None),
     device: str | None = typer.Option(None),
     tuned_lens_steps: int = typer.Option(200, help="Training steps of the tuned lens translators."),
@@ -489,15 +475,16 @@ def diagnose(
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
     from uds_lens.analysis.diagnose import METHODS
     from uds_lens.analysis.diagnose import diagnose as run_diagnose
+    from uds_lens.scoring import check_output_dir
 
-    _check_out_dir(out)
+    check_output_dir(out)
     diagnosis = run_diagnose(
         full,
         retain,
         _unlearned_models(unlearned),
         data,
         methods=tuple(methods) if methods else METHODS,
-        sites=tuple(sites) if sites else ("resid_post",),
+        sites=tuple(sites) if sites else (DEFAULTS.site,),
         tau=tau,
         dtype=dtype,
         device=device,
@@ -630,8 +617,8 @@ def annotate(
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
-    from uds_lens.auditor import ConfigError, NonFiniteScoreError
     from uds_lens.data import DataError, TokenizerError
+    from uds_lens.failures import NonFiniteScoreError
     from uds_lens.meta_eval import QuantisationError
     from uds_lens.models import ModelLoadError, ModelMismatchError
     from uds_lens.results import OutputConflictError, ResultIntegrityError, ResultNameError

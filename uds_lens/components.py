@@ -1,8 +1,8 @@
 """Head- and position-level patching: UDS at the granularity TransformerLens users work at.
 
 UDS (``auditor.py`` running ``patching.py``) patches one hook site per layer (a whole residual or block output). Here
-the same patch is resolved further, with the same stages and the same definitions (``d1 = baseline - s_S1``,
-``d2 = baseline - s_S2`` with the unpatched score as baseline, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
+the same patch is resolved further, with the same stages and the same definitions (``d1 = baseline - s1``,
+``d2 = baseline - s2`` with the unpatched score as baseline, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
 KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; :class:`ComponentResult` computes them through
 ``uds.py``), reading only what :class:`PatchContext` names of the auditor:
 

@@ -20,7 +20,7 @@ different threshold never needs the models again.
 
 Saved results are read back only when whole: the directory is written as one step and its files checked against
 their digests (:mod:`uds_lens.result_store`, whose names this module re-exports). :func:`can_reuse` decides whether a
-saved result may stand in for a new computation: only when its fingerprint (``result_fingerprint``: the full,
+saved result may stand in for a new computation: only when its fingerprint (``fingerprints.result_fingerprint``: the full,
 retain and unlearned weights, the data and the settings) equals the new one.
 """
 
@@ -140,7 +140,7 @@ class UDSResult:
         encoded: Sequence[EncodedExample],
         skipped: Sequence[Skip],
         layers: Sequence[int],
-        s_full: Any,
+        s0: Any,
         baseline: Any,
         s1: Any,
         s2: Any,
@@ -148,7 +148,7 @@ class UDSResult:
         meta: dict[str, Any],
         records: Sequence[Example] = (),
     ) -> UDSResult:
-        """Tables from the stages' CPU tensors: ``s_full`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
+        """Tables from the stages' CPU tensors: ``s0`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
         retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. ``records`` are the forget-set
         examples (scored and skipped), whose prompt type, question and entity the examples table shows. (Tensors are
         annotated ``Any`` so this module, and with it ``uds-lens report``, never imports torch.)"""
@@ -164,7 +164,7 @@ class UDSResult:
                 "idx": idx.astype(int),
                 "layer": np.tile(np.asarray(layers, dtype=int), n),
                 "site": config.site,
-                "s0": np.repeat(s_full.numpy(), n_layers),
+                "s0": np.repeat(s0.numpy(), n_layers),
                 "baseline_score": base,
                 "s1_score": s1.numpy().reshape(-1) if s1 is not None else np.nan,
                 "s2_score": s2_flat,
@@ -192,7 +192,7 @@ class UDSResult:
         )
         info["question"] = [by_idx[i].question if i in by_idx else None for i in info["idx"]]
         info["entity"] = [by_idx[i].entity if i in by_idx else None for i in info["idx"]]
-        meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s_full.tolist())}
+        meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s0.tolist())}
         settings = config.to_dict()
         result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)
         return result.with_tau(config.tau)
@@ -534,7 +534,8 @@ def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[U
 
     Args:
         directory: ``OUT/NAME``.
-        fingerprint: the new computation's inputs, from ``uds.result_fingerprint`` (or ``UDSAuditor.fingerprint``).
+        fingerprint: the new computation's inputs, from ``fingerprints.result_fingerprint`` (or
+            ``UDSAuditor.fingerprint``).
 
     Returns:
         ``(result, "identical inputs")`` when the directory is intact and its fingerprint equals ``fingerprint``;

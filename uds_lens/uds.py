@@ -36,8 +36,13 @@ from uds_lens.config import DEFAULT_TAU
 def deltas(
     baseline: Float[np.ndarray, "*shape"], patched: Float[np.ndarray, "*shape"]
 ) -> Float[np.ndarray, "*shape"]:
-    """``baseline - patched``: positive when the patch destroyed entity log-prob."""
-    return np.asarray(baseline, dtype=float) - np.asarray(patched, dtype=float)
+    """``d = baseline - patched``: positive when the patch destroyed entity log-prob (``d1`` with S1, ``d2`` with S2).
+
+    Computed in the scores' own floating dtype (float32 stage scores give float32 deltas, as saved in ``layers``),
+    float64 for anything else; the summaries below then read them in float64.
+    """
+    baseline, patched = np.asarray(baseline), np.asarray(patched)
+    return np.subtract(baseline, patched, dtype=np.result_type(baseline, patched, np.float32))
 
 
 def ke_mask(d1: Float[np.ndarray, "*shape"], tau: float = DEFAULT_TAU) -> Bool[np.ndarray, "*shape"]:

@@ -21,11 +21,12 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from uds_lens import models
-from uds_lens.auditor import StageOne, score_models
 from uds_lens.cli import _unlearned_models, app, main
 from uds_lens.data import SKIP_ENTITY_NOT_FOUND, Example, encode_one
 from uds_lens.models import load_tokenizer
 from uds_lens.plotting.report import write_report
+from uds_lens.scoring import score_models
+from uds_lens.stage_cache import StageOne
 from uds_lens.sweep import SweepError, resolve_models
 from uds_lens.sweep import sweep as run_sweep
 
@@ -58,13 +59,13 @@ def _shift_s1(path: Path, shift: float, fix_digest: bool) -> None:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     tensors["s1"] = tensors["s1"] + shift
     if fix_digest:
-        from uds_lens.auditor import stage_digest
+        from uds_lens.stage_cache import stage_digest
 
         header = json.loads(metadata["uds_lens"])
         header["digest"] = stage_digest(
             StageOne(
                 idx=header["idx"],
-                s_full=tensors["s_full"],
+                s0=tensors["s0"],
                 baseline=tensors["baseline"],
                 s1=tensors["s1"],
                 batches=header["batches"],

@@ -129,7 +129,7 @@ def test_uds_anchors_on_the_real_model(pretrained, tmp_path):
         progress=False,
         limit=4,
     )
-    assert auditor.stage1.s_full.max() < 0  # log-probs
+    assert auditor.stage1.s0.max() < 0  # log-probs
     assert (auditor.d1() > 0.05).any(-1).all(), "every fact must have a knowledge-encoding layer"
     same = auditor.score(pretrained.models["full"], name="full")
     assert same.uds == 0.0 and (same.layers.d2 == 0).all()

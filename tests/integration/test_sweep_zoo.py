@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens import UDSAuditor
-from uds_lens.auditor import score_models
 from uds_lens.cli import app
 from uds_lens.results import RESULT_FILES, UDSResult, verify_result_dir
+from uds_lens.scoring import score_models
 from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, SweepError, sweep
 
 pytestmark = pytest.mark.xdist_group("sweep")  # one process: the Ray tests share one local cluster

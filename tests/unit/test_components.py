@@ -104,7 +104,7 @@ def test_metric_is_a_tensor_equal_to_the_clean_score(auditor):
     assert torch.is_tensor(values) and values.shape == (3,)
     stage = auditor.stage1
     rows = [auditor.encoded.index(e) for e in auditor.select(idxs)]
-    assert torch.allclose(values, stage.s_full[rows], atol=1e-5)
+    assert torch.allclose(values, stage.s0[rows], atol=1e-5)
     assert auditor.metric(idxs)(auditor.full(auditor.tokens(idxs))).dim() == 0
 
 

@@ -33,11 +33,11 @@ import torch
 
 from uds_lens import models, uds
 from uds_lens.analysis.case_studies import TAUS, component_summary, prompt_type_uds, tau_sensitivity
-from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
-from uds_lens.config import DEFAULT_TAU
+from uds_lens.config import DEFAULT_TAU, UDSConfig
 from uds_lens.metrics import registry
 from uds_lens.results import UDSResult, atomic_result_dir
 

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.references import References
+from uds_lens.config import UDSConfig
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
 from uds_lens.sources import as_source

@@ -1,12 +1,12 @@
 """Per-layer curves: the mean S1/S2 deltas of one or several models, one example's deltas, UDS against tau, and the
 observational (logit lens, other white-box methods) readings next to the causal one (UDS).
 
-For example ``i`` and layer ``l``, ``d1[l] = baseline[l] - s_S1[l]`` (the baseline is the unpatched score, S0) is
-the drop in the full model's mean entity log-prob when the retain model's activation is patched in at layer ``l``
-(Stage 1: how much forget-set knowledge layer ``l`` carries) and ``d2[l] = baseline[l] - s_S2[l]`` the same drop with
-the unlearned model as the source (Stage 2: how much of it is gone). KE layers are ``d1 > tau``,
-``LER = clip(d2 / d1, 0, 1)`` there, and ``UDS_i = sum_KE d1 * LER / sum_KE d1`` (:mod:`uds_lens.uds` defines and
-computes them; the curves only draw them). S1 is drawn solid and S2 dashed
+For example ``i`` and layer ``l``, ``d1[l] = baseline[l] - s1[l]`` is the drop in the full model's mean entity
+log-prob (``baseline``: its unpatched score as the engine recomputes it per layer, S0 up to float noise) when the
+retain model's activation is patched in at layer ``l`` (Stage 1: how much forget-set knowledge layer ``l`` carries)
+and ``d2[l] = baseline[l] - s2[l]`` the same drop with the unlearned model as the source (Stage 2: how much of it is
+gone). KE layers are ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` there, and ``UDS_i = sum_KE d1 * LER / sum_KE d1``
+(:mod:`uds_lens.uds` defines and computes them; the curves only draw them). S1 is drawn solid and S2 dashed
 everywhere, and S1 once in grey when every model shares it.
 """
 

@@ -1,11 +1,10 @@
 """The layer x example heatmap: one per-layer quantity of every example, the KE cells marked.
 
 The shape TransformerLens/ARENA users read activation-patching results in: ``px.imshow`` with y = layer and x =
-example, ``d1``/``d2`` on ``RdBu`` with midpoint 0 (``d1[l] = baseline[l] - s_S1[l]``, the baseline being the
-unpatched score S0: blue where patching the retain model's layer ``l`` in removes the fact, so where the knowledge
-lives), ``ler`` on a sequential 0-1 scale and blank outside the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio
-of noise. Examples can be sorted by their ``UDS_i`` or grouped by prompt type, and every cell's hover names the
-example's question and entity.
+example, ``d1``/``d2`` on ``RdBu`` with midpoint 0 (``d1[l] = baseline[l] - s1[l]``: blue where patching the retain
+model's layer ``l`` in removes the fact, so where the knowledge lives), ``ler`` on a sequential 0-1 scale and blank
+outside the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio of noise. Examples can be sorted by their ``UDS_i``
+or grouped by prompt type, and every cell's hover names the example's question and entity.
 """
 
 from __future__ import annotations

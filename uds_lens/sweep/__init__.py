@@ -1,6 +1,6 @@
 """Sweeps: score many unlearned models against one (full, retain, forget set), on Ray or in-process, resumable.
 
-The paper's job is a sweep: ~150 unlearned checkpoints, one full/retain pair, one forget set. Stage 1 (``s_full``,
+The paper's job is a sweep: ~150 unlearned checkpoints, one full/retain pair, one forget set. Stage 1 (``s0``,
 the per-layer baselines and ``d1``, see ``uds.py``) depends only on (full, retain, data, settings), so it is computed
 once; every unlearned model then costs one source forward and the patched runs of Stage 2. A sweep spreads the
 Stage-2 work over workers:

@@ -14,10 +14,10 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from uds_lens.auditor import refuse_other_runs
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.results import OutputConflictError
+from uds_lens.scoring import refuse_other_runs
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import _Ledger
 from uds_lens.sweep.lists import SweepModel, resolve_models

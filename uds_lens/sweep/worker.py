@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
-from uds_lens.auditor import StageOne, UDSAuditor, source_fingerprint
+from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.data import Example
+from uds_lens.fingerprints import source_fingerprint
 from uds_lens.results import UDSResult
+from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.lists import SweepModel
 from uds_lens.sweep.staging import Prepared, _to_device, prepare_model

@@ -16,7 +16,8 @@ from typing import Any
 
 import transformers
 
-from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
 from uds_lens.models import load_model
 from uds_lens.results import UDSResult
 from uds_lens.zoo.build import Zoo, build_zoo, load_zoo

@@ -1,0 +1,138 @@
+"""Fingerprints: what a saved result and the S1 cache depend on, as JSON-ready digests.
+
+A model is identified by its weights (file contents or tensor digests), never by its path; a forget set by its records
+after ``limit``; the settings by the config without the values results do not depend on. Two runs with equal
+fingerprints give the same tables, so a saved result is reused only when its fingerprint equals the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from huggingface_hub.constants import HF_HUB_CACHE
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from uds_lens import checkpoint, models
+from uds_lens.config import UDSConfig
+from uds_lens.data import EncodedExample, Example, load_examples
+from uds_lens.files import json_digest
+from uds_lens.sources import as_source
+
+ModelArg: TypeAlias = str | os.PathLike | nn.Module
+"""A model as the auditor takes it: a checkpoint directory, ``.gguf`` file, hub id or ``zoo:NAME``, or a model in
+memory (a TransformerBridge, a HookedTransformer or a Hugging Face causal LM)."""
+DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None
+"""A forget set as ``data.load_examples`` takes it: a JSON/JSONL path, a hub dataset id, records or ``Example``s."""
+
+
+def _versions() -> dict[str, str]:
+
+    out = {}
+    for package in ("uds_lens", "torch", "transformer-lens", "transformers"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "unknown"
+    return out
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    payload = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def layout_digest(encoded: Sequence[EncodedExample]) -> str:
+    return json_digest(
+        [[e.idx, list(e.input_ids), e.prompt_len, e.entity_start, e.entity_end] for e in encoded]
+    )
+
+
+# 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
+# 3: ``s1``, the digest of the Stage 1 values a result was computed from, is part of it.
+RESULT_FINGERPRINT_FORMAT = 3
+
+
+def _hub_revision(model_id: str) -> str | None:
+    """The commit a hub id resolves to in the local Hugging Face cache (offline; None when not cached)."""
+    ref = Path(HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / "main"
+    return ref.read_text().strip() if ref.is_file() else None
+
+
+def source_fingerprint(source: ModelArg | None) -> str | None:
+    """Identity of a model's weights, never of its path.
+
+    A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
+    tokenizer files (``checkpoint.file_digest``: scheme and version in the string, so a change of digest re-keys
+    saved results instead of misreading them), an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
+    and the cached commit it resolves to. None stands for "no model" (retain-free mode).
+    """
+    if source is None:
+        return None
+    if isinstance(source, (str, os.PathLike)):
+        try:  # "zoo:NAME" is identified by its directory's files, like any other path
+            source = models.resolve_zoo_name(source)
+        except models.ModelLoadError:
+            pass  # a zoo name that names no model: identified by itself, and loading it fails with the reason
+        path = Path(source).expanduser()
+        if path.exists():
+            return "files:" + checkpoint.file_digest(path)
+        return f"hub:{source}@{_hub_revision(str(source)) or 'unresolved'}"
+    return "tensors:" + models.model_fingerprint(source)
+
+
+def examples_fingerprint(examples: Sequence[Example]) -> str:
+    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
+    return json_digest([example.to_record() for example in examples])[:32]
+
+
+def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dict[str, Any]:
+    """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
+    are invariant to it) and device; plus the dtype the full model runs in."""
+    settings = config.to_dict()
+    for volatile in ("tau", "batch_size", "device"):
+        settings.pop(volatile)
+    if full is not None and not isinstance(full, (str, os.PathLike)):
+        settings["dtype"] = str(as_source(full).dtype)
+    else:
+        settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
+    return settings
+
+
+def result_fingerprint(
+    full: ModelArg,
+    retain: ModelArg | None,
+    unlearned: ModelArg | None,
+    data: DataArg,
+    config: UDSConfig | None = None,
+    limit: int | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> dict[str, Any]:
+    """Everything a saved UDS result depends on, as a JSON-ready dict; two runs with equal fingerprints give the
+    same tables, so a saved result may be reused only when its fingerprint equals the new one
+    (``results.load_reusable``).
+
+    Keys: ``format``, ``full``, ``retain``, ``unlearned`` (:func:`source_fingerprint`: file contents or tensor
+    digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
+    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`).
+    Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
+    ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs plus ``s1``, the digest of
+    the Stage 1 values (which needs the models): a saved result is reused only when that matches too.
+    """
+    config = config or UDSConfig()
+    return {
+        "format": RESULT_FINGERPRINT_FORMAT,
+        "full": source_fingerprint(full),
+        "retain": source_fingerprint(retain),
+        "unlearned": source_fingerprint(unlearned),
+        "data": examples_fingerprint(load_examples(data, limit=limit)),
+        "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
+        "settings": settings_fingerprint(config, full),
+    }

@@ -1,0 +1,170 @@
+"""The S1 cache: Stage 1's values on disk, keyed by a fingerprint of everything they depend on.
+
+:class:`StageOne` holds what depends only on (full, retain, data, settings): S0, the per-layer baseline and S1, per
+scored example. :class:`S1Cache` stores it as safetensors (the tensors) plus a JSON header (format, fingerprint payload,
+example indices, batch plan and :func:`stage_digest`), so reading a cache file never runs code and a changed file is
+rebuilt instead of trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from uds_lens.files import cache_root
+
+# 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
+# 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
+# 6: the header holds the SHA-256 of the tensors and the batch plan (``stage_digest``), checked on every read.
+# 7: the clean full-model score is stored as ``s0`` (it was ``s_full``); a format-6 file is recomputed, never read.
+CACHE_FORMAT = 7
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage results and the S1 cache
+
+
+@dataclass
+class StageOne:
+    """Everything that depends only on (full, retain, data, settings), per scored example, in encoded order.
+
+    Attributes:
+        idx: the dataset ``idx`` of each scored example.
+        s0: S0, the full model's clean (unpatched) mean entity log-prob ``[example]``.
+        baseline: the engine's per-layer baseline ``[example, layer]``, the score ``d1`` and ``d2`` subtract from
+            (S0 recomputed the way the engine patches, equal to it up to float noise).
+        s1: S1, the full model's score with the retain model's activations patched in ``[example, layer]``; None in
+            retain-free mode.
+    """
+
+    idx: list[int]
+    s0: Float[Tensor, " example"]
+    baseline: Float[Tensor, "example layer"]
+    s1: Float[Tensor, "example layer"] | None
+    batches: list[list[int]]  # the batch plan it was computed in (indices into the encoded examples)
+    seconds: float = 0.0
+    cached: bool = False
+
+
+def stage_digest(stage: StageOne) -> str:
+    """SHA-256 of the numbers a Stage 1 hands to every result: ``s0``, ``baseline``, ``s1`` (as float32 bytes,
+    with their shapes), the example indices and the batch plan.
+
+    Stored in the S1 cache's header and checked on every read, so a cache whose scores were changed after it was
+    written (the header alone still parses and fits) is rebuilt instead of trusted; and recorded in every result's
+    fingerprint (``"s1"``), so a result computed from a corrupt cache is never reused once the cache is repaired.
+    """
+    digest = hashlib.sha256()
+    # S0 is hashed under its former name, "s_full": the digest of the same values stays the same, so results saved
+    # before the rename are still reused (their fingerprint's "s1" is this digest).
+    for name, tensor in (("s_full", stage.s0), ("baseline", stage.baseline), ("s1", stage.s1)):
+        digest.update(name.encode() + b"\0")
+        if tensor is None:
+            digest.update(b"none")
+            continue
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(json.dumps(list(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+    digest.update(json.dumps({"idx": [int(i) for i in stage.idx], "batches": stage.batches}).encode())
+    return digest.hexdigest()[:32]
+
+
+class S1Cache:
+    """S1 on disk: one safetensors file per fingerprint; stale entries are never read, corrupt ones are rebuilt.
+
+    The tensors (``s0``, ``baseline``, ``s1``) are stored with safetensors and everything else (format, the full
+    fingerprint payload, example indices) as JSON in the file's header, so reading a cache file can never run code,
+    whoever wrote it (the default directory is shared by every audit of the user). A file that does not parse, whose
+    payload differs, whose shapes do not fit, that holds a non-finite value, or whose tensors and batch plan do not
+    match the digest in its header (:func:`stage_digest`: values changed after the file was written) is deleted with
+    a warning and S1 is recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else cache_root()
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"s1_{key[:32]}.safetensors"
+
+    def load(self, key: str, payload: dict[str, Any]) -> StageOne | None:
+
+        path = self.path(key)
+        legacy = path.with_suffix(".pt")
+        if legacy.is_file():
+            warnings.warn(
+                f"S1 cache {legacy} is in the old pickle format, which could run code when read: it is not "
+                "read but deleted, and S1 is recomputed.",
+                stacklevel=2,
+            )
+            legacy.unlink(missing_ok=True)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                header = json.loads((handle.metadata() or {})["uds_lens"])
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            if header.get("format") != CACHE_FORMAT:
+                raise ValueError(f"it was written in cache format {header.get('format')}, not {CACHE_FORMAT}")
+            if header.get("payload") != json.loads(json.dumps(payload, default=str)):
+                raise ValueError("fingerprint payload does not match")
+            idx = [int(i) for i in header["idx"]]
+            s0, baseline, s1 = tensors["s0"], tensors["baseline"], tensors.get("s1")
+            n_layers = len(payload["layers"])
+            if (
+                s0.shape != (len(idx),)
+                or baseline.shape != (len(idx), n_layers)
+                or (s1 is not None and s1.shape != baseline.shape)
+            ):
+                raise ValueError("tensor shapes do not fit the examples and layers")
+            if not all(bool(torch.isfinite(t).all()) for t in (s0, baseline, s1) if t is not None):
+                raise ValueError("it holds non-finite scores")
+            batches = [[int(i) for i in members] for members in header["batches"]]
+            if sorted(i for members in batches for i in members) != list(range(len(idx))):
+                raise ValueError("its batch plan does not cover every example exactly once")
+            stage = StageOne(idx=idx, s0=s0, baseline=baseline, s1=s1, batches=batches, cached=True)
+            if header.get("digest") != stage_digest(stage):
+                raise ValueError(
+                    "its scores or batch plan do not match the digest in its header (the file was changed after "
+                    "it was written); results computed from it are not reused"
+                )
+            return stage
+        except Exception as err:  # any unreadable or inconsistent file is rebuilt
+            warnings.warn(
+                f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2
+            )
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tensors = {"s0": stage.s0, "baseline": stage.baseline}
+        if stage.s1 is not None:
+            tensors["s1"] = stage.s1
+        header = {
+            "format": CACHE_FORMAT,
+            "payload": payload,
+            "idx": [int(i) for i in stage.idx],
+            "batches": stage.batches,
+            "digest": stage_digest(stage),
+        }
+        save_file(
+            {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
+            str(tmp),
+            metadata={"uds_lens": json.dumps(header, default=str)},
+        )
+        os.replace(tmp, path)
+        return path
