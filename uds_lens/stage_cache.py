@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from uds_lens.files import cache_root
+from uds_lens.files import cache_root, staging_path
 
 # 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
@@ -150,7 +150,7 @@ class S1Cache:
 
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp = staging_path(path)
         tensors = {"s0": stage.s0, "baseline": stage.baseline}
         if stage.s1 is not None:
             tensors["s1"] = stage.s1
@@ -161,10 +161,13 @@ class S1Cache:
             "batches": stage.batches,
             "digest": stage_digest(stage),
         }
-        save_file(
-            {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
-            str(tmp),
-            metadata={"uds_lens": json.dumps(header, default=str)},
-        )
-        os.replace(tmp, path)
+        try:  # a failed or interrupted write leaves no staging file behind
+            save_file(
+                {name: t.detach().float().cpu().contiguous() for name, t in tensors.items()},
+                str(tmp),
+                metadata={"uds_lens": json.dumps(header, default=str)},
+            )
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path

@@ -32,6 +32,8 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from uds_lens.config import DEFAULT_TAU
+
 MIN_WEIGHT = 1e-8
 """Layers whose weight is at most this carry no signal and are left out of the weighted mean."""
 
@@ -154,7 +156,7 @@ class LensErasure:
 
 
 def lens_erasure(
-    d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"], tau: float = 0.05
+    d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"], tau: float = DEFAULT_TAU
 ) -> LensErasure:
     """The published lens aggregation of per-layer deltas (SPEC §3): UDS's form with ``eps`` in the ratio.
 

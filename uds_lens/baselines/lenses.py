@@ -37,11 +37,12 @@ from tqdm.auto import tqdm
 
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import PROMPT_TEMPLATE
 from uds_lens.readout import label_logprobs
 from uds_lens.sources import as_source
 
-LENS_TAU = 0.05
+LENS_TAU = DEFAULT_TAU  # SPEC §3: the lenses' KE threshold is the published 0.05, whatever UDS's --tau
 DEFAULT_CHUNK = 512
 
 Decoder = Callable[[Tensor], Tensor]

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.results import OutputConflictError
-from uds_lens.scoring import refuse_other_runs
+from uds_lens.scoring import check_output_dir, refuse_other_runs
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import _Ledger
 from uds_lens.sweep.lists import SweepModel, resolve_models
@@ -122,8 +122,10 @@ def sweep(
             f"{gpus_per_worker}."
         )
     out_dir = Path(out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SweepError(f"--out {out_dir} is a file; give a directory for the sweep's results.")
+    try:
+        check_output_dir(out_dir)
+    except ConfigError as err:
+        raise SweepError(str(err)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     if not isinstance(full, (str, os.PathLike)) or not (
         retain is None or isinstance(retain, (str, os.PathLike))
