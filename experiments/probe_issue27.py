@@ -25,7 +25,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import uds_lens  # noqa: E402
-from uds_lens.auditor import score_models  # noqa: E402
+from uds_lens.scoring import score_models  # noqa: E402
 
 TREE = str(Path(uds_lens.__file__).parents[1])
 root = Path(tempfile.mkdtemp())

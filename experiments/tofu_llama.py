@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None)
     args = parser.parse_args(argv)
 
-    from uds_lens.auditor import UDSConfig, score_models
+    from uds_lens.config import UDSConfig
     from uds_lens.data import DataError
     from uds_lens.models import ModelLoadError, load_hf_config
+    from uds_lens.scoring import score_models
 
     try:
         for model_id in (args.full, args.retain, *args.unlearned):

@@ -17,7 +17,7 @@ from typing import Any
 
 from uds_lens.data import looks_like_local_path
 from uds_lens.files import cache_root
-from uds_lens.zoo.layout import model_paths
+from uds_lens.zoo.manifest import model_paths
 
 
 class ModelLoadError(RuntimeError):

@@ -213,7 +213,8 @@ def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny
 
 
 def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code():
-    """models -> resolve -> zoo.layout: resolving zoo:NAME reads a manifest; training a zoo is not the loader's."""
+    """models -> resolve -> zoo.manifest: resolving zoo:NAME reads a manifest; neither the Zoo view (which loads
+    models) nor training a zoo is the loader's."""
     import subprocess
     import sys
 
@@ -222,7 +223,7 @@ def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code(
         "print(sorted(k for k in sys.modules if k.startswith('uds_lens.zoo')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.layout']"
+    assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.manifest']"
 
 
 def test_moved_names_stay_importable_from_models():

@@ -15,7 +15,6 @@ import pandas as pd
 import pytest
 
 from uds_lens import UDSAuditor, UDSConfig, UDSResult
-from uds_lens.auditor import score_models
 from uds_lens.results import (
     ResultIntegrityError,
     ResultNameError,
@@ -26,6 +25,7 @@ from uds_lens.results import (
     load_reusable,
     verify_result_dir,
 )
+from uds_lens.scoring import score_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,7 +150,8 @@ def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, pathlib
     import pandas as pd
-    from uds_lens.auditor import UDSConfig, score_models
+    from uds_lens.config import UDSConfig
+    from uds_lens.scoring import score_models
 
     full, retain, unlearned, data, out, cache, victim = sys.argv[1:8]
 

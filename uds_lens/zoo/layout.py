@@ -12,24 +12,25 @@ that exists nowhere under the zoo, is kept as written (a hub id). A data entry m
 ``forget_file``. Roles: ``base``, ``full``, ``retain``, ``partial``, ``unlearned``, ``sweep`` and the
 meta-evaluation's P and N pools, ``pos`` (fine-tuned *with* the forget set) and ``neg`` (never saw it).
 
-:func:`read_manifest` is the one reader of that file (:func:`load_zoo`, ``zoo:NAME`` resolution in
-:mod:`uds_lens.resolve` and the builder's refusal to replace another zoo all go through it). The module imports
-nothing heavy (the model loader only when :meth:`Zoo.model` is called), so the loader's floor can read a manifest.
+:func:`~uds_lens.zoo.manifest.read_manifest` is the one reader of that file (re-exported here with ``model_paths``
+and ``MANIFEST_FILE``); this module adds the :class:`Zoo` view of it (the model loader is imported only when
+:meth:`Zoo.model` is called).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
+from uds_lens.zoo.manifest import model_paths as model_paths  # re-exported: the reader lives in manifest.py
+
 if TYPE_CHECKING:
     import torch
 
-MANIFEST_FILE = "manifest.json"
 POSITIVE_POOL = "pos"
 NEGATIVE_POOL = "neg"
 POOL_ROLES = (POSITIVE_POOL, NEGATIVE_POOL)
@@ -126,20 +127,6 @@ class Zoo:
     def build_seconds(self) -> float:
         """Wall time of the last :func:`build_zoo` call on this directory (small when everything was reused)."""
         return float(self.manifest["build_seconds"])
-
-
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The parsed ``manifest.json`` of a zoo directory, or None when it has none."""
-    manifest_path = Path(directory) / MANIFEST_FILE
-    if not manifest_path.is_file():
-        return None
-    return json.loads(manifest_path.read_text())
-
-
-def model_paths(directory: str | os.PathLike) -> dict[str, str]:
-    """``{model name: path as the manifest writes it}`` of a zoo directory (empty when it has no manifest)."""
-    manifest = read_manifest(directory) or {}
-    return {m["name"]: m["path"] for m in manifest.get("models", [])}
 
 
 def load_zoo(directory: str | os.PathLike) -> Zoo:
