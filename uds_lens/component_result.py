@@ -22,7 +22,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from uds_lens import uds
-from uds_lens.config import DEFAULT_TAU
+from uds_lens.config import DEFAULT_TAU, Engine
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ComponentResult:
     valid: Bool[Tensor, "example component"]
     labels: list[list[str]] = field(default_factory=list)
     tau: float = DEFAULT_TAU
-    engine: str = "naive"
+    engine: Engine = "naive"
 
     @property
     def d1(self) -> Float[Tensor, "example layer component"]:

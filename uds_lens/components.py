@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from uds_lens import models
 from uds_lens.component_result import ComponentResult
-from uds_lens.config import EngineSpec, UDSConfig
+from uds_lens.config import Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
     SITES,
@@ -402,7 +402,7 @@ def _components_naive(
     )
 
 
-def _nth_patched(batch: PatchBatch, scope: str, offset: int) -> Bool[Tensor, "batch pos"]:
+def _nth_patched(batch: PatchBatch, scope: Scope, offset: int) -> Bool[Tensor, "batch pos"]:
     """Mask of each example's ``offset``-th patched position (empty for examples with fewer)."""
     mask = torch.zeros_like(batch.patch_mask)
     for row, example in enumerate(batch.examples):
@@ -460,7 +460,7 @@ def _result(
     layers: Sequence[int],
     idxs: Sequence[int] | None,
     compute: Callable[[Any], _StageScores],
-    engine: str,
+    engine: Engine,
     key: tuple,
 ) -> ComponentResult:
     if auditor.retain is None:
@@ -534,7 +534,7 @@ def patch_heads(
         raise ValueError(
             "The fast engine recomputes only the patched window; positions='all' needs engine='naive'."
         )
-    chosen = "naive" if engine == "naive" or positions == "all" else "fast"
+    chosen: Engine = "naive" if engine == "naive" or positions == "all" else "fast"
     refusal = fast_engine_refusal(auditor.full) if chosen == "fast" else None
     if refusal is not None:
         logger.warning("patch_heads runs the naive engine: %s.", refusal)

@@ -53,6 +53,13 @@ def check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
 
 
+def as_site(value: str) -> Site:
+    """``value`` as a :data:`Site`, or a ValueError naming the sites: for functions that take a user's string."""
+    if value not in SITES:
+        raise ValueError(f"Unknown patch site {value!r}; use one of {SITES}.")
+    return value
+
+
 def check_positive_int(option: str, value: Any, none_means: str) -> int | None:
     """``value`` as an int >= 1 (or None), else :class:`ConfigError` naming ``option`` and what None means."""
     if value is None:
@@ -195,6 +202,7 @@ __all__ = [
     "Scope",
     "Site",
     "UDSConfig",
+    "as_site",
     "check_choice",
     "check_positive_int",
     "check_tau",

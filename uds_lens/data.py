@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from uds_lens.config import Scope
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HUB_DATASET = "jaeunglee/uds-annotated-tofu"
@@ -194,7 +196,7 @@ class EncodedExample:
     def n_entity_tokens(self) -> int:
         return self.entity_end - self.entity_start
 
-    def patch_positions(self, scope: str) -> range:
+    def patch_positions(self, scope: Scope) -> range:
         """``span``: the read positions; ``boundary``: only the last prompt token."""
         if scope == "span":
             return self.read_positions
@@ -202,7 +204,7 @@ class EncodedExample:
             return range(self.start, self.start + 1)
         raise ValueError(f"Unknown patch scope {scope!r}; use 'span' or 'boundary'.")
 
-    def window(self, scope: str) -> range:
+    def window(self, scope: Scope) -> range:
         """Positions from the first patched one through the last read one: all that a patch can change and we read."""
         first = min(self.patch_positions(scope).start, self.read_positions.start)
         return range(first, self.read_positions.stop)

@@ -36,16 +36,14 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from uds_lens.config import SITES
+from uds_lens.config import SITES, Site, as_site
 from uds_lens.models import SUPPORTED_MODEL_TYPES, describe, hooked_from_hf
 from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
 
 
 def hook_name(site: str, layer: int) -> str:
     """TransformerLens hook point of a patch site: ``blocks.{layer}.hook_{site}``."""
-    if site not in SITES:
-        raise ValueError(f"Unknown patch site {site!r}; use one of {SITES}.")
-    return f"blocks.{layer}.hook_{site}"
+    return f"blocks.{layer}.hook_{as_site(site)}"
 
 
 class ActivationSource(ABC):
@@ -84,7 +82,7 @@ class ActivationSource(ABC):
         return next(self.model.parameters()).dtype
 
     @abstractmethod
-    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
+    def _read(self, tokens: Tensor, site: Site, layers: list[int], mask: Tensor | None) -> list[Tensor]:
         """One forward (no gradients) keeping, per layer of ``layers``, the activation at ``site``."""
 
     @abstractmethod
@@ -125,10 +123,10 @@ class ActivationSource(ABC):
                 residual (the published implementation's last layer).
         """
         layers = [int(layer) for layer in layers]
-        hook_name(site, 0)  # validates the site before any forward
+        checked = as_site(site)  # before any forward
         mask = None if attention_mask is None else attention_mask.to(self.device)
         with torch.no_grad():
-            acts = self._read(tokens.to(self.device), site, layers, mask)
+            acts = self._read(tokens.to(self.device), checked, layers, mask)
             if final_norm_last:
                 acts = [
                     self.published_compat_activation(hook_name(site, layer), act)
@@ -184,7 +182,7 @@ class HookedSource(ActivationSource):
     def dtype(self) -> torch.dtype:
         return self.model.cfg.dtype
 
-    def _read(self, tokens: Tensor, site: str, layers: list[int], mask: Tensor | None) -> list[Tensor]:
+    def _read(self, tokens: Tensor, site: Site, layers: list[int], mask: Tensor | None) -> list[Tensor]:
         names = {hook_name(site, layer) for layer in layers}
         # Blocks above the highest requested layer cannot change what is read: stop the forward there.
         _, cache = self.model.run_with_cache(

@@ -13,7 +13,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from uds_lens.config import SCOPES
+from uds_lens.config import SCOPES, Scope, Site
 from uds_lens.data import EncodedExample
 
 
@@ -26,7 +26,7 @@ class PatchBatch:
     """
 
     examples: list[EncodedExample]
-    scope: str
+    scope: Scope
     tokens: Int[Tensor, "batch pos"]
     patch_mask: Bool[Tensor, "batch pos"]
     window_start: Int[Tensor, " batch"]
@@ -49,7 +49,7 @@ class PatchBatch:
 
 
 def pad_batch(
-    examples: Sequence[EncodedExample], pad_id: int, scope: str = "span", cut: bool = True
+    examples: Sequence[EncodedExample], pad_id: int, scope: Scope = "span", cut: bool = True
 ) -> PatchBatch:
     """Right-pad encoded examples into a ``PatchBatch``.
 
@@ -172,22 +172,23 @@ class CleanRun:
     the scores.
     """
 
-    site: str
+    site: Site
     scores: Float[Tensor, " batch"]
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     window_acts: dict[str, Float[Tensor, "layer row d_model"]] = field(default_factory=dict)
 
 
-def _window_sites(site: str) -> tuple[str, ...]:
+def _window_sites(site: Site) -> tuple[Site, ...]:
     """Clean activations the fast engine needs at window positions to rebuild a patched layer."""
-    return {
+    needed: dict[Site, tuple[Site, ...]] = {
         "resid_post": ("resid_post",),
         "resid_pre": ("resid_pre",),
         "resid_mid": ("resid_mid",),
         "attn_out": ("attn_out", "resid_pre"),
         "mlp_out": ("mlp_out", "resid_mid"),
-    }[site]
+    }
+    return needed[site]
 
 
 __all__ = ["CleanRun", "PatchBatch", "WindowPacking", "pad_batch"]

@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
-from uds_lens.config import ENGINES
+from uds_lens.config import ENGINES, Engine, Scope
 from uds_lens.data import EncodedExample
 from uds_lens.sources import as_source
 
 
 def plan_batches(
     examples: Sequence[EncodedExample],
-    scope: str,
+    scope: Scope,
     batch_size: int,
     max_waste: float = 0.25,
     min_batch: int = 8,
-    engine: str = "fast",
+    engine: Engine = "fast",
 ) -> list[list[int]]:
     """Group example indices into batches of similar lengths (deterministic).
 
@@ -66,7 +66,7 @@ def plan_batches(
     return batches
 
 
-def estimate_bytes_per_example(model: Any, seq_len: int, window: int, engine: str) -> int:
+def estimate_bytes_per_example(model: Any, seq_len: int, window: int, engine: Engine) -> int:
     """Rough peak memory of one example in a batch, used to choose batch sizes from a memory budget."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
@@ -102,8 +102,8 @@ def available_memory_bytes(device: str | torch.device) -> int:
 def choose_batch_size(
     model: Any,
     examples: Sequence[EncodedExample],
-    scope: str,
-    engine: str,
+    scope: Scope,
+    engine: Engine,
     budget_fraction: float = 0.25,
     cap: int = 64,
 ) -> int:
