@@ -26,7 +26,6 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import ActivationCache
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import models
@@ -63,6 +62,7 @@ from uds_lens.patching import (
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
+from uds_lens.tl_compat import ActivationCache
 from uds_lens.uds import deltas
 
 logger = logging.getLogger(__name__)

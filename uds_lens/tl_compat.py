@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformer_lens import ActivationCache  # what run_with_cache returns, on 3.x and 4.x alike
 from transformer_lens import patching as tl_patching  # get_act_patch_*: checks and notebooks
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.model_bridge import TransformerBridge
@@ -29,12 +30,14 @@ warnings.filterwarnings(
 )
 
 HookedTransformer: Any
+HookedTransformerConfig: Any
 try:  # TransformerLens 3.x; 4.x has no HookedTransformer
     from transformer_lens import HookedTransformer as _HookedTransformer
+    from transformer_lens import HookedTransformerConfig as _HookedTransformerConfig
 except ImportError:  # pragma: no cover - depends on the installed TransformerLens
-    HookedTransformer = None
+    HookedTransformer = HookedTransformerConfig = None
 else:
-    HookedTransformer = _HookedTransformer
+    HookedTransformer, HookedTransformerConfig = _HookedTransformer, _HookedTransformerConfig
 
 try:
     from importlib.metadata import version as _version
@@ -151,8 +154,10 @@ def unwrapped_copy(hf_model: Any) -> Any:
 
 
 __all__ = [
+    "ActivationCache",
     "HookPoint",
     "HookedTransformer",
+    "HookedTransformerConfig",
     "TL_MODEL_TYPES",
     "TL_VERSION",
     "TransformerBridge",

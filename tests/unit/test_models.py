@@ -182,11 +182,10 @@ def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny
     """TransformerLens 3.x: a HookedTransformer of one's own is scored (by the naive engine, with a notice; the fast
     engine reads a bridge's Hugging Face tensors); TransformerLens 4.x has no HookedTransformer to pass."""
     from uds_lens import UDSAuditor, UDSConfig, load_tokenizer
-    from uds_lens.tl_compat import HookedTransformer
+    from uds_lens.tl_compat import HookedTransformer, HookedTransformerConfig
 
     if HookedTransformer is None:
         pytest.skip("TransformerLens 4.x has no HookedTransformer")
-    from transformer_lens import HookedTransformerConfig
 
     tokenizer = load_tokenizer(tiny.tokenizer)
     cfg = HookedTransformerConfig(
