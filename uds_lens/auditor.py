@@ -240,7 +240,8 @@ class UDSAuditor:
 
     @property
     def upcast(self) -> bool:
-        return not self.config.published_compat
+        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
+        return self.engine_spec.upcast
 
     @property
     def log_softmax_dtype(self) -> str:

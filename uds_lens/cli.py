@@ -217,9 +217,8 @@ def score(
         device=device,
         engine=engine,
     )
-    models = _unlearned_models(
-        unlearned
-    )  # score_models checks --out, --cache-dir and --limit before any compute
+    # score_models checks --out, --cache-dir and --limit before any compute
+    models = _unlearned_models(unlearned)
     results = score_models(
         full,
         None if no_retain else retain,

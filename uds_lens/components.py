@@ -278,7 +278,8 @@ class _Runner:
         self.encoded: list[EncodedExample] = auditor.select(idxs)
         size = batch_size or auditor.config.batch_size or 8
         self.chunks = [self.encoded[i : i + size] for i in range(0, len(self.encoded), size)]
-        self.upcast = not auditor.config.published_compat
+        self.spec = auditor.config.engine_spec(tuple(auditor.layers))
+        self.upcast = self.spec.upcast
         self.scope = auditor.config.patch_scope
         self.device = self.full.cfg.device
 
@@ -289,9 +290,7 @@ class _Runner:
 def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
-    spec = EngineSpec(
-        site="attn_out", layers=tuple(layers), published_compat=runner.auditor.config.published_compat
-    )
+    spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
     s0_parts, base_parts, score_parts = [], [], []
     for chunk in tqdm(runner.chunks, desc="heads (fast)", unit="batch", disable=not progress):
         batch = runner.batch(chunk)
@@ -355,7 +354,7 @@ def _components_naive(
         for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
-            if runner.auditor.config.published_compat:
+            if runner.spec.published_compat:
                 # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
                 compat = as_source(source)
                 cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}

@@ -104,10 +104,6 @@ class EngineSpec:
         """Whether log-softmax runs in float32 (everywhere except published-compat)."""
         return not self.published_compat
 
-    def with_site(self, site: Site, layers: tuple[int, ...] | None = None) -> EngineSpec:
-        """The same spec at another site (and layers): what component patching runs per component."""
-        return dataclasses.replace(self, site=site, layers=self.layers if layers is None else tuple(layers))
-
 
 @no_type_check
 @dataclass(frozen=True)
