@@ -196,8 +196,8 @@ class UDSAuditor:
         """Release the retain model once Stage 1 is computed (computing it first if it is not yet).
 
         Stage 1 is all the retain model is needed for; results keep naming it (``retain_name``) and fingerprinting
-        it (from the source it was given), so a sweep worker frees its memory before it scores the unlearned models. Component
-        patching (``patch_heads`` ...) needs the retain model and raises once it is dropped.
+        it (from the source it was given), so a sweep worker frees its memory before it scores the unlearned
+        models. Component patching (``patch_heads`` ...) needs the retain model and raises once it is dropped.
         """
         _ = self.stage1
         self.retain = None

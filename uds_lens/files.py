@@ -33,7 +33,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     ``path``; if writing fails the sibling is removed and ``path`` is left as it was.
     """
     path = Path(path)
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging = staging_path(path)
     try:
         if isinstance(data, bytes):
             staging.write_bytes(data)
