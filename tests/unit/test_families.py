@@ -3,7 +3,9 @@ biases), Qwen3 (q/k norm), Gemma 2 and 3 (norm offsets, post-norms, soft-capping
 embeddings), Phi-3 (fused projections) and OLMo 2 (post-norms, q/k norm).
 
 For each: the bridge equals Hugging Face (hidden states, final norm, logits) and every site equals the tensor a plain
-torch hook reads on Hugging Face's own modules; the naive engine is the oracle; the fast engine equals it within 1e-5
+torch hook reads on Hugging Face's own modules, exactly where the bridge runs Hugging Face's operations on the same
+tensors and within the reordering tolerance where it does not (Phi-3, see ``REORDERED_BRIDGES``); the naive engine is
+the oracle; the fast engine equals it within 1e-5
 (or, for a family it does not compute, the auditor runs the naive engine and says so); full -> full is exactly 0 below
 the last layer, retain -> retain is 1, in both modes; one head's patch changes nothing when source = full.
 """
@@ -18,6 +20,7 @@ import pytest
 import torch
 from helpers.families import build_family, family_configs
 from helpers.hf_oracle import hf_site
+from helpers.numerics import assert_close_reordered, reordered_tolerance
 
 from uds_lens import UDSConfig, load_tokenizer
 from uds_lens.components import patch_heads
@@ -35,6 +38,14 @@ from uds_lens.sources import SITES, as_source, verify_parity
 
 FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
 TOKENS = torch.tensor([[0, 5, 17, 33, 2, 90, 41, 7, 8], [0, 6, 6, 19, 77, 3, 12, 250, 9]])
+# Families whose bridge does not run Hugging Face's own operations on Hugging Face's tensors. Phi-3's bridge
+# (TransformerLens's JointGateUpMLPBridge and JointQKV attention) splits the fused ``gate_up_proj``/``qkv_proj`` into
+# separate projections and applies the activation to the contiguous ``gate`` tensor, where Hugging Face applies it to
+# a strided chunk of the fused output: the same arithmetic on another layout, whose last bits depend on the
+# processor's vector width (exact on AVX2 at d_mlp 48, 1e-6 apart on AVX-512). Every other family's bridge runs the
+# same operations on the same layouts (its attention is an op-for-op copy of Hugging Face's eager attention), which
+# the row lengths of helpers/families.py, chosen to leave a vector remainder on every processor, hold it to.
+REORDERED_BRIDGES = {"phi3"}
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +73,25 @@ def loaded(checkpoints) -> dict[str, dict[str, object]]:
 def test_bridge_is_hugging_face_at_every_site(family, checkpoints, loaded):
     bridge = loaded[family]["full"]
     plain = load_hf_model(checkpoints[family]["full"], device="cpu", attn_implementation="eager")
-    assert verify_parity(bridge, plain, TOKENS) == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}
+    parity = verify_parity(bridge, plain, TOKENS)
+    if family in REORDERED_BRIDGES:
+        with torch.no_grad():
+            reference = plain(input_ids=TOKENS, output_hidden_states=True, use_cache=False)
+        magnitude = max(float(h.abs().max()) for h in (*reference.hidden_states, reference.logits))
+        assert max(parity.values()) <= reordered_tolerance(magnitude), parity
+        compare = assert_close_reordered
+    else:
+        # exact by construction: the bridge runs Hugging Face's own modules (or their op-for-op copy) on its tensors
+        assert parity == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}
+
+        def compare(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+            torch.testing.assert_close(actual, expected, atol=0, rtol=0, msg=msg)
+
     source = as_source(bridge)
     for site in SITES:
         acts = source.activations(TOKENS, site, range(source.n_layers))
         for layer in range(source.n_layers):
-            torch.testing.assert_close(acts[layer], hf_site(plain, TOKENS, site, layer), atol=0, rtol=0)
+            compare(acts[layer], hf_site(plain, TOKENS, site, layer), msg=f"{site} {layer}")
     # not vacuous: the retain checkpoint differs
     assert verify_parity(loaded[family]["retain"], plain, TOKENS)["logits"] > 1e-2
 
@@ -120,5 +144,6 @@ def test_one_head_patched_from_full_changes_nothing(family, loaded, tiny_auditor
     auditor = tiny_auditor(models)
     heads = patch_heads(auditor, models["full"], hook="z", idxs=[0, 2])
     assert heads.s2.shape[-1] == models["full"].cfg.n_heads
-    torch.testing.assert_close(heads.s2, heads.baseline, atol=1e-6, rtol=0)
+    # reordered: the fast engine's head patch against its baseline run (the naive engine's would be exact)
+    assert_close_reordered(heads.s2, heads.baseline)
     assert (heads.d1.nan_to_num().abs() > 1e-4).any()  # retain's heads do move the score
