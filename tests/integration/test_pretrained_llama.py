@@ -68,6 +68,7 @@ def test_hooked_log_probs_match_hugging_face(pretrained, encoded):
     real = torch.zeros(batch.tokens.shape, dtype=torch.bool)
     for row, example in enumerate(encoded):
         real[row, : len(example.input_ids)] = True
+    # exact by construction: the bridge runs Hugging Face's Llama modules (attention op for op) on its tensors
     assert (ours[real] - theirs[real]).abs().max() == 0.0
     parity = verify_parity(pretrained.models["full"], hf, batch.tokens[:2])
     assert parity == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}, parity
@@ -132,6 +133,7 @@ def test_uds_anchors_on_the_real_model(pretrained, tmp_path):
     assert auditor.stage1.s0.max() < 0  # log-probs
     assert (auditor.d1() > 0.05).any(-1).all(), "every fact must have a knowledge-encoding layer"
     same = auditor.score(pretrained.models["full"], name="full")
+    # exact by construction: the engine's baseline repeats the operations of a patch whose source is the target
     assert same.uds == 0.0 and (same.layers.d2 == 0).all()
     retained = auditor.score(pretrained.models["retain"], name="retain")
     defined = retained.examples.uds.dropna()

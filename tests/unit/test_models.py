@@ -100,7 +100,7 @@ def test_tied_embeddings_share_one_tensor(tmp_path, tiny):
     hooked = load_model(tmp_path / "tied", device="cpu")
     assert hooked.W_U.data_ptr() == hooked.W_E.data_ptr()
     tokens = torch.tensor([[0, 5, 17, 33, 2, 90]])
-    assert verify_parity(hooked, hf, tokens)["logits"] == 0.0
+    assert verify_parity(hooked, hf, tokens)["logits"] == 0.0  # exact: the same modules on the same tensors
 
 
 def test_bin_weights_go_through_hugging_face(tiny, tmp_path):
@@ -110,7 +110,9 @@ def test_bin_weights_go_through_hugging_face(tiny, tmp_path):
     torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     hf.config.save_pretrained(tmp_path / "bin")
     hooked = load_model(tmp_path / "bin", device="cpu")
-    assert verify_parity(hooked, hf, torch.tensor([[0, 5, 17, 33]]))["logits"] == 0.0
+    assert (
+        verify_parity(hooked, hf, torch.tensor([[0, 5, 17, 33]]))["logits"] == 0.0
+    )  # the same modules and tensors
 
 
 @pytest.mark.parametrize(
