@@ -47,6 +47,8 @@ def test_save_uses_kaleido_when_it_works(result, tmp_path, monkeypatch):
     assert calls and calls[0][1]["width"] == 640
 
 
+# nbconvert warns that it cannot show the first figure (Plotly's mimetype alone): the point of the contrast
+@pytest.mark.filterwarnings("ignore:Your element with mimetype")
 def test_a_notebook_rendered_to_html_shows_its_figures(tmp_path, monkeypatch):
     """An executed notebook converted by nbconvert (what sharing it as HTML, and the docs, do) holds the figures shown
     after keep_figures_in_notebooks, data included; one shown before it (Plotly's mimetype alone) is lost there."""
