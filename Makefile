@@ -15,7 +15,7 @@ VENV_LATEST ?= .venv-latest
 # Threads pinned for reproducible zoo builds and stable timings on small CPUs.
 THREADS ?= 2
 
-.PHONY: setup setup-dev setup-tl3 bench demo test test-tl3 test-latest test-fast lint constraints clean
+.PHONY: setup setup-dev setup-tl3 setup-docs bench demo test test-tl3 test-latest test-fast lint constraints docs clean
 
 $(VENV)/.setup-done: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -48,7 +48,14 @@ $(VENV_TL3)/.setup-done: pyproject.toml $(CONSTRAINTS)
 	$(PY_TL3) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
+# The documentation site's tools (the `docs` extra: MkDocs, mkdocstrings, mkdocs-jupyter, nbclient).
+$(VENV)/.setup-docs-done: $(VENV)/.setup-done
+	$(PY) -m pip install -q $(PIP_C) -e ".[docs]"
+	touch $@
+
 setup: $(VENV)/.setup-done
+
+setup-docs: $(VENV)/.setup-docs-done
 
 setup-dev: $(VENV)/.setup-dev-done
 
@@ -72,6 +79,14 @@ CORE_TESTS := tests/unit/test_models.py tests/unit/test_sources.py tests/unit/te
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 	$(MAKE) test-tl3
+	$(MAKE) docs
+
+# The documentation site into site/ (open site/index.html), warnings as errors, offline. It shows the notebooks as the
+# notebook tests executed them (docs/tutorials/, ignored by git); one missing or older than its notebook is executed
+# here first, with FAST = True (a cell that fails stops the build).
+docs: setup-docs
+	$(PY) -m uds_lens.zoo.executed_notebooks --notebooks notebooks --out docs/tutorials
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 test-tl3: setup-tl3
 	$(PY_TL3) -c "import transformer_lens, importlib.metadata as m; assert m.version('transformer-lens') == '3.9.0'"
@@ -104,4 +119,4 @@ lint: setup-dev
 	$(VENV)/bin/mypy $(MYPY_CORE)
 
 clean:
-	rm -rf $(VENV) $(VENV_TL3) $(VENV_LATEST) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(VENV_TL3) $(VENV_LATEST) $(DEMO_OUT) .pytest_cache site docs/tutorials/*.ipynb

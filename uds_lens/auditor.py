@@ -98,9 +98,10 @@ class UDSAuditor:
         cache_dir: S1 cache directory (default ``~/.cache/uds_lens``, or ``$UDS_LENS_CACHE``); ``False`` disables it.
         progress: tqdm progress bars over example batches.
         limit: score only the first ``limit`` examples.
-        retain_name / data_name: how results name the retain model and the forget set (default: their paths, or
-            ``<records>`` for data given as records); a sweep worker that adopts another worker's Stage 1 names
-            the retain model it never loaded, and the data file its examples were read from.
+        retain_name: how results name the retain model (default: its path); a sweep worker that adopts another
+            worker's Stage 1 names the retain model it never loaded.
+        data_name: how results name the forget set (default: its path, or ``<records>`` for data given as
+            records); a sweep worker names the data file its examples were read from.
 
     Attributes:
         full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).

@@ -53,7 +53,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _loadable(path: str) -> bool:
     """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
-    from uds_lens.models import ModelLoadError, resolve_source
+    from uds_lens.resolve import ModelLoadError, resolve_source
 
     if Path(path).expanduser().exists():
         return True
@@ -80,6 +80,11 @@ def _split_named(value: str) -> tuple[str, str] | None:
     if not splits:
         return None
     return next((split for split in splits if _loadable(split[1])), splits[0])
+
+
+def _checkpoint_paths(values: list[str]) -> list[str]:
+    """The checkpoints ``--unlearned`` values name, ``NAME=`` removed (see :func:`_split_named`)."""
+    return [value if split is None else split[1] for value, split in ((v, _split_named(v)) for v in values)]
 
 
 def _unlearned_models(values: list[str]) -> dict[str, str]:
@@ -202,8 +207,6 @@ def score(
     recomputed with a warning saying why. Each result is written to a temporary directory and renamed into place
     under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
-    from uds_lens.scoring import score_models
-
     _setup_logging(verbose)
     config = _uds_config(
         retain,
@@ -217,6 +220,13 @@ def score(
         device=device,
         engine=engine,
     )
+    # Every checkpoint argument names a checkpoint before the model libraries are even imported: a mistyped path
+    # fails in a second, in one line (score_models checks it again for Python callers).
+    from uds_lens.resolve import check_sources
+
+    check_sources([full, None if no_retain else retain, *_checkpoint_paths(unlearned)])
+    from uds_lens.scoring import score_models
+
     # score_models checks --out, --cache-dir and --limit before any compute
     models = _unlearned_models(unlearned)
     results = score_models(
@@ -671,7 +681,13 @@ def main() -> None:
     try:
         app()
     except Exception as error:
-        if not isinstance(error, _user_errors()):
+        # The errors of the light modules first: a mistyped path reports without importing the model libraries.
+        from uds_lens.data import DataError
+        from uds_lens.resolve import ModelLoadError
+
+        if not isinstance(error, (ModelLoadError, DataError, ConfigError)) and not isinstance(
+            error, _user_errors()
+        ):
             raise
         typer.echo(f"error: {error}", err=True)
         raise SystemExit(2) from None

@@ -592,10 +592,10 @@ def patch_tokens(
 
     ``result.d1[i, l, t]`` is how much of entity token ``t``'s log-prob the retain patch at layer ``l`` removes;
     averaged over an example's tokens it is that example's span ``d1`` (the naive engine's, whose baseline is S0).
+    The other arguments are :func:`patch_heads`'s.
 
     Args:
         site: a UDS site (``resid_post`` ...) or any hook name inside ``blocks.{l}`` (default the auditor's site).
-        Others as :func:`patch_heads`.
 
     Returns:
         A :class:`ComponentResult` with ``axis="token"``: tensors ``[example, layer, token]``; ``labels`` hold the
@@ -616,9 +616,10 @@ def patch_positions(
 ) -> ComponentResult:
     """Position-level patching: each patched position patched alone, the span's mean entity log-prob read.
 
+    The other arguments are :func:`patch_heads`'s.
+
     Args:
         site: a UDS site or any hook name inside ``blocks.{l}`` (default the auditor's site).
-        Others as :func:`patch_heads`.
 
     Returns:
         A :class:`ComponentResult` with ``axis="position"``: ``[example, layer, position]``, position ``p`` being

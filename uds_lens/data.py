@@ -83,10 +83,16 @@ class Example:
             f for f in REQUIRED_FIELDS if f not in record and not (f == "entity" and "gt_entity" in record)
         ]
         label = f"record {record.get('idx', f'#{position}')}"
+        if missing and set(missing) <= {"prefix", "entity"}:
+            raise DataError(
+                f"{label} lacks the field(s) {missing}: a plain question/answer record. Annotate the entity spans "
+                "first: `uds-lens annotate --data RAW.json --out forget.json --full F --retain R` (or "
+                "uds_lens.annotate); the record format is in README.md, section 'Forget-set format'."
+            )
         if missing:
             raise DataError(
                 f"{label} lacks the field(s) {missing}; every record needs {list(REQUIRED_FIELDS)} "
-                "(prefix may be an empty string). See SPEC §1.1 for the schema."
+                "(prefix may be an empty string): see README.md, section 'Forget-set format'."
             )
         for field in REQUIRED_FIELDS:
             value = (

@@ -4,13 +4,19 @@ Before anything is loaded, a checkpoint argument is classified without touching 
 (:func:`resolve_source`): a Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
 holding exactly one), a zoo model (``zoo:NAME``, :func:`resolve_zoo_name`, read from the zoo's manifest), or a hub id;
 a string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any hub
-request. :func:`describe` and :func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
+request. A hub id is looked up once: when the hub cannot be reached (one request, :func:`hub_reachable`), loading
+fails with one line, or reads the local Hugging Face cache where the model is there, instead of retrying for half a
+minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads. :func:`describe`
+and :func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,8 @@ from typing import Any
 from uds_lens.data import looks_like_local_path
 from uds_lens.files import cache_root
 from uds_lens.zoo.manifest import model_paths
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -53,7 +61,8 @@ class CheckpointSource:
         if self.kind == "gguf":
             path = Path(self.location)
             return str(path.parent), {"gguf_file": path.name, **SAFE_LOAD_KWARGS}
-        return self.location, {"local_files_only": self.local, **SAFE_LOAD_KWARGS}
+        local_files_only = self.local or not _hub_or_cache(self.location)
+        return self.location, {"local_files_only": local_files_only, **SAFE_LOAD_KWARGS}
 
 
 def _looks_like_path(text: str) -> bool:
@@ -111,6 +120,86 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
             "'meta-llama/Llama-3.2-1B'."
         )
     return CheckpointSource("hub", text)
+
+
+# How long one hub request may take, and how long its answer is trusted (a notebook that lost its connection
+# recovers without a restart).
+HUB_TIMEOUT_S = 10.0
+HUB_ANSWER_TTL_S = 60.0
+_hub_answers: dict[str, tuple[float, str | None]] = {}
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+
+
+def hub_reachable() -> str | None:
+    """Whether the Hugging Face hub answers: None when it does, else why not, one line.
+
+    One request (a ``HEAD`` of the endpoint, ``HUB_TIMEOUT_S`` at most; any HTTP status counts as an answer), its
+    answer kept for ``HUB_ANSWER_TTL_S``: ``transformers`` itself retries an unreachable hub five times with backoff
+    (about half a minute, each retry logged), which a checkpoint argument that is a typo should not cost.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = constants.ENDPOINT
+    now = time.monotonic()
+    cached = _hub_answers.get(endpoint)
+    if cached is not None and now - cached[0] < HUB_ANSWER_TTL_S:
+        return cached[1]
+    problem: str | None = None
+    try:
+        get_session().head(endpoint, timeout=HUB_TIMEOUT_S)
+    except Exception as err:  # any transport error: DNS, refused, timeout, proxy
+        problem = f"{type(err).__name__}: {_first_line(str(err))}"
+    _hub_answers[endpoint] = (now, problem)
+    return problem
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _hub_or_cache(model_id: str) -> bool:
+    """True to fetch ``model_id`` from the hub, False to read it from the local Hugging Face cache (the hub cannot
+    be reached, or HF_HUB_OFFLINE is set, and the cache holds its config).
+
+    Raises:
+        ModelLoadError: the hub cannot be reached and the cache does not hold the model: one line, after one try.
+    """
+    if _hub_offline():
+        return False  # transformers reads the cache, or fails naming HF_HUB_OFFLINE (models.loader_errors)
+    problem = hub_reachable()
+    if problem is None:
+        return True
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        logger.warning(
+            "The Hugging Face hub cannot be reached (%s); reading %s from the local cache.", problem, model_id
+        )
+        return False
+    raise ModelLoadError(
+        f"Cannot load {model_id!r}: there is no local path {Path(model_id).absolute()}, and as a Hugging Face hub id it "
+        f"can be neither fetched (the hub cannot be reached: {problem}) nor read from the local cache. Pass an "
+        "existing checkpoint directory or .gguf file (check the path), or connect to the hub."
+    )
+
+
+def check_sources(models: Iterable[Any]) -> None:
+    """Resolve a run's checkpoint arguments before any of them loads: a mistyped path, an implausible hub id or a
+    hub id that can be neither fetched (the hub is unreachable) nor read from the cache fails at once, in one line.
+    Models already in memory (anything but a string or path) are skipped.
+
+    Raises:
+        ModelLoadError: the first argument that cannot name a checkpoint.
+    """
+    for model in models:
+        if isinstance(model, (str, os.PathLike)):
+            source = resolve_source(model)
+            if source.kind == "hub":
+                _hub_or_cache(source.location)
 
 
 def is_local(path_or_id: str | os.PathLike) -> bool:
@@ -202,11 +291,14 @@ def model_name(source: Any) -> str:
 
 
 __all__ = [
+    "HUB_TIMEOUT_S",
     "SAFE_LOAD_KWARGS",
     "ZOO_PREFIX",
     "CheckpointSource",
     "ModelLoadError",
+    "check_sources",
     "describe",
+    "hub_reachable",
     "is_local",
     "model_name",
     "resolve_source",

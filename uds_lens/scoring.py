@@ -16,6 +16,7 @@ from uds_lens import models
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
+from uds_lens.resolve import check_sources
 from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ def score_models(
         results.ResultNameError: a result name is not a single path component (before any compute).
         config.ConfigError: ``out_dir`` or ``cache_dir`` is a file, or ``limit`` is not a positive integer (before
             any compute).
+        models.ModelLoadError: a checkpoint argument names no checkpoint (a missing path; a hub id while the hub
+            cannot be reached), before any model loads.
         results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """
 
@@ -139,6 +142,8 @@ def score_models(
     if cache_dir is not None and not isinstance(cache_dir, bool):
         check_output_dir(cache_dir, "S1 cache directory (--cache-dir)")
     check_positive_int("limit (--limit)", limit, "score every example")
+    # Every checkpoint argument names a checkpoint before any loads: a mistyped path fails now, not after Stage 1.
+    check_sources([full, retain, *(model for _, model in items)])
     results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
     if out_dir is not None and not force:

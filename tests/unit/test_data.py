@@ -1,4 +1,6 @@
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +173,28 @@ def test_a_mistyped_local_data_path_fails_without_asking_the_hub(tmp_path, monke
     for mistyped in (str(tmp_path / "forget"), str(tmp_path / "runs" / "forgt"), "./no_such_dir/forget"):
         with pytest.raises(DataError, match="No data file"):
             load_examples(mistyped)
+
+
+def test_a_raw_question_answer_set_is_pointed_at_annotate_and_a_schema_that_exists(tmp_path):
+    """A forget set of plain question/answer records (no spans) names the command that adds them; every missing-field
+    error names a file of the repository that documents the format, and that file has the section it names."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "raw.json").write_text(json.dumps([{"idx": 3, "question": "Who?", "answer": "Ann Lee."}]))
+    with pytest.raises(DataError) as raw_error:
+        load_examples(tmp_path / "raw.json")
+    (tmp_path / "no_answer.json").write_text(
+        json.dumps([{"idx": 4, "question": "Who?", "prefix": "", "entity": "A"}])
+    )
+    with pytest.raises(DataError) as other_error:
+        load_examples(tmp_path / "no_answer.json")
+    raw, other = str(raw_error.value), str(other_error.value)
+    assert "record 3" in raw and "uds-lens annotate --data" in raw and "\n" not in raw
+    assert "record 4" in other and "['answer']" in other and "annotate" not in other
+    for message in (raw, other):
+        assert "SPEC" not in message
+        named = re.search(
+            r"see README\.md, section '([^']+)'|format is in README\.md, section '([^']+)'", message
+        )
+        assert named, message
+        section = named.group(1) or named.group(2)
+        assert re.search(rf"^#+ {re.escape(section)}$", (root / "README.md").read_text(), flags=re.MULTILINE)

@@ -9,7 +9,8 @@
   ``rmu_layer_profile``;
 - :mod:`~uds_lens.plotting.components`: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
 - :mod:`~uds_lens.plotting.meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
-- :mod:`~uds_lens.plotting.export`: ``save`` (PNG/SVG/PDF or offline HTML);
+- :mod:`~uds_lens.plotting.export`: ``save`` (PNG/SVG/PDF or offline HTML), ``keep_figures_in_notebooks`` (figures
+  stored as HTML too, so a shared notebook shows them);
 - :mod:`~uds_lens.plotting.style`: the palette, dashes and scales they share.
 
 :func:`uds_lens.plotting.report.write_report` assembles them into one offline HTML page. ``uds_lens.plots`` is the
@@ -57,6 +58,7 @@ _EXPORTS = {
     "robustness_scatter": "meta_eval",
     "IMAGE_SUFFIXES": "export",
     "save": "export",
+    "keep_figures_in_notebooks": "export",
 }
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "component_heatmap",
     "component_patching",
     "example_curves",
+    "keep_figures_in_notebooks",
     "layer_heatmap",
     "layerwise_methods",
     "lens_vs_uds_example",
@@ -103,7 +106,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         stage_curves,
         tau_curves,
     )
-    from uds_lens.plotting.export import IMAGE_SUFFIXES, save
+    from uds_lens.plotting.export import IMAGE_SUFFIXES, keep_figures_in_notebooks, save
     from uds_lens.plotting.heatmaps import layer_heatmap
     from uds_lens.plotting.meta_eval import (
         ATTACKS,

@@ -1,4 +1,5 @@
-"""Figures out of the notebook: PNG/SVG/PDF through kaleido, or self-contained HTML that opens offline."""
+"""Figures out of the notebook: PNG/SVG/PDF through kaleido, or self-contained HTML that opens offline; and figures
+that stay in a notebook when it is shared (:func:`keep_figures_in_notebooks`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")
+
+# The renderer a notebook's figures are shown with (keep_figures_in_notebooks): Plotly's own mimetype, which Jupyter
+# renders live, and beside it the figure as HTML, which a notebook read without Plotly's extension shows.
+HTML_RENDERER = "uds_lens_html"
+NOTEBOOK_RENDERER = f"plotly_mimetype+{HTML_RENDERER}"
 
 
 def save(
@@ -47,3 +53,24 @@ def save(
         f"{target} not written: {reason}. Wrote self-contained HTML to {fallback} instead.", stacklevel=2
     )
     return fallback
+
+
+def keep_figures_in_notebooks() -> str:
+    """Store every figure a notebook displays also as HTML, so that it survives sharing the notebook.
+
+    Plotly's default in a Jupyter kernel stores a figure only as ``application/vnd.plotly.v1+json``, which only a
+    front end with Plotly's extension draws: ``jupyter nbconvert --to html`` and documentation builds show nothing.
+    After this call each displayed figure carries that mimetype (Jupyter still renders it live) and a
+    ``text/html`` one: the figure's ``div`` and data, drawn by plotly.js from its CDN (a few kB per figure rather
+    than plotly.js's 4 MB). ``uds_lens.zoo.notebook.notebook_setup`` calls it; call it in a notebook of your own.
+
+    Returns:
+        The default renderer now in force (``NOTEBOOK_RENDERER``).
+    """
+    import plotly.io as pio
+    from plotly.io.base_renderers import HtmlRenderer
+
+    if HTML_RENDERER not in pio.renderers:
+        pio.renderers[HTML_RENDERER] = HtmlRenderer(connected=True)
+    pio.renderers.default = NOTEBOOK_RENDERER
+    return NOTEBOOK_RENDERER

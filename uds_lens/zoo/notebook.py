@@ -19,6 +19,7 @@ import transformers
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.models import load_model
+from uds_lens.plotting.export import keep_figures_in_notebooks
 from uds_lens.results import UDSResult
 from uds_lens.zoo.build import Zoo, build_zoo, load_zoo
 from uds_lens.zoo.layout import MANIFEST_FILE
@@ -105,6 +106,8 @@ def notebook_setup(
     warnings.filterwarnings("ignore", message="IProgress not found")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # Figures stored as HTML too: the notebook keeps them when rendered to HTML, shared or built into the docs.
+    keep_figures_in_notebooks()
     zoo = None
     if full is None:
         zoo_dir = Path(zoo_dir)

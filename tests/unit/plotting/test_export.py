@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import os
 import re
 import sys
 import types
+from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
@@ -43,3 +45,44 @@ def test_save_uses_kaleido_when_it_works(result, tmp_path, monkeypatch):
         == tmp_path / "fig.svg"
     )
     assert calls and calls[0][1]["width"] == 640
+
+
+# nbconvert warns that it cannot show the first figure (Plotly's mimetype alone): the point of the contrast
+@pytest.mark.filterwarnings("ignore:Your element with mimetype")
+def test_a_notebook_rendered_to_html_shows_its_figures(tmp_path, monkeypatch):
+    """An executed notebook converted by nbconvert (what sharing it as HTML, and the docs, do) holds the figures shown
+    after keep_figures_in_notebooks, data included; one shown before it (Plotly's mimetype alone) is lost there."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    root = str(Path(__file__).resolve().parents[3])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            "import plotly.graph_objects as go\n"
+            "go.Figure(go.Bar(name='trace_before_the_switch', x=[1], y=[2]))"
+        ),
+        nbformat.v4.new_code_cell("from uds_lens import plotting\nplotting.keep_figures_in_notebooks()"),
+        nbformat.v4.new_code_cell(
+            "go.Figure(go.Scatter(name='trace_kept_as_html', x=[1, 2], y=[0.25, 0.75]))"
+        ),
+    ]
+    NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    assert (
+        "text/html" not in notebook.cells[0].outputs[0]["data"]
+    )  # Plotly's default in a kernel: lost in HTML
+    kept = notebook.cells[2].outputs[0]["data"]
+    assert {"application/vnd.plotly.v1+json", "text/html"} <= set(kept)  # Jupyter still renders it live
+    page, _ = HTMLExporter().from_notebook_node(notebook)
+    # the figure's div (nbconvert may reorder its attributes) and the call that draws it with the figure's data
+    divs = [
+        re.search(r'id="([^"]+)"', div).group(1)
+        for div in re.findall(r"<div[^>]*plotly-graph-div[^>]*>", page)
+    ]
+    assert len(divs) == 1  # the second figure's; the first has none
+    plot_call = re.search(rf'Plotly\.newPlot\(\s*"{divs[0]}",(.*?)</script>', page, flags=re.DOTALL)
+    assert plot_call and "trace_kept_as_html" in plot_call.group(1) and "0.25" in plot_call.group(1)
