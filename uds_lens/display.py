@@ -37,12 +37,12 @@ def interval(bounds: Sequence[Any]) -> str:
     return f"[{number(low)}, {number(high)}]"
 
 
-def clipped_text(clipped_share: Any, median_ratio: Any, n_clipped: float, n_ke: float) -> str:
+def clipped_text(clipped_share: Any, median_ratio: Any, n_clipped: int, n_ke: int) -> str:
     """``"77% (23 of 30 KE cells, median d2/d1 1.76)"``: the over-disruption the clip hides (SPEC 1.6c)."""
     if not n_ke:
         return "no KE cell"
     ratio = f", median d2/d1 {number(median_ratio, 2)}" if n_clipped else ""
-    return f"{share(clipped_share)} ({n_clipped:.0f} of {n_ke:.0f} KE cells{ratio})"
+    return f"{share(clipped_share)} ({n_clipped} of {n_ke} KE cells{ratio})"
 
 
 def html_table(

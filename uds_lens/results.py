@@ -496,8 +496,8 @@ class UDSResult:
             display.clipped_text(
                 clipped["clipped_share"],
                 clipped["clipped_median_ratio"],
-                clipped["n_clipped_cells"],
-                clipped["n_ke_cells"],
+                int(clipped["n_clipped_cells"]),
+                int(clipped["n_ke_cells"]),
             ),
         ]
         settings = self.settings
