@@ -116,3 +116,14 @@ def test_an_example_view_names_its_model_question_and_clipped_layers():
     html = view._repr_html_()
     assert html.count("<tr>") == 1 + 4  # header + one row per layer
     assert html.count("d2 &gt; d1</td>") == 1
+
+
+def test_loading_a_checkpoint_shows_no_third_party_bar(tiny, capfd):
+    import transformers
+
+    from uds_lens.models import load_model
+
+    transformers.utils.logging.enable_progress_bar()
+    load_model(tiny.full, device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers.utils.logging.is_progress_bar_enabled()  # the user's own setting is given back
