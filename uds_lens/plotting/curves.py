@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import (
+    CLIPPED_MARK,
     KE_BAND,
     REFERENCE_LINE,
     S1_COLOUR,
@@ -28,6 +29,7 @@ from uds_lens.plotting.style import (
     add_curve,
     layer_band,
     layer_ticks,
+    model_colour,
     palette_colour,
 )
 from uds_lens.plotting.tables import (
@@ -82,7 +84,7 @@ def stage_curves(
         for m in s1_means
     )
     for position, (name, frame) in enumerate(frames.items()):
-        colour = palette_colour(position)
+        colour = model_colour(name)
         if position == 0 or not shared_s1:
             s1_name = "S1 (retain → full)" if shared_s1 else f"S1 · {name}"
             s1_colour = S1_COLOUR if shared_s1 else colour
@@ -145,8 +147,12 @@ def example_curves(
     fig = go.Figure()
     for layer in rows["layer"].to_numpy()[ke]:
         fig.add_vrect(x0=layer - 0.5, x1=layer + 0.5, fillcolor=KE_BAND, line_width=0, layer="below")
-    colour = palette_colour(0)
-    for stage, name in (("d1", "d1 · S1 (retain → full)"), ("d2", "d2 · S2 (unlearned → full)")):
+    model = getattr(result, "name", None) or None
+    colour = model_colour(model) if model else palette_colour(0)
+    for stage, name in (
+        ("d1", "d1 · S1 (retain → full)"),
+        ("d2", f"d2 · S2 ({model or 'unlearned'} → full)"),
+    ):
         fig.add_trace(
             go.Scatter(
                 x=rows["layer"],
@@ -165,14 +171,30 @@ def example_curves(
             marker={"symbol": "square", "size": 12, "color": KE_BAND},
         )
     )
+    clipped = ke & (rows["d2"].to_numpy(dtype=float) > rows["d1"].to_numpy(dtype=float))
+    if clipped.any():
+        fig.add_trace(
+            go.Scatter(
+                x=rows["layer"].to_numpy()[clipped],
+                y=rows["d2"].to_numpy(dtype=float)[clipped],
+                mode="markers",
+                name="clipped: d2 > d1 (LER cut to 1)",
+                marker={**CLIPPED_MARK, "size": 12},
+            )
+        )
     fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ")
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     uds_text = "undefined (no KE layer)" if uds is None or pd.isna(uds) else f"{float(uds):.3f}"
+    if clipped.any():
+        uds_text += (
+            f" ({int(clipped.sum())} of {int(ke.sum())} KE layers clipped: the unlearned patch hurts more than "
+            "retain's)"
+        )
     detail = ""
     if info is not None and isinstance(info.get("entity"), str):
         detail = f"<br><sup>entity: {info['entity']} · Q: {str(info.get('question', ''))[:100]}</sup>"
     fig.update_layout(
-        title=title or f"Example {idx}: UDS = {uds_text}{detail}",
+        title=title or f"{model + ': ' if model else ''}example {idx}: UDS = {uds_text}{detail}",
         xaxis={"title": "layer", **layer_ticks(rows["layer"])},
         yaxis_title="Δ (nats)",
         hovermode="x unified",
@@ -201,7 +223,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
         raise ValueError(f"tau table lacks columns {sorted(missing)}")
     table = table if "model" in table.columns else table.assign(model="model")
     fig = go.Figure()
-    for position, model in enumerate(dict.fromkeys(table["model"])):
+    for model in dict.fromkeys(table["model"]):
         part = table[table["model"] == model].sort_values("tau")
         extra = part["n_no_ke"] if "n_no_ke" in part.columns else None
         fig.add_trace(
@@ -210,7 +232,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
                 y=part["uds"],
                 mode="lines+markers",
                 name=str(model),
-                line={"color": palette_colour(position)},
+                line={"color": model_colour(str(model))},
                 customdata=extra,
                 hovertemplate=f"{model}<br>τ = %{{x}}<br>UDS %{{y:.3f}}"
                 + ("<br>no-KE examples %{customdata}" if extra is not None else "")
