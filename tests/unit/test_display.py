@@ -127,3 +127,15 @@ def test_loading_a_checkpoint_shows_no_third_party_bar(tiny, capfd):
     load_model(tiny.full, device="cpu")
     assert "Loading weights" not in capfd.readouterr().err
     assert transformers.utils.logging.is_progress_bar_enabled()  # the user's own setting is given back
+
+
+def test_the_auditor_shows_what_it_holds_not_an_address(tiny):
+    from uds_lens import UDSAuditor
+
+    auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
+    text = repr(auditor)
+    assert " at 0x" not in text and text.startswith("UDSAuditor(full: ")
+    assert f"{len(auditor.encoded)} examples encoded, {len(auditor.skipped)} skipped" in text
+    assert "tau 0.05 nats" in text and "Stage 1: not yet" in text
+    html = auditor._repr_html_()
+    assert html.count("<tr>") == 1 + 7 and "retain" in html

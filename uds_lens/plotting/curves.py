@@ -103,9 +103,11 @@ def stage_curves(
     elif quantity == "delta":
         fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     band_text = {"std": " (±1 std)", "sem": " (±1 s.e.m.)", "ci95": " (95% CI)"}.get(band or "", "")
+    only = getattr(next(iter(named.values())), "name", None) if len(named) == 1 else None
+    named_one = f"{only}: " if isinstance(only, str) and only else ""
     fig.update_layout(
         title=title
-        or f"Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
+        or f"{named_one}Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
         xaxis={"title": "layer", **layer_ticks(first["layer"])},
         yaxis_title="mean Δ (nats)" if quantity == "delta" else "mean entity log-prob",
         hovermode="x unified",
