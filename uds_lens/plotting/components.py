@@ -87,7 +87,11 @@ def component_patching(
             add_curve(fig, part["layer"], part[column], label, colour, dash, half)
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     fig.update_layout(
-        title=title or "Mean patching delta per layer by patching site",
+        title=title
+        or "Mean patching delta per layer by patching site"
+        + {"d1": " (S1: retain → full)", "d2": " (S2: unlearned → full)", "both": " (S1 solid, S2 dashed)"}[
+            stage
+        ],
         xaxis={"title": "layer", **layer_ticks(components["layer"])},
         yaxis_title="mean Δ (nats)",
     )
