@@ -234,9 +234,9 @@ def layer_heatmap(
     fig.update_layout(
         title=title or f"{_model_prefix(result)}{VALUE_LABELS.get(value, value)} per layer and example",
         plot_bgcolor="#e5e5e5",
-        # Above the prompt-type group labels, which sit on the top edge of the heatmap.
-        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
-        margin={"t": 90},
+        # Under the x axis: the title and the prompt-type group labels (on the heatmap's top edge) keep the top.
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0.0, "xanchor": "left"},
+        margin={"t": 80, "b": 120},
     )
     return fig
 
