@@ -77,6 +77,8 @@ def stage_curves(
         if only_scored and examples is not None and "status" in examples.columns:
             layers = layers[layers["idx"].isin(examples.loc[examples["status"] == "scored", "idx"])]
         frames[name] = layers
+    only = getattr(next(iter(named.values())), "name", None) if len(named) == 1 else None
+    named_one = f"{only}: " if isinstance(only, str) and only else ""
     fig = go.Figure()
     s1_means = [frame.groupby("layer")[s1_column].mean() for frame in frames.values()]
     shared_s1 = all(
@@ -91,7 +93,7 @@ def stage_curves(
             mean, half = layer_band(frame, s1_column, band)
             add_curve(fig, mean.index, mean, s1_name, s1_colour, STAGE_DASH["d1"], half if band else None)
         mean, half = layer_band(frame, s2_column, band)
-        s2_name = f"S2 · {name}" if len(frames) > 1 else "S2 (unlearned → full)"
+        s2_name = f"S2 · {name}" if len(frames) > 1 else f"S2 ({named_one[:-2] or 'unlearned'} → full)"
         add_curve(fig, mean.index, mean, s2_name, colour, STAGE_DASH["d2"], half if band else None)
     first = next(iter(frames.values()))
     if quantity == "score" and "s0" in first.columns:
@@ -103,8 +105,6 @@ def stage_curves(
     elif quantity == "delta":
         fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     band_text = {"std": " (±1 std)", "sem": " (±1 s.e.m.)", "ci95": " (95% CI)"}.get(band or "", "")
-    only = getattr(next(iter(named.values())), "name", None) if len(named) == 1 else None
-    named_one = f"{only}: " if isinstance(only, str) and only else ""
     fig.update_layout(
         title=title
         or f"{named_one}Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
