@@ -28,7 +28,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from uds_lens import models
+from uds_lens import display, models
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
@@ -628,6 +628,35 @@ class UDSAuditor:
         """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
 
         return patch_positions(self, unlearned, **kwargs)
+
+    def _description(self) -> list[tuple[str, str]]:
+        """What the auditor holds, as (label, value) pairs: the repr's and the notebook table's rows."""
+        config = self.config
+        stage1 = (
+            "computed" if self._stage1 is not None else "not yet (the first score() computes or loads it)"
+        )
+        return [
+            ("full", str(self.full_name)),
+            ("retain", str(self.retain_name) if self.retain is not None else "none (retain-free)"),
+            (
+                "forget set",
+                f"{self.data_name}: {len(self.encoded)} examples encoded, {len(self.skipped)} skipped",
+            ),
+            ("layers", f"{len(self.layers)} ({self.layers[0]}-{self.layers[-1]})" if self.layers else "none"),
+            (
+                "settings",
+                f"site {config.site}, scope {config.patch_scope}, tau {config.tau:g} nats, {config.engine}",
+            ),
+            ("device", f"{self.device}, {config.dtype or 'default dtype'}"),
+            ("Stage 1", stage1),
+        ]
+
+    def __repr__(self) -> str:
+        return "UDSAuditor(" + "; ".join(f"{label}: {value}" for label, value in self._description()) + ")"
+
+    def _repr_html_(self) -> str:
+        """The notebook view: one row per thing the auditor holds."""
+        return display.html_table("UDSAuditor", ["", ""], [list(row) for row in self._description()])
 
 
 __all__ = [

@@ -7,22 +7,35 @@ KE cells (NaN elsewhere), and UDS, ``sum_KE d1 * LER / sum_KE d1``, per example 
 Every one of them is computed by :mod:`uds_lens.uds` (NumPy, float64), the only place the formula is written; the
 tensors come back in the scores' dtype (float32), so ``d1``, ``d2``, ``ke`` and ``ler`` equal what float32 torch
 arithmetic gives, and the UDS values are the float64 ones rounded to float32.
+
+Every aggregate carries its support (SPEC 2): :attr:`ComponentResult.n_ke_cells` (per layer and component, the
+examples whose cell is KE: what ``component_uds`` pools) and :attr:`ComponentResult.n_examples` (the examples with a
+KE cell: what ``uds`` averages). A head's delta is a small part of its layer's (on the test zoo's NPO model the
+90th percentile of per-head ``d1`` is 0.011 nats against a layer-level ``d1`` of 1-3 nats), so head patching has a
+threshold of its own, :data:`HEAD_TAU` (0.01 nats), never silently the residual stream's ``tau``; token and
+position patching keep the auditor's ``tau`` (a token's delta is on the scale of the span's: their mean is it).
+A pooled cell resting on fewer than ``min_support`` KE cells is shown as too thin, not as a number.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from uds_lens import uds
+from uds_lens import display, uds
 from uds_lens.config import DEFAULT_TAU, Engine
+
+HEAD_TAU = 0.01
+"""KE threshold of head patching, in nats (SPEC 2: stated separately from the residual stream's ``tau``)."""
+MIN_SUPPORT = 3
+"""Fewest KE cells a pooled ``component_uds`` cell rests on before figures show it as a number."""
 
 
 @dataclass
@@ -43,8 +56,10 @@ class ComponentResult:
             fewer entity tokens or patched positions than the longest); its cells are NaN.
         labels: per example, each component's name: the head number, or the token's text (``axis="token"``: the
             entity token read; ``axis="position"``: the token at the patched position).
-        tau: KE threshold.
+        tau: KE threshold in nats (:data:`HEAD_TAU` for heads, the auditor's ``tau`` for tokens and positions);
+            :meth:`with_tau` gives the same scores under another one.
         engine: ``fast`` or ``naive``.
+        min_support: fewest KE cells behind a ``component_uds`` cell for figures to show its value.
     """
 
     name: str
@@ -60,6 +75,7 @@ class ComponentResult:
     labels: list[list[str]] = field(default_factory=list)
     tau: float = DEFAULT_TAU
     engine: Engine = "naive"
+    min_support: int = MIN_SUPPORT
 
     @property
     def d1(self) -> Float[Tensor, "example layer component"]:
@@ -117,8 +133,51 @@ class ComponentResult:
 
     @property
     def uds(self) -> float:
-        """Mean of the defined per-example scores (:func:`uds.model_uds`; NaN if none is defined)."""
+        """Component UDS of the model: the mean over :attr:`n_examples` examples (those with a KE cell) of their UDS
+        over KE (layer, component) cells (:func:`uds.model_uds`; NaN if no example has one). Not the layer-level
+        UDS: another quantity, on other cells and usually fewer examples."""
         return uds.model_uds(self._example_uds())
+
+    @property
+    def n_ke_cells(self) -> Int[Tensor, "layer component"]:
+        """Per (layer, component): how many examples' cells are KE, the support of :attr:`component_uds`."""
+        return self.ke.sum(0)
+
+    @property
+    def n_examples(self) -> int:
+        """Examples with at least one KE cell: the support of :attr:`uds`."""
+        return int(self.ke.flatten(1).any(-1).sum())
+
+    @property
+    def clipped(self) -> dict[str, float]:
+        """Over-disruption on the KE cells (SPEC 1.6c, :func:`uds.clipped_summary`): ``clipped_share`` (``d2 > d1``,
+        LER clipped to 1), ``clipped_median_ratio``, ``n_ke_cells``, ``n_clipped_cells``."""
+        return uds.clipped_summary(_array(self.d1), _array(self.d2), self.tau)
+
+    def with_tau(self, tau: float) -> ComponentResult:
+        """The same scores under another KE threshold (nothing is run again)."""
+        return replace(self, tau=tau)
+
+    def table(self) -> pd.DataFrame:
+        """One row per (layer, component): ``layer, <axis>, n_ke_cells, component_uds, mean_d1, mean_d2,
+        n_clipped`` (``component_uds`` NaN where fewer than ``min_support`` KE cells hold it up; ``mean_d1`` /
+        ``mean_d2`` over every example)."""
+        n_layers, n_components = self.s1.shape[1:]
+        support = self.n_ke_cells.numpy()
+        pooled = self.component_uds.double().numpy()
+        clipped = uds.clipped_mask(_array(self.d1), _array(self.d2), self.tau).sum(0)
+        layer, component = np.meshgrid(np.asarray(self.layers), np.arange(n_components), indexing="ij")
+        return pd.DataFrame(
+            {
+                "layer": layer.ravel(),
+                self.axis: component.ravel(),
+                "n_ke_cells": support.ravel(),
+                "component_uds": np.where(support >= self.min_support, pooled, np.nan).ravel(),
+                "mean_d1": np.nanmean(_array(self.d1).astype(float), axis=0).ravel(),
+                "mean_d2": np.nanmean(_array(self.d2).astype(float), axis=0).ravel(),
+                "n_clipped": clipped.ravel(),
+            }
+        )
 
     def frame(self) -> pd.DataFrame:
         """Long table ``idx, layer, <axis>, label, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``.
@@ -159,19 +218,31 @@ class ComponentResult:
         )
 
     def figure(self, value: str = "component_uds", idx: int | None = None, title: str | None = None) -> Any:
-        """Heatmap ``layer x component`` (``px.imshow``, y = layer).
+        """Heatmap ``layer x component`` (``px.imshow``, y = layer); every cell's hover says what it rests on.
 
         Args:
-            value: ``"component_uds"`` (sequential 0-1), or ``"d1"`` / ``"d2"`` (RdBu, midpoint 0; mean over
-                examples, or one example with ``idx``).
+            value: ``"component_uds"`` (sequential 0-1; each cell's count of KE cells written on it, a cell with
+                fewer than ``min_support`` of them grey, marked "n<3"), or ``"d1"`` / ``"d2"`` (RdBu, midpoint 0;
+                mean over examples, or one example with ``idx``).
             idx: one example (for ``d1``/``d2``); default the mean over examples.
-            title: figure title.
+            title: figure title (default: the model, the value, the hook and the support).
         """
+        n_examples = len(self.idx)
+        support = self.n_ke_cells.numpy()
         if value == "component_uds":
             grid = self.component_uds
+            what = (
+                f"component UDS over KE cells (d1 > {self.tau:g} nats): {int(support.sum())} cells from "
+                f"{self.n_examples} of {n_examples} examples"
+            )
         elif value in ("d1", "d2"):
             values = getattr(self, value)
-            grid = values[self.idx.index(idx)] if idx is not None else values.nanmean(0)
+            if idx is not None:
+                grid = values[self.idx.index(idx)]
+                what = f"{value} of example {idx}"
+            else:
+                grid = values.nanmean(0)
+                what = f"mean {value} over {n_examples} examples"
         else:
             raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
         from uds_lens.plotting.components import (
@@ -183,14 +254,49 @@ class ComponentResult:
             self.layers,
             self.axis,
             value,
-            title=title or f"{self.name}: {value} per layer and {self.axis} ({self.hook})",
+            title=title or f"{self.name}: {what} ({self.hook})",
+            support=support,
+            min_support=self.min_support if value == "component_uds" else 0,
+        )
+
+    def _headline(self) -> str:
+        n_examples, n_layers, n_components = self.s1.shape
+        clipped = self.clipped
+        return (
+            f"{self.name}, {self.axis}s at {self.hook} ({self.engine} engine): {n_examples} examples x {n_layers} "
+            f"layers x {n_components} {self.axis}s; KE (d1 > {self.tau:g} nats): {clipped['n_ke_cells']} of "
+            f"{int(self.valid.sum()) * n_layers} cells, from {self.n_examples} examples; component UDS "
+            f"{display.number(self.uds)} over those {self.n_examples}; clipped d2 > d1: "
+            f"{display.share(clipped['clipped_share'])}"
         )
 
     def __repr__(self) -> str:
-        return (
-            f"ComponentResult({self.name!r}, hook={self.hook!r}, axis={self.axis!r}, "
-            f"shape={tuple(self.s1.shape)}, uds={self.uds:.3f}, engine={self.engine!r})"
-        )
+        return f"ComponentResult({self._headline()})"
+
+    def _repr_html_(self) -> str:
+        """The notebook view: the headline, then the (layer, component) cells with enough support."""
+        table = self.table()
+        shown = table[table["n_ke_cells"] >= self.min_support].sort_values("n_ke_cells", ascending=False)
+        rows = [
+            [
+                int(row.layer),
+                int(getattr(row, self.axis)),
+                int(row.n_ke_cells),
+                display.number(row.component_uds),
+                display.number(row.mean_d1),
+                display.number(row.mean_d2),
+                int(row.n_clipped),
+            ]
+            for row in shown.head(12).itertuples()
+        ]
+        header = ["layer", self.axis, "KE cells", "component UDS", "mean d1", "mean d2", "clipped"]
+        thin = int(((table["n_ke_cells"] > 0) & (table["n_ke_cells"] < self.min_support)).sum())
+        notes = [
+            f"{len(shown)} of {len(table)} cells rest on >= {self.min_support} KE cells (largest support first, "
+            f"12 shown); {thin} more have 1-{self.min_support - 1}, too few to read. with_tau(...) changes the "
+            "threshold."
+        ]
+        return display.html_table(f"ComponentResult {self._headline()}", header, rows, notes)
 
 
 def _array(values: Tensor) -> np.ndarray:

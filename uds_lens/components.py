@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens import models
-from uds_lens.component_result import ComponentResult
+from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.patching import (
@@ -287,12 +287,14 @@ class _Runner:
         return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
 
 
-def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool) -> _StageScores:
+def _heads_fast(
+    runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool, stage: str
+) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
     spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
     s0_parts, base_parts, score_parts = [], [], []
-    for chunk in tqdm(runner.chunks, desc="heads (fast)", unit="batch", disable=not progress):
+    for chunk in tqdm(runner.chunks, desc=f"{stage}: heads (fast)", unit="batch", disable=not progress):
         batch = runner.batch(chunk)
         clean = clean_run(full, batch, spec)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
@@ -337,6 +339,7 @@ def _components_naive(
     axis: str,
     positions: str,
     progress: bool,
+    stage: str,
 ) -> _StageScores:
     """One ``run_with_hooks`` per (batch, layer, component); see the module docstring for the three axes."""
     full = runner.full
@@ -351,7 +354,9 @@ def _components_naive(
     use_result = hook == HEAD_HOOKS["result"]
     s0_parts, base_parts, score_parts, valid_parts = [], [], [], []
     with attn_result(full, use_result):
-        for chunk in tqdm(runner.chunks, desc=f"{axis}s (naive)", unit="batch", disable=not progress):
+        for chunk in tqdm(
+            runner.chunks, desc=f"{stage}: {axis}s (naive)", unit="batch", disable=not progress
+        ):
             batch = runner.batch(chunk)
             cache = _source_cache(source, batch.tokens, names, use_result)
             if runner.spec.published_compat:
@@ -438,13 +443,19 @@ def _hooked_source(auditor: PatchContext, source: Any) -> Any:
 
 
 def _stage_scores(
-    auditor: PatchContext, source: Any, role: str, key: tuple, compute: Callable[[Any], _StageScores]
+    auditor: PatchContext,
+    source: Any,
+    role: str,
+    key: tuple,
+    compute: Callable[[Any, str], _StageScores],
+    stage: str,
 ) -> _StageScores:
-    """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``."""
+    """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``. ``stage`` labels
+    the progress bar (``S1 (retain)``, ``S2 (npo)``)."""
     store = auditor.component_cache if role == "retain" else None
     if store is not None and key in store:
         return store[key]
-    scores = compute(_hooked_source(auditor, source))
+    scores = compute(_hooked_source(auditor, source), stage)
     if store is not None:
         store[key] = scores
     return scores
@@ -458,17 +469,19 @@ def _result(
     axis: str,
     layers: Sequence[int],
     idxs: Sequence[int] | None,
-    compute: Callable[[Any], _StageScores],
+    compute: Callable[[Any, str], _StageScores],
     engine: Engine,
     key: tuple,
+    tau: float,
 ) -> ComponentResult:
     if auditor.retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute)
-    stage2 = _stage_scores(auditor, source, "unlearned", key, compute)
+    name = name or models.model_name(unlearned)
+    stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute, "S1 (retain)")
+    stage2 = _stage_scores(auditor, source, "unlearned", key, compute, f"S2 ({name})")
     return ComponentResult(
-        name=name or models.model_name(unlearned),
+        name=name,
         hook=hook,
         axis=axis,
         idx=[e.idx for e in auditor.select(idxs)],
@@ -479,7 +492,7 @@ def _result(
         s2=stage2.scores,
         valid=stage1.valid & stage2.valid,
         labels=stage1.labels,
-        tau=auditor.config.tau,
+        tau=tau,
         engine=engine,
     )
 
@@ -495,6 +508,7 @@ def patch_heads(
     name: str | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
+    tau: float = HEAD_TAU,
 ) -> ComponentResult:
     """Head-level UDS: patch one attention head at a time, for retain (S1) and the unlearned model (S2).
 
@@ -519,6 +533,8 @@ def patch_heads(
         name: result name (default from the model).
         batch_size: examples per batch (default the auditor's, else 8).
         progress: tqdm bars (default the auditor's setting).
+        tau: the heads' KE threshold in nats (default :data:`~uds_lens.component_result.HEAD_TAU`, 0.01: a head's
+            delta is a small part of its layer's, so the residual stream's 0.05 would leave almost no cell).
 
     Returns:
         A :class:`ComponentResult` with ``axis="head"``: tensors ``[example, layer, head]``.
@@ -543,13 +559,13 @@ def patch_heads(
     runner = _Runner(auditor, idxs, batch_size)
     point = HEAD_HOOKS[hook]
 
-    def compute(source: Any) -> _StageScores:
+    def compute(source: Any, stage: str) -> _StageScores:
         if chosen == "fast":
-            return _heads_fast(runner, source, point, layers, progress)
-        return _components_naive(runner, source, point, layers, "head", positions, progress)
+            return _heads_fast(runner, source, point, layers, progress, stage)
+        return _components_naive(runner, source, point, layers, "head", positions, progress, stage)
 
     key = ("head", point, tuple(layers), tuple(e.idx for e in runner.encoded), positions, chosen)
-    return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key)
+    return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key, tau)
 
 
 def _patch_each(
@@ -571,11 +587,14 @@ def _patch_each(
     point = _resolve_hook(site)
     _check_hook(auditor.full, point, layers)
 
-    def compute(source: Any) -> _StageScores:
-        return _components_naive(runner, source, point, layers, axis, "patched", progress)
+    def compute(source: Any, stage: str) -> _StageScores:
+        return _components_naive(runner, source, point, layers, axis, "patched", progress, stage)
 
     key = (axis, point, tuple(layers), tuple(e.idx for e in runner.encoded))
-    return _result(auditor, unlearned, name, point, axis, layers, idxs, compute, "naive", key)
+    tau = (
+        auditor.config.tau
+    )  # a token's (a position's) delta is on the span's scale: the residual stream's tau
+    return _result(auditor, unlearned, name, point, axis, layers, idxs, compute, "naive", key, tau)
 
 
 def patch_tokens(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -245,7 +246,7 @@ def load_hf_model(
         kwargs["quantization_config"] = quantization
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with loader_errors(source, "weights"):
+    with loader_errors(source, "weights"), _no_loading_bar():
         model = loader.from_pretrained(first, **kwargs)
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
@@ -253,6 +254,20 @@ def load_hf_model(
     if quantization is None:
         model.to(device)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """transformers' per-model "Loading weights" bar hidden while one model loads (a notebook scoring eight models
+    showed eight); uds_lens's own bars, which ``progress`` switches, are the ones that show work."""
+    bars = transformers.utils.logging
+    shown = bars.is_progress_bar_enabled()
+    bars.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            bars.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------------------------------------------

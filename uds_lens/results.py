@@ -3,8 +3,8 @@
 ``UDSResult`` holds the per-example, per-layer scores of one unlearned model and turns them into the tables users
 ``groupby`` and plot:
 
-* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status (scored|no_ke|skipped), skip_reason,
-  question, entity``;
+* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, n_clipped, uds, status (scored|no_ke|skipped),
+  skip_reason, question, entity`` (``n_clipped``: KE layers with ``d2 > d1``, whose LER the clip cut to 1);
 * ``layers`` (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``. ``s0`` is the
   clean full model's score (S0, one value per example); ``baseline_score`` is the unpatched score as the engine
   computes it at that layer (S0 itself for the naive engine; the fast engine's own recomputation, equal to S0 up to
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from uds_lens import display
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.result_store import (
@@ -58,13 +59,14 @@ from uds_lens.result_store import (
     result_lock,
     verify_result_dir,
 )
-from uds_lens.uds import bootstrap_ci, deltas, rescore
+from uds_lens.uds import bootstrap_ci, clipped_mask, clipped_summary, deltas, rescore
 
 EXAMPLE_COLUMNS = [
     "idx",
     "prompt_type",
     "n_entity_tokens",
     "n_ke",
+    "n_clipped",
     "uds",
     "status",
     "skip_reason",
@@ -204,14 +206,19 @@ class UDSResult:
         per-example scores it was saved with (recomputing them from ``layers.csv``, whose float32 deltas come back
         as float64, would move the model UDS in the ninth decimal away from its own ``summary.json``).
         """
-        if tau == self.settings.get("tau") and {"uds", "n_ke", "status"} <= set(self.examples.columns):
+        if tau == self.settings.get("tau") and {"uds", "n_ke", "n_clipped", "status"} <= set(
+            self.examples.columns
+        ):
             return self
         retain_free = bool(self.layers["d1"].isna().all())
         layers, per_example = rescore(self.layers, tau)
-        examples = self.examples.drop(columns=[c for c in ("n_ke", "uds", "status") if c in self.examples])
+        examples = self.examples.drop(
+            columns=[c for c in ("n_ke", "n_clipped", "uds", "status") if c in self.examples]
+        )
         examples = examples.merge(per_example, on="idx", how="left")
         skipped = examples["skip_reason"].notna() & (examples["skip_reason"] != "")
         examples["n_ke"] = examples["n_ke"].fillna(0).astype(int)
+        examples["n_clipped"] = examples["n_clipped"].fillna(0).astype(int)
         if retain_free:
             examples["status"] = np.where(skipped, "skipped", "scored")
             examples["uds"] = np.nan
@@ -264,6 +271,18 @@ class UDSResult:
         }
 
     @property
+    def clipped(self) -> dict[str, float]:
+        """Over-disruption (SPEC 1.6c), never part of UDS: ``clipped_share``, the share of KE cells with ``d2 > d1``
+        (LER clipped to 1: the unlearned model's activation breaks the full model more than retain's does, and UDS
+        reads it as erased), ``clipped_median_ratio`` (median ``d2 / d1`` over those cells) and the counts
+        ``n_ke_cells``, ``n_clipped_cells`` (:func:`uds.clipped_summary`)."""
+        return clipped_summary(
+            self.layers["d1"].to_numpy(dtype=float),
+            self.layers["d2"].to_numpy(dtype=float),
+            self.settings["tau"],
+        )
+
+    @property
     def summary(self) -> dict[str, Any]:
         status = self.examples["status"].value_counts()
         reasons = self.examples.loc[self.examples["status"] == "skipped", "skip_reason"].value_counts()
@@ -276,6 +295,7 @@ class UDSResult:
             "n_no_ke": int(status.get("no_ke", 0)),
             "n_skipped": int(status.get("skipped", 0)),
             "skipped_reasons": {str(k): int(v) for k, v in reasons.items()},
+            **self._clipped_fields(),
             "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"]
             .astype(int)
             .tolist(),
@@ -305,6 +325,15 @@ class UDSResult:
                 out[key] = self.meta[key]
         out.setdefault("timings", {})
         return out
+
+    def _clipped_fields(self) -> dict[str, Any]:
+        clipped = self.clipped
+        return {
+            "clipped_share": _none_if_nan(clipped["clipped_share"]),
+            "clipped_median_ratio": _none_if_nan(clipped["clipped_median_ratio"]),
+            "n_ke_cells": int(clipped["n_ke_cells"]),
+            "n_clipped_cells": int(clipped["n_clipped_cells"]),
+        }
 
     def to_open_unlearning(self) -> dict[str, Any]:
         scored = self.examples.dropna(subset=["uds"])
@@ -397,6 +426,10 @@ class UDSResult:
         for column in ("question", "entity"):
             if column not in examples:
                 examples[column] = None
+        if "n_clipped" not in examples:  # saved before over-disruption was counted: count it from the deltas
+            tau = meta["settings"]["tau"]
+            counts = rescore(layers, tau)[1].set_index("idx")["n_clipped"]
+            examples["n_clipped"] = examples["idx"].map(counts).fillna(0).astype(int)
         return cls(
             name=meta["name"],
             examples=examples[EXAMPLE_COLUMNS],
@@ -426,6 +459,7 @@ class UDSResult:
             examples=rows.reset_index(drop=True),
             layers=self.layers[self.layers["idx"] == idx].reset_index(drop=True),
             settings=dict(self.settings),
+            name=self.name,
         )
 
     # -- tensors back ------------------------------------------------------------------------------------------
@@ -435,21 +469,60 @@ class UDSResult:
         return self.layers.pivot(index="idx", columns="layer", values=column)
 
     def __repr__(self) -> str:
-        s = self.summary
+        counts = self.examples["status"].value_counts()
+        scored, no_ke, skipped = (int(counts.get(key, 0)) for key in ("scored", "no_ke", "skipped"))
+        if self.retain_free:
+            score = f"retain-free, mean d2 {display.number(self.d2_summary['mean_d2'])} (unnormalised)"
+        else:
+            score = f"UDS {display.number(self.uds)} {display.interval(self.ci95)}"
+        clipped = self.clipped
         return (
-            f"UDSResult({self.name!r}, uds={s['uds']}, scored={s['n_scored']}, no_ke={s['n_no_ke']}, "
-            f"skipped={s['n_skipped']})"
+            f"UDSResult({self.name!r}: {score}, {scored} scored, {no_ke} no KE, {skipped} skipped; "
+            f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells)"
         )
+
+    def _repr_html_(self) -> str:
+        """The notebook view: UDS, its CI, the counts and the clipped share in one row, the settings under it."""
+        summary, clipped = self.summary, self.clipped
+        header = ["model", "UDS", "95% CI", "scored", "no KE", "skipped", "clipped (d2 > d1)"]
+        uds = "retain-free" if self.retain_free else display.number(self.uds)
+        row = [
+            self.name,
+            uds,
+            display.interval(self.ci95),
+            summary["n_scored"],
+            summary["n_no_ke"],
+            summary["n_skipped"],
+            display.clipped_text(
+                clipped["clipped_share"],
+                clipped["clipped_median_ratio"],
+                int(clipped["n_clipped_cells"]),
+                int(clipped["n_ke_cells"]),
+            ),
+        ]
+        settings = self.settings
+        notes = [
+            f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}; "
+            "clipped: KE cells where the unlearned model's patch hurts more than retain's (LER clipped to 1, "
+            "read as erased)."
+        ]
+        if summary["skipped_reasons"]:
+            notes.append("skipped: " + ", ".join(f"{k} ({v})" for k, v in summary["skipped_reasons"].items()))
+        return display.html_table(f"UDSResult {self.name}", header, [row], notes)
 
 
 @dataclass(frozen=True)
 class ExampleView:
-    """One example of a ``UDSResult``: ``examples`` (one row), ``layers`` (its rows), ``settings``; ``figure()``."""
+    """One example of a ``UDSResult``: ``examples`` (one row), ``layers`` (its rows), ``settings``; ``figure()``.
+
+    ``name`` is the result's (the unlearned model's) name, shown in the repr and the figure's title.
+    """
 
     idx: int
     examples: pd.DataFrame
     layers: pd.DataFrame
     settings: dict[str, Any]
+    name: str = ""
 
     def _get(self, column: str) -> Any:
         value = self.examples[column].iloc[0] if column in self.examples else None
@@ -471,6 +544,52 @@ class ExampleView:
     @property
     def status(self) -> str | None:
         return self._get("status")
+
+    @property
+    def clipped_layers(self) -> list[int]:
+        """The KE layers where ``d2 > d1``: LER clipped to 1 (over-disruption, SPEC 1.6c)."""
+        mask = clipped_mask(
+            self.layers["d1"].to_numpy(dtype=float),
+            self.layers["d2"].to_numpy(dtype=float),
+            self.settings["tau"],
+        )
+        return [int(layer) for layer in self.layers.loc[mask, "layer"]]
+
+    def _headline(self) -> str:
+        n_ke = int(self.layers["ke"].sum())
+        clipped = self.clipped_layers
+        model = f"{self.name}, " if self.name else ""
+        head = (
+            f"example {self.idx} ({model}{self.status}): UDS {display.number(self.uds)} over {n_ke} KE layers"
+        )
+        return head + (f", {len(clipped)} clipped (d2 > d1 at layers {clipped})" if clipped else "")
+
+    def __repr__(self) -> str:
+        text = f"ExampleView({self._headline()}"
+        if self.question is not None:
+            text += f"; Q: {self.question!r}; entity: {self.entity!r}"
+        return text + ")"
+
+    def _repr_html_(self) -> str:
+        """The notebook view: question and entity, then one row per layer (d1, d2, KE, LER, clipped)."""
+        clipped = set(self.clipped_layers)
+        rows = [
+            [
+                int(row.layer),
+                display.number(row.d1),
+                display.number(row.d2),
+                "KE" if row.ke else "",
+                display.number(row.ler),
+                "d2 > d1" if int(row.layer) in clipped else "",
+            ]
+            for row in self.layers.itertuples()
+        ]
+        notes = [f"Q: {self.question}", f"entity: {self.entity}"] if self.question is not None else []
+        reason = self._get("skip_reason")
+        if reason:
+            notes.append(f"skipped: {reason}")
+        header = ["layer", "d1", "d2", "KE", "LER", "clipped"]
+        return display.html_table(self._headline(), header, rows, notes)
 
     def figure(self, title: str | None = None) -> Any:
         """``plotting.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""

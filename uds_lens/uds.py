@@ -10,7 +10,9 @@ For every example ``i`` and layer ``l`` (one patch per layer, see ``patching.py`
   how much of it the unlearned model has erased);
 * ``ke_mask[l] = d1[l] > tau``: the knowledge-encoding (KE) layers (strict ``>``, ``tau = 0.05`` nats);
 * ``ler[l] = clip(d2[l] / d1[l], 0, 1)``: the layer erasure ratio;
-* ``UDS_i = sum_KE d1 * ler / sum_KE d1``, undefined (NaN) when no layer is KE; model UDS = mean of defined ``UDS_i``.
+* ``UDS_i = sum_KE d1 * ler / sum_KE d1``, undefined (NaN) when no layer is KE; model UDS = mean of defined ``UDS_i``;
+* ``clipped_mask = ke & (d2 > d1)``: KE cells whose ratio the clip cut to 1 (over-disruption: the unlearned model's
+  activation breaks the full model more than retain's does). Reported, never changes UDS (SPEC 1.6c).
 
 0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it is as absent as in
 a model that never saw it. Without a retain model (retain-free mode) only ``d2`` exists; its summaries are
@@ -57,6 +59,34 @@ def layer_erasure_ratio(
     d1 = np.asarray(d1, dtype=float)
     d2 = np.asarray(d2, dtype=float)
     return np.clip(np.divide(d2, d1, out=np.zeros_like(d2), where=d1 != 0), 0.0, 1.0)
+
+
+def clipped_mask(
+    d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"], tau: float = DEFAULT_TAU
+) -> Bool[np.ndarray, "*shape"]:
+    """KE cells where ``d2 > d1``: their ``d2 / d1`` is above 1 and LER clips it to 1 (over-disruption, SPEC 1.6c).
+
+    A NaN ``d2`` (a cell a KE-only Stage 2 did not run) is never clipped.
+    """
+    d1 = np.asarray(d1, dtype=float)
+    return ke_mask(d1, tau) & (np.asarray(d2, dtype=float) > d1)
+
+
+def clipped_summary(
+    d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"], tau: float = DEFAULT_TAU
+) -> dict[str, float]:
+    """Over-disruption over all cells given: ``clipped_share`` (clipped KE cells / KE cells, NaN with no KE cell),
+    ``clipped_median_ratio`` (median ``d2 / d1`` over the clipped cells, NaN with none) and the two counts."""
+    d1, d2 = np.asarray(d1, dtype=float), np.asarray(d2, dtype=float)
+    n_ke = int(ke_mask(d1, tau).sum())
+    clipped = clipped_mask(d1, d2, tau)
+    n_clipped = int(clipped.sum())
+    return {
+        "clipped_share": n_clipped / n_ke if n_ke else float("nan"),
+        "clipped_median_ratio": float(np.median(d2[clipped] / d1[clipped])) if n_clipped else float("nan"),
+        "n_ke_cells": n_ke,
+        "n_clipped_cells": n_clipped,
+    }
 
 
 def _ke_weighted(
@@ -119,7 +149,8 @@ def rescore(
 
     Returns ``(layers, per_example)``: the table with ``ke`` and ``ler`` (re)computed for ``tau`` (``ler`` is NaN
     outside KE layers, where ``d2 / d1`` is a ratio of noise, not of knowledge), and one row per ``by`` group (first
-    appearance order) with ``n_ke`` and ``uds``. Pass ``by=("site", "idx")`` for a table holding several sites, or
+    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``, :func:`clipped_mask`) and ``uds``.
+    Pass ``by=("site", "idx")`` for a table holding several sites, or
     another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and a NaN ``uds``.
     """
     keys = list(by)
@@ -129,13 +160,19 @@ def rescore(
     scored = layers.assign(ke=ke, ler=np.where(ke, layer_erasure_ratio(d1, d2), np.nan))
     sums = (
         scored[keys]
-        .assign(n_ke=ke.astype(int), weight=weight, weighted=weighted)
+        .assign(
+            n_ke=ke.astype(int),
+            n_clipped=clipped_mask(d1, d2, tau).astype(int),
+            weight=weight,
+            weighted=weighted,
+        )
         .groupby(keys, sort=False)
         .sum()
     )
     per_example = pd.DataFrame(
         {
             "n_ke": sums["n_ke"].to_numpy(dtype=int),
+            "n_clipped": sums["n_clipped"].to_numpy(dtype=int),
             "uds": _weighted_mean(
                 sums["n_ke"].to_numpy(), sums["weight"].to_numpy(), sums["weighted"].to_numpy()
             ),

@@ -43,6 +43,7 @@ def test_score_writes_every_file(tiny, tmp_path):
             "prompt_type",
             "n_entity_tokens",
             "n_ke",
+            "n_clipped",
             "uds",
             "status",
             "skip_reason",

@@ -11,7 +11,8 @@
 - :mod:`~uds_lens.plotting.meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
 - :mod:`~uds_lens.plotting.export`: ``save`` (PNG/SVG/PDF or offline HTML), ``keep_figures_in_notebooks`` (figures
   stored as HTML too, so a shared notebook shows them);
-- :mod:`~uds_lens.plotting.style`: the palette, dashes and scales they share.
+- :mod:`~uds_lens.plotting.style`: the palette, dashes and scales they share, and ``model_colour`` (one colour per
+  model in every figure).
 
 :func:`uds_lens.plotting.report.write_report` assembles them into one offline HTML page. ``uds_lens.plots`` is the
 earlier name of this package and still works. The names load their module on first use (PEP 562, as
@@ -35,6 +36,8 @@ _EXPORTS = {
     "S1_COLOUR": "style",
     "STAGE_DASH": "style",
     "VALUE_LABELS": "style",
+    "model_colour": "style",
+    "set_model_colours": "style",
     "layer_heatmap": "heatmaps",
     "example_curves": "curves",
     "layerwise_methods": "curves",
@@ -81,6 +84,7 @@ __all__ = [
     "layerwise_methods",
     "lens_vs_uds_example",
     "lens_vs_uds_models",
+    "model_colour",
     "model_frame",
     "pool_histograms",
     "prompt_type_bar",
@@ -89,6 +93,7 @@ __all__ = [
     "rmu_target_layer",
     "robustness_scatter",
     "save",
+    "set_model_colours",
     "stage_curves",
     "tau_curves",
     "token_logprobs",
@@ -132,6 +137,8 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         S1_COLOUR,
         STAGE_DASH,
         VALUE_LABELS,
+        model_colour,
+        set_model_colours,
     )
 
 

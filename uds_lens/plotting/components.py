@@ -87,7 +87,11 @@ def component_patching(
             add_curve(fig, part["layer"], part[column], label, colour, dash, half)
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     fig.update_layout(
-        title=title or "Mean patching delta per layer by patching site",
+        title=title
+        or "Mean patching delta per layer by patching site"
+        + {"d1": " (S1: retain → full)", "d2": " (S2: unlearned → full)", "both": " (S1 solid, S2 dashed)"}[
+            stage
+        ],
         xaxis={"title": "layer", **layer_ticks(components["layer"])},
         yaxis_title="mean Δ (nats)",
     )
@@ -100,17 +104,26 @@ def component_heatmap(
     axis: str = "head",
     value: str = "component_uds",
     title: str | None = None,
+    support: ArrayLike | None = None,
+    min_support: int = 0,
 ) -> go.Figure:
     """Heatmap of a ``[layer, component]`` grid (heads, entity tokens, patched positions), y = layer.
 
     Args:
-        grid: ``[layer, component]`` values (NaN cells left blank).
+        grid: ``[layer, component]`` values (NaN cells left blank on a light grey plot area, so "no value" never
+            looks like a colour of the scale).
         layers: the layer of each row.
         axis: what the columns are (``head``, ``token``, ``position``), for the axis title.
         value: ``d1``/``d2`` (RdBu, midpoint 0) or ``component_uds``/``ler`` (sequential 0-1).
         title: figure title.
+        support: ``[layer, component]`` number of KE cells behind each value: in the hover, and written on the
+            cells when ``min_support`` is set.
+        min_support: cells resting on fewer KE cells are not drawn as a value: blank, labelled ``n=k`` (too few).
     """
     z = np.asarray(grid, dtype=float)
+    counts = None if support is None else np.asarray(support, dtype=int)
+    if counts is not None and min_support > 0:
+        z = np.where(counts >= min_support, z, np.nan)
     if value in ("d1", "d2"):
         bound = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() and np.nanmax(np.abs(z)) > 0 else 1.0
         colour = {
@@ -130,9 +143,25 @@ def component_heatmap(
         labels={"x": axis, "y": "layer", "color": VALUE_LABELS.get(value, value.replace("_", " "))},
         **colour,
     )
+    if counts is not None:
+        label = VALUE_LABELS.get(value, value.replace("_", " "))
+        fig.update_traces(
+            customdata=counts,
+            hovertemplate=f"layer %{{y}}, {axis} %{{x}}<br>{label} = %{{z:.3f}}<br>KE cells: %{{customdata}}"
+            "<extra></extra>",
+        )
+        if min_support > 0:
+            text = [
+                [
+                    f"{v:.2f}<br>n={n}" if n >= min_support else (f"n={n}<br>too few" if n > 0 else "")
+                    for v, n in zip(values, row, strict=True)
+                ]
+                for values, row in zip(z, counts, strict=True)
+            ]
+            fig.update_traces(text=text, texttemplate="%{text}", textfont={"size": 10})
     fig.update_xaxes(type="category")
     fig.update_yaxes(**layer_ticks(layers))
-    fig.update_layout(title=title or f"{value} per layer and {axis}")
+    fig.update_layout(title=title or f"{value} per layer and {axis}", plot_bgcolor="#e5e5e5")
     return fig
 
 

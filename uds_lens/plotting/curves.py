@@ -21,6 +21,7 @@ from plotly.subplots import make_subplots
 
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import (
+    CLIPPED_MARK,
     KE_BAND,
     REFERENCE_LINE,
     S1_COLOUR,
@@ -28,6 +29,7 @@ from uds_lens.plotting.style import (
     add_curve,
     layer_band,
     layer_ticks,
+    model_colour,
     palette_colour,
 )
 from uds_lens.plotting.tables import (
@@ -75,6 +77,8 @@ def stage_curves(
         if only_scored and examples is not None and "status" in examples.columns:
             layers = layers[layers["idx"].isin(examples.loc[examples["status"] == "scored", "idx"])]
         frames[name] = layers
+    only = getattr(next(iter(named.values())), "name", None) if len(named) == 1 else None
+    named_one = f"{only}: " if isinstance(only, str) and only else ""
     fig = go.Figure()
     s1_means = [frame.groupby("layer")[s1_column].mean() for frame in frames.values()]
     shared_s1 = all(
@@ -82,14 +86,14 @@ def stage_curves(
         for m in s1_means
     )
     for position, (name, frame) in enumerate(frames.items()):
-        colour = palette_colour(position)
+        colour = model_colour(name)
         if position == 0 or not shared_s1:
             s1_name = "S1 (retain → full)" if shared_s1 else f"S1 · {name}"
             s1_colour = S1_COLOUR if shared_s1 else colour
             mean, half = layer_band(frame, s1_column, band)
             add_curve(fig, mean.index, mean, s1_name, s1_colour, STAGE_DASH["d1"], half if band else None)
         mean, half = layer_band(frame, s2_column, band)
-        s2_name = f"S2 · {name}" if len(frames) > 1 else "S2 (unlearned → full)"
+        s2_name = f"S2 · {name}" if len(frames) > 1 else f"S2 ({named_one[:-2] or 'unlearned'} → full)"
         add_curve(fig, mean.index, mean, s2_name, colour, STAGE_DASH["d2"], half if band else None)
     first = next(iter(frames.values()))
     if quantity == "score" and "s0" in first.columns:
@@ -103,7 +107,7 @@ def stage_curves(
     band_text = {"std": " (±1 std)", "sem": " (±1 s.e.m.)", "ci95": " (95% CI)"}.get(band or "", "")
     fig.update_layout(
         title=title
-        or f"Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
+        or f"{named_one}Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
         xaxis={"title": "layer", **layer_ticks(first["layer"])},
         yaxis_title="mean Δ (nats)" if quantity == "delta" else "mean entity log-prob",
         hovermode="x unified",
@@ -145,8 +149,12 @@ def example_curves(
     fig = go.Figure()
     for layer in rows["layer"].to_numpy()[ke]:
         fig.add_vrect(x0=layer - 0.5, x1=layer + 0.5, fillcolor=KE_BAND, line_width=0, layer="below")
-    colour = palette_colour(0)
-    for stage, name in (("d1", "d1 · S1 (retain → full)"), ("d2", "d2 · S2 (unlearned → full)")):
+    model = getattr(result, "name", None) or None
+    colour = model_colour(model) if model else palette_colour(0)
+    for stage, name in (
+        ("d1", "d1 · S1 (retain → full)"),
+        ("d2", f"d2 · S2 ({model or 'unlearned'} → full)"),
+    ):
         fig.add_trace(
             go.Scatter(
                 x=rows["layer"],
@@ -165,14 +173,30 @@ def example_curves(
             marker={"symbol": "square", "size": 12, "color": KE_BAND},
         )
     )
+    clipped = ke & (rows["d2"].to_numpy(dtype=float) > rows["d1"].to_numpy(dtype=float))
+    if clipped.any():
+        fig.add_trace(
+            go.Scatter(
+                x=rows["layer"].to_numpy()[clipped],
+                y=rows["d2"].to_numpy(dtype=float)[clipped],
+                mode="markers",
+                name="clipped: d2 > d1 (LER cut to 1)",
+                marker={**CLIPPED_MARK, "size": 12},
+            )
+        )
     fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ")
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     uds_text = "undefined (no KE layer)" if uds is None or pd.isna(uds) else f"{float(uds):.3f}"
+    if clipped.any():
+        uds_text += (
+            f" ({int(clipped.sum())} of {int(ke.sum())} KE layers clipped: the unlearned patch hurts more than "
+            "retain's)"
+        )
     detail = ""
     if info is not None and isinstance(info.get("entity"), str):
         detail = f"<br><sup>entity: {info['entity']} · Q: {str(info.get('question', ''))[:100]}</sup>"
     fig.update_layout(
-        title=title or f"Example {idx}: UDS = {uds_text}{detail}",
+        title=title or f"{model + ': ' if model else ''}example {idx}: UDS = {uds_text}{detail}",
         xaxis={"title": "layer", **layer_ticks(rows["layer"])},
         yaxis_title="Δ (nats)",
         hovermode="x unified",
@@ -201,7 +225,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
         raise ValueError(f"tau table lacks columns {sorted(missing)}")
     table = table if "model" in table.columns else table.assign(model="model")
     fig = go.Figure()
-    for position, model in enumerate(dict.fromkeys(table["model"])):
+    for model in dict.fromkeys(table["model"]):
         part = table[table["model"] == model].sort_values("tau")
         extra = part["n_no_ke"] if "n_no_ke" in part.columns else None
         fig.add_trace(
@@ -210,7 +234,7 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
                 y=part["uds"],
                 mode="lines+markers",
                 name=str(model),
-                line={"color": palette_colour(position)},
+                line={"color": model_colour(str(model))},
                 customdata=extra,
                 hovertemplate=f"{model}<br>τ = %{{x}}<br>UDS %{{y:.3f}}"
                 + ("<br>no-KE examples %{customdata}" if extra is not None else "")

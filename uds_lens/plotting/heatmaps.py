@@ -3,8 +3,12 @@
 The shape TransformerLens/ARENA users read activation-patching results in: ``px.imshow`` with y = layer and x =
 example, ``d1``/``d2`` on ``RdBu`` with midpoint 0 (``d1[l] = baseline[l] - s1[l]``: blue where patching the retain
 model's layer ``l`` in removes the fact, so where the knowledge lives), ``ler`` on a sequential 0-1 scale and blank
-outside the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio of noise. Examples can be sorted by their ``UDS_i``
-or grouped by prompt type, and every cell's hover names the example's question and entity.
+outside the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio of noise. Examples can be sorted by their ``UDS_i``,
+by their mean ``d1`` (Stage 1: the same order for every model audited against one full/retain pair, so heatmaps of
+several models line up) or grouped by prompt type, and every cell's hover names the example's question and entity.
+The KE cells are marked (or, when they are most cells, the cells that are not KE), clipped KE cells (``d2 > d1``,
+LER cut to 1: over-disruption, SPEC 1.6c) get a red cross on ``d2`` and ``ler`` maps, and a cell without a value is
+plain grey, named in the legend.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import Example
-from uds_lens.plotting.style import DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
+from uds_lens.plotting.style import CLIPPED_MARK, DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
 from uds_lens.plotting.tables import Result, ke_cells, one_site, result_tables
 
 ExampleData: TypeAlias = pd.DataFrame | Sequence[Example | Mapping[str, Any]]
@@ -37,6 +41,8 @@ def layer_heatmap(
     site: str | None = None,
     tau: float = DEFAULT_TAU,
     title: str | None = None,
+    order: Sequence[Any] | None = None,
+    mark_clipped: bool | None = None,
 ) -> go.Figure:
     """Heatmap of one per-layer quantity, y = layer, x = example, with KE cells marked.
 
@@ -45,17 +51,23 @@ def layer_heatmap(
         value: ``"d1"``, ``"d2"`` (RdBu, midpoint 0), ``"ler"`` (sequential 0-1) or any numeric column.
         examples: the examples table (for sorting and hover) when ``result`` is a bare layers table.
         data: optional examples with ``idx, question, entity`` (``list[Example]`` or a DataFrame) for hover text.
-        sort_by: ``"uds"`` (ascending, undefined last), ``"prompt_type"`` (grouped, then UDS) or ``"idx"``; default
-            ``"uds"`` when an examples table is available, else ``"idx"``.
-        mark_ke: overlay a marker on every KE cell (``ke`` column, else ``d1 > tau``); default: unless ``ke_only``,
-            where the blank non-KE cells already mark them.
+        sort_by: ``"uds"`` (ascending, undefined last), ``"d1"`` (mean Stage-1 delta over layers, largest first:
+            one order for every model of a full/retain pair), ``"prompt_type"`` (grouped, then UDS) or ``"idx"``;
+            default ``"uds"`` when an examples table is available, else ``"idx"``.
+        mark_ke: mark the KE cells (``ke`` column, else ``d1 > tau``) with an open square, or, when more than half
+            of the cells are KE, the other cells with a dot; default: unless ``ke_only``, where the blank non-KE
+            cells already mark them.
         ke_only: blank the non-KE cells (default: True for ``ler``, whose value outside KE layers is noise).
         site: which patching site to show when the table has several (default resid_post).
         tau: KE threshold, used only when the table has no ``ke`` column.
-        title: figure title.
+        title: figure title (default: the result's model name and the value).
+        order: the examples' ``idx`` in the order to draw them (overrides ``sort_by``): pass one order to every
+            heatmap of a notebook.
+        mark_clipped: cross the clipped KE cells (``d2 > d1``); default for ``d2`` and ``ler``.
 
     Returns:
-        The figure: trace 0 is the heatmap, trace 1 (if ``mark_ke``) the KE markers.
+        The figure: trace 0 is the heatmap, then (if any) the KE markers, the clipped-cell crosses and the legend
+        entry of the grey no-value cells.
     """
     layers, result_examples = result_tables(result)
     examples = examples if examples is not None else result_examples
@@ -70,7 +82,15 @@ def layer_heatmap(
     info = _hover_frame(examples, data)
     if sort_by is None:
         sort_by = "uds" if info is not None and "uds" in info.columns else "idx"
-    order = _example_order(list(pd.unique(layers["idx"])), info, sort_by)
+    if order is None:
+        order = _example_order(list(pd.unique(layers["idx"])), info, sort_by, layers)
+    else:
+        order = [idx for idx in order if idx in set(layers["idx"])]
+        if not order:
+            raise ValueError("order names none of the examples in the layers table")
+        layers = layers[layers["idx"].isin(order)]
+    if mark_clipped is None:
+        mark_clipped = value in ("d2", "ler")
     layer_ids = sorted(pd.unique(layers["layer"]))
 
     # One (layer, example) cell per row, placed by integer index: pandas' pivot_table took a third of a report.
@@ -148,20 +168,53 @@ def layer_heatmap(
     )
 
     if mark_ke:
-        rows, cols = np.nonzero(ke.to_numpy())
+        mostly_ke = ke.to_numpy().mean() > 0.5
+        rows, cols = np.nonzero(~ke.to_numpy() if mostly_ke else ke.to_numpy())
+        marker = (
+            {"symbol": "circle", "size": 4, "color": "rgba(0,0,0,0.6)"}
+            if mostly_ke
+            else {"symbol": "square-open", "size": 6, "color": "rgba(0,0,0,0.55)", "line": {"width": 1}}
+        )
+        share = f"{ke.to_numpy().mean():.0%} of cells are KE"
         fig.add_trace(
             go.Scatter(
                 x=[labels[j] for j in cols],
                 y=[layer_ids[i] for i in rows],
                 mode="markers",
-                marker={
-                    "symbol": "square-open",
-                    "size": 6,
-                    "color": "rgba(0,0,0,0.55)",
-                    "line": {"width": 1},
-                },
-                name="KE layer (d1 > τ)",
+                marker=marker,
+                name=f"not KE (d1 ≤ τ; {share})" if mostly_ke else f"KE layer (d1 > τ; {share})",
                 hoverinfo="skip",
+                showlegend=True,
+            )
+        )
+    if mark_clipped and {"d1", "d2"} <= set(layers.columns):
+        clipped = ke.to_numpy() & (grid("d2").to_numpy() > grid("d1").to_numpy())
+        rows, cols = np.nonzero(clipped)
+        share = clipped.sum() / max(int(ke.to_numpy().sum()), 1)
+        fig.add_trace(
+            go.Scatter(
+                x=[labels[j] for j in cols],
+                y=[layer_ids[i] for i in rows],
+                mode="markers",
+                marker=CLIPPED_MARK,
+                name=f"clipped: d2 > d1, LER cut to 1 ({share:.0%} of KE cells)",
+                hoverinfo="skip",
+                showlegend=True,
+            )
+        )
+    if np.isnan(z.to_numpy()).any():
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                marker={
+                    "symbol": "square",
+                    "size": 10,
+                    "color": "#e5e5e5",
+                    "line": {"width": 1, "color": "#999"},
+                },
+                name="grey: no value" + (" (not KE)" if ke_only else ""),
                 showlegend=True,
             )
         )
@@ -179,13 +232,18 @@ def layer_heatmap(
     fig.update_xaxes(showgrid=False, zeroline=False)
     fig.update_yaxes(zeroline=False)
     fig.update_layout(
-        title=title or f"{VALUE_LABELS.get(value, value)} per layer and example",
+        title=title or f"{_model_prefix(result)}{VALUE_LABELS.get(value, value)} per layer and example",
         plot_bgcolor="#e5e5e5",
-        # Above the prompt-type group labels, which sit on the top edge of the heatmap.
-        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
-        margin={"t": 90},
+        # Under the x axis: the title and the prompt-type group labels (on the heatmap's top edge) keep the top.
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0.0, "xanchor": "left"},
+        margin={"t": 80, "b": 120},
     )
     return fig
+
+
+def _model_prefix(result: Result) -> str:
+    name = getattr(result, "name", None)
+    return f"{name}: " if name else ""
 
 
 def _fmt(grid: np.ndarray | None, i: int, j: int) -> str:
@@ -246,9 +304,15 @@ def _hover_frame(examples: pd.DataFrame | None, data: ExampleData | None) -> pd.
     return merged[~merged.index.duplicated()]
 
 
-def _example_order(idxs: Sequence[Any], info: pd.DataFrame | None, sort_by: str | None) -> list[Any]:
+def _example_order(
+    idxs: Sequence[Any], info: pd.DataFrame | None, sort_by: str | None, layers: pd.DataFrame
+) -> list[Any]:
     if sort_by in (None, "idx"):
         return sorted(idxs)
+    if sort_by == "d1":
+        mean_d1 = layers.groupby("idx")["d1"].mean().reindex(idxs)
+        keys = pd.DataFrame({"d1": mean_d1.to_numpy(dtype=float), "idx": list(idxs)})
+        return list(keys.sort_values(["d1", "idx"], ascending=[False, True], na_position="last")["idx"])
     if info is None:
         raise ValueError(f"sort_by={sort_by!r} needs the examples table (pass examples= or a UDSResult)")
     frame = info.reindex(idxs)
@@ -265,4 +329,4 @@ def _example_order(idxs: Sequence[Any], info: pd.DataFrame | None, sort_by: str 
         return list(keys.sort_values(["uds", "idx"], na_position="last")["idx"])
     if sort_by == "prompt_type":
         return list(keys.sort_values(["prompt_type", "uds", "idx"], na_position="last")["idx"])
-    raise ValueError(f"sort_by must be None, 'idx', 'uds' or 'prompt_type', got {sort_by!r}")
+    raise ValueError(f"sort_by must be None, 'idx', 'uds', 'd1' or 'prompt_type', got {sort_by!r}")

@@ -17,7 +17,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
-from uds_lens.plotting.style import layer_ticks, palette_colour
+from uds_lens.plotting.style import layer_ticks, model_colour
 from uds_lens.plotting.tables import (
     HasExamples,
     Results,
@@ -26,7 +26,7 @@ from uds_lens.plotting.tables import (
     named_results,
     one_site,
 )
-from uds_lens.uds import bootstrap_ci, model_uds
+from uds_lens.uds import bootstrap_ci, clipped_summary, model_uds
 
 
 def _ci_pair(ci: Any) -> tuple[float, float] | None:
@@ -43,6 +43,19 @@ def _ci_pair(ci: Any) -> tuple[float, float] | None:
     return float(low), float(high)
 
 
+def _clipped(result: Any, summary: Mapping[str, Any]) -> dict[str, float]:
+    """A result's clipped share and median ``d2 / d1`` (its summary's, else counted from its layers table)."""
+    keys = ("clipped_share", "clipped_median_ratio")
+    if "clipped_share" in summary:
+        return {key: float("nan") if summary.get(key) is None else float(summary[key]) for key in keys}
+    layers = getattr(result, "layers", None)
+    if isinstance(layers, pd.DataFrame) and {"d1", "d2"} <= set(layers.columns):
+        tau = (getattr(result, "settings", None) or summary.get("settings") or {}).get("tau", DEFAULT_TAU)
+        counted = clipped_summary(layers["d1"].to_numpy(dtype=float), layers["d2"].to_numpy(dtype=float), tau)
+        return {key: counted[key] for key in keys}
+    return {key: float("nan") for key in keys}
+
+
 def model_frame(
     results: Results | Mapping[str, HasExamples], roles: Mapping[str, str] | None = None, n_boot: int = 2000
 ) -> pd.DataFrame:
@@ -55,7 +68,9 @@ def model_frame(
         n_boot: bootstrap resamples when a CI has to be computed here (2000, as ``UDSResult.summary`` uses).
 
     Returns:
-        DataFrame with columns ``model, uds, ci_low, ci_high, n_scored, n_no_ke, n_skipped`` (+ ``role``).
+        DataFrame with columns ``model, uds, ci_low, ci_high, n_scored, n_no_ke, n_skipped, clipped_share,
+        clipped_median_ratio`` (+ ``role``): ``clipped_share`` is the share of KE cells with ``d2 > d1``, whose
+        LER the clip cut to 1 (over-disruption, SPEC 1.6c; from the summary, else counted from ``.layers``).
     """
     if isinstance(results, pd.DataFrame):
         frame = results.copy()
@@ -92,6 +107,7 @@ def model_frame(
                     "ci_low": float("nan") if ci is None else ci[0],
                     "ci_high": float("nan") if ci is None else ci[1],
                     **counts,
+                    **_clipped(result, summary),
                 }
             )
         frame = pd.DataFrame(rows)
@@ -111,7 +127,8 @@ def uds_bar(
     Args:
         results: ``{name: result}``, one result, or a model table (``model, uds, ci_low, ci_high`` [, ``role``]) as
             from :func:`model_frame`.
-        roles: optional ``{name: role}``; bars are coloured by role when given (or when the table has ``role``).
+        roles: optional ``{name: role}``, shown in each bar's hover and label (bars are coloured by model:
+            :func:`~uds_lens.plotting.style.model_colour`, the same colour as in every other figure).
         sort: order bars by UDS instead of the given order.
         title: figure title.
     """
@@ -127,37 +144,20 @@ def uds_bar(
     }
     hover = "%{x}<br>UDS %{y:.3f}<br>95% CI [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>"
     fig = go.Figure()
-    if "role" in frame.columns and frame["role"].notna().any():
-        frame = frame.assign(role=frame["role"].fillna("other"))
-        for position, role in enumerate(dict.fromkeys(frame["role"])):
-            part = frame["role"] == role
-            fig.add_trace(
-                go.Bar(
-                    x=frame.loc[part, "model"],
-                    y=frame.loc[part, "uds"],
-                    name=role,
-                    marker={"color": palette_colour(position)},
-                    error_y={
-                        key: (v[part.to_numpy()] if key.startswith("array") else v)
-                        for key, v in error.items()
-                    },
-                    customdata=frame.loc[part, ["ci_low", "ci_high"]].to_numpy(),
-                    hovertemplate=hover,
-                )
-            )
-        fig.update_layout(legend_title_text="role")
-    else:
-        fig.add_trace(
-            go.Bar(
-                x=frame["model"],
-                y=frame["uds"],
-                name="UDS",
-                marker={"color": palette_colour(0)},
-                error_y=error,
-                customdata=frame[["ci_low", "ci_high"]].to_numpy(),
-                hovertemplate=hover,
-            )
+    has_roles = "role" in frame.columns and frame["role"].notna().any()
+    role = frame["role"].fillna("") if has_roles else pd.Series("", index=frame.index)
+    fig.add_trace(
+        go.Bar(
+            x=frame["model"],
+            y=frame["uds"],
+            name="UDS",
+            marker={"color": [model_colour(str(model)) for model in frame["model"]]},
+            error_y=error,
+            customdata=np.column_stack([frame[["ci_low", "ci_high"]].to_numpy(dtype=float), role.to_numpy()]),
+            hovertemplate=hover.replace("%{x}<br>", "%{x} %{customdata[2]}<br>"),
+            showlegend=False,
         )
+    )
     fig.update_xaxes(type="category", categoryorder="array", categoryarray=list(frame["model"]))
     fig.update_layout(
         title=title or "UDS per model (95% bootstrap CI over examples)",
@@ -179,7 +179,7 @@ def uds_distribution(results: Results, kind: str = "violin", title: str | None =
     frame = frame.assign(uds=pd.to_numeric(frame["uds"], errors="coerce")).dropna(subset=["uds"])
     models = list(dict.fromkeys(frame["model"]))
     fig = go.Figure()
-    for position, model in enumerate(models):
+    for model in models:
         values = frame.loc[frame["model"] == model, "uds"]
         hover = frame.loc[frame["model"] == model, "idx"] if "idx" in frame.columns else None
         if kind == "violin":
@@ -194,7 +194,7 @@ def uds_distribution(results: Results, kind: str = "violin", title: str | None =
                     jitter=0.3,
                     pointpos=0.0,
                     marker={"size": 4, "color": "rgba(40,40,40,0.6)"},
-                    line={"color": palette_colour(position)},
+                    line={"color": model_colour(model)},
                     customdata=hover,
                     hovertemplate="%{x}<br>example %{customdata}: UDS %{y:.3f}<extra></extra>",
                     spanmode="hard",
@@ -207,7 +207,7 @@ def uds_distribution(results: Results, kind: str = "violin", title: str | None =
                     name=model,
                     xbins={"start": 0.0, "end": 1.0 + 1e-9, "size": 0.05},
                     opacity=0.6,
-                    marker={"color": palette_colour(position)},
+                    marker={"color": model_colour(model)},
                 )
             )
         else:
@@ -252,14 +252,14 @@ def prompt_type_bar(results: Results, title: str | None = None) -> go.Figure:
             .reset_index()
         )
     fig = go.Figure()
-    for position, model in enumerate(dict.fromkeys(table["model"])):
+    for model in dict.fromkeys(table["model"]):
         part = table[table["model"] == model]
         fig.add_trace(
             go.Bar(
                 x=part["prompt_type"],
                 y=part["mean"],
                 name=model,
-                marker={"color": palette_colour(position)},
+                marker={"color": model_colour(str(model))},
                 text=[f"n={n:.0f}" if pd.notna(n) else "" for n in part["count"]],
                 textposition="inside",
                 insidetextanchor="start",
@@ -301,8 +301,8 @@ def rmu_layer_profile(
     """
     long = one_site(long_by_model(results), site)
     fig = go.Figure()
-    for position, model in enumerate(dict.fromkeys(long["model"])):
-        colour = palette_colour(position)
+    for model in dict.fromkeys(long["model"]):
+        colour = model_colour(model)
         mean = mean_ler_on_ke(long[long["model"] == model], tau)
         fig.add_trace(
             go.Scatter(x=mean.index, y=mean, mode="lines+markers", name=model, line={"color": colour})

@@ -185,6 +185,11 @@ def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) 
         return frame
     frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
     frame["CI 95%"] = [_format_ci(lo, hi) for lo, hi in zip(frame["ci_low"], frame["ci_high"], strict=True)]
+    frame["clipped (d2 > d1)"] = [
+        "–" if pd.isna(share) else f"{share:.0%}" + ("" if pd.isna(ratio) else f" (median d2/d1 {ratio:.2f})")
+        for share, ratio in zip(frame["clipped_share"], frame["clipped_median_ratio"], strict=True)
+    ]
+    frame = frame.drop(columns=["clipped_share", "clipped_median_ratio"])
     seconds = []
     for name in frame["model"]:
         timings = results[name].summary.get("timings") or {}
@@ -355,6 +360,9 @@ def write_report(
     # Models in the order the command's terminal table showed them; any other, by name.
     position = {name: number for number, name in enumerate(order)}
     ordered = dict(sorted(results.items(), key=lambda item: (position.get(item[0], len(order)), item[0])))
+    plotting.set_model_colours(
+        order=ordered
+    )  # one colour per model in every figure below (kept if already drawn)
     scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
     with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
     out = Path(out_html) if out_html is not None else root / "report.html"
@@ -394,7 +402,12 @@ def write_report(
     with_uds = {n: r for n, r in ordered.items() if "uds" in r.summary or n in scored}
     if with_uds:
         page.heading("Models")
-        page.table(_models_table(with_uds, roles), caption="UDS per model; CI = 95% bootstrap over examples.")
+        page.table(
+            _models_table(with_uds, roles),
+            caption="UDS per model; CI = 95% bootstrap over examples. Clipped: the share of KE cells where the "
+            "unlearned model's patch hurts the full model more than retain's (d2 > d1); LER clips them to 1, so "
+            "UDS reads over-disruption as erasure.",
+        )
         page.figure(
             plotting.uds_bar(
                 plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
@@ -413,20 +426,27 @@ def write_report(
             "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
         )
         name, reference = next(iter(with_layers.items()))
-        has_types = reference.examples is not None and reference.examples["prompt_type"].notna().any()
         page.figure(
-            plotting.layer_heatmap(reference, value="d1", sort_by="prompt_type" if has_types else "uds",
-                                title="Δ<sup>S1</sup> per layer and example (retain → full); □ = KE layer"),
+            plotting.layer_heatmap(reference, value="d1", sort_by="d1",
+                                   title="Δ<sup>S1</sup> per layer and example (retain → full)"),
             caption="Where the forget-set knowledge lives: blue cells lose log-prob when the retain model's residual "
-            "is patched in. Shared by every model audited against the same full/retain pair.",
+            "is patched in. Shared by every model audited against the same full/retain pair. Examples in every "
+            "heatmap of this page are in one order: largest mean Δ<sup>S1</sup> first.",
         )  # fmt: skip
         page.heading("Per model", level=2)
         for name, result in audited.items():
             role = roles.get(name)
-            page.heading(f"{name}" + (f" ({role})" if role else "") + f" · UDS {result.uds:.3f}", level=3)
+            clipped = result.result.clipped["clipped_share"] if result.result is not None else float("nan")
+            page.heading(
+                f"{name}"
+                + (f" ({role})" if role else "")
+                + f" · UDS {result.uds:.3f}"
+                + ("" if pd.isna(clipped) else f" · {clipped:.0%} of KE cells clipped"),
+                level=3,
+            )
             page.figure(
-                plotting.layer_heatmap(result, value="ler", sort_by="uds",
-                                    title=f"{name}: LER on KE layers (examples sorted by UDS<sub>i</sub>)"),
+                plotting.layer_heatmap(result, value="ler", sort_by="d1",
+                                       title=f"{name}: LER on KE layers (× = clipped, d2 > d1)"),
             )  # fmt: skip
     rmu = {n: r for n, r in with_layers.items() if plotting.rmu_target_layer(n) is not None}
     if rmu:

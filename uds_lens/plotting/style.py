@@ -1,8 +1,10 @@
 """One visual language for every figure: colours, dashes, scales, reference lines, layer ticks and bands.
 
-**Colour** says which thing is compared (a model, a patching site, a readout): :data:`PALETTE` in order, so one model
-keeps one colour across figures, and S1, shared by all models audited against one full/retain pair, in grey
-(:data:`S1_COLOUR`). **Dash** says which stage (:data:`STAGE_DASH`: S1 / ``d1`` solid, S2 / ``d2`` dashed).
+**Colour** says which thing is compared (a model, a patching site, a readout). A model keeps one colour in every
+figure and the report (:func:`model_colour`: the reference models ``full`` and ``retain`` have fixed ones, every
+other model gets the next :data:`PALETTE` colour the first time it is drawn in a process, and keeps it, whatever
+the order or the company it is drawn in; :func:`set_model_colours` pins colours of your own). S1, shared by all
+models audited against one full/retain pair, is grey (:data:`S1_COLOUR`). **Dash** says which stage (:data:`STAGE_DASH`: S1 / ``d1`` solid, S2 / ``d2`` dashed).
 Thresholds and references (``tau``) are dotted grey lines, the KE layers of one example a shaded band. Heatmaps
 follow the TransformerLens/ARENA convention: :data:`DELTA_SCALE` (RdBu, white at 0) for deltas, where a positive
 delta (the patch removed knowledge) is blue, and the sequential :data:`LER_SCALE` on 0-1 for LER and UDS.
@@ -36,9 +38,46 @@ VALUE_LABELS = {
 }
 
 
+REFERENCE_COLOURS = {"full": "#1a1a1a", "retain": "#9a9a9a"}
+"""The two ends of the UDS scale, in black and grey (no palette colour is either)."""
+CLIPPED_MARK = {
+    "symbol": "x-thin-open",
+    "size": 7,
+    "color": "#d62728",
+    "line": {"width": 2, "color": "#d62728"},
+}
+"""The marker of a clipped KE cell (``d2 > d1``, LER cut to 1) in heatmaps and per-example curves."""
+_MODEL_COLOURS: dict[str, str] = {}
+
+
 def palette_colour(position: int) -> str:
-    """The palette colour of the ``position``-th compared thing (wrapping around)."""
+    """The palette colour of the ``position``-th compared thing (wrapping around): sites, readouts, methods; models
+    take :func:`model_colour`."""
     return PALETTE[position % len(PALETTE)]
+
+
+def model_colour(name: str) -> str:
+    """One model's colour, the same in every figure of this process and in the report written from it.
+
+    ``full`` and ``retain`` (and ``zoo:full`` ...) have :data:`REFERENCE_COLOURS`; any other name gets the next
+    palette colour on first use (wrapping after ten models) unless :func:`set_model_colours` pinned one.
+    """
+    key = str(name).removeprefix("zoo:")
+    if key in REFERENCE_COLOURS:
+        return REFERENCE_COLOURS[key]
+    if key not in _MODEL_COLOURS:
+        _MODEL_COLOURS[key] = PALETTE[len(_MODEL_COLOURS) % len(PALETTE)]
+    return _MODEL_COLOURS[key]
+
+
+def set_model_colours(colours: dict[str, str] | None = None, order: Iterable[str] = ()) -> dict[str, str]:
+    """Pin model colours: ``colours`` as given, then the names of ``order`` palette colours in that order (so a
+    notebook and a report drawn in another process agree). Returns the mapping now in force."""
+    for name, colour in (colours or {}).items():
+        _MODEL_COLOURS[str(name).removeprefix("zoo:")] = colour
+    for name in order:
+        model_colour(name)
+    return dict(_MODEL_COLOURS)
 
 
 def _rgba(hex_colour: str, alpha: float) -> str:

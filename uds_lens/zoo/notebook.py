@@ -1,8 +1,9 @@
 """The first cell of every notebook: your checkpoints, or the embedded zoo when none are given, and an auditor on them.
 
 A notebook in ``notebooks/`` runs on real checkpoints (``full``, ``retain``, one ``unlearned``, a forget set) when its
-parameter cell names them, and on the embedded test zoo otherwise (built once into ``zoo_dir``, a few minutes on a
-CPU, then reused), which is how the test suite executes every notebook. :func:`notebook_setup` makes that choice once
+parameter cell names them, and on an embedded zoo otherwise: the one in ``zoo_dir`` when there is one (the test suite
+points it at the test zoo), else the 8-layer notebook zoo (``size="notebook"``, deep enough for a layer story) built
+there once, then reused. :func:`notebook_setup` makes that choice once
 for all of them and returns the pieces they go on with: the :class:`~uds_lens.auditor.UDSAuditor` of full and
 retain on the forget set, and, when asked to score, the unlearned model and its ``UDSResult``.
 """
@@ -83,6 +84,7 @@ def notebook_setup(
     limit: int | None = None,
     progress: bool = True,
     score: bool = True,
+    zoo_size: str = "notebook",
 ) -> NotebookSetup:
     """Resolve a notebook's parameters, build its auditor and (by default) score its unlearned model.
 
@@ -98,6 +100,7 @@ def notebook_setup(
         limit: score only the first ``limit`` examples (None = all).
         progress: progress bars while scoring.
         score: load the unlearned model and score it (``unlearned_model``, ``result``).
+        zoo_size: the size built when ``zoo_dir`` holds no zoo (``"notebook"``: 8 layers, no meta-evaluation pools).
 
     Returns:
         The :class:`NotebookSetup` (``print`` it to show the checkpoints and the score).
@@ -111,7 +114,11 @@ def notebook_setup(
     zoo = None
     if full is None:
         zoo_dir = Path(zoo_dir)
-        zoo = load_zoo(zoo_dir) if (zoo_dir / MANIFEST_FILE).exists() else build_zoo(zoo_dir, size="test")
+        zoo = (
+            load_zoo(zoo_dir)
+            if (zoo_dir / MANIFEST_FILE).exists()
+            else build_zoo(zoo_dir, size=zoo_size, pools=False)
+        )
         full, retain, data = zoo.path("full"), zoo.path("retain"), zoo.forget_path
         if unlearned is None:
             names = zoo.names(role="unlearned")

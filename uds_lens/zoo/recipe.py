@@ -76,6 +76,19 @@ SIZES: dict[str, ZooSize] = {
         rmu_layers=(0, 1, 3),
         pool_variants=6,
     ),
+    # The notebooks' zoo: the test zoo's world and recipe at twice its depth, so a layer-wise figure has eight points
+    # and an RMU layer can sit early, in the middle or last (built by the notebooks when their zoo is missing).
+    "notebook": ZooSize(
+        n_authors=30,
+        shape=ModelShape(n_layers=8, d_model=64, d_mlp=256, n_heads=4),
+        base_epochs=30,
+        base_lr=3e-3,
+        finetune_epochs=16,
+        finetune_lr=2e-3,
+        unlearning=_unlearning_settings(epochs=10),
+        rmu_layers=(1, 4, 7),
+        pool_variants=6,
+    ),
     "default": ZooSize(
         n_authors=200,
         shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),

@@ -13,7 +13,11 @@ from uds_lens import plotting
 def test_stage_curves_one_model(result):
     fig = plotting.stage_curves(result)
     lines = [t for t in fig.data if t.mode == "lines+markers"]
-    assert [t.name for t in lines] == ["S1 (retain → full)", "S2 (unlearned → full)"]
+    assert [t.name for t in lines] == ["S1 (retain → full)", f"S2 ({result.name} → full)"]
+    assert fig.layout.title.text.startswith(f"{result.name}: ")  # the model is named
+    assert (
+        plotting.stage_curves(result.layers).data[-1].name == "S2 (unlearned → full)"
+    )  # a bare table has no name
     scored = result.examples.query("status == 'scored'")["idx"]
     expected = result.layers[result.layers["idx"].isin(scored)].groupby("layer")["d1"].mean()
     np.testing.assert_allclose(np.asarray(lines[0].y, dtype=float), expected.to_numpy())

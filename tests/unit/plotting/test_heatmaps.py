@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -12,8 +14,14 @@ from uds_lens import plotting
 
 
 def _ke_cells(fig: go.Figure) -> set[tuple[str, int]]:
-    markers = fig.data[1]
-    return {(str(x), int(y)) for x, y in zip(markers.x, markers.y, strict=True)}
+    """The KE cells the figure marks: the marked cells, or, when the marks say "not KE", every other cell."""
+    markers = next(t for t in fig.data if "KE" in (t.name or "") and "no value" not in t.name)
+    marked = {(str(x), int(y)) for x, y in zip(markers.x, markers.y, strict=True)}
+    if not markers.name.startswith("not KE"):
+        return marked
+    heatmap = fig.data[0]
+    every = {(str(x), int(y)) for x in heatmap.x for y in heatmap.y}
+    return every - marked
 
 
 @pytest.mark.parametrize("value", ["d1", "d2"])
@@ -52,7 +60,9 @@ def test_ler_heatmap_is_sequential_zero_one_and_blank_off_ke(result):
     z = np.asarray(fig.data[0].z, dtype=float)
     ke = result.layers.pivot(index="layer", columns="idx", values="ke").to_numpy(dtype=bool)
     assert np.isnan(z[~ke]).all() and np.isfinite(z[ke]).all()
-    assert len(fig.data) == 1  # blanks mark non-KE cells; no marker trace by default
+    # blanks mark non-KE cells: no KE marker trace by default, and the legend names the grey cells
+    assert not [t for t in fig.data if (t.name or "").startswith(("KE", "not KE"))]
+    assert [t.name for t in fig.data if "no value" in (t.name or "")] == ["grey: no value (not KE)"]
 
 
 def test_ke_cells_are_marked_where_ke_is_true(result):
@@ -60,6 +70,35 @@ def test_ke_cells_are_marked_where_ke_is_true(result):
     expected = {(str(r.idx), int(r.layer)) for r in result.layers.itertuples() if r.ke}
     assert fig.data[1].type == "scatter" and fig.data[1].mode == "markers"
     assert _ke_cells(fig) == expected
+
+
+def test_clipped_ke_cells_are_crossed_on_d2_and_ler(result):
+    # over-disrupt the even layers: d2 = 2 d1 there (LER clips those KE cells to 1)
+    even = result.layers["layer"] % 2 == 0
+    layers = result.layers.assign(d2=result.layers["d2"].where(~even, 2 * result.layers["d1"]))
+    result = replace(result, layers=layers)
+    expected = {(str(r.idx), int(r.layer)) for r in layers.itertuples() if r.ke and r.d2 > r.d1}
+    assert expected and all(layer % 2 == 0 for _, layer in expected)
+    for value in ("d2", "ler"):
+        fig = plotting.layer_heatmap(result, value=value)
+        crosses = next(t for t in fig.data if (t.name or "").startswith("clipped"))
+        assert {(str(x), int(y)) for x, y in zip(crosses.x, crosses.y, strict=True)} == expected
+    assert not [
+        t for t in plotting.layer_heatmap(result, value="d1").data if (t.name or "").startswith("clip")
+    ]
+
+
+def test_one_order_serves_every_heatmap_and_d1_order_is_model_free(result):
+    order = plotting.layer_heatmap(result, value="d1", sort_by="d1").data[0].x
+    mean_d1 = result.layers.groupby("idx")["d1"].mean()
+    assert [int(x) for x in order] == sorted(mean_d1.index, key=lambda i: (-mean_d1[i], i))
+    given = [int(x) for x in order][::-1]
+    for value in ("d1", "d2", "ler"):
+        assert [int(x) for x in plotting.layer_heatmap(result, value=value, order=given).data[0].x] == given
+
+
+def test_the_title_names_the_model(result):
+    assert plotting.layer_heatmap(result, value="d2").layout.title.text.startswith(f"{result.name}: ")
 
 
 def test_ke_marks_fall_back_to_tau_without_ke_column(result):

@@ -32,10 +32,52 @@ def test_uds_bar_has_ci_error_bars(results):
 
 def test_uds_bar_by_role(results):
     fig = plotting.uds_bar(results, roles={"full": "full", "npo": "unlearned", "retain": "retain"})
-    assert [t.name for t in fig.data] == ["full", "unlearned", "retain"]
-    npo = fig.data[1]
-    low, high = npo.customdata[0]
-    assert (low, high) == pytest.approx(results["npo"].ci95) and low < npo.y[0] < high
+    bars = fig.data[0]
+    assert list(bars.x) == list(results)
+    low, high, role = bars.customdata[1]
+    assert (
+        (low, high) == pytest.approx(results["npo"].ci95) and low < bars.y[1] < high and role == "unlearned"
+    )
+    assert list(bars.marker.color) == [plotting.model_colour(name) for name in results]
+
+
+def test_one_colour_per_model_whatever_the_figure_or_order(results):
+    """A model's colour in the bar chart, the curves, the distributions and the RMU profile is one colour, and
+    drawing the models in another order or company does not change it."""
+    names = list(results)
+    reordered = {name: results[name] for name in reversed(names)}
+    colours: dict[str, set[str]] = {name: set() for name in names}
+    bars = plotting.uds_bar(reordered).data[0]
+    for name, colour in zip(bars.x, bars.marker.color, strict=True):
+        colours[name].add(colour)
+    for trace in plotting.uds_distribution(results).data + plotting.uds_distribution(reordered).data:
+        colours[trace.name].add(trace.line.color)
+    for trace in plotting.prompt_type_bar({"npo": results["npo"]}).data:
+        colours[trace.name].add(trace.marker.color)
+    for trace in plotting.rmu_layer_profile(reordered).data:
+        colours[trace.name].add(trace.line.color)
+    for trace in plotting.stage_curves(results, band=None).data:
+        if trace.name.startswith("S2 · "):
+            colours[trace.name.removeprefix("S2 · ")].add(trace.line.color)
+    assert all(len(found) == 1 for found in colours.values()), colours
+    assert len({found.pop() for found in colours.values()}) == len(names)  # and no two models share one
+    assert (
+        plotting.model_colour("full") == plotting.model_colour("zoo:full") != plotting.model_colour("retain")
+    )
+
+
+def test_model_frame_carries_the_clipped_share(results):
+    frame = plotting.model_frame(results).set_index("model")
+    for name, result in results.items():
+        assert frame.loc[name, "clipped_share"] == pytest.approx(result.clipped["clipped_share"], nan_ok=True)
+    bare = {
+        name: SimpleNamespace(examples=r.examples, layers=r.layers, settings=r.settings)
+        for name, r in results.items()
+    }
+    counted = plotting.model_frame(bare).set_index("model")
+    assert counted["clipped_share"].to_numpy() == pytest.approx(
+        frame["clipped_share"].to_numpy(), nan_ok=True
+    )
 
 
 def test_model_frame_without_summary_uses_the_package_bootstrap(results):

@@ -1,0 +1,141 @@
+"""What a result shows of itself: the clipped share (SPEC 1.6c), short reprs and the notebook's HTML view."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from uds_lens import uds
+from uds_lens.results import UDSResult
+
+# Three examples x four layers. With tau = 0.05 the KE cells are: example 3 layers 1-3 (layer 2 clipped: d2 = 2 d1),
+# example 7 layers 0-3 (none clipped); example 5 has no KE layer (its d2 > d1 cells are below tau: not clipped).
+D1 = np.array([[0.01, 0.5, 1.0, 2.0], [0.0, 0.02, 0.03, 0.04], [0.2, 0.4, 0.8, 1.6]])
+D2 = np.array([[0.5, 0.25, 2.0, 2.0], [0.0, 1.0, 1.0, 1.0], [0.1, 0.1, 0.1, 0.1]])
+IDX = [3, 5, 7]
+
+
+def _result(d1: np.ndarray = D1, d2: np.ndarray = D2) -> UDSResult:
+    n_layers = d1.shape[1]
+    layers = pd.DataFrame(
+        {
+            "idx": np.repeat(IDX, n_layers),
+            "layer": np.tile(range(n_layers), len(IDX)),
+            "site": "resid_post",
+            "s0": -1.0,
+            "baseline_score": -1.0,
+            "s1_score": (-1 - d1).ravel(),
+            "s2_score": (-1 - d2).ravel(),
+            "d1": d1.ravel(),
+            "d2": d2.ravel(),
+            "ke": False,
+            "ler": np.nan,
+        }
+    )
+    examples = pd.DataFrame(
+        {
+            "idx": [*IDX, 9],
+            "prompt_type": ["a", "b", "a", "b"],
+            "n_entity_tokens": [2, 2, 2, 0],
+            "skip_reason": ["", "", "", "entity_not_found"],
+            "question": ["Who wrote it?", "What?", "Where?", "Q"],
+            "entity": ["Nikolai Abilov", "X", "Y", "Z"],
+        }
+    )
+    settings = {"tau": None, "site": "resid_post", "patch_scope": "span"}
+    return UDSResult("npo", examples, layers, settings).with_tau(0.05)
+
+
+def test_clipped_counts_only_ke_cells_where_d2_exceeds_d1():
+    result = _result()
+    counts = result.examples.set_index("idx")["n_clipped"]
+    assert counts.to_dict() == {3: 1, 5: 0, 7: 0, 9: 0}
+    clipped = result.clipped
+    assert clipped["n_ke_cells"] == 7 and clipped["n_clipped_cells"] == 1
+    assert clipped["clipped_share"] == pytest.approx(1 / 7)
+    assert clipped["clipped_median_ratio"] == pytest.approx(2.0)
+    assert result.example(3).clipped_layers == [2]
+    summary = result.summary
+    assert summary["clipped_share"] == pytest.approx(1 / 7) and summary["n_clipped_cells"] == 1
+
+
+def test_clipping_is_reported_and_never_changes_uds():
+    # the same result with the clipped cell's d2 lowered to d1: LER is 1 either way, so UDS is unchanged
+    lowered = D2.copy()
+    lowered[0, 2] = D1[0, 2]
+    result, unclipped = _result(), _result(d2=lowered)
+    assert result.uds == pytest.approx(unclipped.uds)
+    assert unclipped.clipped["n_clipped_cells"] == 0 and result.clipped["n_clipped_cells"] == 1
+
+
+def test_clipped_summary_of_a_grid_without_ke_is_undefined_not_zero():
+    summary = uds.clipped_summary(np.full((2, 3), 0.01), np.ones((2, 3)))
+    assert summary["n_ke_cells"] == 0 and np.isnan(summary["clipped_share"])
+    assert np.isnan(summary["clipped_median_ratio"])
+
+
+def test_a_result_saved_before_n_clipped_counts_it_on_load(tmp_path):
+    result = _result()
+    result.save(tmp_path / "npo")
+    examples = pd.read_csv(tmp_path / "npo" / "examples.csv").drop(columns="n_clipped")
+    examples.to_csv(tmp_path / "npo" / "examples.csv", index=False)
+    loaded = UDSResult.load(tmp_path / "npo", verify=False)
+    assert loaded.examples.set_index("idx")["n_clipped"].to_dict() == {3: 1, 5: 0, 7: 0, 9: 0}
+
+
+def test_the_repr_is_short_rounded_and_says_what_the_score_rests_on():
+    result = _result()
+    text = repr(result)
+    assert "UDS 0.531" in text and "[0." in text
+    assert "2 scored, 1 no KE, 1 skipped" in text
+    assert "14% of 7 KE cells" in text
+    assert not re.search(r"\d\.\d{5,}", text), text  # no 17-digit floats
+
+
+def test_the_html_view_is_one_table_row_with_ci_counts_and_clipped_share():
+    html = _result()._repr_html_()
+    assert html.count("<tr>") == 2  # header + the model's row
+    for cell in (
+        "0.531",
+        "[0.133, 0.929]",
+        "14% (1 of 7 KE cells, median d2/d1 2.00)",
+        "entity_not_found (1)",
+    ):
+        assert cell in html
+
+
+def test_an_example_view_names_its_model_question_and_clipped_layers():
+    view = _result().example(3)
+    text = repr(view)
+    assert text.startswith("ExampleView(example 3 (npo, scored): UDS 0.929 over 3 KE layers")
+    assert "d2 > d1 at layers [2]" in text and "'Nikolai Abilov'" in text
+    assert "DataFrame" not in text and "\n" not in text
+    html = view._repr_html_()
+    assert html.count("<tr>") == 1 + 4  # header + one row per layer
+    assert html.count("d2 &gt; d1</td>") == 1
+
+
+def test_loading_a_checkpoint_shows_no_third_party_bar(tiny, capfd):
+    import transformers
+
+    from uds_lens.models import load_model
+
+    transformers.utils.logging.enable_progress_bar()
+    load_model(tiny.full, device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers.utils.logging.is_progress_bar_enabled()  # the user's own setting is given back
+
+
+def test_the_auditor_shows_what_it_holds_not_an_address(tiny):
+    from uds_lens import UDSAuditor
+
+    auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
+    text = repr(auditor)
+    assert " at 0x" not in text and text.startswith("UDSAuditor(full: ")
+    assert f"{len(auditor.encoded)} examples encoded, {len(auditor.skipped)} skipped" in text
+    assert "tau 0.05 nats" in text and "Stage 1: not yet" in text
+    html = auditor._repr_html_()
+    assert html.count("<tr>") == 1 + 7 and "retain" in html
