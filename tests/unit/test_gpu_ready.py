@@ -4,6 +4,7 @@ mean, a budgeted clean-run cache, and a sweep that never waits for actors a clus
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -16,6 +17,8 @@ import torch
 
 from uds_lens import checkpoint, failures, models
 from uds_lens.auditor import UDSAuditor, UDSConfig, clean_run_bytes
+from uds_lens.data import encode, load_examples
+from uds_lens.patching import planning
 from uds_lens.readout import segment_mean
 from uds_lens.resolve import resolve_source
 from uds_lens.sweep import SweepError, SweepModel, WorkerPlan
@@ -387,3 +390,38 @@ def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch,
     assert fake.timeouts == [5.0] and len(fake.killed) == 1
     assert fake.options_seen[0]["num_gpus"] == 1.0
     assert plan.config.device == "cuda"  # the actor's one visible GPU, whatever index was asked for
+
+
+# -- 3. the joined copies, counted by the planner ------------------------------------------------------------------
+
+
+def test_the_planner_counts_the_joined_copies_the_fast_engine_makes(tiny):
+    from uds_lens.patching.kernels import _layer_weights
+
+    model = models.load_model(tiny.full, device="cpu")
+    made = 0
+    for layer, block in enumerate(model.blocks):
+        weights = _layer_weights(model, layer)
+        own = {id(p) for p in block.parameters()}
+        for item in dataclasses.fields(weights):
+            value = getattr(weights, item.name)
+            if isinstance(value, torch.Tensor) and id(value) not in own and id(value._base) not in own:
+                made += (
+                    value.numel() * value.element_size()
+                )  # allocated by the engine, not a view of a weight
+    assert made > 0 and planning.joined_copy_bytes(model) == made
+
+
+def test_the_batch_size_leaves_room_for_three_models_joined_copies(tiny, monkeypatch):
+    model = models.load_model(tiny.full, device="cpu")
+    tokenizer = models.load_tokenizer(tiny.tokenizer)
+    encoded, _ = encode(load_examples(tiny.data), tokenizer)
+    joined = planning.joined_copy_bytes(model)
+    seq_len = max(example.read_positions.stop for example in encoded)
+    window = max(len(example.window("span")) for example in encoded)
+    per_example = planning.estimate_bytes_per_example(model, seq_len, window, "fast")
+    monkeypatch.setattr(planning, "available_memory_bytes", lambda device: 3 * joined + 40 * per_example)
+    assert planning.choose_batch_size(model, encoded, "span", "fast") == 10  # a quarter of what is left
+    assert planning.choose_batch_size(model, encoded, "span", "fast", joined_models=0) == 10 + int(
+        0.25 * 3 * joined // per_example
+    )

@@ -2,8 +2,9 @@
 the pipeline that stages one model ahead.
 
 Staged bytes and models stay in ordinary (pageable) host memory, never pinned: PyTorch's pinned-memory cache rounds
-every block up to a power of two and keeps it, so an 8B bf16 checkpoint would lock about 26 GiB, twice that with
-one model staged ahead. The copy to the GPU is a little slower from pageable memory and runs once per model.
+every block up to a power of two and keeps it after it is freed (a 5 GB shard locks 8 GiB), so pinned staging would
+lock up to twice a checkpoint's size, for each model in flight, for the life of the process. The copy to the GPU is
+a little slower from pageable memory (reasoned, not measured here) and runs once per model.
 """
 
 from __future__ import annotations
