@@ -403,9 +403,9 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     * per model: the weights, and the joined copies the fast engine keeps for each model it runs (counted on the
       meta device: exact, no bytes allocated);
     * per engine cache: the clean run's prefix keys/values and window activations the auditor keeps per batch
-      (``auditor.clean_run_bytes``), measured by running the clean run with random weights at the shape's layers,
-      widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it), on
-      ``cache_examples`` TOFU-like examples;
+      (``auditor.clean_run_bytes``), measured by running the clean run with random fp32 weights at the shape's
+      layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
+      on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
     * per batch: the planner's estimate per example (``estimate_bytes_per_example``, the fast engine) and the
       batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
       the joined copies of all three.
@@ -437,15 +437,20 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     per_example = estimate_bytes_per_example(meta, seq_len, window, "fast")
     spec = EngineSpec("resid_post", tuple(range(shape.n_layers)))
 
-    # the clean-run cache, measured with random weights: the shape's layers, d_model and heads; a small MLP/vocab
-    small = bridge_of(hf_config(shape, d_mlp=64, vocab=len(tokenizer) + 8), dtype, "cpu")
+    # The clean-run cache, measured with random weights: the shape's layers, d_model and heads; a small MLP and
+    # vocabulary. Run in fp32 (the CPU's bf16 matrix products fall back to a reference loop, hours at 8B) and priced
+    # in ``dtype``: the keys, values and activations it keeps are in the model's dtype, the scores in fp32.
+    small = bridge_of(hf_config(shape, d_mlp=64, vocab=len(tokenizer) + 8), torch.float32, "cpu")
+    itemsize = torch.empty((), dtype=dtype).element_size()
     sample = encoded[:cache_examples]
     cache = 0
     per_cache_example = []
     for members in plan_batches(sample, "span", 8):
         batch = pad_batch([sample[i] for i in members], tokenizer.pad_token_id, "span", cut=True)
         with torch.no_grad():
-            held = clean_run_bytes(clean_run(small, batch, spec))
+            run = clean_run(small, batch, spec)
+        measured = clean_run_bytes(run)
+        held = measured - (measured - run.scores.numel() * 4) // 4 * (4 - itemsize)
         cache += held
         per_cache_example.append(held / len(members))
     cache_per_example = cache / len(sample)
