@@ -18,6 +18,12 @@ from a measured forward (DESIGN.md, "Speed is part of correctness").
     python experiments/bench_scale.py --shape llama32_1b --dtype bfloat16 --examples 367 --device cuda
     python experiments/bench_scale.py --shape llama31_8b --dtype bfloat16 --examples 367 --device cuda
 
+``--account`` counts instead of running (no checkpoints written, a few GB at most): the bytes of a model's weights
+and of the joined copies the fast engine keeps for it (on the meta device), of the clean-run cache per example
+(measured with random weights at the shape's layers and widths), and of a batch as the planner estimates it:
+
+    python experiments/bench_scale.py --account --shape llama32_1b --shape llama31_8b --dtype bfloat16 --examples 367
+
 Run anything over 4 GB under ``flock /tmp/bigmem.lock`` on a shared machine. Checkpoints are cached under
 ``--workdir`` (default ``~/.cache/uds_lens/bench_scale``) and reused; ``--clean`` deletes them afterwards.
 """
@@ -339,6 +345,143 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
     return line
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Memory accounting (--account): bytes held per model, per engine cache, per batch, without the memory to run it
+
+
+def hf_config(shape: Shape, d_mlp: int | None = None, vocab: int | None = None):
+    """A Hugging Face Llama config of ``shape`` (eager attention), ``d_mlp``/``vocab`` replaced when given."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=shape.d_model,
+        intermediate_size=d_mlp or shape.d_mlp,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_kv_heads,
+        vocab_size=vocab or shape.vocab,
+        tie_word_embeddings=shape.tied,
+        rope_theta=shape.rope_theta,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
+        attn_implementation="eager",
+    )
+
+
+def bridge_of(config, dtype: torch.dtype, device: str):
+    """A ``TransformerBridge`` over a Llama of ``config`` built on ``device`` (``meta``: shapes only, no bytes;
+    ``cpu``: random weights)."""
+    from transformers import LlamaForCausalLM
+
+    from uds_lens.models import hooked_from_hf
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(config).to(dtype).eval()
+    return hooked_from_hf(hf)
+
+
+def engine_owned_bytes(weights, params: list[torch.Tensor]) -> int:
+    """Bytes of the tensors of a ``_BlockWeights`` that are neither a parameter nor a view of one: the joined
+    Q/K/V and gate/up matrices and the zero biases the fast engine allocates for each block it runs."""
+    from dataclasses import fields
+
+    owned = 0
+    ids = {id(p) for p in params}
+    for item in fields(weights):
+        value = getattr(weights, item.name)
+        if not isinstance(value, torch.Tensor) or id(value) in ids or id(value._base) in ids:
+            continue
+        owned += value.numel() * value.element_size()
+    return owned
+
+
+def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, cache_examples: int) -> dict:
+    """What a UDS audit holds at ``shape_name`` in ``dtype_name``, counted rather than run at full size.
+
+    * per model: the weights, and the joined copies the fast engine keeps for each model it runs (counted on the
+      meta device: exact, no bytes allocated);
+    * per engine cache: the clean run's prefix keys/values and window activations the auditor keeps per batch
+      (``auditor.clean_run_bytes``), measured by running the clean run with random fp32 weights at the shape's
+      layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
+      on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
+    * per batch: the planner's estimate per example (``estimate_bytes_per_example``, the fast engine) and the
+      batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
+      the joined copies of all three.
+    """
+    from uds_lens.auditor import clean_run_bytes
+    from uds_lens.config import EngineSpec
+    from uds_lens.data import encode, load_examples
+    from uds_lens.models import load_tokenizer
+    from uds_lens.patching import clean_run, estimate_bytes_per_example, pad_batch, plan_batches
+    from uds_lens.patching.kernels import _layer_weights
+    from uds_lens.patching.planning import joined_copy_bytes
+    from uds_lens.tl_compat import hf_model_of
+
+    shape = SHAPES[shape_name]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    meta = bridge_of(hf_config(shape), dtype, "meta")
+    hf = hf_model_of(meta)
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())  # a tied W_U is one parameter
+    joined = sum(
+        engine_owned_bytes(_layer_weights(meta, layer), list(meta.blocks[layer].parameters()))
+        for layer in range(shape.n_layers)
+    )
+    tokenizer_dir = Path("/tmp") / "uds_lens_bench_scale_tokenizer"
+    make_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    encoded, _ = encode(load_examples(make_records(n_examples)), tokenizer)
+    seq_len = max(example.read_positions.stop for example in encoded)
+    window = max(len(example.window("span")) for example in encoded)
+    per_example = estimate_bytes_per_example(meta, seq_len, window, "fast")
+    spec = EngineSpec("resid_post", tuple(range(shape.n_layers)))
+
+    # The clean-run cache, measured with random weights: the shape's layers, d_model and heads; a small MLP and
+    # vocabulary. Run in fp32 (the CPU's bf16 matrix products fall back to a reference loop, hours at 8B) and priced
+    # in ``dtype``: the keys, values and activations it keeps are in the model's dtype, the scores in fp32.
+    small = bridge_of(hf_config(shape, d_mlp=64, vocab=len(tokenizer) + 8), torch.float32, "cpu")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sample = encoded[:cache_examples]
+    cache = 0
+    per_cache_example = []
+    for members in plan_batches(sample, "span", 8):
+        batch = pad_batch([sample[i] for i in members], tokenizer.pad_token_id, "span", cut=True)
+        with torch.no_grad():
+            run = clean_run(small, batch, spec)
+        measured = clean_run_bytes(run)
+        held = measured - (measured - run.scores.numel() * 4) // 4 * (4 - itemsize)
+        cache += held
+        per_cache_example.append(held / len(members))
+    cache_per_example = cache / len(sample)
+
+    # choose_batch_size's rule on a GPU holding full, retain and one unlearned model, the three joined copies
+    # (planning.joined_copy_bytes, checked here against the count above) taken from its free memory first
+    planned_joined = joined_copy_bytes(meta)
+    free = gpu_gb * 2**30 - 3 * weights - 3 * planned_joined
+    batch_on_gpu = max(1, min(64, int(0.25 * free // per_example))) if free > 0 else 0
+    gib = 2**30
+    return {
+        "shape": shape_name,
+        "dtype": dtype_name,
+        "weights_per_model_gib": weights / gib,
+        "joined_copies_per_model_run_gib": joined / gib,
+        "joined_over_weights": joined / weights,
+        "planner_joined_copies_gib": planned_joined / gib,
+        "score_holds_gib_joined_for_every_model": 3 * (weights + joined) / gib,
+        "score_holds_gib_joined_for_the_target_only": (3 * weights + joined) / gib,
+        "clean_cache_per_example_mib": cache_per_example / 2**20,
+        "clean_cache_per_example_range_mib": [min(per_cache_example) / 2**20, max(per_cache_example) / 2**20],
+        "clean_cache_all_examples_gib": cache_per_example * len(encoded) / gib,
+        "examples": len(encoded),
+        "max_seq_len": seq_len,
+        "max_window": window,
+        "batch_estimate_per_example_mib": per_example / 2**20,
+        f"batch_chosen_on_{gpu_gb:g}gb": batch_on_gpu,
+        f"batch_bytes_on_{gpu_gb:g}gb_gib": batch_on_gpu * per_example / gib,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -354,11 +497,26 @@ def main() -> None:
     parser.add_argument(
         "--prepare-only", action="store_true", help="only write the checkpoints (little memory)"
     )
+    parser.add_argument(
+        "--account",
+        action="store_true",
+        help="count the bytes held per model, per engine cache and per batch instead of running the audit",
+    )
+    parser.add_argument(
+        "--gpu-gb", type=float, default=80.0, help="--account: the GPU the batch is planned for"
+    )
+    parser.add_argument(
+        "--cache-examples", type=int, default=16, help="--account: examples whose clean runs are measured"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape or ["tiny"]:
         for dtype in args.dtype or ["float32"]:
+            if args.account:
+                line = account(shape, dtype, args.examples, args.gpu_gb, args.cache_examples)
+                print(json.dumps(line), flush=True)
+                continue
             if args.prepare_only:
                 print(json.dumps({str(k): str(v) for k, v in prepare(shape, dtype, args.workdir).items()}))
                 continue

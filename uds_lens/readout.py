@@ -36,14 +36,27 @@ def segment_mean(
     dtype: torch.dtype = torch.float32,
 ) -> Float[Tensor, "*lead segment"]:
     """Mean of ``values`` over the last axis per segment (``segment[t]`` in ``0..n_segments-1``; an example's entity
-    tokens), summed and divided in ``dtype`` (fp32; the hidden-state baselines sum in fp64)."""
+    tokens), summed and divided in ``dtype`` (fp32; the hidden-state baselines sum in fp64).
+
+    Deterministic on every device: each segment's values are added one after another in their order along the axis
+    (as ``index_add_`` does on the CPU, so the CPU's numbers are unchanged), from a ``[segment, longest]`` layout
+    filled without accumulation, never with the atomic additions ``index_add_`` makes on CUDA, whose order (and so
+    whose last bits) varies from run to run. A source equal to the target then scores exactly as the target does on
+    a GPU too. One host read (the longest segment) per call.
+    """
     values = values.to(dtype)
-    shape = (*values.shape[:-1], n_segments)
-    total = torch.zeros(shape, dtype=dtype, device=values.device).index_add_(-1, segment, values)
-    count = torch.zeros(shape, dtype=dtype, device=values.device).index_add_(
-        -1, segment, torch.ones_like(values)
-    )
-    return total / count
+    order = torch.argsort(segment, stable=True)
+    counts = torch.bincount(segment, minlength=n_segments)[:n_segments]
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_segment = segment[order]
+    rank = torch.arange(segment.numel(), device=segment.device) - starts[sorted_segment]
+    longest = int(counts.max()) if segment.numel() else 0
+    laid_out = values.new_zeros((*values.shape[:-1], n_segments, longest))
+    laid_out[..., sorted_segment, rank] = values[..., order]
+    total = values.new_zeros((*values.shape[:-1], n_segments))
+    for column in range(longest):
+        total = total + laid_out[..., column]
+    return total / counts.to(dtype)
 
 
 def mean_entity_logprob(

@@ -85,6 +85,20 @@ def estimate_bytes_per_example(model: Any, seq_len: int, window: int, engine: En
     return int(kv + sources + 2 * runs + logits)
 
 
+def joined_copy_bytes(model: Any) -> int:
+    """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
+    Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
+    zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
+    the model lives."""
+    cfg = model.cfg
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    n_kv = cfg.n_key_value_heads or cfg.n_heads
+    d_mlp = cfg.d_mlp or 4 * cfg.d_model
+    qkv = (cfg.n_heads + 2 * n_kv) * cfg.d_head
+    per_block = cfg.d_model * (qkv + 2 * d_mlp) + qkv + 2 * d_mlp + 2 * cfg.d_model
+    return int(cfg.n_layers * per_block * itemsize)
+
+
 def available_memory_bytes(device: str | torch.device) -> int:
     """Free accelerator memory, or available host RAM on the CPU."""
     device = torch.device(device)
@@ -106,15 +120,28 @@ def choose_batch_size(
     engine: Engine,
     budget_fraction: float = 0.25,
     cap: int = 64,
+    joined_models: int = 3,
 ) -> int:
-    """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1)."""
+    """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1).
+
+    The fast engine's joined matrices (:func:`joined_copy_bytes`) are made when a model first runs, after the batch
+    size is chosen, and are kept while it lives: ``joined_models`` of them (full, retain and the source being
+    scored) are taken from the free memory first. The naive engine joins nothing.
+    """
     if not examples:
         return 1
     seq_len = max(ex.read_positions.stop for ex in examples)
     window = max(len(ex.window(scope)) for ex in examples)
     per_example = max(1, estimate_bytes_per_example(model, seq_len, window, engine))
-    budget = available_memory_bytes(as_source(model).device) * budget_fraction
-    return int(max(1, min(cap, math.floor(budget / per_example))))
+    joined = joined_copy_bytes(model) * joined_models if engine == "fast" else 0
+    free = max(0, available_memory_bytes(as_source(model).device) - joined)
+    return int(max(1, min(cap, math.floor(free * budget_fraction / per_example))))
 
 
-__all__ = ["available_memory_bytes", "choose_batch_size", "estimate_bytes_per_example", "plan_batches"]
+__all__ = [
+    "available_memory_bytes",
+    "choose_batch_size",
+    "estimate_bytes_per_example",
+    "joined_copy_bytes",
+    "plan_batches",
+]

@@ -13,7 +13,8 @@ Stage-2 work over workers:
   actors run (hub ids always are).
 * **In-process** (``workers=1``, or Ray not installed): one such worker in this process, on every core by default,
   paced by compute: while model k computes, model k+1 is resolved, read and hashed in one pass over its bytes
-  (``checkpoint.stage``; pinned memory on a GPU) and built on the CPU on a staging thread, at most one model ahead;
+  (``checkpoint.stage``; ordinary memory, never pinned) and built on the CPU on a staging thread, at most one model
+  ahead; it moves to the device only once the model before it has been released;
   the reuse decision is made there from that digest, and a model that cannot be staged becomes its ``failed`` row.
   On Ray each actor reads and hashes its model in one pass too (the driver hashes it once more for the reuse
   decision, before any actor starts), with no staging ahead.
@@ -44,7 +45,7 @@ of the one auditor that computed Stage 1, exactly as ``uds-lens score`` would.
 The package, one concept per module (every name is re-exported here):
 
 * ``lists``: what to sweep (:class:`SweepModel`, model-list files, the shipped registries, result-name checks);
-* ``staging``: a model made ready before its turn (:func:`prepare_model`, pinning, the move to the device) and the
+* ``staging``: a model made ready before its turn (:func:`prepare_model`, the move to the device) and the
   :class:`StagingPipeline` that stages one model ahead;
 * ``worker``: :class:`SweepWorker` (its auditor, the shipped Stage 1, :func:`finish_model`) and its threads;
 * ``ledger``: ``sweep.csv``'s :data:`COLUMNS` and :data:`PHASES`, the rows, the reuse decision and the writes;

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from tqdm.auto import tqdm
 
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
+from uds_lens.models import DEVICE_ENV
 from uds_lens.results import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
 from uds_lens.sweep.errors import SweepError
@@ -34,6 +38,10 @@ from uds_lens.sweep.worker import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Seconds the driver waits for its Ray actors to load full and compute Stage 1 (an 8B model and 400 examples take
+# minutes on a GPU): past it, an actor that cannot be placed is an error rather than a wait without end.
+STARTUP_TIMEOUT = 3600.0
 
 
 def ray_available() -> bool:
@@ -66,6 +74,7 @@ def sweep(
     progress: bool = True,
     use_ray: bool | None = None,
     prefetch: bool = True,
+    startup_timeout: float | None = STARTUP_TIMEOUT,
 ) -> pd.DataFrame:
     """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
 
@@ -83,10 +92,14 @@ def sweep(
         registry / methods: a registry name (``tofu-llama-3.2-1b``) or CSV, optionally filtered by method.
         config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``).
         workers: Ray actors; 1 runs in-process; None = one per GPU (``gpus_per_worker``) or per CPU slot
-            (``cpus_per_worker``) of the cluster, in-process when Ray is not installed.
+            (``cpus_per_worker``) of the cluster, in-process when Ray is not installed. More actors than the
+            cluster's GPUs (or CPU slots) can hold are cut to that number, with a warning (an actor that can
+            never be placed would be waited for forever).
         address: an existing Ray cluster (``auto`` or ``HOST:PORT``); None starts a local one (or joins the one this
             process already started).
-        gpus_per_worker: GPUs per actor (default 1 when the cluster has GPUs, else 0).
+        gpus_per_worker: GPUs per actor (default 1 when the cluster has GPUs and the device is CUDA or not named,
+            0 for ``device="cpu"``). Each actor sees its own GPU as ``cuda``, so a device index (``cuda:1``) is
+            dropped on Ray: Ray chooses the GPU.
         cpus_per_worker: CPU slots (and torch threads, on CPU) per Ray actor, 1 unless given; in-process, the torch
             threads of the one worker, by default every core this process may use (``available_cpus``), restored
             when the sweep returns.
@@ -100,6 +113,8 @@ def sweep(
             else in-process; True forces Ray even for one worker (to measure its overhead), False in-process.
         prefetch: in-process, stage the next model (read, hash, load on the CPU) while this one computes; at most
             one model is held besides the computing one. False stages each model only when its turn comes.
+        startup_timeout: seconds to wait for the Ray actors to start (load full, compute Stage 1) before giving up
+            with a :class:`SweepError`; None waits without limit.
 
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
@@ -180,6 +195,7 @@ def sweep(
             max_retries,
             force,
             progress,
+            startup_timeout,
         )
     else:
         # in-process, the one worker uses the cores there are, unless told otherwise
@@ -235,6 +251,67 @@ def _sweep_in_process(
     return table
 
 
+@dataclass(frozen=True)
+class ActorLayout:
+    """How many Ray actors a sweep starts and what each asks for (:func:`plan_actors`)."""
+
+    workers: int
+    gpus_per_worker: float
+    device: str | None
+    cluster_cpus: float
+    cluster_gpus: float
+
+
+def plan_actors(
+    resources: Mapping[str, float],
+    workers: int | None,
+    gpus_per_worker: float | None,
+    cpus_per_worker: int,
+    device: str | None,
+) -> ActorLayout:
+    """The actors a cluster with ``resources`` (``ray.cluster_resources()``) can hold at once.
+
+    GPUs are asked for when the device is CUDA, or is not named (``device`` None, no ``$UDS_LENS_DEVICE``) and the
+    cluster has GPUs; never for ``device="cpu"``. ``workers`` beyond what the GPUs (and CPU slots) hold are cut to
+    that number with a warning: Ray would otherwise keep the extra actors pending, and the sweep would wait for
+    them forever. A device index is dropped on GPU actors (Ray makes each actor's GPU its ``cuda:0``).
+
+    Raises:
+        SweepError: a CUDA device asked for on a cluster without GPUs, or not even one actor fits.
+    """
+    cpus, gpus = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
+    named = device or os.environ.get(DEVICE_ENV, "").strip() or None
+    on_cuda = named is not None and named.split(":")[0] == "cuda"
+    if gpus_per_worker is None:
+        gpus_per_worker = 1.0 if gpus >= 1 and (named is None or on_cuda) else 0.0
+    if on_cuda and not gpus_per_worker:
+        raise SweepError(
+            f"The sweep runs on {named} but its Ray actors get no GPU (the cluster has {gpus:g}, gpus_per_worker="
+            f"{gpus_per_worker:g}): add GPUs to the cluster, pass gpus_per_worker, or use --device cpu."
+        )
+    fits = math.floor(cpus / cpus_per_worker + 1e-9)
+    if gpus_per_worker:
+        fits = min(fits, math.floor(gpus / gpus_per_worker + 1e-9))
+    if fits < 1:
+        raise SweepError(
+            f"Not one sweep actor fits the Ray cluster ({cpus:g} CPU, {gpus:g} GPU) when each asks for "
+            f"{cpus_per_worker} CPU and {gpus_per_worker:g} GPU: lower cpus_per_worker or gpus_per_worker."
+        )
+    if workers is None:
+        workers = fits
+    elif workers > fits:
+        warnings.warn(
+            f"{workers} sweep workers asked for, but the Ray cluster holds {fits} at once ({cpus:g} CPU, {gpus:g} "
+            f"GPU; {cpus_per_worker} CPU and {gpus_per_worker:g} GPU each): starting {fits}.",
+            stacklevel=3,
+        )
+        workers = fits
+    if gpus_per_worker and device is not None and ":" in device:
+        logger.warning("device %s on Ray: each actor uses the GPU Ray gives it, as cuda.", device)
+        device = device.split(":")[0]
+    return ActorLayout(workers, float(gpus_per_worker), device, cpus, gpus)
+
+
 def _start_ray(address: str | None, workers: int | None, cpus_per_worker: int) -> bool:
     """Join ``address`` or start a local cluster; returns whether this call started it (and must shut it down)."""
     import ray
@@ -264,36 +341,45 @@ def _sweep_on_ray(
     max_retries: int,
     force: bool,
     progress: bool,
+    startup_timeout: float | None = STARTUP_TIMEOUT,
 ) -> pd.DataFrame:
     import ray
 
     started_here = _start_ray(address, workers, cpus_per_worker)
     try:
-        resources_total = ray.cluster_resources()
-        if gpus_per_worker is None:
-            gpus_per_worker = 1.0 if resources_total.get("GPU", 0) >= 1 else 0.0
-        if workers is None:
-            slots = (
-                resources_total.get("GPU", 0) / gpus_per_worker
-                if gpus_per_worker
-                else resources_total.get("CPU", 1) / cpus_per_worker
-            )
-            workers = max(1, int(slots))
+        layout = plan_actors(
+            ray.cluster_resources(), workers, gpus_per_worker, cpus_per_worker, plan.config.device
+        )
+        if layout.device != plan.config.device:
+            plan.config = dataclasses.replace(plan.config, device=layout.device)
         # On CPU each actor's torch gets its own CPU slots; on a GPU torch's CPU threads matter little.
-        plan.threads = cpus_per_worker if not gpus_per_worker else None
+        plan.threads = cpus_per_worker if not layout.gpus_per_worker else None
         worker_class = ray.remote(SweepWorker).options(
-            max_restarts=max_retries, max_task_retries=0, num_cpus=cpus_per_worker, num_gpus=gpus_per_worker
+            max_restarts=max_retries,
+            max_task_retries=0,
+            num_cpus=cpus_per_worker,
+            num_gpus=layout.gpus_per_worker,
         )
         # Every actor loads the full model at once; the first also computes Stage 1 (on a worker's device and
         # dtype, exactly as the others will score), which the others then receive from the object store.
         actors = [
             worker_class.remote(plan, compute_stage=number == 0)
-            for number in range(min(workers, len(entries)))
+            for number in range(min(layout.workers, len(entries)))
         ]
         stage_ref = actors[0].stage.remote()
         try:
-            shipped: ShippedStage = ray.get(stage_ref)
-            labels = ray.get([actor.adopt.remote(stage_ref) for actor in actors])
+            shipped: ShippedStage = ray.get(stage_ref, timeout=startup_timeout)
+            labels = ray.get([actor.adopt.remote(stage_ref) for actor in actors], timeout=startup_timeout)
+        except ray.exceptions.GetTimeoutError:
+            for actor in actors:
+                ray.kill(actor)
+            raise SweepError(
+                f"The sweep's {len(actors)} workers did not start within {startup_timeout:g} s (each asks for "
+                f"{cpus_per_worker} CPU and {layout.gpus_per_worker:g} GPU; the cluster has "
+                f"{layout.cluster_cpus:g} CPU and {layout.cluster_gpus:g} GPU): loading full ({plan.full}) and "
+                "Stage 1 may need longer (raise startup_timeout), or the actors cannot be placed (lower --workers "
+                "or gpus_per_worker)."
+            ) from None
         except ray.exceptions.RayError as error:
             raise SweepError(
                 f"The sweep's workers could not start (loading the full model {plan.full} or computing "

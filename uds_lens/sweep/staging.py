@@ -1,8 +1,15 @@
-"""Staging a model before its turn: resolve, read and hash in one pass, build on the CPU, pin, move to the device;
-and the pipeline that stages one model ahead."""
+"""Staging a model before its turn: resolve, read and hash in one pass, build on the CPU, move to the device; and
+the pipeline that stages one model ahead.
+
+Staged bytes and models stay in ordinary (pageable) host memory, never pinned: PyTorch's pinned-memory cache rounds
+every block up to a power of two and keeps it after it is freed (a 5 GB shard locks 8 GiB), so pinned staging would
+lock up to twice a checkpoint's size, for each model in flight, for the life of the process. The copy to the GPU is
+a little slower from pageable memory (reasoned, not measured here) and runs once per model.
+"""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -15,6 +22,7 @@ import torch
 
 from uds_lens import checkpoint, models
 from uds_lens.config import DtypeName
+from uds_lens.failures import retry_out_of_memory
 from uds_lens.results import UDSResult
 from uds_lens.sweep.lists import SweepModel
 
@@ -29,7 +37,7 @@ class Prepared:
         entry: the sweep model.
         phases: seconds of ``resolve``, ``hash`` and ``load`` (those that ran).
         staged: the checkpoint's bytes and digest (``checkpoint.Staged``; None for a hub id or after an error).
-        model: the model built from them, on the CPU (pinned when it goes to a GPU), or None.
+        model: the model built from them, on the CPU (ordinary memory), or None.
         error: why it could not be prepared (the model's ``failed`` row), or "".
         reused / reason: a saved result that is current (the model is not loaded then), and why (not).
         fingerprint: the result fingerprint this model's result will carry (known once it is hashed).
@@ -49,9 +57,12 @@ class Prepared:
         return self.staged.nbytes if self.staged is not None else 0
 
     def release(self) -> None:
-        """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current)."""
+        """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current),
+        its bridge's reference cycle broken so its memory goes with the last reference (``models.release_model``)."""
         if self.staged is not None:
             self.staged.release()
+        if self.model is not None:
+            models.release_model(self.model)
         self.model = None
 
 
@@ -66,8 +77,8 @@ def prepare_model(
     Args:
         entry: the model.
         dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
-            views of the read bytes when the dtype matches); for a GPU the bytes are read into pinned memory and the
-            built model is pinned, so moving it (:func:`finish_model`) is a direct copy.
+            views of the read bytes when the dtype matches), in ordinary memory, and moved to ``device`` when its
+            turn comes (:func:`finish_model`).
         reuse: called once the model is hashed, before it is loaded; it may set ``reused`` (and then the model is
             not loaded at all) and ``reason`` on the :class:`Prepared` it is given.
 
@@ -89,10 +100,9 @@ def prepare_model(
         source = models.resolve_source(entry.source)
         lap("resolve")
         phase = "hash"
-        on_gpu = torch.device(device).type == "cuda"
         if source.local:
             # the path the fingerprint names (a zoo name resolved), read once; its digest is memoised for it
-            prepared.staged = checkpoint.stage(models.resolve_zoo_name(entry.source), pin_memory=on_gpu)
+            prepared.staged = checkpoint.stage(models.resolve_zoo_name(entry.source))
         lap("hash")
         if reuse is not None:
             reuse(prepared)
@@ -105,8 +115,6 @@ def prepare_model(
         # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
         target_dtype = models.resolve_dtype(dtype, device)
         model = models.load_model(entry.source, dtype=target_dtype, device="cpu", tensors=tensors)
-        if on_gpu:
-            _pin(model)
         if staged is not None:
             staged.buffers = {}  # the model now holds what it needs of them (views, or converted copies)
         prepared.model = model
@@ -122,23 +130,21 @@ def prepare_model(
 _DOING = {"resolve": "resolving", "hash": "reading", "load": "loading"}
 
 
-def _pin(model: torch.nn.Module) -> None:
-    """Page-lock every CPU tensor of ``model`` that is not already (views of pinned staged bytes are)."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == "cpu" and not tensor.is_pinned():
-            tensor.data = tensor.data.pin_memory()
-
-
 def _to_device(model: Any, device: str) -> None:
-    """Move a model built on the CPU to ``device`` (from pinned memory: asynchronous, then waited for)."""
+    """Move a model built on the CPU to ``device``; an out-of-memory while moving (the previous model not yet
+    collected) frees memory and tries again (``failures.retry_out_of_memory``)."""
     target = torch.device(device)
     if all(p.device == target for p in model.parameters()):
         return
-    torch.nn.Module.to(model, device=target, non_blocking=True)
-    if getattr(model, "cfg", None) is not None:
-        model.cfg.device = device
     if target.type == "cuda":
-        torch.cuda.synchronize(target)
+        gc.collect()  # the model scored before this one, if a reference cycle still holds it, leaves the GPU first
+
+    def move() -> None:
+        torch.nn.Module.to(model, device=target)
+        if getattr(model, "cfg", None) is not None:
+            model.cfg.device = device
+
+    retry_out_of_memory(move, target, f"moving {getattr(model, 'uds_source', 'a staged model')} to {device}")
 
 
 class StagingPipeline:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from uds_lens import models
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.data import Example
@@ -167,8 +168,10 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
             **common,
         )
     finally:
-        auditor.sources.pop(str(entry.source), None)
+        scored = auditor.sources.pop(str(entry.source), None)
         auditor.last_source = None
+        if scored is not None:  # its memory goes with the last reference, before the next model moves in
+            models.release_model(scored)
     timings = result.meta["timings"]
     phases["s2"] = timings["s2_seconds"]
     phases["source_forward"] = timings.get("s2_source_forward_seconds", math.nan)
