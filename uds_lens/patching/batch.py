@@ -47,7 +47,9 @@ class PatchBatch:
         """The examples at ``rows`` (ascending) as a batch of their own, padded as this one (same width): their
         tokens, patch and read positions are unchanged, so every number of theirs is computed on the same inputs."""
         if list(rows) != sorted(set(rows)) or not rows or rows[-1] >= self.size:
-            raise ValueError(f"rows must be distinct ascending rows of this batch of {self.size}, got {rows}.")
+            raise ValueError(
+                f"rows must be distinct ascending rows of this batch of {self.size}, got {rows}."
+            )
         device = self.tokens.device
         index = torch.tensor(list(rows), dtype=torch.long, device=device)
         new_row = torch.full((self.size,), -1, dtype=torch.long, device=device)

@@ -299,4 +299,37 @@ def stage2_work(
     return int(per_cell.sum())
 
 
-__all__ = ["cell_scores", "fast_cell_scores", "naive_cell_scores", "stage2_work"]
+def stage2_record(
+    window_len: Sequence[int],
+    layers: Sequence[int],
+    n_layers: int,
+    site: str,
+    cells: Any,
+    tau: float,
+) -> dict[str, Any]:
+    """What a Stage 2 on ``cells`` (the KE cells chosen with ``tau``; None = every cell) runs, as a result records
+    it: ``cells`` (``ke`` or ``all``), ``tau`` (None for ``all``), ``n_cells`` / ``n_cells_run``,
+    ``n_examples_run``, and ``work_share``: the share of every cell's :func:`stage2_work` that those cells cost."""
+    n, n_cells = len(window_len), len(window_len) * len(layers)
+    if cells is None:
+        return {
+            "cells": "all",
+            "tau": None,
+            "n_cells": n_cells,
+            "n_cells_run": n_cells,
+            "n_examples_run": n,
+            "work_share": 1.0,
+        }
+    cells = torch.as_tensor(cells, dtype=torch.bool)
+    every = stage2_work(window_len, layers, n_layers, site)
+    return {
+        "cells": "ke",
+        "tau": float(tau),
+        "n_cells": n_cells,
+        "n_cells_run": int(cells.sum()),
+        "n_examples_run": int(cells.any(1).sum()) if n else 0,
+        "work_share": stage2_work(window_len, layers, n_layers, site, cells) / every if every else 0.0,
+    }
+
+
+__all__ = ["cell_scores", "fast_cell_scores", "naive_cell_scores", "stage2_record", "stage2_work"]
