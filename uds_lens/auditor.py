@@ -135,10 +135,6 @@ class UDSAuditor:
         data_name: str | None = None,
     ) -> None:
         self.config = (config or UDSConfig()).with_stage2_cells("all")
-        if retain is None and self.config.stage2_cells == "ke":
-            # retain-free mode has no d1, hence no KE cell: its d2 on every layer is the whole result
-            logger.info("Retain-free mode has no KE cells: Stage 2 runs every cell (stage2_cells='all').")
-            self.config = dataclasses.replace(self.config, stage2_cells="all")
         self.progress = progress
         self._inputs: dict[str, Any] = {
             "full": full,
@@ -340,7 +336,8 @@ class UDSAuditor:
                 "s1": stage_digest(self.stage1),
             }
         fingerprint = {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
-        stage2 = stage2_fingerprint(self.config, retain_free=self._inputs["retain"] is None)
+        # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
+        stage2 = stage2_fingerprint(self.config, retain_free=self.stage1.s1 is None)
         if stage2 is not None:
             fingerprint["stage2"] = stage2
         return fingerprint
@@ -555,7 +552,8 @@ class UDSAuditor:
             baseline=stage.baseline,
             s1=stage.s1,
             s2=s2,
-            config=self.config,
+            # retain-free mode has no d1, hence no KE cell: every cell ran, whatever was asked
+            config=self.config if cells is not None else dataclasses.replace(self.config, stage2_cells="all"),
             meta={
                 "full": self.full_name,
                 "retain": self.retain_name,

@@ -89,7 +89,9 @@ def test_fingerprints_key_the_cells_not_stage_one(models, tiny_auditor):
     assert other_tau.fingerprint(None)["stage2"] != ke.fingerprint(None)["stage2"]
     # Retain-free mode has no KE cell: it runs every cell, whatever was asked.
     free = tiny_auditor(models, UDSConfig(stage2_cells="ke"), retain=False)
-    assert free.config.stage2_cells == "all" and "stage2" not in free.fingerprint(None)
+    assert "stage2" not in free.fingerprint(None)
+    result = free.score(models["unlearned"])
+    assert result.stage2_cells == "all" and result.layers["d2"].notna().all()
 
 
 def test_stage2_cells_is_checked():
@@ -126,3 +128,31 @@ def test_stage2_work_prices_the_cells_run():
     cells = [[False, True, True, True], [False, False, False, False]]
     assert stage2_work([2, 3], [0, 1, 2, 3], 4, "resid_post", cells) == 2 * (2 + 1)
     assert stage2_work([2], [0], 4, "resid_pre") == 2 * 4
+
+
+def test_sweep_runs_ke_cells_by_default_and_records_it(tiny, tmp_path):
+    from uds_lens.sweep import sweep
+
+    def run(**options):
+        return sweep(
+            tiny.full,
+            tiny.retain,
+            tiny.data,
+            tmp_path / "out",
+            {"unl": str(tiny.unlearned)},
+            workers=1,
+            cache_dir=tmp_path / "s1",
+            progress=False,
+            **options,
+        ).set_index("name")
+
+    ke = run()
+    assert ke.loc["unl", "stage2_cells"] == "ke" and 0 < ke.loc["unl", "stage2_work_share"] <= 1
+    assert UDSResult.load(tmp_path / "out" / "unl").stage2_cells == "ke"
+    # every cell on the same directory: recomputed (other cells), not refused as another run's; the same UDS
+    every = run(config=UDSConfig(stage2_cells="all"))
+    assert every.loc["unl", "status"] == "scored" and every.loc["unl", "stage2_cells"] == "all"
+    assert every.loc["unl", "stage2_work_share"] == 1.0
+    assert abs(every.loc["unl", "uds"] - ke.loc["unl", "uds"]) <= UDS_TOLERANCE
+    # and KE-only again on an every-cell result: recomputed too (the saved one is reusable only by its own cells)
+    assert run().loc["unl", "status"] == "scored"
