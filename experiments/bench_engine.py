@@ -577,6 +577,11 @@ def bench_ke_only(
     """KE-only Stage 2 against every cell, in one run: seconds, floors priced on the cells run, work, UDS."""
     full, source = build_smollm2(dtype, device) if shape == SMOLLM2 else build_models(shape, dtype, device)
     name = shape if isinstance(shape, str) else shape.name
+    for model in (full, source):
+        # a GGUF checkpoint is dequantised on load (plain float tensors) but keeps the GGUF quantisation marks,
+        # which the fast engine reads as "quantised"
+        hf_model_of(model).is_quantized = False
+        hf_model_of(model).config.quantization_config = None
     unlearned = _midpoint(full, source, dtype, device)
     n_layers = full.cfg.n_layers
     examples = synthetic_examples(n_examples, full.cfg.d_vocab)
