@@ -29,6 +29,14 @@ sequence (``N_i`` tokens) ``L+1`` times per stage.
     python experiments/bench_engine.py --configs l4_d64      # a quick shape
     python experiments/bench_engine.py --profile --threads 1 # where S1 and S2 spend their CPU time
     python experiments/bench_engine.py --examples 367        # on a GPU also the Llama-3.2-1B shape, bf16
+    python experiments/bench_engine.py --ke-only --threads 1 # the KE-only Stage 2 column (issue 35)
+
+KE-only (``--ke-only``, :func:`bench_ke_only`): Stage 1 with the source as retain gives ``d1``; an unlearned model
+halfway between full and source is scored on every cell and on the KE cells only (``d1 > tau``, and the paper's
+pattern: the last 68.4% of the layers), both timed in the same run. Its floor is priced on the cells run: the source
+forward of the examples that have one, their window tokens through the blocks after each KE cell's layer
+(``patching.cells.stage2_work``) and their read-outs. ``work_share`` is that window work over every cell's, and
+``max_uds_diff``/``model_uds_diff`` compare the KE-only UDS with every cell's, per example and per model.
 
 The last line is ``s2_over_floor_l16=<x>``.
 """
@@ -42,9 +50,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
+from uds_lens import uds
+from uds_lens.checkpoint import hf_model_of
 from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
@@ -59,6 +70,7 @@ from uds_lens.patching import (
     read_scores,
     source_scores,
 )
+from uds_lens.patching.cells import cell_scores, stage2_work
 
 SITE = "resid_post"
 
@@ -541,6 +553,119 @@ def bench(
     }
 
 
+def _midpoint(full, source, dtype: torch.dtype, device: str):
+    """A model halfway between full and source on every weight: an unlearned model that erased about half."""
+    hf = copy.deepcopy(hf_model_of(source))
+    hf.__dict__.pop("_uds_bridge", None)  # wrap the copy in a bridge of its own
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(hf.named_parameters(), hf_model_of(full).named_parameters()):
+            mine.copy_((mine + theirs.to(mine.device, mine.dtype)) / 2)
+    return hooked_from_hf(hf, dtype=dtype, device=device)
+
+
+def paper_cells(n_examples: int, n_layers: int, share: float = 0.684) -> torch.Tensor:
+    """The paper's KE pattern on Llama-3.2-1B: ``share`` of the cells KE, the early layers excluded."""
+    first = n_layers - round(share * n_layers)
+    cells = torch.zeros(n_examples, n_layers, dtype=torch.bool)
+    cells[:, first:] = True
+    return cells
+
+
+def bench_ke_only(
+    shape: Shape | str, n_examples: int, dtype: torch.dtype, device: str, repeats: int, tau: float
+) -> list[dict]:
+    """KE-only Stage 2 against every cell, in one run: seconds, floors priced on the cells run, work, UDS."""
+    full, source = build_smollm2(dtype, device) if shape == SMOLLM2 else build_models(shape, dtype, device)
+    name = shape if isinstance(shape, str) else shape.name
+    for model in (full, source):
+        # a GGUF checkpoint is dequantised on load (plain float tensors) but keeps the GGUF quantisation marks,
+        # which the fast engine reads as "quantised"
+        hf_model_of(model).is_quantized = False
+        hf_model_of(model).config.quantization_config = None
+    unlearned = _midpoint(full, source, dtype, device)
+    n_layers = full.cfg.n_layers
+    examples = synthetic_examples(n_examples, full.cfg.d_vocab)
+    spec = EngineSpec(SITE, range(n_layers), "fast")
+    plan, padded = batches(examples, choose_batch_size(full, examples, "span", "fast"), "fast", device)
+    cleans = [clean_run(full, batch, spec) for batch in padded]
+    order = [index for members in plan for index in members]
+    baseline = torch.cat([baseline_scores(full, b, c, spec).float().cpu() for b, c in zip(padded, cleans)])
+    s1 = torch.cat([source_scores(full, source, b, spec, c).float().cpu() for b, c in zip(padded, cleans)])
+    d1 = (baseline - s1).numpy()
+    window = [len(examples[i].window("span")) for i in order]
+    reads = torch.tensor([examples[i].n_entity_tokens for i in order], dtype=torch.float64)
+    source_tokens = torch.tensor(
+        [examples[i].patch_positions("span").stop for i in order], dtype=torch.float64
+    )
+    masks = {"ke": torch.from_numpy(uds.ke_mask(d1, tau)), "paper": paper_cells(len(order), n_layers)}
+    block = read = float("inf")
+    every_s2 = float("inf")
+    rows = []
+    for _ in range(repeats):
+        sync(device)
+        started = clock(device)
+        d2_every = torch.cat(
+            [source_scores(full, unlearned, b, spec, c).float().cpu() for b, c in zip(padded, cleans)]
+        )
+        sync(device)
+        every_s2 = min(every_s2, clock(device) - started)
+        unit_block, unit_read = unit_costs(full, examples, device, 1)
+        block, read = min(block, unit_block), min(read, unit_read)
+    d2_every = (baseline - d2_every).numpy()
+    every_blocks = stage2_work(window, range(n_layers), n_layers, SITE)
+    floor_every = (float(source_tokens.sum()) * n_layers + every_blocks) * block + float(
+        reads.sum()
+    ) * n_layers * read
+    for kind, cells in masks.items():
+        seconds = float("inf")
+        bounds = [0]
+        for members in plan:
+            bounds.append(bounds[-1] + len(members))
+        for _ in range(repeats):
+            sync(device)
+            started = clock(device)
+            s2 = torch.cat(
+                [
+                    cell_scores(full, unlearned, b, spec, cells[bounds[k] : bounds[k + 1]], c)
+                    for k, (b, c) in enumerate(zip(padded, cleans))
+                ]
+            )
+            sync(device)
+            seconds = min(seconds, clock(device) - started)
+        d2 = (baseline - s2).numpy()
+        run = cells.any(1)
+        last = int(cells.any(0).nonzero().max()) + 1 if cells.any() else 0
+        cell_blocks = stage2_work(window, range(n_layers), n_layers, SITE, cells)
+        floor = (float(source_tokens[run].sum()) * last + cell_blocks) * block + float(
+            (reads[:, None] * cells).sum()
+        ) * read
+        # UDS from KE-only d2 against every cell's, under the tau the cells were chosen with
+        tau_used = tau if kind == "ke" else 0.0
+        d1_used = d1 if kind == "ke" else (d1.clip(min=1e-3) * cells.numpy())
+        every = uds.example_uds(d1_used, d2_every, tau_used)
+        only = uds.example_uds(d1_used, d2, tau_used)
+        diff = np.abs(every - only)
+        defined = ~np.isnan(diff)
+        if (np.isnan(every) != np.isnan(only)).any():
+            raise SystemExit(f"{name}: KE-only and every cell disagree on which examples have a UDS")
+        rows.append(
+            {
+                "config": name,
+                "cells": kind,
+                "share_cells": float(cells.float().mean()),
+                "work_share": cell_blocks / every_blocks,
+                "every_s2_per_ex": every_s2 / n_examples,
+                "ke_s2_per_ex": seconds / n_examples,
+                "ke_over_every": seconds / every_s2,
+                "every_s2_over_floor": every_s2 / floor_every,
+                "ke_s2_over_floor": seconds / floor,
+                "max_uds_diff": float(diff[defined].max()) if defined.any() else 0.0,
+                "model_uds_diff": abs(uds.model_uds(every) - uds.model_uds(only)),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -556,6 +681,8 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print where S1 and S2 spend their CPU time instead"
     )
+    parser.add_argument("--ke-only", action="store_true", help="the KE-only Stage 2 column instead")
+    parser.add_argument("--tau", type=float, default=0.05, help="KE threshold of --ke-only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -563,6 +690,19 @@ def main() -> None:
         ["l16_d512", SMOLLM2, "llama32_1b"] if device == "cuda" else ["l16_d512", SMOLLM2]
     )
     results = {}
+    if args.ke_only:
+        missed = []
+        for name in configs:
+            shape = name if name == SMOLLM2 else SHAPES[name]
+            for row in bench_ke_only(shape, args.examples, torch.float32, device, args.repeats, args.tau):
+                print(
+                    " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                )
+                if row["max_uds_diff"] > 1e-6:  # the issue's target; every config still runs
+                    missed.append(f"{name}/{row['cells']}: {row['max_uds_diff']:.2e}")
+        if missed:
+            raise SystemExit(f"KE-only UDS differs from every cell's by more than 1e-6: {', '.join(missed)}")
+        return
     if args.profile:
         for name in configs:
             full, source = (

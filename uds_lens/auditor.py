@@ -51,6 +51,7 @@ from uds_lens.fingerprints import (
     result_fingerprint,
     settings_fingerprint,
     source_fingerprint,
+    stage2_fingerprint,
     tokenizer_digest,
 )
 from uds_lens.lazy import lazy_exports
@@ -66,11 +67,12 @@ from uds_lens.patching import (
     plan_batches,
     source_scores,
 )
+from uds_lens.patching.cells import cell_scores, stage2_record
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
 from uds_lens.tl_compat import ActivationCache
-from uds_lens.uds import deltas
+from uds_lens.uds import deltas, ke_mask
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ class UDSAuditor:
         retain_name: str | None = None,
         data_name: str | None = None,
     ) -> None:
-        self.config = config or UDSConfig()
+        self.config = (config or UDSConfig()).with_stage2_cells("all")
         self.progress = progress
         self._inputs: dict[str, Any] = {
             "full": full,
@@ -369,11 +371,16 @@ class UDSAuditor:
                 "settings": settings_fingerprint(self.config, self.full),
                 "s1": stage_digest(self.stage1),
             }
-        return {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
+        fingerprint = {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
+        # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
+        stage2 = stage2_fingerprint(self.config, retain_free=self.stage1.s1 is None)
+        if stage2 is not None:
+            fingerprint["stage2"] = stage2
+        return fingerprint
 
     def fingerprint_payload(self) -> dict[str, Any]:
         settings = self.config.to_dict()
-        for volatile in ("tau", "batch_size", "device"):
+        for volatile in ("tau", "batch_size", "device", "stage2_cells"):
             settings.pop(volatile)
         return {
             "full": models.model_fingerprint(self.full),
@@ -508,6 +515,22 @@ class UDSAuditor:
 
     # -- Stage 2 -----------------------------------------------------------------------------------------------
 
+    def stage2_cells(self) -> Tensor | None:
+        """The ``[example, layer]`` cells Stage 2 runs: the KE cells (``d1 > tau``, from Stage 1) with
+        ``stage2_cells="ke"``, None (every cell) with ``"all"`` or in retain-free mode."""
+        d1 = self.d1()
+        if self.config.stage2_cells != "ke" or d1 is None:
+            return None
+        return torch.from_numpy(ke_mask(d1.numpy(), self.config.tau))
+
+    def stage2_plan(self, cells: Tensor | None = None) -> dict[str, Any]:
+        """What Stage 2 runs on ``cells`` (None: every cell), as results record it in ``meta["stage2"]``
+        (``patching.cells.stage2_record``: the cells, the tau they were chosen with, the share of the work)."""
+        window = [len(e.window(self.config.patch_scope)) for e in self.encoded]
+        return stage2_record(
+            window, self.layers, self.full.cfg.n_layers, self.config.site, cells, self.config.tau
+        )
+
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
         """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
         source_label = models.describe(unlearned)
@@ -522,11 +545,29 @@ class UDSAuditor:
         started = time.perf_counter()
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
         clock: dict[str, float] = {}
+        cells = self.stage2_cells()
 
         def stage_two_batch(number: int, members: list[int]) -> None:
-            s2[members] = self._source_scores(source, self._batch(members), number, clock).float().cpu()
+            if cells is None:
+                s2[members] = self._source_scores(source, self._batch(members), number, clock).float().cpu()
+                self._require_finite(
+                    s2[members], members, source, "unlearned", source_label, "patched score (S2)"
+                )
+                return
+            batch_cells = cells[members]
+            if not batch_cells.any():
+                return  # no KE cell in this batch: UDS reads none of its d2
+            batch = self._batch(members)
+            s2[members] = cell_scores(
+                self.full, source, batch, self.engine_spec, batch_cells, self._clean_run(number, batch), clock
+            )
             self._require_finite(
-                s2[members], members, source, "unlearned", source_label, "patched score (S2)"
+                s2[members].where(batch_cells, 0.0),
+                members,
+                source,
+                "unlearned",
+                source_label,
+                "patched score (S2)",
             )
 
         self._each_batch(f"S2 ({models.model_name(unlearned)} -> full)", stage_two_batch)
@@ -549,7 +590,8 @@ class UDSAuditor:
             baseline=stage.baseline,
             s1=stage.s1,
             s2=s2,
-            config=self.config,
+            # retain-free mode has no d1, hence no KE cell: every cell ran, whatever was asked
+            config=self.config if cells is not None else dataclasses.replace(self.config, stage2_cells="all"),
             meta={
                 "full": self.full_name,
                 "retain": self.retain_name,
@@ -561,6 +603,7 @@ class UDSAuditor:
                 "log_softmax_dtype": self.log_softmax_dtype,
                 "engine": self.config.engine,
                 "timings": timings,
+                "stage2": self.stage2_plan(cells),
                 "fingerprint": self.fingerprint(unlearned),
             },
             records=self.examples,

@@ -14,7 +14,7 @@ import typer
 
 # The settings' defaults and vocabularies, read from the one place they are written (config.py imports no torch, so
 # `--help` stays instant); the checks are UDSConfig's.
-from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, ConfigError, UDSConfig
+from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, STAGE2_CELLS, ConfigError, UDSConfig
 
 DEFAULTS = UDSConfig()
 
@@ -144,6 +144,14 @@ EngineOption = Annotated[str, typer.Option(help=f"{' | '.join(ENGINES)} (the one
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 
 
+_STAGE2_HELP = (
+    f"{' | '.join(STAGE2_CELLS)}: Stage 2 on every (example, layer) cell (the layer curves) or only on the KE cells "
+    "d1 > tau, the only ones UDS reads (same UDS, less work; d2 NaN elsewhere). Default here: "
+)
+ScoreStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "all.")]
+SweepStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "ke.")]
+
+
 def _uds_config(retain: str | None, no_retain: bool, **settings: Any) -> UDSConfig:
     """The UDSConfig of a `score` or `sweep` run (``settings``: UDSConfig's fields, which it checks), after checking
     that retain is given or explicitly omitted."""
@@ -188,6 +196,7 @@ def score(
     cache_dir: CacheDirOption = None,
     no_retain: NoRetainOption = False,
     engine: EngineOption = DEFAULTS.engine,
+    stage2_cells: ScoreStage2Option = "all",
     force: Annotated[
         bool,
         typer.Option(
@@ -219,6 +228,7 @@ def score(
         dtype=dtype,
         device=device,
         engine=engine,
+        stage2_cells=stage2_cells,
     )
     # Every checkpoint argument names a checkpoint before the model libraries are even imported: a mistyped path
     # fails in a second, in one line (score_models checks it again for Python callers).
@@ -325,6 +335,7 @@ def sweep(
     cache_dir: CacheDirOption = None,
     no_retain: NoRetainOption = False,
     engine: EngineOption = DEFAULTS.engine,
+    stage2_cells: SweepStage2Option = "ke",
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -348,6 +359,7 @@ def sweep(
         dtype=dtype,
         device=device,
         engine=engine,
+        stage2_cells=stage2_cells,
     )
     table = run_sweep(
         full,

@@ -23,11 +23,15 @@ Engine = Literal["fast", "naive"]
 """How patched runs are computed: from the clean run's KV cache (fast) or one full forward per layer (the oracle)."""
 DtypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 """Spellings of the three floating dtypes a checkpoint can be loaded in."""
+Stage2Cells = Literal["all", "ke"]
+"""Which (example, layer) cells Stage 2 patches: every one (the layer curves), or only the KE cells (``d1 > tau``),
+the only ones UDS reads (SPEC 1.6b)."""
 
 SITES: tuple[Site, ...] = get_args(Site)
 SCOPES: tuple[Scope, ...] = get_args(Scope)
 ENGINES: tuple[Engine, ...] = get_args(Engine)
 DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
+STAGE2_CELLS: tuple[Stage2Cells, ...] = get_args(Stage2Cells)
 
 DEFAULT_TAU = 0.05
 """KE threshold on ``d1`` in nats (strict ``>``), the paper's value; also the logit lens's."""
@@ -122,6 +126,11 @@ class UDSConfig:
         batch_size: examples per batch; None chooses from a memory budget.
         dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
         engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
+        stage2_cells: ``all`` (every layer's ``d2``: the layer curves), ``ke`` (only the KE cells ``d1 > tau``,
+            the only ones UDS reads: the same UDS for less work; ``d2`` is NaN elsewhere and a rescore may only
+            raise tau), or None: the entry point's default, ``all`` for ``score``/``UDSAuditor`` (a person looks
+            at one model's curves), ``ke`` for ``sweep`` (many models, one number each). Retain-free mode has no
+            KE cells and always runs ``all``.
     """
 
     tau: float = DEFAULT_TAU
@@ -133,9 +142,12 @@ class UDSConfig:
     dtype: DtypeName | None = None
     device: str | None = None
     engine: Engine = "fast"
+    stage2_cells: Stage2Cells | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tau", check_tau(self.tau))
+        if self.stage2_cells is not None:
+            check_choice("stage2_cells (--stage2-cells)", self.stage2_cells, STAGE2_CELLS)
         check_choice("patch_scope (--scope)", self.patch_scope, SCOPES)
         check_choice("site (--site)", self.site, SITES)
         check_choice("engine (--engine)", self.engine, ENGINES)
@@ -179,6 +191,12 @@ class UDSConfig:
             site=self.site, layers=tuple(layers), engine=self.engine, published_compat=self.published_compat
         )
 
+    def with_stage2_cells(self, default: Stage2Cells) -> UDSConfig:
+        """These settings with ``stage2_cells`` decided: ``default`` (the entry point's) when it is None."""
+        if self.stage2_cells is not None:
+            return self
+        return dataclasses.replace(self, stage2_cells=default)
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["layers"] = list(self.layers) if self.layers is not None else None
@@ -191,12 +209,14 @@ __all__ = [
     "ENGINES",
     "SCOPES",
     "SITES",
+    "STAGE2_CELLS",
     "ConfigError",
     "DtypeName",
     "Engine",
     "EngineSpec",
     "Scope",
     "Site",
+    "Stage2Cells",
     "UDSConfig",
     "as_site",
     "check_choice",

@@ -95,15 +95,29 @@ def examples_fingerprint(examples: Sequence[Example]) -> str:
 
 def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dict[str, Any]:
     """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it) and device; plus the dtype the full model runs in."""
+    are invariant to it), device and the Stage 2 cells (:func:`stage2_fingerprint` keys those); plus the dtype the
+    full model runs in."""
     settings = config.to_dict()
-    for volatile in ("tau", "batch_size", "device"):
+    for volatile in ("tau", "batch_size", "device", "stage2_cells"):
         settings.pop(volatile)
     if full is not None and not isinstance(full, (str, os.PathLike)):
         settings["dtype"] = str(as_source(full).dtype)
     else:
         settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
     return settings
+
+
+def stage2_fingerprint(config: UDSConfig, retain_free: bool = False) -> dict[str, Any] | None:
+    """Which cells Stage 2 ran, when not all of them: ``{"cells": "ke", "tau": tau}`` (the KE cells depend on tau),
+    None for every cell (``stage2_cells`` ``all`` or None, and always in retain-free mode, which has no KE cells).
+
+    A result fingerprint holds it under ``stage2`` only when it is not None, so every-cell results keep the
+    fingerprints they were saved with. It is not an input (``result_store.INPUT_KEYS``): a saved result of other
+    cells is recomputed, never refused as another run's.
+    """
+    if config.stage2_cells != "ke" or retain_free:
+        return None
+    return {"cells": "ke", "tau": config.tau}
 
 
 def result_fingerprint(
@@ -121,13 +135,14 @@ def result_fingerprint(
 
     Keys: ``format``, ``full``, ``retain``, ``unlearned`` (:func:`source_fingerprint`: file contents or tensor
     digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`).
+    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`),
+    and ``stage2`` for a KE-only Stage 2 (:func:`stage2_fingerprint`).
     Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
     ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs plus ``s1``, the digest of
     the Stage 1 values (which needs the models): a saved result is reused only when that matches too.
     """
     config = config or UDSConfig()
-    return {
+    fingerprint = {
         "format": RESULT_FINGERPRINT_FORMAT,
         "full": source_fingerprint(full),
         "retain": source_fingerprint(retain),
@@ -136,3 +151,7 @@ def result_fingerprint(
         "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
         "settings": settings_fingerprint(config, full),
     }
+    stage2 = stage2_fingerprint(config, retain_free=retain is None)
+    if stage2 is not None:
+        fingerprint["stage2"] = stage2
+    return fingerprint

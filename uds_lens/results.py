@@ -11,7 +11,10 @@
   float noise), which ``d1 = baseline_score - s1_score`` and ``d2 = baseline_score - s2_score`` subtract from, so a
   source identical to full gives exactly 0. ``ler`` is NaN outside KE layers (there ``d2 / d1`` is not a ratio of
   knowledge, only of noise);
-* ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings.
+* ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings, and ``stage2``: which
+  cells Stage 2 ran (``all``, or ``ke``: only the KE cells, ``d2``/``s2_score``/``ler`` NaN elsewhere with a
+  ``stage2_note`` saying so; ``with_tau`` then rescores exactly for a higher tau and raises
+  :class:`CellsNotRunError` for a tau that needs cells not run).
 
 ``save(dir)`` writes ``summary.json``, ``examples.csv``, ``layers.csv`` (and ``layers.parquet`` when pyarrow is
 installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_value", "value_by_index"}}``);
@@ -59,7 +62,7 @@ from uds_lens.result_store import (
     result_lock,
     verify_result_dir,
 )
-from uds_lens.uds import bootstrap_ci, clipped_mask, clipped_summary, deltas, rescore
+from uds_lens.uds import bootstrap_ci, clipped_mask, clipped_summary, deltas, ke_mask, rescore
 
 EXAMPLE_COLUMNS = [
     "idx",
@@ -117,6 +120,10 @@ def one_site(layers: pd.DataFrame, site: str | None = None) -> pd.DataFrame:
     if site not in sites:
         raise ValueError(f"site {site!r} is not in the layers table (sites: {sites})")
     return layers[layers["site"] == site]
+
+
+class CellsNotRunError(ValueError):
+    """A KE-only result asked for a tau under which cells that Stage 2 did not run would be KE."""
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -210,6 +217,7 @@ class UDSResult:
             self.examples.columns
         ):
             return self
+        self._require_cells(tau)
         retain_free = bool(self.layers["d1"].isna().all())
         layers, per_example = rescore(self.layers, tau)
         examples = self.examples.drop(
@@ -235,7 +243,28 @@ class UDSResult:
             settings=settings,
         )
 
+    def _require_cells(self, tau: float) -> None:
+        """:class:`CellsNotRunError` when ``tau`` makes a cell KE whose ``d2`` Stage 2 did not run (KE-only)."""
+        if self.stage2_cells != "ke":
+            return
+        d1 = self.layers["d1"].to_numpy(dtype=float)
+        missing = ke_mask(d1, tau) & np.isnan(self.layers["d2"].to_numpy(dtype=float))
+        if missing.any():
+            examples = self.layers.loc[missing, "idx"].nunique()
+            ran_at = self.meta.get("stage2", {}).get("tau")
+            raise CellsNotRunError(
+                f"{self.name}: Stage 2 ran only on the KE cells at tau={ran_at} (stage2_cells='ke'), and tau={tau} "
+                f"makes {int(missing.sum())} more cells of {examples} examples KE, whose d2 was never computed. "
+                f"Rescore with tau >= {ran_at}, or score again with stage2_cells='all' (--stage2-cells all)."
+            )
+
     # -- views -------------------------------------------------------------------------------------------------
+
+    @property
+    def stage2_cells(self) -> str:
+        """Which cells Stage 2 ran: ``all``, or ``ke`` (only ``d1 > tau`` at the tau in ``meta["stage2"]``; ``d2``,
+        ``s2_score`` and ``ler`` are NaN elsewhere). Results saved before the choice existed ran ``all``."""
+        return str(self.settings.get("stage2_cells") or "all")
 
     @property
     def retain_free(self) -> bool:
@@ -301,7 +330,14 @@ class UDSResult:
             .tolist(),
             "retain_free": self.retain_free,
             "settings": self.settings,
+            "stage2": self.meta.get("stage2", {"cells": self.stage2_cells}),
         }
+        if self.stage2_cells == "ke":
+            out["stage2_note"] = (
+                f"KE-only Stage 2: d2, s2_score and ler are NaN outside the KE cells (d1 > tau = "
+                f"{out['stage2'].get('tau')}), where Stage 2 was not run because UDS never reads them; no_ke examples "
+                "ran no Stage 2. UDS is the same as with every cell; a rescore may only raise tau."
+            )
         if self.retain_free:
             out["uds"] = None
             out["d2_summary"] = self.d2_summary
@@ -674,6 +710,7 @@ def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool,
 
 __all__ = [
     "EXAMPLE_COLUMNS",
+    "CellsNotRunError",
     "INPUT_KEYS",
     "LOCK_TIMEOUT_S",
     "ExampleView",

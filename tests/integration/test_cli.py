@@ -227,3 +227,20 @@ def test_help_documents_reuse_and_loads_no_bitsandbytes(tmp_path):
     assert "BNB False" in proc.stdout
     assert "bitsandbytes" not in proc.stderr.lower() and "warn" not in proc.stderr.lower()
     assert "--force" in proc.stdout and "identical" in proc.stdout
+
+
+def test_score_stage2_cells_switch(tiny, tmp_path):
+    """``score`` runs every cell by default; ``--stage2-cells ke`` only the KE cells, with the same UDS."""
+    runner = CliRunner()
+    every = runner.invoke(app, score_argv(tiny, tmp_path / "all", tmp_path / "c"))
+    ke = runner.invoke(app, [*score_argv(tiny, tmp_path / "ke", tmp_path / "c"), "--stage2-cells", "ke"])
+    assert every.exit_code == 0 and ke.exit_code == 0, every.output + ke.output
+    summaries = {
+        name: json.loads((tmp_path / name / "unlearned" / "summary.json").read_text())
+        for name in ("all", "ke")
+    }
+    assert summaries["all"]["stage2"]["cells"] == "all" and summaries["ke"]["stage2"]["cells"] == "ke"
+    assert "stage2_note" in summaries["ke"] and "stage2_note" not in summaries["all"]
+    assert abs(summaries["all"]["uds"] - summaries["ke"]["uds"]) <= 1e-6
+    bad = runner.invoke(app, [*score_argv(tiny, tmp_path / "x", tmp_path / "c"), "--stage2-cells", "some"])
+    assert bad.exit_code != 0 and "stage2_cells" in str(bad.exception) + bad.output

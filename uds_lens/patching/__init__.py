@@ -43,6 +43,8 @@ arguments. The package, one concept per module:
 * ``engines``: ``clean_run``, the naive and fast engines, ``patched_scores`` / ``source_scores`` /
   ``baseline_scores``, the source reads;
 * ``planning``: which examples share a batch and how many fit in memory.
+* ``cells``: Stage 2 on chosen (example, layer) cells only (``cell_scores``; KE-only Stage 2), ragged runs packed
+  into one row axis, and ``stage2_work``, the floor's window work priced on the cells run.
 
 The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s.
 """

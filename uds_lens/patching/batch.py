@@ -43,6 +43,30 @@ class PatchBatch:
     def max_window(self) -> int:
         return int(self.window_len.max())
 
+    def select(self, rows: Sequence[int]) -> PatchBatch:
+        """The examples at ``rows`` (ascending) as a batch of their own, padded as this one (same width): their
+        tokens, patch and read positions are unchanged, so every number of theirs is computed on the same inputs."""
+        if list(rows) != sorted(set(rows)) or not rows or rows[-1] >= self.size:
+            raise ValueError(
+                f"rows must be distinct ascending rows of this batch of {self.size}, got {rows}."
+            )
+        device = self.tokens.device
+        index = torch.tensor(list(rows), dtype=torch.long, device=device)
+        new_row = torch.full((self.size,), -1, dtype=torch.long, device=device)
+        new_row[index] = torch.arange(len(rows), device=device)
+        kept = new_row[self.read_batch] >= 0
+        return PatchBatch(
+            examples=[self.examples[row] for row in rows],
+            scope=self.scope,
+            tokens=self.tokens[index],
+            patch_mask=self.patch_mask[index],
+            window_start=self.window_start[index],
+            window_len=self.window_len[index],
+            read_batch=new_row[self.read_batch[kept]],
+            read_pos=self.read_pos[kept],
+            read_label=self.read_label[kept],
+        )
+
     def to(self, device: str | torch.device) -> PatchBatch:
         moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in self.__dict__.items()}
         return PatchBatch(**moved)  # type: ignore[arg-type]  # same fields, tensors moved

@@ -90,7 +90,9 @@ def sweep(
         models_to_score: a model-list file (``name,path_or_id`` CSV rows or one path per line), a list of paths or
             :class:`SweepModel`, or a ``{name: path}`` dict. Exactly one of this and ``registry``.
         registry / methods: a registry name (``tofu-llama-3.2-1b``) or CSV, optionally filtered by method.
-        config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``).
+        config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``). Its
+            ``stage2_cells`` None (the default) means ``ke`` here: Stage 2 on the KE cells only, the same UDS for
+            less work (``d2`` NaN elsewhere); ``stage2_cells="all"`` keeps every layer's ``d2``.
         workers: Ray actors; 1 runs in-process; None = one per GPU (``gpus_per_worker``) or per CPU slot
             (``cpus_per_worker``) of the cluster, in-process when Ray is not installed. More actors than the
             cluster's GPUs (or CPU slots) can hold are cut to that number, with a warning (an actor that can
@@ -119,7 +121,8 @@ def sweep(
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
     """
-    config = config or UDSConfig()
+    # many models, one number each: by default Stage 2 runs only the KE cells UDS reads (same UDS, less work)
+    config = (config or UDSConfig()).with_stage2_cells("ke")
     entries = resolve_models(models_to_score, registry, methods)
     if max_retries < 0:
         raise SweepError(f"max_retries must be >= 0, got {max_retries}.")

@@ -35,7 +35,9 @@ PHASE_COLUMNS = [f"{phase}_seconds" for phase in PHASES]
 # (wait + to_device + s2 + write and the small rest: the result's assembly); with nothing prefetched, seconds is
 # about the sum of the phases (source_forward counted once, inside s2). s1_seconds is the shared Stage 1 (0 from the
 # cache), threads the worker's torch threads, bytes_read what the hash phase read; finished_at is Unix time; fp_* are
-# its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns.
+# its fingerprints (see fingerprint_columns); a registry adds method/epoch and published_* columns. stage2_cells says
+# which cells Stage 2 ran (ke: only the KE cells, the sweep's default; all: every layer), stage2_work_share the share
+# of every cell's patched-run work those cells cost (1 for all).
 COLUMNS = [
     "name",
     "source",
@@ -48,6 +50,8 @@ COLUMNS = [
     "n_scored",
     "n_no_ke",
     "n_skipped",
+    "stage2_cells",
+    "stage2_work_share",
     "attempts",
     *PHASE_COLUMNS,
     "wait_seconds",
@@ -220,6 +224,8 @@ class _Ledger:
             n_scored=summary["n_scored"],
             n_no_ke=summary["n_no_ke"],
             n_skipped=summary["n_skipped"],
+            stage2_cells=result.stage2_cells,
+            stage2_work_share=summary["stage2"].get("work_share", math.nan),
             s2_seconds=s2_seconds,
         )
         self.open_unlearning[name] = result.to_open_unlearning()
