@@ -89,7 +89,8 @@ def agreement(gold: list[dict[str, Any]], auto: list[dict[str, Any]], tokenizer:
 
 def uds_side_by_side(zoo: Any, gold_path: Path, auto_path: Path) -> list[dict[str, Any]]:
     """UDS of every unlearned / partial zoo model with gold and with automatic spans."""
-    from uds_lens.auditor import UDSAuditor, UDSConfig
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
 
     config = UDSConfig(dtype="float32", device="cpu")
     rows = []

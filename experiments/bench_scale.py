@@ -403,20 +403,19 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     * per model: the weights, and the joined copies the fast engine keeps for each model it runs (counted on the
       meta device: exact, no bytes allocated);
     * per engine cache: the clean run's prefix keys/values and window activations the auditor keeps per batch
-      (``auditor.clean_run_bytes``), measured by running the clean run with random fp32 weights at the shape's
+      (``planning.clean_run_bytes``), measured by running the clean run with random fp32 weights at the shape's
       layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
       on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
     * per batch: the planner's estimate per example (``estimate_bytes_per_example``, the fast engine) and the
       batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
       the joined copies of all three.
     """
-    from uds_lens.auditor import clean_run_bytes
     from uds_lens.config import EngineSpec
     from uds_lens.data import encode, load_examples
     from uds_lens.models import load_tokenizer
     from uds_lens.patching import clean_run, estimate_bytes_per_example, pad_batch, plan_batches
     from uds_lens.patching.kernels import _layer_weights
-    from uds_lens.patching.planning import joined_copy_bytes
+    from uds_lens.patching.planning import clean_run_bytes, joined_copy_bytes
     from uds_lens.tl_compat import hf_model_of
 
     shape = SHAPES[shape_name]

@@ -116,7 +116,7 @@ def scorers(uds_data: Path | None, batch_size: int) -> tuple[Any, dict[str, Any]
     if uds_data is None:
         logging.warning("no --uds-data: the UDS, logit lens, CKA and Fisher rows stay NaN")
         return None, {}
-    from uds_lens.auditor import UDSConfig
+    from uds_lens.config import UDSConfig
     from uds_lens.meta_eval.scorers import ModelScorers
 
     model_scorers = ModelScorers(

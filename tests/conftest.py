@@ -22,8 +22,9 @@ import torch
 from helpers import pretrained as pretrained_llama
 from helpers.tiny import Trio, make_tiny_llama, make_tiny_tokenizer, make_trio, write_forget_set
 
-from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
+from uds_lens.config import UDSConfig
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.zoo import build_zoo
 

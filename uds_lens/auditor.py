@@ -9,8 +9,7 @@ every unlearned model after that. ``auditor.score(unlearned)`` runs Stage 2 and 
 
 Around it: ``config`` (the settings), ``fingerprints`` (what a result depends on), ``scoring.score_models`` (many models,
 reusing a saved result only when its full fingerprint matches). The score itself is ``uds.py``'s math; the patched
-runs are ``patching.py``'s engines. The names of those modules that were defined here before are still importable
-from here.
+runs are ``patching``'s engines.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -34,7 +33,6 @@ from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
 from uds_lens.failures import (
-    NonFiniteScoreError,
     is_out_of_memory,
     nonfinite_error,
     release_memory,
@@ -48,13 +46,11 @@ from uds_lens.fingerprints import (
     _versions,
     examples_fingerprint,
     layout_digest,
-    result_fingerprint,
     settings_fingerprint,
     source_fingerprint,
     stage2_fingerprint,
     tokenizer_digest,
 )
-from uds_lens.lazy import lazy_exports
 from uds_lens.patching import (
     CleanRun,
     PatchBatch,
@@ -68,37 +64,14 @@ from uds_lens.patching import (
     source_scores,
 )
 from uds_lens.patching.cells import cell_scores, stage2_record
+from uds_lens.patching.planning import CLEAN_CACHE_FRACTION, clean_run_bytes
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
-from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
+from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
 from uds_lens.tl_compat import ActivationCache
 from uds_lens.uds import deltas, ke_mask
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:  # static analysers see where the lazily resolved names below come from
-    from uds_lens.scoring import refuse_other_runs, result_names, score_models
-
-# Importable from here as before; they import UDSAuditor, so they are resolved on first use (PEP 562).
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    {
-        "result_names": "uds_lens.scoring",
-        "refuse_other_runs": "uds_lens.scoring",
-        "score_models": "uds_lens.scoring",
-    },
-)
-
-
-# The share of the memory free after loading that kept clean runs may take (the batch planner budgets a quarter
-# for one batch's activations, planning.choose_batch_size).
-CLEAN_CACHE_FRACTION = 0.1
-
-
-def clean_run_bytes(run: CleanRun) -> int:
-    """Bytes a kept clean run holds on its device: scores, each block's prefix keys/values, window activations."""
-    tensors = [run.scores, *run.keys, *run.values, *run.window_acts.values()]
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class UDSAuditor:
@@ -709,56 +682,16 @@ class UDSAuditor:
 
         return patch_positions(self, unlearned, **kwargs)
 
-    def _description(self) -> list[tuple[str, str]]:
-        """What the auditor holds, as (label, value) pairs: the repr's and the notebook table's rows."""
-        config = self.config
-        stage1 = (
-            "computed" if self._stage1 is not None else "not yet (the first score() computes or loads it)"
-        )
-        return [
-            ("full", str(self.full_name)),
-            ("retain", str(self.retain_name) if self.retain is not None else "none (retain-free)"),
-            (
-                "forget set",
-                f"{self.data_name}: {len(self.encoded)} examples encoded, {len(self.skipped)} skipped",
-            ),
-            ("layers", f"{len(self.layers)} ({self.layers[0]}-{self.layers[-1]})" if self.layers else "none"),
-            (
-                "settings",
-                f"site {config.site}, scope {config.patch_scope}, tau {config.tau:g} nats, {config.engine}",
-            ),
-            ("device", f"{self.device}, {config.dtype or 'default dtype'}"),
-            ("Stage 1", stage1),
-        ]
-
     def __repr__(self) -> str:
-        return "UDSAuditor(" + "; ".join(f"{label}: {value}" for label, value in self._description()) + ")"
+        return (
+            "UDSAuditor("
+            + "; ".join(f"{label}: {value}" for label, value in display.auditor_rows(self))
+            + ")"
+        )
 
     def _repr_html_(self) -> str:
         """The notebook view: one row per thing the auditor holds."""
-        return display.html_table("UDSAuditor", ["", ""], [list(row) for row in self._description()])
+        return display.html_table("UDSAuditor", ["", ""], [list(row) for row in display.auditor_rows(self)])
 
 
-__all__ = [
-    "CACHE_FORMAT",
-    "RESULT_FINGERPRINT_FORMAT",
-    "ConfigError",
-    "NonFiniteScoreError",
-    "S1Cache",
-    "StageOne",
-    "UDSAuditor",
-    "UDSConfig",
-    "examples_fingerprint",
-    "is_out_of_memory",
-    "layout_digest",
-    "nonfinite_error",
-    "refuse_other_runs",
-    "release_memory",
-    "result_fingerprint",
-    "result_names",
-    "score_models",
-    "settings_fingerprint",
-    "source_fingerprint",
-    "stage_digest",
-    "tokenizer_digest",
-]
+__all__ = ["UDSAuditor"]

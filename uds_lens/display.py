@@ -65,4 +65,26 @@ def html_table(
     )
 
 
-__all__ = ["DASH", "clipped_text", "html_table", "interval", "number", "share"]
+def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
+    """What a ``UDSAuditor`` holds, as (label, value) pairs: its repr's and its notebook table's rows."""
+    config = auditor.config
+    stage1 = "computed" if auditor._stage1 is not None else "not yet (the first score() computes or loads it)"
+    layers = auditor.layers
+    return [
+        ("full", str(auditor.full_name)),
+        ("retain", str(auditor.retain_name) if auditor.retain is not None else "none (retain-free)"),
+        (
+            "forget set",
+            f"{auditor.data_name}: {len(auditor.encoded)} examples encoded, {len(auditor.skipped)} skipped",
+        ),
+        ("layers", f"{len(layers)} ({layers[0]}-{layers[-1]})" if layers else "none"),
+        (
+            "settings",
+            f"site {config.site}, scope {config.patch_scope}, tau {config.tau:g} nats, {config.engine}",
+        ),
+        ("device", f"{auditor.device}, {config.dtype or 'default dtype'}"),
+        ("Stage 1", stage1),
+    ]
+
+
+__all__ = ["auditor_rows", "DASH", "clipped_text", "html_table", "interval", "number", "share"]

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens.auditor import UDSConfig
 from uds_lens.cli import app, main, score, sweep
+from uds_lens.config import UDSConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -42,7 +42,8 @@ def test_endpoints(zoo_diagnosis):
 
 
 def test_rmu_profile_starts_at_its_target_layers(zoo_diagnosis, tmp_path):
-    from uds_lens.auditor import UDSAuditor, UDSConfig
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
 
     zoo, _, _ = zoo_diagnosis
     auditor = UDSAuditor(

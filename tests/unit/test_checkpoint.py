@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from uds_lens import checkpoint
-from uds_lens.auditor import source_fingerprint
+from uds_lens.fingerprints import source_fingerprint
 from uds_lens.models import load_model
 
 

@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from uds_lens import checkpoint, failures, models
-from uds_lens.auditor import UDSAuditor, UDSConfig, clean_run_bytes
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.patching import planning
+from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.readout import segment_mean
 from uds_lens.resolve import resolve_source
 from uds_lens.sweep import SweepError, SweepModel, WorkerPlan

@@ -10,7 +10,18 @@ import torch
 
 from uds_lens.config import ENGINES, Engine, Scope
 from uds_lens.data import EncodedExample
+from uds_lens.patching.batch import CleanRun
 from uds_lens.sources import as_source
+
+# The share of the memory free after loading that the auditor's kept clean runs may take (a quarter is budgeted for
+# one batch's activations, choose_batch_size).
+CLEAN_CACHE_FRACTION = 0.1
+
+
+def clean_run_bytes(run: CleanRun) -> int:
+    """Bytes a kept clean run holds on its device: scores, each block's prefix keys/values, window activations."""
+    tensors = [run.scores, *run.keys, *run.values, *run.window_acts.values()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def plan_batches(
@@ -139,8 +150,10 @@ def choose_batch_size(
 
 
 __all__ = [
+    "CLEAN_CACHE_FRACTION",
     "available_memory_bytes",
     "choose_batch_size",
+    "clean_run_bytes",
     "estimate_bytes_per_example",
     "joined_copy_bytes",
     "plan_batches",

@@ -26,7 +26,8 @@ from uds_lens.analysis.case_studies import (
     tau_sensitivity,
     uds_by_entity_length,
 )
-from uds_lens.auditor import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
 from uds_lens.plotting.tables import one_site as plotting_one_site
 from uds_lens.results import one_site
 
