@@ -297,7 +297,8 @@ def _heads_fast(runner: _Runner, source: Any, hook: str, layers: list[int], prog
     spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
     # The head outputs add up to the attention's output (``attn.hook_out``); where the family normalises that
     # before adding it to the residual (Gemma, OLMo 2), the patched ``attn_out`` is the norm of the patched sum.
-    post_norm = family_of(hf_model_of(full).config).norm != "pre"
+    family = family_of(hf_model_of(full).config)
+    post_norm = family is not None and family.norm != "pre"
 
     def out_name(layer: int) -> str:
         return f"blocks.{layer}.attn.hook_out" if post_norm else hook_name("attn_out", layer)
