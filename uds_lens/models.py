@@ -306,6 +306,9 @@ def hooked_from_hf(
     object.__setattr__(
         hf_model, "_uds_weight_names", frozenset(name for name, _ in hf_model.named_parameters())
     )
+    if not getattr(hf_model.config, "architectures", None):
+        # a model built from a config (not loaded) names no architecture; the bridge picks its adapter from it
+        hf_model.config.architectures = [type(hf_model).__name__]
     bridge = bridge_from_hf(
         hf_model,
         tokenizer if tokenizer is not None else _stand_in_tokenizer(),
