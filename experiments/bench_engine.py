@@ -116,7 +116,7 @@ FAMILY_CONFIGS = {
         "Gemma3TextConfig",
         {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": WINDOW},
     ),
-    "phi3_l16_d512": ("Phi3Config", {}),
+    "phi3_l16_d512": ("Phi3Config", {"pad_token_id": 0}),
     "olmo2_l16_d512": ("Olmo2Config", {}),
     "mistral_window_l16_d512": ("MistralConfig", {"sliding_window": WINDOW}),
 }
