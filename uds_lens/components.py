@@ -19,7 +19,9 @@ KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; :class:`Compo
 Engines. A head's output enters the residual stream only through the attention output,
 ``attn_out = sum_h z_h W_O[h] + b_O`` (``result_h = z_h W_O[h]`` is TransformerLens's ``hook_result``), so
 patching head ``h`` is exactly patching ``attn_out`` with ``clean attn_out + (z_src,h - z_full,h) W_O[h]`` (for
-``hook_z``; ``hook_result`` uses the source's own ``W_O``). That lets the fast engine of ``patching.py`` run it:
+``hook_z``; ``hook_result`` uses the source's own ``W_O``; where the family normalises the attention's output before
+adding it, Gemma's and OLMo 2's post-attention norm, the patched ``attn_out`` is that norm of the patched sum
+``attn.hook_out + change``). That lets the fast engine of ``patching.py`` run it:
 one call per head over all layers. Everything else (other hook names, all positions, per-token reads) uses
 ``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
 naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
@@ -46,6 +48,7 @@ from uds_lens import models
 from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
+from uds_lens.families import family_of
 from uds_lens.patching import (
     SITES,
     PatchBatch,
@@ -58,9 +61,10 @@ from uds_lens.patching import (
     residual_patch_hooks,
     segment_mean,
 )
+from uds_lens.patching.kernels import attention_output_norm
 from uds_lens.readout import label_logprobs, mean_entity_logprob
 from uds_lens.sources import as_source
-from uds_lens.tl_compat import HookPoint, attn_result
+from uds_lens.tl_compat import HookPoint, attn_result, hf_model_of
 
 logger = logging.getLogger(__name__)
 
@@ -293,14 +297,20 @@ def _heads_fast(
     full = runner.full
     n_heads = full.cfg.n_heads
     spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
+    # The head outputs add up to the attention's output (``attn.hook_out``); where the family normalises that
+    # before adding it to the residual (Gemma, OLMo 2), the patched ``attn_out`` is the norm of the patched sum.
+    family = family_of(hf_model_of(full).config)
+    post_norm = family is not None and family.norm != "pre"
+
+    def out_name(layer: int) -> str:
+        return f"blocks.{layer}.attn.hook_out" if post_norm else hook_name("attn_out", layer)
+
     s0_parts, base_parts, score_parts = [], [], []
     for chunk in tqdm(runner.chunks, desc=f"{stage}: heads (fast)", unit="batch", disable=not progress):
         batch = runner.batch(chunk)
         clean = clean_run(full, batch, spec)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
-        full_cache = _source_cache(
-            full, batch.tokens, z_names | {hook_name("attn_out", layer) for layer in layers}
-        )
+        full_cache = _source_cache(full, batch.tokens, z_names | {out_name(layer) for layer in layers})
         source_cache = _source_cache(source, batch.tokens, z_names)
         base = baseline_scores(full, batch, clean, spec)
         per_head = []
@@ -316,7 +326,8 @@ def _heads_fast(
                 change = einops.einsum(
                     z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model"
                 ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
-                acts.append(full_cache[hook_name("attn_out", layer)] + change)
+                patched = full_cache[out_name(layer)] + change
+                acts.append(attention_output_norm(full, layer, patched) if post_norm else patched)
             per_head.append(patched_scores(full, batch, torch.stack(acts), spec, clean))
         s0_parts.append(clean.scores.float().cpu())
         base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))

@@ -38,6 +38,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights
 from uds_lens.config import DTYPE_NAMES
+from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from uds_lens.files import staging_path
 from uds_lens.resolve import (
     SAFE_LOAD_KWARGS,
@@ -60,12 +61,6 @@ from uds_lens.tl_compat import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Decoder families (Hugging Face model_type) whose bridge has been checked against Hugging Face, site by site
-# (tests/unit/test_families.py): Llama (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3, OLMo 2.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2")
-# The same families as a GGUF file's general.architecture names them.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -356,6 +351,9 @@ def hooked_from_hf(
     object.__setattr__(
         hf_model, "_uds_weight_names", frozenset(name for name, _ in hf_model.named_parameters())
     )
+    if not getattr(hf_model.config, "architectures", None):
+        # a model built from a config (not loaded) names no architecture; the bridge picks its adapter from it
+        hf_model.config.architectures = [type(hf_model).__name__]
     bridge = bridge_from_hf(
         hf_model,
         tokenizer if tokenizer is not None else _stand_in_tokenizer(),
@@ -572,8 +570,6 @@ def check_compatible(
 
 __all__ = [
     "SAFE_LOAD_KWARGS",
-    "SUPPORTED_GGUF_ARCHITECTURES",
-    "SUPPORTED_MODEL_TYPES",
     "ZOO_PREFIX",
     "ArchitectureSignature",
     "CheckpointSource",

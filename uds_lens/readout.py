@@ -70,6 +70,14 @@ def mean_entity_logprob(
     return segment_mean(label_logprobs(logits, labels, upcast), segment, n_segments)
 
 
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """``tanh(logits / cap) * cap`` in the logits' dtype, as Hugging Face's Gemma soft-caps its final logits;
+    ``logits`` itself when ``cap`` is ``None``."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 # Logits per vocabulary slice in the read-out (4 MB in fp32: the slice and its exp stay in cache on the CPU).
 _LOGIT_SLICE_ELEMENTS = 1 << 20
 
@@ -79,9 +87,10 @@ def unembedded_label_logprobs(
     w_u: Float[Tensor, "d_model vocab"],
     b_u: Float[Tensor, " vocab"],
     labels: Int[Tensor, " row"],
+    softcap: float | None = None,
 ) -> Float[Tensor, " row"]:
     """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
-    at a time.
+    at a time; with ``softcap`` the logits are soft-capped first (:func:`soft_cap`, Gemma's final soft-capping).
 
     A whole ``[rows, vocab]`` buffer (hundreds of MB on a 49k vocabulary) makes each pass of the logsumexp a trip to
     main memory; slices of about a million logits stay in cache, and their logsumexps combine exactly
@@ -93,7 +102,10 @@ def unembedded_label_logprobs(
     label_logit = torch.zeros(n_rows, dtype=torch.float32, device=rows.device)
     slices = []
     for first in range(0, vocab, width):
-        logits = torch.addmm(b_u[first : first + width], rows, w_u[:, first : first + width]).float()
+        logits = soft_cap(
+            torch.addmm(b_u[first : first + width], rows, w_u[:, first : first + width]), softcap
+        )
+        logits = logits.float()
         slices.append(torch.logsumexp(logits, dim=-1))
         inside = (labels >= first) & (labels < first + logits.shape[1])
         picked = logits.gather(1, (labels - first).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
@@ -101,4 +113,10 @@ def unembedded_label_logprobs(
     return label_logit - torch.logsumexp(torch.stack(slices), dim=0)
 
 
-__all__ = ["label_logprobs", "mean_entity_logprob", "segment_mean", "unembedded_label_logprobs"]
+__all__ = [
+    "label_logprobs",
+    "mean_entity_logprob",
+    "segment_mean",
+    "soft_cap",
+    "unembedded_label_logprobs",
+]

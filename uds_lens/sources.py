@@ -37,7 +37,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from uds_lens.config import SITES, Site, as_site
-from uds_lens.models import SUPPORTED_MODEL_TYPES, describe, hooked_from_hf
+from uds_lens.families import SUPPORTED_MODEL_TYPES
+from uds_lens.models import describe, hooked_from_hf
 from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
 
 

@@ -2,7 +2,7 @@
 
 Each family's checkpoint has the features that set it apart from Llama (Llama-3 rope scaling, Qwen2's q/k/v biases,
 Qwen3's and OLMo 2's q/k norms, Gemma's norm offsets, post-norms, soft-capping, sliding windows and scaled
-embeddings, Phi-3's fused projections), two layers of d_model 40 with grouped-query attention, and the tiny test
+embeddings, Phi-3's fused projections, Mistral's and Qwen2's sliding windows), two layers of d_model 40 with grouped-query attention, and the tiny test
 tokenizer's vocabulary. Weights are drawn wider than Hugging Face's default initialisation (``init_std``) and every
 norm weight is drawn around its identity, so two seeds differ visibly and a patch moves the output.
 """
@@ -29,6 +29,10 @@ COMMON = {
     "tie_word_embeddings": False,
 }
 
+#: The sliding window of the windowed families: shorter than every prompt of the tiny forget set, so the window
+#: masks keys in every example (a window no sequence reaches would test nothing).
+WINDOW = 4
+
 
 def family_configs(vocab_size: int) -> dict[str, Any]:
     """One ``transformers`` config per family (the key names the family in test ids)."""
@@ -44,7 +48,9 @@ def family_configs(vocab_size: int) -> dict[str, Any]:
     )
 
     base = dict(COMMON, vocab_size=vocab_size)
-    gemma = dict(base, head_dim=8, query_pre_attn_scalar=8, final_logit_softcapping=30.0, sliding_window=4)
+    gemma = dict(
+        base, head_dim=8, query_pre_attn_scalar=8, final_logit_softcapping=30.0, sliding_window=WINDOW
+    )
     return {
         "llama3": LlamaConfig(
             **base,
@@ -57,7 +63,13 @@ def family_configs(vocab_size: int) -> dict[str, Any]:
             },
         ),
         "mistral": MistralConfig(**base, sliding_window=None),
+        # the same weights as "mistral" (same seed, same shapes) with a window shorter than every prompt
+        "mistral_window": MistralConfig(**base, sliding_window=WINDOW),
         "qwen2": Qwen2Config(**base),
+        # layer 0 full attention, layer 1 a sliding window (max_window_layers)
+        "qwen2_window": Qwen2Config(
+            **base, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
         "qwen3": Qwen3Config(**base, head_dim=8),
         "gemma2": Gemma2Config(**gemma, attn_logit_softcapping=50.0),
         "gemma3": Gemma3TextConfig(**gemma),

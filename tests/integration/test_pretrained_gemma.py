@@ -1,10 +1,12 @@
-"""A real non-Llama model (Gemma-3-270M from its GGUF, see tests/helpers/gemma.py) through loading and the naive
-engine: HF parity of the bridge, real weights that know a fact, full -> full exactly 0 and a retain that moves."""
+"""A real non-Llama model (Gemma-3-270M from its GGUF, see tests/helpers/gemma.py) through loading and both engines:
+HF parity of the bridge, real weights that know a fact, the fast engine equal to the naive one, full -> full exactly 0
+and a retain that moves."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from helpers import gemma
 
 from uds_lens import UDSAuditor, UDSConfig
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
-from uds_lens.patching import fast_engine_refusal
+from uds_lens.patching import fast_engine_refusal, pad_batch, patched_scores, source_activations
 from uds_lens.sources import verify_parity
 
 pytestmark = pytest.mark.xdist_group("pretrained_gemma")
@@ -66,7 +68,7 @@ def test_the_real_gemma_boots_as_a_bridge_identical_to_hugging_face(checkpoint):
         assert right in logits.topk(3).indices and logits[right] > logits[wrong] + 2.0
     plain = load_hf_model(checkpoint, dtype="float32", device="cpu", attn_implementation="eager")
     assert verify_parity(bridge, plain, ids) == {"resid_post": 0.0, "final_norm": 0.0, "logits": 0.0}
-    assert "gemma3_text" in fast_engine_refusal(bridge)
+    assert fast_engine_refusal(bridge) is None  # the fast engine computes Gemma 3 (issue 34)
 
 
 @pytest.mark.slow
@@ -91,7 +93,14 @@ def test_full_is_zero_and_a_noisy_retain_moves_on_gemma(checkpoint, tmp_path):
         progress=False,
         tokenizer=load_tokenizer(checkpoint),
     )
-    assert auditor.config.engine == "naive"
+    assert auditor.config.engine == "fast"
+    # the fast engine against the naive oracle on real weights (sliding-window layers, q/k norms, soft-capping)
+    spec = auditor.engine_spec
+    batch = pad_batch(auditor.encoded, auditor.pad_id, "span")
+    acts = source_activations(retain, batch.tokens, spec)
+    naive = patched_scores(full, batch, acts, replace(spec, engine="naive"))
+    fast = patched_scores(full, batch, acts, replace(spec, engine="fast"))
+    assert (naive - fast).abs().max() <= 1e-4, (naive - fast).abs().max()
     as_full = auditor.score(full)
     assert (as_full.layers.loc[as_full.layers["layer"] < 17, "d2"] == 0.0).all()
     assert (as_full.layers["d2"] == 0.0).all()  # exact: the baseline repeats the operations of this patch

@@ -1,24 +1,25 @@
-"""Every supported decoder family on tiny random checkpoints (issue 25): Llama-3 (rope scaling), Mistral, Qwen2 (q/k/v
-biases), Qwen3 (q/k norm), Gemma 2 and 3 (norm offsets, post-norms, soft-capping, sliding windows, scaled
-embeddings), Phi-3 (fused projections) and OLMo 2 (post-norms, q/k norm).
+"""Every supported decoder family on tiny random checkpoints (issues 25, 34): Llama-3 (rope scaling), Mistral with and
+without a sliding window, Qwen2 (q/k/v biases; one windowed layer), Qwen3 (q/k norm), Gemma 2 and 3 (norm offsets,
+post-norms, soft-capping, sliding windows, scaled embeddings), Phi-3 (fused projections) and OLMo 2 (post-norms, q/k
+norm), and the family table they are described by.
 
 For each: the bridge equals Hugging Face (hidden states, final norm, logits) and every site equals the tensor a plain
 torch hook reads on Hugging Face's own modules, exactly where the bridge runs Hugging Face's operations on the same
 tensors and within the reordering tolerance where it does not (Phi-3, see ``REORDERED_BRIDGES``); the naive engine is
-the oracle; the fast engine equals it within 1e-5
-(or, for a family it does not compute, the auditor runs the naive engine and says so); full -> full is exactly 0 below
-the last layer, retain -> retain is 1, in both modes; one head's patch changes nothing when source = full.
+the oracle; the fast engine runs every family and equals it within 1e-5 at every site in both modes (a reordered
+computation: another kernel); full -> full is exactly 0 below the last layer, retain -> retain is 1, in both modes;
+head patching on the fast engine equals the naive engine's, and one head's patch changes nothing when source = full.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from helpers.families import build_family, family_configs
+from helpers.families import WINDOW, build_family, family_configs
 from helpers.hf_oracle import hf_site
 from helpers.numerics import assert_close_reordered, reordered_tolerance
 
@@ -26,9 +27,11 @@ from uds_lens import UDSConfig, load_tokenizer
 from uds_lens.components import patch_heads
 from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
+from uds_lens.families import family_of
 from uds_lens.models import load_hf_model, load_model
 from uds_lens.patching import (
     FAST_MODEL_TYPES,
+    clean_run,
     fast_engine_refusal,
     pad_batch,
     patched_scores,
@@ -36,7 +39,18 @@ from uds_lens.patching import (
 )
 from uds_lens.sources import SITES, as_source, verify_parity
 
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
+FAMILIES = [
+    "llama3",
+    "mistral",
+    "mistral_window",
+    "qwen2",
+    "qwen2_window",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+]
 TOKENS = torch.tensor([[0, 5, 17, 33, 2, 90, 41, 7, 8], [0, 6, 6, 19, 77, 3, 12, 250, 9]])
 # Families whose bridge does not run Hugging Face's own operations on Hugging Face's tensors. Phi-3's bridge
 # (TransformerLens's JointGateUpMLPBridge and JointQKV attention) splits the fused ``gate_up_proj``/``qkv_proj`` into
@@ -97,14 +111,10 @@ def test_bridge_is_hugging_face_at_every_site(family, checkpoints, loaded):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fast_engine_equals_naive_or_is_refused(family, tiny, loaded):
+def test_fast_engine_equals_naive(family, tiny, loaded):
     full, retain = loaded[family]["full"], loaded[family]["retain"]
-    model_type = full.original_model.config.model_type
-    refusal = fast_engine_refusal(full)
-    if model_type not in FAST_MODEL_TYPES:
-        assert refusal is not None and model_type in refusal
-        return
-    assert refusal is None
+    assert full.original_model.config.model_type in FAST_MODEL_TYPES
+    assert fast_engine_refusal(full) is None
     tokenizer = load_tokenizer(tiny.tokenizer)
     for compat in (False, True):
         encoded, _ = encode(load_examples(tiny.data), tokenizer, published_compat=compat)
@@ -114,36 +124,85 @@ def test_fast_engine_equals_naive_or_is_refused(family, tiny, loaded):
             acts = source_activations(retain, batch.tokens, EngineSpec(site, layers, published_compat=compat))
             naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
             fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
+            # reordered (another kernel), held to the issue's 1e-5 in fp32
             assert (naive - fast).abs().max() <= 1e-5, (site, compat)
             assert (naive - naive.mean()).abs().max() > 1e-3  # not vacuous: layers and examples differ
 
 
+def test_windows_are_reached_and_change_the_scores(tiny, loaded):
+    """The windowed checkpoints are the unwindowed one's weights with a window every prompt is longer than: the
+    window masks keys in every example and moves the scores, so the fast engine's agreement above is about it."""
+    tokenizer = load_tokenizer(tiny.tokenizer)
+    encoded, _ = encode(load_examples(tiny.data), tokenizer)
+    assert min(ex.window("span").start for ex in encoded) > WINDOW
+    batch = pad_batch(encoded, tokenizer.pad_token_id, "span")
+    spec = EngineSpec("resid_post", [0, 1], "fast")
+    plain = clean_run(loaded["mistral"]["full"], batch, spec).scores
+    windowed = clean_run(loaded["mistral_window"]["full"], batch, spec).scores
+    assert (plain - windowed).abs().min() > 0 and (plain - windowed).abs().max() > 1e-3
+    windows = {
+        name: family_of(loaded[name]["full"].original_model.config).windows(
+            loaded[name]["full"].original_model.config
+        )
+        for name in ("mistral", "mistral_window", "qwen2_window", "gemma2", "gemma3", "phi3")
+    }
+    assert windows == {
+        "mistral": [None, None],
+        "mistral_window": [WINDOW, WINDOW],
+        "qwen2_window": [None, WINDOW],
+        "gemma2": [WINDOW, None],
+        "gemma3": [WINDOW, WINDOW],
+        "phi3": [None, None],
+    }
+
+
+def test_family_table_is_what_loading_and_the_kernel_read():
+    """One row per supported model_type, each with a tiny checkpoint here; a config the kernel cannot reproduce is
+    refused by name (Gemma 3's bidirectional attention), anything else is computed."""
+    from transformers import Gemma3TextConfig
+
+    from uds_lens.families import FAMILIES, SUPPORTED_MODEL_TYPES
+
+    assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == FAST_MODEL_TYPES
+    built = {config.model_type for config in family_configs(400).values()}
+    assert built == set(FAMILIES)
+    assert FAMILIES["gemma2"].scaling(SimpleNamespace(query_pre_attn_scalar=256), 8) == 256**-0.5
+    assert FAMILIES["llama"].scaling(SimpleNamespace(), 64) == 64**-0.5
+    assert FAMILIES["olmo2"].site_modules()["resid_mid"] == "input of mlp"
+    bidirectional = Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True)
+    assert "bidirectional" in FAMILIES["gemma3_text"].kernel_refusal(bidirectional)
+    assert FAMILIES["gemma3_text"].kernel_refusal(Gemma3TextConfig(num_hidden_layers=2)) is None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("compat", [False, True])
-def test_full_is_zero_and_retain_is_one(family, compat, loaded, tiny_auditor, caplog):
+def test_full_is_zero_and_retain_is_one(family, compat, loaded, tiny_auditor):
     models = loaded[family]
-    with caplog.at_level(logging.WARNING, logger="uds_lens.auditor"):
-        auditor = tiny_auditor(models, UDSConfig(published_compat=compat))
-    fast = models["full"].original_model.config.model_type in FAST_MODEL_TYPES
-    assert auditor.config.engine == ("fast" if fast else "naive")
-    assert fast or "naive engine" in caplog.text  # the one-line notice of the fallback
+    auditor = tiny_auditor(models, UDSConfig(published_compat=compat))
+    assert auditor.config.engine == "fast"
     as_retain = auditor.score(models["retain"])
     scored = as_retain.examples.dropna(subset=["uds"])
     assert len(scored) >= 2 and np.allclose(scored["uds"], 1.0)
     as_full = auditor.score(models["full"])
     last = models["full"].cfg.n_layers - 1
+    # exact by construction: the fast baseline and the patched runs repeat the same operations on the same inputs
     assert (as_full.layers.loc[as_full.layers["layer"] < last, "d2"] == 0.0).all()
     if not compat:
         assert (as_full.layers["d2"] == 0.0).all()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2", "olmo2"])
-def test_one_head_patched_from_full_changes_nothing(family, loaded, tiny_auditor):
-    """Head-level patching (``hook_z``) on a fast family and two naive ones: source = full moves no score."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_patching_on_the_fast_engine(family, loaded, tiny_auditor):
+    """Head-level patching (``hook_z``) on the fast engine: equal to the naive engine's (one forward per layer and
+    head) within 1e-5 with retain as the source (Gemma's and OLMo 2's post-attention norm acts on the patched sum);
+    source = full moves no score."""
     models = loaded[family]
     auditor = tiny_auditor(models)
-    heads = patch_heads(auditor, models["full"], hook="z", idxs=[0, 2])
-    assert heads.s2.shape[-1] == models["full"].cfg.n_heads
+    fast = patch_heads(auditor, models["retain"], hook="z", idxs=[0, 2], engine="fast")
+    naive = patch_heads(auditor, models["retain"], hook="z", idxs=[0, 2], engine="naive")
+    assert fast.s2.shape[-1] == models["full"].cfg.n_heads
+    assert (fast.d2 - naive.d2).nan_to_num().abs().max() <= 1e-5
+    assert (naive.d2.nan_to_num().abs() > 1e-4).any()  # not vacuous: retain's heads do move the score
+    heads = patch_heads(auditor, models["full"], hook="z", idxs=[0, 2], engine="fast")
     # reordered: the fast engine's head patch against its baseline run (the naive engine's would be exact)
     assert_close_reordered(heads.s2, heads.baseline)
-    assert (heads.d1.nan_to_num().abs() > 1e-4).any()  # retain's heads do move the score

@@ -23,9 +23,10 @@ Two engines compute exactly that:
   the same way (``packed_forward``), so a batch costs its token count, not ``batch x longest``. Read-outs take the
   label logit minus a logsumexp (published-compat keeps the model-dtype log-softmax).
 
-  It computes Llama blocks (RMSNorm, rotary, gated MLP, grouped-query attention) directly on the
-  TransformerLens weights (``_BlockWeights``: Q, K and V in one product, the rest read in place), with the same
-  arithmetic as TransformerLens's modules; other architectures use ``naive``. On the CPU the work is matrix
+  It computes the decoder layer of every family of ``uds_lens.families`` (RMSNorms wherever the family puts them,
+  rotary grouped-query attention with q/k norms, soft-capping and sliding windows, the gated MLP) directly on the
+  Hugging Face tensors a bridge wraps (``_BlockWeights``: Q, K and V in one product, the rest read in place), with the
+  same arithmetic as Hugging Face's modules; what it refuses (``fast_engine_refusal``) uses ``naive``. On the CPU the work is matrix
   products: what remains above the floor is mostly their smaller row counts (``experiments/bench_engine.py``).
 
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
@@ -39,7 +40,7 @@ arguments. The package, one concept per module:
 
 * ``batch``: ``PatchBatch`` (where to patch and read), ``WindowPacking`` (window tokens packed into flat rows),
   ``CleanRun`` (what the fast engine keeps from the clean forward);
-* ``kernels``: the fast engine's Llama-family block kernels and ``packed_forward``; ``fast_engine_refusal``;
+* ``kernels``: the fast engine's table-driven block kernels and ``packed_forward``; ``fast_engine_refusal``;
 * ``engines``: ``clean_run``, the naive and fast engines, ``patched_scores`` / ``source_scores`` /
   ``baseline_scores``, the source reads;
 * ``planning``: which examples share a batch and how many fit in memory.

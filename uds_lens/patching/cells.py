@@ -153,9 +153,11 @@ def fast_cell_scores(
                     layout,
                     n_batch=n_runs - first_run,
                     slot=layout.slot[int(run_row_first[first_run]) :] - first_slot,
-                    cos=layout.cos[first_slot:],
-                    sin=layout.sin[first_slot:],
                     allowed=layout.allowed[first_run:],
+                    slot_position=layout.slot_position[first_slot:],
+                    key_position=layout.key_position[first_run:],
+                    tables={},  # the rotary tables and window masks of the tail, made on first use
+                    masks={},
                 )
             return tails[first_run]
 

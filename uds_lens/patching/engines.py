@@ -24,9 +24,10 @@ from uds_lens.patching.kernels import (
     _layer_weights,
     _mlp_half,
     fast_engine_refusal,
+    final_softcap,
     packed_forward,
 )
-from uds_lens.readout import mean_entity_logprob, segment_mean, unembedded_label_logprobs
+from uds_lens.readout import mean_entity_logprob, segment_mean, soft_cap, unembedded_label_logprobs
 from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, is_bridge
 
@@ -68,14 +69,15 @@ def read_scores(
     run_segment = (
         torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]
     ).flatten()
+    cap = final_softcap(model)
     if upcast:
         rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
-        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs))
+        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs), cap)
         return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
     chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
     scores = []
     for first in range(0, n_runs, chunk):
-        logits = model.unembed(model.ln_final(resid[first : first + chunk]))
+        logits = soft_cap(model.unembed(model.ln_final(resid[first : first + chunk])), cap)
         runs = logits.shape[0]
         scores.append(
             mean_entity_logprob(

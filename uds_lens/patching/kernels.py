@@ -1,10 +1,12 @@
-"""The fast engine's block kernels: Llama-family decoder layers computed on packed rows.
+"""The fast engine's block kernels: the decoder layer of every family of the family table, on packed rows.
 
-RMSNorm, rotary attention (grouped-query, optional biases, Qwen3's per-head q/k norm) and the gated MLP,
-with the same arithmetic as Hugging Face's modules, read from the tensors a ``TransformerBridge`` wraps
-(``_BlockWeights``: Q, K and V joined into one product). ``packed_forward`` runs a batch's sequences
-through them with no padding; the patched runs of ``engines.fast_patched_scores`` use the same kernels over
-``[run, row, d_model]``. ``fast_engine_refusal`` says which models they compute."""
+One table-driven block (``uds_lens.families`` says, per ``model_type``, where the RMSNorms sit and how they round,
+the q/k norm, the attention scale and soft-cap, the activation, the fused projections and each layer's sliding
+window): RMSNorm, rotary attention (grouped-query, optional biases, the model's own rotary module) and the gated
+MLP, with the same arithmetic as Hugging Face's modules, read from the tensors a ``TransformerBridge`` wraps
+(``_BlockWeights``: Q, K and V in one product). ``packed_forward`` runs a batch's sequences through them with no
+padding; the patched runs of ``engines.fast_patched_scores`` use the same kernels over ``[run, row, d_model]``.
+``fast_engine_refusal`` says which models they compute."""
 
 from __future__ import annotations
 
@@ -18,27 +20,24 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from transformers.activations import ACT2FN
 
+from uds_lens.families import SUPPORTED_MODEL_TYPES, Family, NormRounding, QKNorm, family_of
 from uds_lens.models import describe
 from uds_lens.patching.batch import PatchBatch, WindowPacking
 from uds_lens.tl_compat import hf_model_of
 
-# Hugging Face model types whose decoder layers the fast engine computes: pre-norm RMSNorm blocks with rotary
-# attention (Q, K, V and O projections, optional biases, Qwen3's per-head q/k norm) and a gated MLP, nothing else.
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _hf_name(name: str) -> str:
-    """A parameter name with the bridge's ``_original_component`` segments dropped: the Hugging Face name."""
-    return ".".join(part for part in name.split(".") if part != "_original_component")
+# Hugging Face model types whose decoder layers the fast engine computes: every family of the family table.
+FAST_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 
 def fast_engine_refusal(model: Any) -> str | None:
     """Why the fast engine cannot run ``model`` (a one-line reason), or ``None`` when it can.
 
-    The fast engine computes a family's decoder layers itself from the Hugging Face tensors, so it runs the
-    families whose layers it reproduces (``FAST_MODEL_TYPES``) and nothing else: anything else goes to the naive
-    engine, which runs the model's own forward and so is right for every family.
+    The fast engine computes a family's decoder layers itself from the Hugging Face tensors, as the family table
+    (``uds_lens.families``) describes them, so it runs every family of that table, except a configuration the table
+    says the kernel cannot reproduce; anything else goes to the naive engine, which runs the model's own forward and
+    so is right for every family. A sliding window is applied in the kernel's attention mask, never refused.
     """
     hf = hf_model_of(model)
     if hf is None:
@@ -49,16 +48,14 @@ def fast_engine_refusal(model: Any) -> str | None:
     config = hf.config
     if getattr(hf, "is_quantized", False) or getattr(config, "quantization_config", None):
         return "its weights are quantised (the fast engine multiplies by the tensors themselves)"
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAST_MODEL_TYPES:
-        return f"the fast engine does not compute {model_type!r} blocks yet (it does {', '.join(FAST_MODEL_TYPES)})"
-    window = getattr(config, "sliding_window", None)
-    uses_window = model_type == "mistral" or getattr(config, "use_sliding_window", False)
-    if window is not None and uses_window:
-        return f"{model_type!r} with a sliding attention window ({window}) is not computed by the fast engine"
-    if getattr(config, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp > 1 splits the projections differently"
-    return None
+    family = family_of(config)
+    if family is None:
+        model_type = getattr(config, "model_type", None)
+        return (
+            f"the fast engine does not compute {model_type!r} blocks (it does {', '.join(FAST_MODEL_TYPES)})"
+        )
+    reason = family.kernel_refusal(config)
+    return None if reason is None else f"{family.model_type!r} with {reason}"
 
 
 def _hf_decoder(model: Any) -> Any:
@@ -66,23 +63,40 @@ def _hf_decoder(model: Any) -> Any:
     return hf.model
 
 
+def _family(model: Any) -> Family:
+    family = family_of(hf_model_of(model).config)
+    assert family is not None  # _require_fast ran first
+    return family
+
+
 @dataclass
 class _BlockWeights:
-    """One decoder layer's weights in the layouts its packed runs multiply by, read from the Hugging Face tensors.
+    """One decoder layer's weights in the layouts its packed runs multiply by, read from the Hugging Face modules,
+    and what its family's row of the table says the layer does with them.
 
     Hugging Face stores a projection as ``[out, in]`` with heads outermost on the "out" side; Q, K and V are laid
     side by side as one ``[d_model, (head + 2 kv_head) d_head]`` matrix, so a block's projections are one matrix
     product, and the MLP's gate and up weights likewise as one ``[d_model, 2 d_mlp]`` matrix (on the CPU the halves
     of the joint product are bit for bit the two separate products; one wider product keeps both cores busy on the
-    short first blocks of the window runs). ``o_proj`` and ``down_proj`` are read in place, as transposed views.
+    short first blocks of the window runs). Separate ``q/k/v_proj`` and ``gate/up_proj`` are joined into such a
+    copy; a family that stores them fused (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is read in place, as a
+    transposed view, like ``o_proj`` and ``down_proj``: no second copy of its weights.
+
+    Norms (``None`` where the family has none): ``pre_attn``/``pre_mlp`` before attention and MLP, ``post_attn``/
+    ``post_mlp`` on their outputs (Gemma's sandwich, OLMo 2's post-norms), each the weight as the norm multiplies
+    by it (Gemma's ``1 + w`` in fp32, a new ``d_model`` vector). ``window`` is the layer's sliding window,
+    ``layer_type`` the rotary table it reads (Gemma 3), ``softcap`` the attention logit soft-cap (Gemma 2).
 
     ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
     tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
     """
 
-    ln1: Float[Tensor, " d_model"]
-    ln2: Float[Tensor, " d_model"]
+    pre_attn: Float[Tensor, " d_model"] | None
+    post_attn: Float[Tensor, " d_model"] | None
+    pre_mlp: Float[Tensor, " d_model"] | None
+    post_mlp: Float[Tensor, " d_model"] | None
     eps: float
+    rounding: NormRounding
     qkv: Float[Tensor, "d_model qkv"]
     qkv_bias: Float[Tensor, " qkv"]
     out: Float[Tensor, "head_d_head d_model"]
@@ -96,11 +110,15 @@ class _BlockWeights:
     n_heads: int
     n_kv: int
     d_head: int
-    q_norm: Float[Tensor, " d_head"] | None = None
-    k_norm: Float[Tensor, " d_head"] | None = None
+    qk_norm: QKNorm = "none"
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+    softcap: float | None = None
+    window: int | None = None
+    layer_type: str | None = None
 
     @classmethod
-    def of(cls, block: Any, config: Any) -> _BlockWeights:
+    def of(cls, block: Any, config: Any, index: int) -> _BlockWeights:
         params = list(block.parameters())
         versions = [p._version for p in params]
         cached = _JOINED.get(block)
@@ -111,53 +129,96 @@ class _BlockWeights:
             and cached[1] == versions
         ):
             return cached[2]
-        weights = cls._join(block, config)
+        weights = cls._join(block, config, index)
         _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
         return weights
 
     @classmethod
-    def _join(cls, block: Any, config: Any) -> _BlockWeights:
-        named = {_hf_name(name): param for name, param in block.named_parameters()}
-        weight = named["self_attn.q_proj.weight"]
-        d_model = weight.shape[1]
+    def _join(cls, block: Any, config: Any, index: int) -> _BlockWeights:
+        family = family_of(config)
+        assert family is not None
+        layer = _original(block)
+        attention, mlp = _original(layer.self_attn), _original(layer.mlp)
         n_heads = int(config.num_attention_heads)
+        fused = "qkv_proj" if family.fused_qkv else "q_proj"
+        d_model = _linear(attention, fused).weight.shape[1]
         d_head = int(getattr(config, "head_dim", None) or d_model // n_heads)
-        n_kv = named["self_attn.k_proj.weight"].shape[0] // d_head
+        n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+        reference = _linear(attention, "o_proj").weight
 
-        def bias(name: str, width: int) -> Tensor:
-            found = named.get(name)
-            return found if found is not None else weight.new_zeros(width)
+        def bias(module: Any, name: str, width: int) -> Tensor:
+            found = getattr(_linear(module, name), "bias", None)
+            return found if found is not None else reference.new_zeros(width)
+
+        def norm(name: str) -> Tensor | None:
+            module = layer._modules.get(name)
+            return None if module is None else _norm_weight(_original(module).weight, family)
 
         with torch.no_grad():
-            projections = ("q_proj", "k_proj", "v_proj")
-            qkv = torch.cat([named[f"self_attn.{p}.weight"] for p in projections]).T.contiguous()
-            qkv_bias = torch.cat(
-                [bias(f"self_attn.{p}.bias", named[f"self_attn.{p}.weight"].shape[0]) for p in projections]
+            if family.fused_qkv:
+                qkv = _linear(attention, "qkv_proj").weight.T
+                qkv_bias = bias(attention, "qkv_proj", qkv.shape[1])
+            else:
+                projections = ("q_proj", "k_proj", "v_proj")
+                qkv = torch.cat([_linear(attention, p).weight for p in projections]).T.contiguous()
+                qkv_bias = torch.cat(
+                    [bias(attention, p, _linear(attention, p).weight.shape[0]) for p in projections]
+                )
+            if family.fused_gate_up:
+                gate_up = _linear(mlp, "gate_up_proj").weight.T
+                gate_up_bias = bias(mlp, "gate_up_proj", gate_up.shape[1])
+            else:
+                gate_up = torch.cat([_linear(mlp, "gate_proj").weight, _linear(mlp, "up_proj").weight]).T
+                gate_up = gate_up.contiguous()
+                d_mlp = _linear(mlp, "up_proj").weight.shape[0]
+                gate_up_bias = torch.cat([bias(mlp, "gate_proj", d_mlp), bias(mlp, "up_proj", d_mlp)])
+            sandwich = family.norm == "sandwich"
+            q_norm = k_norm = None
+            if family.qk_norm != "none":
+                q_norm = _norm_weight(_original(attention.q_norm).weight, family)
+                k_norm = _norm_weight(_original(attention.k_norm).weight, family)
+            weights = cls(
+                pre_attn=norm("input_layernorm") if family.norm != "post" else None,
+                post_attn=norm("post_attention_layernorm") if family.norm != "pre" else None,
+                pre_mlp=norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+                if family.norm != "post"
+                else None,
+                post_mlp=norm("post_feedforward_layernorm") if family.norm != "pre" else None,
+                eps=float(config.rms_norm_eps),
+                rounding=family.norm_rounding,
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                out=_linear(attention, "o_proj").weight.T,
+                out_bias=bias(attention, "o_proj", d_model),
+                gate_up=gate_up,
+                gate_up_bias=gate_up_bias,
+                down=_linear(mlp, "down_proj").weight.T,
+                down_bias=bias(mlp, "down_proj", d_model),
+                act=ACT2FN[getattr(config, family.activation_key)],
+                scaling=family.scaling(config, d_head),
+                n_heads=n_heads,
+                n_kv=n_kv,
+                d_head=d_head,
+                qk_norm=family.qk_norm,
+                q_norm=q_norm,
+                k_norm=k_norm,
+                softcap=family.attn_softcap(config),
+                window=family.windows(config)[index],
+                layer_type=family.layer_types(config)[index],
             )
-            gate_up = torch.cat([named["mlp.gate_proj.weight"], named["mlp.up_proj.weight"]]).T.contiguous()
-            d_mlp = named["mlp.up_proj.weight"].shape[0]
-            gate_up_bias = torch.cat([bias("mlp.gate_proj.bias", d_mlp), bias("mlp.up_proj.bias", d_mlp)])
-        attention = _original(_original(block).self_attn)
-        return cls(
-            ln1=named["input_layernorm.weight"],
-            ln2=named["post_attention_layernorm.weight"],
-            eps=float(config.rms_norm_eps),
-            qkv=qkv,
-            qkv_bias=qkv_bias,
-            out=named["self_attn.o_proj.weight"].T,
-            out_bias=bias("self_attn.o_proj.bias", d_model),
-            gate_up=gate_up,
-            gate_up_bias=gate_up_bias,
-            down=named["mlp.down_proj.weight"].T,
-            down_bias=bias("mlp.down_proj.bias", d_model),
-            act=_original(_original(block).mlp).act_fn,
-            scaling=float(attention.scaling),
-            n_heads=n_heads,
-            n_kv=n_kv,
-            d_head=d_head,
-            q_norm=named.get("self_attn.q_norm.weight"),
-            k_norm=named.get("self_attn.k_norm.weight"),
-        )
+        return weights
+
+
+def _linear(parent: Any, name: str) -> Any:
+    """The Hugging Face ``nn.Linear`` ``name`` of a Hugging Face module (unwrapped from its bridge component)."""
+    return _original(parent._modules[name])
+
+
+def _norm_weight(weight: Tensor, family: Family) -> Tensor:
+    """What a family's RMSNorm multiplies by: the weight, or Gemma's ``1 + weight`` in fp32 (a new small vector)."""
+    if family.norm_offset:
+        return family.norm_offset + weight.float()
+    return weight
 
 
 def _original(module: Any) -> Any:
@@ -180,7 +241,14 @@ def _require_fast(model: Any) -> None:
 
 
 def _layer_weights(model: Any, index: int) -> _BlockWeights:
-    return _BlockWeights.of(model.blocks[index], hf_model_of(model).config)
+    return _BlockWeights.of(model.blocks[index], hf_model_of(model).config, index)
+
+
+def final_softcap(model: Any) -> float | None:
+    """The final logit soft-cap of a bridge's family (Gemma's ``final_logit_softcapping``), or ``None``."""
+    hf = hf_model_of(model)
+    family = None if hf is None else family_of(hf.config)
+    return None if family is None else family.final_softcap(hf.config)
 
 
 def _affine(
@@ -191,12 +259,21 @@ def _affine(
 
 
 def _rms_norm(
-    x: Float[Tensor, "*rows d_model"], weight: Float[Tensor, " d_model"], eps: float
-) -> Float[Tensor, "*rows d_model"]:
-    """Hugging Face's RMSNorm (Llama, Mistral, Qwen2): statistics in fp32, then the input dtype, then the weight."""
+    x: Float[Tensor, "*rows d"], weight: Tensor, eps: float, rounding: NormRounding = "llama"
+) -> Float[Tensor, "*rows d"]:
+    """Hugging Face's RMSNorm: statistics in fp32 and ``rsqrt``; then ``llama`` (Llama, Mistral, Qwen, Phi-3) casts
+    back to the input dtype and multiplies by the weight, ``fp32_weight`` (Gemma's ``1 + w``, OLMo 2) multiplies in
+    fp32 and casts the product."""
     wide = x.to(torch.float32)
     normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    if rounding == "llama":
+        return weight * normed.to(x.dtype)
+    return (normed * weight).to(x.dtype)
+
+
+def _norm(weights: _BlockWeights, x: Tensor, weight: Tensor | None) -> Tensor:
+    """A block norm, or ``x`` itself where the family has none at that place."""
+    return x if weight is None else _rms_norm(x, weight, weights.eps, weights.rounding)
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -218,39 +295,67 @@ class _AttentionLayout:
     """Per-batch constants of the window attention.
 
     Attention runs in a per-example layout ``[batch, window slot]`` (``width`` slots; a shorter window leaves its
-    last slots empty, masked as keys and dropped as queries). ``slot`` maps each packed row to its slot, ``cos`` and
-    ``sin`` are the rotary tables of every slot, ``allowed`` says which prefix and window keys each slot may read.
+    last slots empty, masked as keys and dropped as queries). ``slot`` maps each packed row to its slot; ``allowed``
+    says which prefix and window keys each slot may read under causal attention; ``rotary`` gives the cos/sin
+    tables of every slot for a layer type and ``mask`` the keys a layer with a sliding window may read (both made
+    on first use and kept for the batch).
     """
 
     packing: WindowPacking
     n_batch: int
     slot: Int[Tensor, " row"]
-    cos: Float[Tensor, "slot 1 rot"]
-    sin: Float[Tensor, "slot 1 rot"]
     allowed: Bool[Tensor, "batch 1 1 1 window key"]
+    slot_position: Int[Tensor, " slot"]
+    key_position: Int[Tensor, "batch key"]
+    rotary_module: Any
+    dtype: torch.dtype
+    tables: dict[str | None, tuple[Tensor, Tensor]]
+    masks: dict[int, Tensor]
+
+    def rotary(self, layer_type: str | None) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` of every slot, ``[slot, 1, rot]``, from the model's own rotary module (its rope scaling
+        included, cast to the model dtype as its attention casts them; Gemma 3's table per layer type)."""
+        if layer_type not in self.tables:
+            probe = torch.zeros(1, dtype=self.dtype, device=self.slot_position.device)
+            extra = () if layer_type is None else (layer_type,)
+            cos, sin = self.rotary_module(probe, self.slot_position[None], *extra)
+            self.tables[layer_type] = (cos[0][:, None, :], sin[0][:, None, :])
+        return self.tables[layer_type]
+
+    def mask(self, window: int | None) -> Tensor:
+        """The keys each slot may read: causal, and for a sliding window of ``window`` tokens only the keys less
+        than ``window`` positions back, as Hugging Face's ``sliding_window_overlay`` (``kv > q - window``)."""
+        if window is None:
+            return self.allowed
+        if window not in self.masks:
+            query = self.slot_position.view(self.n_batch, -1)
+            near = self.key_position[:, None, :] > query[:, :, None] - window
+            self.masks[window] = self.allowed & near[:, None, None, None]
+        return self.masks[window]
 
 
 def _attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> _AttentionLayout:
     device = packing.start.device
     n_batch = int(packing.start.shape[0])
-    prefix_ok = torch.arange(packing.prefix_len, device=device)[None, :] < packing.start[:, None]
+    prefix = torch.arange(packing.prefix_len, device=device)
+    prefix_ok = prefix[None, :] < packing.start[:, None]
     offsets = torch.arange(packing.width, device=device)
     causal = offsets[:, None] >= offsets[None, :]
     allowed = torch.cat(
         [prefix_ok[:, None, :].expand(-1, packing.width, -1), causal[None].expand(n_batch, -1, -1)], dim=-1
     )
-    slot_position = (packing.start[:, None] + offsets[None, :]).flatten()
-    # The model's own rotary module: its cos/sin carry any rope scaling (Llama-3's included) and are cast to the
-    # model dtype as its attention casts them.
-    rotary = _original(_hf_decoder(model).rotary_emb)
-    cos, sin = rotary(torch.zeros(1, dtype=dtype, device=device), slot_position[None])
+    window_position = packing.start[:, None] + offsets[None, :]
     return _AttentionLayout(
         packing=packing,
         n_batch=n_batch,
         slot=packing.example * packing.width + packing.offset,
-        cos=cos[0][:, None, :],
-        sin=sin[0][:, None, :],
         allowed=allowed[:, None, None, None],
+        slot_position=window_position.flatten(),
+        key_position=torch.cat([prefix[None, :].expand(n_batch, -1), window_position], dim=-1),
+        rotary_module=_original(_hf_decoder(model).rotary_emb),
+        dtype=dtype,
+        tables={},
+        masks={},
     )
 
 
@@ -262,7 +367,9 @@ def _attention(
     prefix_values: Float[Tensor, "batch kv_head prefix d_head"],
     keep: list[Tensor] | None = None,
 ) -> Float[Tensor, "run row d_model"]:
-    """Attention output of the packed window rows of several runs, over their example's clean prefix and window.
+    """What the attention adds to the residual at the packed window rows of several runs (``hook_attn_out``: the
+    output projection, then the post-attention norm where the family has one), over their example's clean prefix
+    and window.
 
     Norm and projections run on the packed rows (one product for Q, K and V); the projected rows are then placed
     in the per-example layout ``[batch, kv_head, run, rep, window, key]`` (``rep`` query heads share a key/value
@@ -274,20 +381,32 @@ def _attention(
     packing = layout.packing
     n_runs = resid.shape[0]
     n_kv, d_head, n_heads = weights.n_kv, weights.d_head, weights.n_heads
-    qkv = _affine(_rms_norm(resid, weights.ln1, weights.eps), weights.qkv, weights.qkv_bias)
+    qkv = _affine(_norm(weights, resid, weights.pre_attn), weights.qkv, weights.qkv_bias)
+    if (
+        weights.qk_norm == "projection"
+    ):  # OLMo 2: RMSNorm over the whole Q and K projections, before the heads
+        n_q, n_k = n_heads * d_head, n_kv * d_head
+        qkv = torch.cat(
+            [
+                _rms_norm(qkv[..., :n_q], weights.q_norm, weights.eps, weights.rounding),  # type: ignore[arg-type]
+                _rms_norm(qkv[..., n_q : n_q + n_k], weights.k_norm, weights.eps, weights.rounding),  # type: ignore[arg-type]
+                qkv[..., n_q + n_k :],
+            ],
+            dim=-1,
+        )
     # One scatter of Q, K and V together into the per-example slots (index_copy_ on one flat index: far cheaper on
     # the CPU than advanced indexing with two index tensors).
     slots = qkv.new_zeros(n_runs, layout.n_batch * packing.width, qkv.shape[-1])
     slots.index_copy_(1, layout.slot, qkv)
     slots = slots.view(n_runs, layout.n_batch * packing.width, n_heads + 2 * n_kv, d_head)
-    rotary_dim = layout.cos.shape[-1]
+    cos, sin = layout.rotary(weights.layer_type)
+    rotary_dim = cos.shape[-1]
     q, k = slots[:, :, :n_heads], slots[:, :, n_heads : n_heads + n_kv]
-    if (
-        weights.q_norm is not None and weights.k_norm is not None
-    ):  # Qwen3: RMSNorm of each head, before rotary
-        q, k = _rms_norm(q, weights.q_norm, weights.eps), _rms_norm(k, weights.k_norm, weights.eps)
-    q = _rotate(q, layout.cos, layout.sin, rotary_dim)
-    k = _rotate(k, layout.cos, layout.sin, rotary_dim)
+    if weights.qk_norm == "head":  # Qwen3, Gemma 3: RMSNorm of each head, before rotary
+        q = _rms_norm(q, weights.q_norm, weights.eps, weights.rounding)  # type: ignore[arg-type]
+        k = _rms_norm(k, weights.k_norm, weights.eps, weights.rounding)  # type: ignore[arg-type]
+    q = _rotate(q, cos, sin, rotary_dim)
+    k = _rotate(k, cos, sin, rotary_dim)
     v = slots[:, :, n_heads + n_kv :]
     q = einops.rearrange(
         q, "run (b w) (kv rep) d -> b kv run rep w d", b=layout.n_batch, kv=n_kv
@@ -306,7 +425,10 @@ def _attention(
             q_wide.view(shape[0], shape[1], -1, shape[-1]), _at_least_fp32(prefix_keys).transpose(-1, -2)
         )
         scores = torch.cat([prefix_scores.view(*shape[:-1], prefix_len), scores], dim=-1)
-    scores = scores.mul_(weights.scaling).masked_fill_(~layout.allowed, float("-inf"))
+    scores = scores.mul_(weights.scaling)
+    if weights.softcap is not None:  # Gemma 2: scores / cap, tanh, * cap, before the mask
+        scores = scores.div_(weights.softcap).tanh_().mul_(weights.softcap)
+    scores = scores.masked_fill_(~layout.mask(weights.window), float("-inf"))
     pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     z = torch.einsum("bkgrwv,bkgvd->bkgrwd", pattern[..., prefix_len:], v)
     if prefix_len:
@@ -314,14 +436,24 @@ def _attention(
             pattern[..., :prefix_len].reshape(shape[0], shape[1], -1, prefix_len), prefix_values.to(v.dtype)
         ).view(shape)
     z = einops.rearrange(z, "b kv run rep w d -> run (b w) (kv rep d)").index_select(1, layout.slot)
-    return _affine(z, weights.out, weights.out_bias)
+    return _norm(weights, _affine(z, weights.out, weights.out_bias), weights.post_attn)
+
+
+def attention_output_norm(
+    model: Any, layer: int, output: Float[Tensor, "*rows d_model"]
+) -> Float[Tensor, "*rows d_model"]:
+    """``hook_attn_out`` of block ``layer`` from its attention's output (``attn.hook_out``, after ``o_proj``): the
+    post-attention norm where the family has one (Gemma, OLMo 2), ``output`` itself elsewhere."""
+    _require_fast(model)
+    weights = _layer_weights(model, layer)
+    return _norm(weights, output, weights.post_attn)
 
 
 def _mlp(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> Float[Tensor, "*rows d_model"]:
-    """A block's gated MLP output (``hook_mlp_out``) from the residual after its attention."""
-    normed = _rms_norm(resid_mid, weights.ln2, weights.eps)
+    """What a block's gated MLP adds to the residual (``hook_mlp_out``: its post-norm included) after attention."""
+    normed = _norm(weights, resid_mid, weights.pre_mlp)
     gate, up = _affine(normed, weights.gate_up, weights.gate_up_bias).chunk(2, dim=-1)
-    return _affine(weights.act(gate) * up, weights.down, weights.down_bias)
+    return _norm(weights, _affine(weights.act(gate) * up, weights.down, weights.down_bias), weights.post_mlp)
 
 
 def _mlp_half(
@@ -374,4 +506,10 @@ def packed_forward(
     return resid[0], captured, kv
 
 
-__all__ = ["FAST_MODEL_TYPES", "fast_engine_refusal", "packed_forward"]
+__all__ = [
+    "FAST_MODEL_TYPES",
+    "attention_output_norm",
+    "fast_engine_refusal",
+    "final_softcap",
+    "packed_forward",
+]
