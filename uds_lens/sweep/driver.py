@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.results import OutputConflictError
@@ -147,6 +148,8 @@ def sweep(
             )
         except OutputConflictError as error:
             raise SweepError(str(error)) from None
+    # every local checkpoint of the list against full, before any worker computes (compatibility.py)
+    check_checkpoints(full, retain, [(entry.name, entry.source) for entry in entries])
     plan = WorkerPlan(
         str(full),
         None if retain is None else str(retain),

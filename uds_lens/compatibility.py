@@ -1,0 +1,232 @@
+"""Whether full, retain and the unlearned models can be patched into each other: one family, one tokenizer, one shape.
+
+UDS writes activations of one model into another and reads the result through the full model's tokenizer: the token
+ids the forget set is encoded into must mean the same token to every model, and every hook site must hold the same
+quantity. So before any compute the models must agree on
+
+- their family (``model_type``): a Gemma-2 block's ``attn_out`` is its post-attention norm's output, a Llama
+  block's is ``o_proj``'s (docs/DESIGN.md, "Families"); patching one into the other gives a number but no meaning;
+- their tokenizer: the same vocabulary (every token string with the same id, not only the same size), the same
+  merges, and the same special tokens (beginning, end, unknown). Metadata a tokenizer is saved with (its maximum
+  length, a chat template, the padding side) is not compared: it does not change what an id means;
+- their shapes (``models.ArchitectureSignature``: layers, widths, heads, vocabulary size).
+
+A mismatch is a :class:`~uds_lens.models.ModelMismatchError` naming the two models and what differs.
+:func:`check_checkpoints` runs on checkpoint references before anything is loaded (configs and tokenizers only,
+plus the weight files' headers against the config, ``weights.check_config_size``); :func:`check_loaded` runs on
+loaded models (what ``UDSAuditor`` holds), so in-memory models are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from uds_lens import models
+from uds_lens.checkpoint import stored_shapes
+from uds_lens.tl_compat import hf_model_of, is_hooked_transformer
+from uds_lens.weights import check_config_size
+
+logger = logging.getLogger(__name__)
+
+# The special tokens whose text must agree: they are written into prompts (beginning) or end answers.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token")
+# Differing tokens named in a message before "and N more".
+TOKENS_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What two models must share to be patched into each other, and how messages name the model.
+
+    Attributes:
+        label: the model as messages name it (``"retain (/ckpt/retain)"``).
+        model_type: the Hugging Face family, or None when unknown (a TransformerLens 3.x ``HookedTransformer``).
+        signature: the shapes.
+        tokenizer: its fast tokenizer, or None when the checkpoint ships none (then only the vocabulary size of
+            ``signature`` is compared).
+    """
+
+    label: str
+    model_type: str | None
+    signature: models.ArchitectureSignature
+    tokenizer: Any = None
+
+
+def _checkpoint_tokenizer(path_or_id: Any) -> Any:
+    """A local checkpoint directory's own tokenizer, or None: a checkpoint without tokenizer files, a ``.gguf``
+    (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check)."""
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        return None
+    source = models.resolve_source(models.resolve_zoo_name(path_or_id))
+    if source.kind != "directory":
+        return None
+    try:
+        return models.load_tokenizer(source.location)
+    except (models.ModelLoadError, OSError, ValueError, TypeError):
+        return None
+
+
+def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIdentity:
+    """A checkpoint's identity from its config and tokenizer files, without building the model; its config's size
+    is checked against its weight files first (``weights.check_config_size``), so a config describing another model
+    is refused here."""
+    label = f"{role} ({path_or_id})"
+    config = models.load_hf_config(path_or_id)
+    models.check_supported(config, str(path_or_id))
+    source = models.resolve_source(models.resolve_zoo_name(path_or_id))
+    if source.kind == "directory":
+        with models.loader_errors(source, "weights"):
+            shapes = stored_shapes(source.location)
+        if shapes:
+            check_config_size(source.location, config, shapes.values(), models.default_dtype("cpu"), None)
+    return ModelIdentity(
+        label,
+        getattr(config, "model_type", None),
+        models.ArchitectureSignature.of_config(config),
+        _checkpoint_tokenizer(path_or_id),
+    )
+
+
+def identity_of_model(model: Any, role: str, tokenizer: Any = None) -> ModelIdentity:
+    """A loaded model's identity; ``tokenizer`` defaults to its checkpoint's own (``model.uds_source``)."""
+    name = models.describe(model)
+    if tokenizer is None:
+        source = getattr(model, "uds_source", None)
+        tokenizer = _checkpoint_tokenizer(source) if source is not None else None
+    model_type = None
+    if not is_hooked_transformer(model):
+        model_type = getattr((hf_model_of(model) or model).config, "model_type", None)
+    return ModelIdentity(f"{role} ({name})", model_type, models.ArchitectureSignature.of(model), tokenizer)
+
+
+def _merges(tokenizer: Any) -> list[str] | None:
+    """A BPE tokenizer's merges as ``"a b"`` strings (tokenizers writes them as strings or as pairs), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    merges = json.loads(backend.to_str()).get("model", {}).get("merges")
+    if merges is None:
+        return None
+    return [" ".join(pair) if isinstance(pair, list) else str(pair) for pair in merges]
+
+
+def tokenizer_differences(first: Any, second: Any) -> list[str]:
+    """What makes two tokenizers encode text into ids that mean different tokens, in words (empty: none)."""
+    differences = []
+    vocab_a, vocab_b = first.get_vocab(), second.get_vocab()
+    if vocab_a != vocab_b:
+        moved = sorted(
+            (token for token in set(vocab_a) | set(vocab_b) if vocab_a.get(token) != vocab_b.get(token)),
+            key=lambda token: min(vocab_a.get(token, 1 << 62), vocab_b.get(token, 1 << 62)),
+        )
+        examples = ", ".join(
+            f"{token!r}: {vocab_a.get(token, 'absent')} vs {vocab_b.get(token, 'absent')}"
+            for token in moved[:TOKENS_SHOWN]
+        )
+        differences.append(
+            f"the vocabularies differ ({len(vocab_a)} and {len(vocab_b)} tokens; {len(moved)} tokens have another "
+            f"id or none, e.g. {examples})"
+        )
+    elif _merges(first) != _merges(second):
+        differences.append("the tokenizers' merges differ (the same vocabulary splits text otherwise)")
+    for special in SPECIAL_TOKENS:
+        a, b = getattr(first, special, None), getattr(second, special, None)
+        if a != b:
+            differences.append(f"{special} differs ({a!r} vs {b!r})")
+    return differences
+
+
+def differences(first: ModelIdentity, second: ModelIdentity) -> list[str]:
+    """What differs between two models, in words (empty: they can be patched into each other)."""
+    found = []
+    if first.model_type and second.model_type and first.model_type != second.model_type:
+        found.append(f"model_type {first.model_type!r} vs {second.model_type!r}")
+    a, b = first.signature, second.signature
+    found += [
+        f"{key} {getattr(a, key)} vs {getattr(b, key)}"
+        for key in a.__dataclass_fields__
+        if getattr(a, key) != getattr(b, key)
+    ]
+    if first.tokenizer is not None and second.tokenizer is not None:
+        found += tokenizer_differences(first.tokenizer, second.tokenizer)
+    return found
+
+
+def check_identities(reference: ModelIdentity, others: Iterable[ModelIdentity]) -> None:
+    """Refuse models that differ from ``reference`` (the full model), naming each and what differs.
+
+    Raises:
+        models.ModelMismatchError: one line for all of them.
+    """
+    refusals = []
+    for other in others:
+        found = differences(reference, other)
+        if found:
+            refusals.append(f"{other.label} differs from {reference.label}: {'; '.join(found)}")
+        elif other.tokenizer is None or reference.tokenizer is None:
+            logger.info(
+                "%s: no tokenizer to compare with %s; vocabulary size and shapes agree",
+                other.label,
+                reference.label,
+            )
+    if refusals:
+        raise models.ModelMismatchError(
+            " | ".join(refusals)
+            + ". UDS patches between checkpoints fine-tuned from one base model with one "
+            "tokenizer: pass models of the same family and tokenizer."
+        )
+
+
+def check_checkpoints(full: Any, retain: Any, unlearned: Sequence[tuple[str, Any]] = ()) -> None:
+    """Before anything is loaded: full, retain and every unlearned model given as a checkpoint reference are one
+    family with one tokenizer and one shape. Models already in memory are left to :func:`check_loaded`, and nothing
+    is compared when full itself is in memory.
+
+    Args:
+        unlearned: ``(name, model)`` pairs.
+
+    Raises:
+        models.ModelMismatchError: naming every model that differs from full, and what differs.
+        models.ModelLoadError: a checkpoint whose config cannot be read, or does not match its weight files.
+    """
+    if not _is_local(full):
+        return
+    reference = identity_of_checkpoint(full, "full")
+    candidates = [("retain", retain)] if retain is not None else []
+    candidates += [(f"unlearned {name}", model) for name, model in unlearned]
+    check_identities(
+        reference, [identity_of_checkpoint(model, role) for role, model in candidates if _is_local(model)]
+    )
+
+
+def _is_local(model: Any) -> bool:
+    """A checkpoint reference on this machine (a hub id is checked once loaded: a check fetches nothing)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return False
+    try:
+        return models.resolve_source(models.resolve_zoo_name(model)).local
+    except models.ModelLoadError:
+        return False  # not a checkpoint at all: its loader says so, in its own words, where it is loaded
+
+
+def check_loaded(reference: ModelIdentity, model: Any, role: str) -> None:
+    """A loaded model against full's identity (``UDSAuditor`` checks retain and each unlearned model with it)."""
+    check_identities(reference, [identity_of_model(model, role)])
+
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "ModelIdentity",
+    "check_checkpoints",
+    "check_identities",
+    "check_loaded",
+    "differences",
+    "identity_of_checkpoint",
+    "identity_of_model",
+    "tokenizer_differences",
+]
