@@ -454,6 +454,13 @@ def demo(
     typer.echo(f"report: {out / 'report.html'}")
 
 
+def _check_choices(option: str, given: list[str] | None, known: tuple[str, ...]) -> None:
+    """A one-line refusal of names an option does not know, before anything loads."""
+    unknown = [name for name in given or () if name not in known]
+    if unknown:
+        raise ConfigError(f"{option}: unknown {unknown}; choose from {', '.join(known)}.")
+
+
 @app.command()
 def diagnose(
     full: str = typer.Option(...),
@@ -474,13 +481,18 @@ def diagnose(
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
     from uds_lens.analysis.diagnose import METHODS
     from uds_lens.analysis.diagnose import diagnose as run_diagnose
+    from uds_lens.data import load_examples
     from uds_lens.scoring import check_output_dir
 
     check_output_dir(out)
+    _check_choices("--methods", methods, METHODS)
+    _check_choices("--sites", sites, SITES)
+    named = _unlearned_models(unlearned)
+    load_examples(data)  # read and decoded before the first model loads
     diagnosis = run_diagnose(
         full,
         retain,
-        _unlearned_models(unlearned),
+        named,
         data,
         methods=tuple(methods) if methods else METHODS,
         sites=tuple(sites) if sites else (DEFAULTS.site,),
@@ -503,7 +515,38 @@ def report(
     """One self-contained HTML page (Plotly figures + tables) from saved results."""
     from uds_lens.plotting.report import write_report
 
+    if out is not None:
+        _check_file_output("--out", out)
     typer.echo(str(write_report(results_dir, out)))
+
+
+def _check_file_output(option: str, path: Path) -> None:
+    """A file output that can be written: not a directory, and not under a file."""
+    if path.expanduser().is_dir():
+        raise ConfigError(f"{option} {path} is a directory: pass a file name (e.g. {path / 'report.html'}).")
+    blocking = next((p for p in path.expanduser().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(
+            f"{option} {path} lies under {blocking}, which is a file: pass a path in a directory."
+        )
+
+
+def _check_zoo(zoo: Path) -> None:
+    """Before any model loads: ``zoo`` has a manifest and every model it lists is there (a missing directory is
+    named, never looked up on the hub)."""
+    from uds_lens.zoo.manifest import MANIFEST_FILE, model_paths
+
+    if not (zoo / MANIFEST_FILE).is_file():
+        raise ConfigError(
+            f"--zoo {zoo} has no {MANIFEST_FILE}: build a zoo with `uds-lens zoo build --out {zoo}`."
+        )
+    missing = {name: str(zoo / path) for name, path in model_paths(zoo).items() if not (zoo / path).is_dir()}
+    if missing:
+        raise ConfigError(
+            f"--zoo {zoo} lists models whose directories are missing: "
+            + ", ".join(f"{name} ({path})" for name, path in missing.items())
+            + f"; rebuild them with `uds-lens zoo build --out {zoo}` (valid models are reused)."
+        )
 
 
 @app.command()
@@ -517,6 +560,7 @@ def evaluate(
     from uds_lens.meta_eval import evaluate_zoo
     from uds_lens.meta_eval.scorers import zoo_scorers
 
+    _check_zoo(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = evaluate_zoo(
         zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
@@ -546,6 +590,7 @@ def meta_eval(
         raise typer.BadParameter(
             f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
         )
+    _check_zoo(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,
@@ -598,12 +643,13 @@ def annotate(
         raise typer.BadParameter(
             "--full needs --retain (alone, a model that knows the facts gives no signal)."
         )
+    config = AnnotateConfig(batch_size=batch_size)  # checked before anything is read
     result = annotate_records(
         data,
         full,
         retain,
         overwrite=overwrite,
-        config=AnnotateConfig(batch_size=batch_size),
+        config=config,
         dtype=dtype,
         device=device,
         out=out,

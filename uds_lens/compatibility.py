@@ -57,7 +57,7 @@ class ModelIdentity:
     tokenizer: Any = None
 
 
-def _checkpoint_tokenizer(path_or_id: Any) -> Any:
+def checkpoint_tokenizer(path_or_id: Any) -> Any:
     """A local checkpoint directory's own tokenizer, or None: a checkpoint without tokenizer files, a ``.gguf``
     (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check)."""
     if not isinstance(path_or_id, (str, os.PathLike)):
@@ -88,7 +88,7 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
         label,
         getattr(config, "model_type", None),
         models.ArchitectureSignature.of_config(config),
-        _checkpoint_tokenizer(path_or_id),
+        checkpoint_tokenizer(path_or_id),
     )
 
 
@@ -97,7 +97,7 @@ def identity_of_model(model: Any, role: str, tokenizer: Any = None) -> ModelIden
     name = models.describe(model)
     if tokenizer is None:
         source = getattr(model, "uds_source", None)
-        tokenizer = _checkpoint_tokenizer(source) if source is not None else None
+        tokenizer = checkpoint_tokenizer(source) if source is not None else None
     model_type = None
     if not is_hooked_transformer(model):
         model_type = getattr((hf_model_of(model) or model).config, "model_type", None)
@@ -225,6 +225,7 @@ __all__ = [
     "check_checkpoints",
     "check_identities",
     "check_loaded",
+    "checkpoint_tokenizer",
     "differences",
     "identity_of_checkpoint",
     "identity_of_model",

@@ -116,7 +116,7 @@ def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[N
     fix (the CLI prints it and exits 2, no traceback). ``ModelLoadError`` and memory errors pass through unchanged."""
     try:
         yield
-    except (ModelLoadError, MemoryError, KeyboardInterrupt):
+    except (ModelLoadError, ConfigError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as err:
         if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():

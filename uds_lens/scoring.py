@@ -176,5 +176,6 @@ def score_models(
         if target is not None and target.exists():
             results[name].meta["recomputed"] = reason
         if target is not None:
-            results[name].save(target)
+            # refused under the lock if another run wrote other inputs' result here since the check above
+            results[name].save(target, replace_other_runs=force)
     return results

@@ -55,8 +55,8 @@ def implied_parameters(config: Any) -> int | None:
     return embeddings + n_layers * per_layer
 
 
-def _count(value: float) -> str:
-    return f"{value / 1e9:.2f} B" if value >= 1e8 else f"{value / 1e6:.2f} M"
+def _count(value: int) -> str:
+    return f"{value:,}"
 
 
 def check_config_size(
