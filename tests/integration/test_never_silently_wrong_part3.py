@@ -148,7 +148,8 @@ def test_a_tokenizer_of_the_same_size_but_another_vocabulary_is_refused(tiny, tm
 
 
 def test_another_end_of_text_token_is_refused_and_other_tokenizer_metadata_is_not(tiny, tmp_path):
-    from uds_lens import compatibility  # new with the issue: imported here so the other tests run on older code
+    # compatibility.py is new with the issue: imported here, so the file's other tests also run on older code
+    from uds_lens import compatibility
 
     other_eos = _copy(tiny.unlearned, tmp_path / "other_eos")
     _edit_json(other_eos / "tokenizer_config.json", lambda c: c.update(eos_token="<|pad|>"))
