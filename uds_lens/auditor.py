@@ -165,7 +165,13 @@ class UDSAuditor:
             retain_name = models.describe(retain)
         self.retain_name = retain_name
         # one family, one tokenizer, one shape (compatibility.py); each unlearned model is checked in score()
-        self.identity = identity_of_model(self.full, "full", tokenizer)
+        identity = identity_of_model(
+            self.full, "full", tokenizer if self._inputs["tokenizer_given"] else None
+        )
+        # its checkpoint's tokenizer files identify it, so the same files elsewhere are not compared again
+        self.identity = (
+            identity if identity.tokenizer is not None else dataclasses.replace(identity, tokenizer=tokenizer)
+        )
         if self.retain is not None:
             check_loaded(self.identity, self.retain, "retain")
         self.examples: list[Example] = load_examples(data, limit=limit)

@@ -24,7 +24,10 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from uds_lens import models
 from uds_lens.checkpoint import stored_shapes
@@ -49,26 +52,72 @@ class ModelIdentity:
         signature: the shapes.
         tokenizer: its fast tokenizer, or None when the checkpoint ships none (then only the vocabulary size of
             ``signature`` is compared).
+        tokenizer_files: the digest of the files it was read from (:func:`tokenizer_files_digest`), when it was
+            read from a checkpoint: equal digests are one tokenizer, compared no further.
     """
 
     label: str
     model_type: str | None
     signature: models.ArchitectureSignature
     tokenizer: Any = None
+    tokenizer_files: str | None = None
+
+
+# Files a tokenizer is read from; two checkpoints whose files are byte-identical have one tokenizer (no comparison).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+# Tokenizers already read, by the digest of their files: a sweep reads each distinct tokenizer once.
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def tokenizer_files_digest(directory: str | os.PathLike) -> str | None:
+    """XXH3-128 of a checkpoint directory's tokenizer files (names and bytes), or None when it has none."""
+    root = Path(directory)
+    present = [root / name for name in TOKENIZER_FILES if (root / name).is_file()]
+    if not present:
+        return None
+    hasher = xxhash.xxh3_128()
+    for file in present:
+        hasher.update(file.name.encode() + b"\0")
+        hasher.update(file.read_bytes())
+    return hasher.hexdigest()
+
+
+def _local_directory(path_or_id: Any) -> str | None:
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        return None
+    try:
+        source = models.resolve_source(models.resolve_zoo_name(path_or_id))
+    except models.ModelLoadError:
+        return None
+    return source.location if source.kind == "directory" else None
 
 
 def checkpoint_tokenizer(path_or_id: Any) -> Any:
     """A local checkpoint directory's own tokenizer, or None: a checkpoint without tokenizer files, a ``.gguf``
-    (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check)."""
-    if not isinstance(path_or_id, (str, os.PathLike)):
-        return None
-    source = models.resolve_source(models.resolve_zoo_name(path_or_id))
-    if source.kind != "directory":
-        return None
-    try:
-        return models.load_tokenizer(source.location)
-    except (models.ModelLoadError, OSError, ValueError, TypeError):
-        return None
+    (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check). Read once per
+    distinct set of tokenizer files."""
+    return _tokenizer_and_digest(path_or_id)[0]
+
+
+def _tokenizer_and_digest(path_or_id: Any) -> tuple[Any, str | None]:
+    directory = _local_directory(path_or_id)
+    digest = tokenizer_files_digest(directory) if directory is not None else None
+    if directory is None or digest is None:
+        return None, None
+    if digest not in _TOKENIZERS:
+        try:
+            _TOKENIZERS[digest] = models.load_tokenizer(directory)
+        except (models.ModelLoadError, OSError, ValueError, TypeError):
+            return None, None
+    return _TOKENIZERS[digest], digest
 
 
 def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIdentity:
@@ -88,20 +137,22 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
         label,
         getattr(config, "model_type", None),
         models.ArchitectureSignature.of_config(config),
-        checkpoint_tokenizer(path_or_id),
+        *_tokenizer_and_digest(path_or_id),
     )
 
 
 def identity_of_model(model: Any, role: str, tokenizer: Any = None) -> ModelIdentity:
     """A loaded model's identity; ``tokenizer`` defaults to its checkpoint's own (``model.uds_source``)."""
     name = models.describe(model)
+    digest = None
     if tokenizer is None:
-        source = getattr(model, "uds_source", None)
-        tokenizer = checkpoint_tokenizer(source) if source is not None else None
+        tokenizer, digest = _tokenizer_and_digest(getattr(model, "uds_source", None))
     model_type = None
     if not is_hooked_transformer(model):
         model_type = getattr((hf_model_of(model) or model).config, "model_type", None)
-    return ModelIdentity(f"{role} ({name})", model_type, models.ArchitectureSignature.of(model), tokenizer)
+    return ModelIdentity(
+        f"{role} ({name})", model_type, models.ArchitectureSignature.of(model), tokenizer, digest
+    )
 
 
 def _merges(tokenizer: Any) -> list[str] | None:
@@ -152,7 +203,8 @@ def differences(first: ModelIdentity, second: ModelIdentity) -> list[str]:
         for key in a.__dataclass_fields__
         if getattr(a, key) != getattr(b, key)
     ]
-    if first.tokenizer is not None and second.tokenizer is not None:
+    same_files = first.tokenizer_files is not None and first.tokenizer_files == second.tokenizer_files
+    if first.tokenizer is not None and second.tokenizer is not None and not same_files:
         found += tokenizer_differences(first.tokenizer, second.tokenizer)
     return found
 
@@ -230,4 +282,5 @@ __all__ = [
     "identity_of_checkpoint",
     "identity_of_model",
     "tokenizer_differences",
+    "tokenizer_files_digest",
 ]
