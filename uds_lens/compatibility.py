@@ -234,13 +234,17 @@ def check_identities(reference: ModelIdentity, others: Iterable[ModelIdentity]) 
         )
 
 
-def check_checkpoints(full: Any, retain: Any, unlearned: Sequence[tuple[str, Any]] = ()) -> None:
+def check_checkpoints(
+    full: Any, retain: Any, unlearned: Sequence[tuple[str, Any]] = (), skip_unreadable: bool = False
+) -> None:
     """Before anything is loaded: full, retain and every unlearned model given as a checkpoint reference are one
     family with one tokenizer and one shape. Models already in memory are left to :func:`check_loaded`, and nothing
     is compared when full itself is in memory.
 
     Args:
         unlearned: ``(name, model)`` pairs.
+        skip_unreadable: leave an unlearned checkpoint whose config or weight headers cannot be read to its loader
+            (a sweep reports it as a failed row and goes on) instead of raising here.
 
     Raises:
         models.ModelMismatchError: naming every model that differs from full, and what differs.
@@ -249,11 +253,17 @@ def check_checkpoints(full: Any, retain: Any, unlearned: Sequence[tuple[str, Any
     if not _is_local(full):
         return
     reference = identity_of_checkpoint(full, "full")
-    candidates = [("retain", retain)] if retain is not None else []
-    candidates += [(f"unlearned {name}", model) for name, model in unlearned]
-    check_identities(
-        reference, [identity_of_checkpoint(model, role) for role, model in candidates if _is_local(model)]
-    )
+    others = [identity_of_checkpoint(retain, "retain")] if _is_local(retain) else []
+    for name, model in unlearned:
+        if not _is_local(model):
+            continue
+        try:
+            others.append(identity_of_checkpoint(model, f"unlearned {name}"))
+        except models.ModelLoadError as error:
+            if not skip_unreadable:
+                raise
+            logger.info("unlearned %s is left to its loader: %s", name, error)
+    check_identities(reference, others)
 
 
 def _is_local(model: Any) -> bool:

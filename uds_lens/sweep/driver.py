@@ -148,8 +148,9 @@ def sweep(
             )
         except OutputConflictError as error:
             raise SweepError(str(error)) from None
-    # every local checkpoint of the list against full, before any worker computes (compatibility.py)
-    check_checkpoints(full, retain, [(entry.name, entry.source) for entry in entries])
+    # every local checkpoint of the list against full, before any worker computes (compatibility.py); one that
+    # cannot be read is left to its worker, which reports it as a failed row
+    check_checkpoints(full, retain, [(entry.name, entry.source) for entry in entries], skip_unreadable=True)
     plan = WorkerPlan(
         str(full),
         None if retain is None else str(retain),
