@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 # The special tokens whose text must agree: they are written into prompts (beginning) or end answers.
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token")
-# Differing tokens named in a message before "and N more".
+# Differing tokens (or tensors) named in a message before "and N more".
 TOKENS_SHOWN = 3
+# The unembedding, which a checkpoint of tied embeddings may or may not store.
+TIED_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class ModelIdentity:
             ``signature`` is compared).
         tokenizer_files: the digest of the files it was read from (:func:`tokenizer_files_digest`), when it was
             read from a checkpoint: equal digests are one tokenizer, compared no further.
+        tensors: ``{name: shape}`` its ``.safetensors`` files hold (headers only), when known: fine-tunes of one
+            model hold the same tensors, so one that lacks a tensor full's files hold is refused before any
+            compute (its loader would refuse it too, but only once Stage 1 had run).
     """
 
     label: str
@@ -61,6 +66,7 @@ class ModelIdentity:
     signature: models.ArchitectureSignature
     tokenizer: Any = None
     tokenizer_files: str | None = None
+    tensors: dict[str, tuple[int, ...]] | None = None
 
 
 # Files a tokenizer is read from; two checkpoints whose files are byte-identical have one tokenizer (no comparison).
@@ -128,16 +134,20 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
     config = models.load_hf_config(path_or_id)
     models.check_supported(config, str(path_or_id))
     source = models.resolve_source(models.resolve_zoo_name(path_or_id))
+    shapes: dict[str, tuple[int, ...]] = {}
     if source.kind == "directory":
         with models.loader_errors(source, "weights"):
             shapes = stored_shapes(source.location)
         if shapes:
             check_config_size(source.location, config, shapes.values(), models.default_dtype("cpu"), None)
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop(TIED_HEAD, None)  # saved by some writers and not by others: the same model either way
     return ModelIdentity(
         label,
         getattr(config, "model_type", None),
         models.ArchitectureSignature.of_config(config),
         *_tokenizer_and_digest(path_or_id),
+        tensors=shapes or None,
     )
 
 
@@ -192,6 +202,29 @@ def tokenizer_differences(first: Any, second: Any) -> list[str]:
     return differences
 
 
+def _tensor_differences(first: dict[str, tuple[int, ...]], second: dict[str, tuple[int, ...]]) -> str:
+    def named(names: list[str]) -> str:
+        return ", ".join(names[:TOKENS_SHOWN]) + (
+            f" and {len(names) - TOKENS_SHOWN} more" if len(names) > TOKENS_SHOWN else ""
+        )
+
+    parts = []
+    lacking = sorted(set(first) - set(second))
+    extra = sorted(set(second) - set(first))
+    reshaped = sorted(name for name in set(first) & set(second) if first[name] != second[name])
+    if lacking:
+        parts.append(
+            f"its weight files lack {named(lacking)}, which full's hold (they would be initialised at random)"
+        )
+    if extra:
+        parts.append(
+            f"full's weight files lack {named(extra)}, which its hold (one of the two is incomplete)"
+        )
+    if reshaped:
+        parts.append(f"{named(reshaped)} have other shapes")
+    return "; ".join(parts)
+
+
 def differences(first: ModelIdentity, second: ModelIdentity) -> list[str]:
     """What differs between two models, in words (empty: they can be patched into each other)."""
     found = []
@@ -203,6 +236,8 @@ def differences(first: ModelIdentity, second: ModelIdentity) -> list[str]:
         for key in a.__dataclass_fields__
         if getattr(a, key) != getattr(b, key)
     ]
+    if first.tensors is not None and second.tensors is not None and first.tensors != second.tensors:
+        found.append(_tensor_differences(first.tensors, second.tensors))
     same_files = first.tokenizer_files is not None and first.tokenizer_files == second.tokenizer_files
     if first.tokenizer is not None and second.tokenizer is not None and not same_files:
         found += tokenizer_differences(first.tokenizer, second.tokenizer)

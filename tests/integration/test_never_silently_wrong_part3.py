@@ -87,8 +87,12 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_the_tensor(tiny, tmp_pa
         models.load_model(missing, device="cpu")
     assert "\n" not in str(error.value) and "random" in str(error.value)
     _no_compute(monkeypatch)
-    with pytest.raises(ModelLoadError, match="down_proj"):  # as full: before Stage 1
+    with pytest.raises(
+        ModelMismatchError, match=f"full's weight files lack {DROPPED}"
+    ):  # as full: before Stage 1
         _score(tiny, tmp_path, full=missing)
+    with pytest.raises(ModelMismatchError, match=f"lack {DROPPED}"):  # as unlearned: found before Stage 1 too
+        _score(tiny, tmp_path, unlearned={"u": missing})
 
 
 def test_a_checkpoint_with_a_tensor_its_model_has_no_place_for_is_refused(tiny, tmp_path):
