@@ -57,6 +57,7 @@ from jaxtyping import Float
 from uds_lens.config import ConfigError
 from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
 from uds_lens.files import write_atomic
+from uds_lens.outputs import check_annotation_output
 
 logger = logging.getLogger(__name__)
 
@@ -173,50 +174,6 @@ def summary_path(records_path: str | os.PathLike) -> Path:
     """Where :meth:`AnnotationResult.save` writes the summary of a records file."""
     path = Path(records_path)
     return path.with_name(path.stem + ".summary.json")
-
-
-# The keys every summary annotate writes holds: a file with them may be replaced by a new summary.
-SUMMARY_KEYS = ("mode", "n_records", "counts")
-
-
-def _is_summary(path: Path) -> bool:
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(content, dict) and all(key in content for key in SUMMARY_KEYS)
-
-
-def check_output(out: str | os.PathLike, data: Any = None) -> None:
-    """Refuse, before any record is read or model loaded, an ``out`` that :meth:`AnnotationResult.save` could not
-    write or would write over what it does not own: a directory, a path under a file, the ``data`` input (as the
-    records or as their summary), or a summary path holding a file that is not an earlier summary.
-
-    Raises:
-        ConfigError: naming the path and the fix.
-    """
-    path = Path(out).expanduser()
-    if path.is_dir():
-        raise ConfigError(
-            f"--out {out} is a directory: pass the annotated records' file name (e.g. {path / 'annotated.json'})."
-        )
-    blocking = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), None)
-    if blocking is not None:
-        raise ConfigError(f"--out {out} lies under {blocking}, which is a file: pass a path in a directory.")
-    summary = summary_path(path)
-    if isinstance(data, (str, os.PathLike)) and Path(data).expanduser().exists():
-        source = Path(data).expanduser().resolve()
-        for written in (path, summary):
-            if written.resolve() == source:
-                raise ConfigError(
-                    f"annotate would write {written} over its input --data {data}: pass another --out, so the input "
-                    "records are kept."
-                )
-    if summary.is_dir() or (summary.exists() and not _is_summary(summary)):
-        raise ConfigError(
-            f"annotate writes its summary to {summary}, which holds something else (not an earlier annotate "
-            "summary): move it, or pass another --out."
-        )
 
 
 def answer_units(answer: str) -> list[Unit]:
@@ -548,7 +505,7 @@ def annotate(
     """
     config = config or AnnotateConfig()
     if out is not None:
-        check_output(out, data)
+        check_annotation_output(out, summary_path(out), data)
     records = _read(data)
     if full is not None and retain is None:
         raise ValueError(

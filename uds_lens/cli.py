@@ -14,7 +14,7 @@ import typer
 
 # The settings' defaults and vocabularies, read from the one place they are written (config.py imports no torch, so
 # `--help` stays instant); the checks are UDSConfig's.
-from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, ConfigError, UDSConfig
+from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, ConfigError, UDSConfig, check_choice
 
 DEFAULTS = UDSConfig()
 
@@ -454,13 +454,6 @@ def demo(
     typer.echo(f"report: {out / 'report.html'}")
 
 
-def _check_choices(option: str, given: list[str] | None, known: tuple[str, ...]) -> None:
-    """A one-line refusal of names an option does not know, before anything loads."""
-    unknown = [name for name in given or () if name not in known]
-    if unknown:
-        raise ConfigError(f"{option}: unknown {unknown}; choose from {', '.join(known)}.")
-
-
 @app.command()
 def diagnose(
     full: str = typer.Option(...),
@@ -485,8 +478,9 @@ def diagnose(
     from uds_lens.scoring import check_output_dir
 
     check_output_dir(out)
-    _check_choices("--methods", methods, METHODS)
-    _check_choices("--sites", sites, SITES)
+    for option, names, known in (("--methods", methods, METHODS), ("--sites", sites, SITES)):
+        for name in names or ():
+            check_choice(option, name, known)
     named = _unlearned_models(unlearned)
     load_examples(data)  # read and decoded before the first model loads
     diagnosis = run_diagnose(
@@ -513,40 +507,12 @@ def report(
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
 ) -> None:
     """One self-contained HTML page (Plotly figures + tables) from saved results."""
+    from uds_lens.outputs import check_file_output
     from uds_lens.plotting.report import write_report
 
     if out is not None:
-        _check_file_output("--out", out)
+        check_file_output("--out", out)
     typer.echo(str(write_report(results_dir, out)))
-
-
-def _check_file_output(option: str, path: Path) -> None:
-    """A file output that can be written: not a directory, and not under a file."""
-    if path.expanduser().is_dir():
-        raise ConfigError(f"{option} {path} is a directory: pass a file name (e.g. {path / 'report.html'}).")
-    blocking = next((p for p in path.expanduser().parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise ConfigError(
-            f"{option} {path} lies under {blocking}, which is a file: pass a path in a directory."
-        )
-
-
-def _check_zoo(zoo: Path) -> None:
-    """Before any model loads: ``zoo`` has a manifest and every model it lists is there (a missing directory is
-    named, never looked up on the hub)."""
-    from uds_lens.zoo.manifest import MANIFEST_FILE, model_paths
-
-    if not (zoo / MANIFEST_FILE).is_file():
-        raise ConfigError(
-            f"--zoo {zoo} has no {MANIFEST_FILE}: build a zoo with `uds-lens zoo build --out {zoo}`."
-        )
-    missing = {name: str(zoo / path) for name, path in model_paths(zoo).items() if not (zoo / path).is_dir()}
-    if missing:
-        raise ConfigError(
-            f"--zoo {zoo} lists models whose directories are missing: "
-            + ", ".join(f"{name} ({path})" for name, path in missing.items())
-            + f"; rebuild them with `uds-lens zoo build --out {zoo}` (valid models are reused)."
-        )
 
 
 @app.command()
@@ -559,8 +525,9 @@ def evaluate(
     """Every metric (output-level, MIA, UDS, white-box) for every zoo model: OUT/metrics.csv (resumable)."""
     from uds_lens.meta_eval import evaluate_zoo
     from uds_lens.meta_eval.scorers import zoo_scorers
+    from uds_lens.outputs import check_zoo_complete
 
-    _check_zoo(zoo)
+    check_zoo_complete(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = evaluate_zoo(
         zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
@@ -584,13 +551,14 @@ def meta_eval(
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
     from uds_lens.meta_eval.scorers import zoo_scorers
     from uds_lens.metrics import registry
+    from uds_lens.outputs import check_zoo_complete
 
     unknown = [name for name in metric or () if name not in registry.names()]
     if unknown:
         raise typer.BadParameter(
             f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
         )
-    _check_zoo(zoo)
+    check_zoo_complete(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,

@@ -347,8 +347,8 @@ def test_result_names_the_output_directory_cannot_hold_are_refused(tiny, tmp_pat
     ("argv", "message"),
     [
         (["annotate", "--retain", "{retain}", "--batch-size", "0", "--out", "{tmp}/a.json"], "--batch-size"),
-        (["diagnose", "--methods", "bogus"], "--methods: unknown ['bogus']"),
-        (["diagnose", "--sites", "bogus"], "--sites: unknown ['bogus']"),
+        (["diagnose", "--methods", "bogus"], "--methods must be one of"),
+        (["diagnose", "--sites", "bogus"], "--sites must be one of"),
         (["report", "{tmp}", "--out", "{tmp}"], "is a directory"),
     ],
 )
