@@ -54,8 +54,10 @@ from typing import Any
 import numpy as np
 from jaxtyping import Float
 
+from uds_lens.config import ConfigError
 from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
 from uds_lens.files import write_atomic
+from uds_lens.outputs import check_annotation_output
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,9 @@ class AnnotateConfig:
                 f"min_contrast must be >= 0 and min_share in [0, 1], got {self.min_contrast}, {self.min_share}."
             )
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive number of records, got {self.batch_size}.")
+            raise ConfigError(
+                f"batch_size (--batch-size) must be a positive number of records, got {self.batch_size}."
+            )
 
 
 @dataclass(frozen=True)
@@ -500,6 +504,8 @@ def annotate(
         ValueError: ``full`` is given without ``retain`` (a model that knows the facts gives no signal alone).
     """
     config = config or AnnotateConfig()
+    if out is not None:
+        check_annotation_output(out, summary_path(out), data)
     records = _read(data)
     if full is not None and retain is None:
         raise ValueError(
@@ -518,6 +524,7 @@ def annotate(
         tokenizer = (
             tokenizer if tokenizer is not None else _tokenizer_of(full if full is not None else retain)
         )
+        _check_tokenizers(tokenizer, {"full": full, "retain": retain})
         scores = _model_scores([records[k] for k in todo], full, retain, tokenizer, config, dtype, device)
     else:
         scores = [lexical_scores(records[k]["question"], answer_units(records[k]["answer"])) for k in todo]
@@ -560,6 +567,44 @@ def _tokenizer_of(model: Any) -> Any:
     return tokenizer
 
 
+def _check_tokenizers(tokenizer: Any, named_models: dict[str, Any]) -> None:
+    """Every model reads the records in ``tokenizer``'s ids: refuse a model whose own tokenizer (its checkpoint's)
+    gives other ids (``compatibility.tokenizer_differences``), instead of writing spans from mistranslated tokens."""
+    from uds_lens.compatibility import checkpoint_tokenizer, tokenizer_differences
+    from uds_lens.models import ModelMismatchError
+
+    for role, model in named_models.items():
+        if model is None:
+            continue
+        source = model if isinstance(model, (str, os.PathLike)) else getattr(model, "uds_source", None)
+        own = checkpoint_tokenizer(source) if source is not None else None
+        found = tokenizer_differences(tokenizer, own) if own is not None else []
+        if found:
+            raise ModelMismatchError(
+                f"annotate encodes every record once, but the {role} model ({source}) has another tokenizer than "
+                f"the one encoding them: {'; '.join(found)}. Pass full and retain models of one tokenizer."
+            )
+
+
+def _fit_model(
+    model: Any, sequences: Sequence[tuple[list[int], int]], role: str
+) -> list[tuple[list[int], int]]:
+    """``sequences`` as ``model`` can run them: each cut to its context (as ``score`` cuts an example: nothing after
+    a position changes the log-prob read there), after checking every id is in its vocabulary."""
+    from uds_lens.models import ArchitectureSignature, ModelMismatchError
+    from uds_lens.sources import as_source
+
+    vocabulary = ArchitectureSignature.of(model).d_vocab
+    largest = max((max(ids) for ids, _ in sequences if ids), default=-1)
+    if largest >= vocabulary:
+        raise ModelMismatchError(
+            f"The {role} model's vocabulary has {vocabulary} tokens, but the records encode to id {largest}: its "
+            "tokenizer is not the one encoding them. Pass models of one tokenizer."
+        )
+    n_ctx = as_source(model).context_length
+    return [(ids[:n_ctx], min(prompt_len, n_ctx)) for ids, prompt_len in sequences]
+
+
 def _model_scores(
     records: Sequence[dict[str, Any]],
     full: Any,
@@ -576,18 +621,24 @@ def _model_scores(
     sequences = [(ids, prompt_len) for ids, prompt_len, _ in layouts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reference_model = models.load(reference, dtype=dtype, device=device, role="retain")
-    reference_lp = _answer_token_logprobs(reference_model, sequences, pad_id, config.batch_size)
+    fitted = _fit_model(reference_model, sequences, "retain")
+    reference_lp = _answer_token_logprobs(reference_model, fitted, pad_id, config.batch_size)
     del reference_model
     if full is not None:
         full_model = models.load(full, dtype=dtype, device=device, role="full")
-        full_lp = _answer_token_logprobs(full_model, sequences, pad_id, config.batch_size)
+        fitted = _fit_model(full_model, sequences, "full")
+        full_lp = _answer_token_logprobs(full_model, fitted, pad_id, config.batch_size)
         del full_model
     else:
         full_lp = [np.zeros_like(lp) for lp in reference_lp]
     scores = []
     for record, (_, _, offsets), lp_full, lp_ref in zip(records, layouts, full_lp, reference_lp, strict=True):
         answer = record["answer"]
-        scores.append(unit_scores(answer, answer_units(answer), offsets, lp_full - lp_ref))
+        # answer tokens past a model's context have no log-prob: they pay into no unit
+        read = min(len(lp_full), len(lp_ref))
+        scores.append(
+            unit_scores(answer, answer_units(answer), offsets[:read], lp_full[:read] - lp_ref[:read])
+        )
     return scores
 
 

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import display, models
+from uds_lens.compatibility import check_loaded, identity_of_model
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
@@ -158,8 +159,16 @@ class UDSAuditor:
         if retain_name is None and retain is not None:
             retain_name = models.describe(retain)
         self.retain_name = retain_name
+        # one family, one tokenizer, one shape (compatibility.py); each unlearned model is checked in score()
+        identity = identity_of_model(
+            self.full, "full", tokenizer if self._inputs["tokenizer_given"] else None
+        )
+        # its checkpoint's tokenizer files identify it, so the same files elsewhere are not compared again
+        self.identity = (
+            identity if identity.tokenizer is not None else dataclasses.replace(identity, tokenizer=tokenizer)
+        )
         if self.retain is not None:
-            models.check_compatible(self.full, self.retain, "full", "retain")
+            check_loaded(self.identity, self.retain, "retain")
         self.examples: list[Example] = load_examples(data, limit=limit)
         if data_name is None:
             data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
@@ -513,7 +522,7 @@ class UDSAuditor:
         self.last_source = (
             source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
         )
-        models.check_compatible(self.full, source, "full", source_label)
+        check_loaded(self.identity, source, "unlearned")
         stage = self.stage1
         started = time.perf_counter()
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))

@@ -224,6 +224,42 @@ def _parse_safetensors(buffer: Tensor, label: str) -> Iterator[tuple[str, Tensor
         yield name, raw.view(dtype).reshape(entry["shape"])
 
 
+# safetensors' own limit on a header; a longer one is refused before it is read (a header bomb)
+MAX_HEADER_BYTES = 100 << 20
+
+
+def stored_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """``{tensor name: shape}`` of every tensor in a checkpoint's ``.safetensors`` files, read from their headers
+    only (no tensor bytes): what the files hold, to compare with what a config says before a model is built.
+
+    Raises:
+        CheckpointReadError: a header that is truncated, longer than safetensors allows, or not JSON.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in checkpoint_files(path):
+        if file.suffix != ".safetensors":
+            continue
+        with file.open("rb") as handle:
+            raw_length = handle.read(8)
+            if len(raw_length) < 8:
+                raise CheckpointReadError(f"{file} is too short to be a safetensors file.")
+            (header_len,) = struct.unpack("<Q", raw_length)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > file.stat().st_size:
+                raise CheckpointReadError(
+                    f"{file}: its header claims {header_len} bytes (truncated or foreign); re-save or re-download it."
+                )
+            try:
+                header = json.loads(handle.read(header_len))
+            except ValueError as err:
+                raise CheckpointReadError(
+                    f"{file}: its header is not JSON ({err}); not a safetensors file."
+                ) from err
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                shapes[name] = tuple(int(size) for size in entry.get("shape", ()))
+    return shapes
+
+
 def stage(path: str | os.PathLike, pin_memory: bool = False) -> Staged:
     """Read a checkpoint once: hash every identifying file and keep the ``.safetensors`` bytes in memory.
 
@@ -380,4 +416,5 @@ __all__ = [
     "model_fingerprint",
     "named_weights",
     "stage",
+    "stored_shapes",
 ]

@@ -14,7 +14,16 @@ import typer
 
 # The settings' defaults and vocabularies, read from the one place they are written (config.py imports no torch, so
 # `--help` stays instant); the checks are UDSConfig's.
-from uds_lens.config import DTYPE_NAMES, ENGINES, SCOPES, SITES, STAGE2_CELLS, ConfigError, UDSConfig
+from uds_lens.config import (
+    DTYPE_NAMES,
+    ENGINES,
+    SCOPES,
+    SITES,
+    STAGE2_CELLS,
+    ConfigError,
+    UDSConfig,
+    check_choice,
+)
 
 DEFAULTS = UDSConfig()
 
@@ -496,13 +505,19 @@ def diagnose(
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
     from uds_lens.analysis.diagnose import METHODS
     from uds_lens.analysis.diagnose import diagnose as run_diagnose
+    from uds_lens.data import load_examples
     from uds_lens.scoring import check_output_dir
 
     check_output_dir(out)
+    for option, names, known in (("--methods", methods, METHODS), ("--sites", sites, SITES)):
+        for name in names or ():
+            check_choice(option, name, known)
+    named = _unlearned_models(unlearned)
+    load_examples(data)  # read and decoded before the first model loads
     diagnosis = run_diagnose(
         full,
         retain,
-        _unlearned_models(unlearned),
+        named,
         data,
         methods=tuple(methods) if methods else METHODS,
         sites=tuple(sites) if sites else (DEFAULTS.site,),
@@ -523,8 +538,11 @@ def report(
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
 ) -> None:
     """One self-contained HTML page (Plotly figures + tables) from saved results."""
+    from uds_lens.outputs import check_file_output
     from uds_lens.plotting.report import write_report
 
+    if out is not None:
+        check_file_output("--out", out)
     typer.echo(str(write_report(results_dir, out)))
 
 
@@ -538,7 +556,9 @@ def evaluate(
     """Every metric (output-level, MIA, UDS, white-box) for every zoo model: OUT/metrics.csv (resumable)."""
     from uds_lens.meta_eval import evaluate_zoo
     from uds_lens.meta_eval.scorers import zoo_scorers
+    from uds_lens.outputs import check_zoo_complete
 
+    check_zoo_complete(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = evaluate_zoo(
         zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
@@ -562,12 +582,14 @@ def meta_eval(
     from uds_lens.meta_eval import compare_with_paper, run_meta_eval
     from uds_lens.meta_eval.scorers import zoo_scorers
     from uds_lens.metrics import registry
+    from uds_lens.outputs import check_zoo_complete
 
     unknown = [name for name in metric or () if name not in registry.names()]
     if unknown:
         raise typer.BadParameter(
             f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
         )
+    check_zoo_complete(zoo)
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,
@@ -620,12 +642,13 @@ def annotate(
         raise typer.BadParameter(
             "--full needs --retain (alone, a model that knows the facts gives no signal)."
         )
+    config = AnnotateConfig(batch_size=batch_size)  # checked before anything is read
     result = annotate_records(
         data,
         full,
         retain,
         overwrite=overwrite,
-        config=AnnotateConfig(batch_size=batch_size),
+        config=config,
         dtype=dtype,
         device=device,
         out=out,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import numbers
 import os
 import re
@@ -149,15 +150,33 @@ def as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
+# idx values are stored as int64 (tensors, tables): one outside this range is refused before any model loads.
+IDX_RANGE = (-(2**63), 2**63 - 1)
+
+
 def _record_idx(record: dict[str, Any], position: int) -> int:
-    """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one."""
+    """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one, within
+    int64 (:data:`IDX_RANGE`)."""
     value = record.get("idx", position)
+    idx: int | None = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
-        return int(float(value))
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        return int(value)
+        idx = int(value)
+    elif (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and float(value).is_integer()
+    ):
+        idx = int(float(value))
+    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,40}\s*", value):
+        idx = int(value)
+    if idx is not None:
+        if not IDX_RANGE[0] <= idx <= IDX_RANGE[1]:
+            raise DataError(
+                f"record #{position}: idx {idx} does not fit a 64-bit integer ({IDX_RANGE[0]} to {IDX_RANGE[1]}); "
+                "number the records with smaller integers."
+            )
+        return idx
     raise DataError(
         f"record #{position}: idx must be an integer, got {value!r} ({type(value).__name__}); give every "
         "record a unique integer idx (or none, to number records by position)."
@@ -229,7 +248,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     stripped = text.lstrip()
     try:
         if stripped.startswith("["):
@@ -248,9 +267,13 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
                     "lines, or an object whose 'data' or 'examples' key is that list. Wrap the records in [...]."
                 )
         else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records = _json_lines(path, text)
     except json.JSONDecodeError as err:
         raise DataError(f"{path} is neither a JSON list nor JSON lines: {err}") from err
+    except RecursionError:
+        raise DataError(
+            f"{path} nests JSON deeper than Python's parser follows: a forget set is a flat list of records."
+        ) from None
     if not isinstance(records, list):
         raise DataError(f"{path} must hold a list of records (objects), not a {type(records).__name__}.")
     wrong = [i for i, r in enumerate(records) if not isinstance(r, dict)]
@@ -259,6 +282,35 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
             f"{path}: record #{wrong[0]} is a JSON {type(records[wrong[0]]).__name__}, not an object; "
             "a forget set is a list of objects with idx, question, answer, prefix, entity."
         )
+    return records
+
+
+def _read_text(path: Path) -> str:
+    """A data file's text, which must be UTF-8 (JSON's encoding): another encoding is named, with where it fails."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} is not UTF-8 (byte {raw[err.start]:#04x} at line {line}, offset {err.start}): save it as UTF-8 "
+            "(e.g. `iconv -f latin1 -t utf-8`)."
+        ) from None
+
+
+def _json_lines(path: Path, text: str) -> list[Any]:
+    """JSON lines, one value a line: an error names the file's line, not only its column."""
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path}, line {number}, column {err.colno}: not a JSON value ({err.msg}); a JSON-lines file holds "
+                "one record object per line."
+            ) from None
     return records
 
 

@@ -36,8 +36,8 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights
-from uds_lens.config import DTYPE_NAMES
+from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights, stored_shapes
+from uds_lens.config import DTYPE_NAMES, ConfigError
 from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from uds_lens.files import staging_path
 from uds_lens.resolve import (
@@ -59,6 +59,7 @@ from uds_lens.tl_compat import (
     is_hooked_transformer,
     is_tl_model,
 )
+from uds_lens.weights import check_config_size, check_loading_info
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[N
     fix (the CLI prints it and exits 2, no traceback). ``ModelLoadError`` and memory errors pass through unchanged."""
     try:
         yield
-    except (ModelLoadError, MemoryError, KeyboardInterrupt):
+    except (ModelLoadError, ConfigError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as err:
         from uds_lens.failures import is_out_of_memory  # failures reads models' weights: imported when needed
@@ -144,6 +145,20 @@ def default_device() -> str:
             ) from None
         return pinned
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | torch.device) -> None:
+    """Refuse a device this torch cannot use (``cuda`` on a CPU-only build), naming the fix, before any loading."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ConfigError(f"Unknown device {device!r} ({err}); pass --device cpu or cuda.") from err
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
+        raise ConfigError(
+            f"--device {device} asks for a GPU, but this torch ({torch.__version__}) is {build}: pass --device cpu, "
+            "or install a CUDA build of torch on a machine with a GPU."
+        )
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -241,6 +256,7 @@ def load_hf_model(
     """
     path_or_id = resolve_zoo_name(path_or_id)
     device = device or default_device()
+    check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     source = resolve_source(path_or_id)
     hf_config = load_hf_config(path_or_id)
@@ -259,8 +275,10 @@ def load_hf_model(
         kwargs.update(_quantised_placement(device))
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    _check_size(source, hf_config, state_dict, torch_dtype, device, quantization)
     with loader_errors(source, "weights"), _no_loading_bar():
-        model = loader.from_pretrained(first, **kwargs)
+        model, info = loader.from_pretrained(first, output_loading_info=True, **kwargs)
+    check_loading_info(source.location, info)
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
         model.config.architectures = [type(model).__name__]
@@ -287,6 +305,31 @@ def _quantised_placement(device: str) -> dict[str, Any]:
     """Where a quantised model is built: a quantised model cannot be moved after loading (``.to`` refuses it), so
     the device goes to the loader as a one-entry ``device_map`` (every module on ``device``)."""
     return {"device_map": {"": str(torch.device(device))}}
+
+
+def _check_size(
+    source: CheckpointSource,
+    hf_config: Any,
+    state_dict: dict[str, Tensor] | None,
+    dtype: torch.dtype,
+    device: str,
+    quantization: Any,
+) -> None:
+    """``weights.check_config_size`` before the model is built: the config against the tensors the files (or the
+    staged state dict) hold and, unless the weights are already in memory or quantised, against the free memory."""
+    from uds_lens.patching.planning import available_memory_bytes
+
+    stored: list[tuple[int, ...]] | None = None
+    if state_dict is not None:
+        stored = [tuple(tensor.shape) for tensor in state_dict.values()]
+    elif source.kind == "directory":
+        with loader_errors(source, "weights"):
+            shapes = stored_shapes(source.location)
+        stored = list(shapes.values()) if shapes else None  # .bin weights: headers need unpickling
+    in_memory = state_dict is not None or quantization is not None
+    check_config_size(
+        source.location, hf_config, stored, dtype, None if in_memory else available_memory_bytes(device)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -576,6 +619,7 @@ __all__ = [
     "ModelLoadError",
     "ModelMismatchError",
     "check_compatible",
+    "check_device",
     "check_supported",
     "checkpoint_stamp",
     "gguf_architecture",

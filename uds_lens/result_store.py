@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +43,32 @@ class ResultNameError(ValueError):
     """A result name would not stay one directory inside the output directory."""
 
 
+# What `score`, `diagnose` and `report` write beside the NAME/ directories: no result may be named like them.
+DIRECTORY_FILES = ("roles.json", "report.html", "prompt_types.csv", "tau_sensitivity.csv")
+# Bytes a name may take: a file name holds 255 on common filesystems, and the staging sibling of OUT/NAME
+# (``.NAME.tmp-PID-XXXXXXXX``) adds up to 23.
+MAX_NAME_BYTES = 200
+
+
 def check_result_name(name: str) -> str:
-    """A result name is one path component: ``OUT/NAME`` must stay inside ``OUT``.
+    """A result name is one path component: ``OUT/NAME`` must stay inside ``OUT``, and the filesystem must hold it.
 
     Raises:
         ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
-            (names starting with a dot are this module's lock and temporary files).
+            (names starting with a dot are this module's lock and temporary files), is longer than
+            :data:`MAX_NAME_BYTES` in UTF-8, or is one of the files beside the results (:data:`DIRECTORY_FILES`).
     """
+    if isinstance(name, str) and len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ResultNameError(
+            f"Result name {name[:40]!r}... is {len(name.encode('utf-8', 'surrogatepass'))} bytes long; result "
+            f"directories are named by it, and a name may take at most {MAX_NAME_BYTES} bytes: pick a shorter one "
+            "(--unlearned NAME=PATH)."
+        )
+    if isinstance(name, str) and name.casefold() in {file.casefold() for file in DIRECTORY_FILES}:
+        raise ResultNameError(
+            f"Result name {name!r} is one of the files written beside the results ({', '.join(DIRECTORY_FILES)}): "
+            "pick another name (--unlearned NAME=PATH)."
+        )
     if (
         not isinstance(name, str)
         or not name
@@ -176,7 +195,12 @@ def result_lock(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> FileLock
 
 
 @contextlib.contextmanager
-def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[Path]:
+def atomic_result_dir(
+    target: str | Path,
+    timeout: float = LOCK_TIMEOUT_S,
+    owns: tuple[str, ...] = (*RESULT_FILES, "meta.json"),
+    check: Callable[[Path], None] | None = None,
+) -> Iterator[Path]:
     """Write a result directory as one step: yields an empty staging directory; on normal exit it replaces ``target``.
 
     While the block runs, ``target``'s lock is held, so concurrent writers of the same ``OUT/NAME`` take turns and
@@ -184,7 +208,12 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
     final step is a rename: an existing ``target`` is renamed aside, the staging directory renamed into place, and
     the old one deleted. A reader sees the old directory, none, or the new one; an exception or a kill inside the
     block leaves ``target`` as it was (leftover staging directories are removed by the next writer). Files in the
-    old directory that the writer did not produce are carried over.
+    old directory that the writer did not produce are carried over, except those it ``owns`` (by default a
+    ``UDSResult``'s files: a new result never keeps an old one's table); ``diagnose`` owns only its own files, so
+    a ``score`` result in the same directory stays whole.
+
+    ``check(target)`` runs under the lock before the block: a check-then-write that no concurrent writer can slip
+    between (``UDSResult.save`` refuses there a result another run wrote meanwhile).
 
     Example:
         >>> with atomic_result_dir(out / "npo") as staging:
@@ -203,6 +232,8 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with result_lock(target, timeout):
+        if check is not None:
+            check(target)
         for leftover in target.parent.iterdir():
             if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -212,7 +243,7 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
             yield staging
             if target.is_dir():
                 for entry in target.iterdir():
-                    if entry.name not in (*RESULT_FILES, "meta.json") and not (staging / entry.name).exists():
+                    if entry.name not in owns and not (staging / entry.name).exists():
                         copy = shutil.copytree if entry.is_dir() else shutil.copy2
                         copy(entry, staging / entry.name)
                 old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
@@ -227,7 +258,9 @@ def atomic_result_dir(target: str | Path, timeout: float = LOCK_TIMEOUT_S) -> It
 
 
 __all__ = [
+    "DIRECTORY_FILES",
     "INPUT_KEYS",
+    "MAX_NAME_BYTES",
     "LOCK_TIMEOUT_S",
     "RESULT_FILES",
     "RESULT_FORMAT",

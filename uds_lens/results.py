@@ -32,7 +32,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -382,16 +382,28 @@ class UDSResult:
 
     # -- files -------------------------------------------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, replace_other_runs: bool = True) -> Path:
         """Write the result to ``directory``, atomically and under its lock (see :func:`atomic_result_dir`).
 
         Files: ``summary.json``, ``examples.csv``, ``layers.csv`` (+ ``layers.parquet`` with pyarrow),
         ``uds_eval.json``, and ``meta.json`` (name, settings, metadata with the input fingerprint, and the SHA-256
         of every other file). Files other programs left in an existing ``directory`` (``diagnose``'s
         ``scores.json`` ...) are carried over.
+
+        Args:
+            replace_other_runs: False: refuse, under the lock, a ``directory`` holding a result of other inputs
+                (written by another run since this one checked it: two concurrent runs of one name), as
+                ``score_models`` refuses one before it computes.
+
+        Raises:
+            OutputConflictError: ``replace_other_runs`` is False and ``directory`` holds another run's result.
         """
         target = Path(directory)
-        with atomic_result_dir(target) as staging:
+        fingerprint = self.meta.get("fingerprint")
+        check = (
+            None if replace_other_runs or not isinstance(fingerprint, dict) else _refuse_others(fingerprint)
+        )
+        with atomic_result_dir(target, check=check) as staging:
             self._write_files(staging)
         return target
 
@@ -682,6 +694,19 @@ def check_saved(
             None, "; ".join(_difference(key, saved.get(key), wanted.get(key)) for key in differ), conflicts
         )
     return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
+
+
+def _refuse_others(fingerprint: dict[str, Any]) -> Callable[[Path], None]:
+    """The check ``UDSResult.save`` runs under the result's lock: a directory there holding another run's result
+    (other inputs, Stage 1 aside) is refused, as :func:`check_saved` words it."""
+
+    def check(existing: Path) -> None:
+        if existing.exists():
+            saved = check_saved(existing, fingerprint, ignore=("s1",))
+            if saved.conflicts:
+                raise conflict_error({str(existing): saved.reason})
+
+    return check
 
 
 def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[UDSResult | None, str]:

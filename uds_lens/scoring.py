@@ -14,7 +14,9 @@ from pathlib import Path
 
 from uds_lens import models
 from uds_lens.auditor import UDSAuditor
+from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
+from uds_lens.data import load_examples
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
 from uds_lens.resolve import check_sources
 from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
@@ -144,6 +146,11 @@ def score_models(
     check_positive_int("limit (--limit)", limit, "score every example")
     # Every checkpoint argument names a checkpoint before any loads: a mistyped path fails now, not after Stage 1.
     check_sources([full, retain, *(model for _, model in items)])
+    # Before any model is built: the data read and decoded, and full, retain and every unlearned checkpoint of one
+    # family, tokenizer and shape (a mismatch found after Stage 1 would have cost its compute).
+    if data is not None:
+        load_examples(data, limit=limit)
+    check_checkpoints(full, retain, items)
     results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
     if out_dir is not None and not force:
@@ -174,5 +181,6 @@ def score_models(
         if target is not None and target.exists():
             results[name].meta["recomputed"] = reason
         if target is not None:
-            results[name].save(target)
+            # refused under the lock if another run wrote other inputs' result here since the check above
+            results[name].save(target, replace_other_runs=force)
     return results

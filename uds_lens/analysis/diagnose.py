@@ -48,6 +48,8 @@ METHODS = ("uds", *registry.names(kind=registry.WHITE_BOX))
 """Method groups ``diagnose`` knows; ``fisher_masked`` expands to one key per fraction."""
 SITES = ("attn_out", "mlp_out", "resid_mid", "resid_post")
 LAYERWISE_COLUMNS = ["method", "layer", "erasure", "weight"]
+# The files diagnose writes in OUT/NAME (beside a `score` result there, which it never touches).
+DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 COMPONENT_COLUMNS = ["site", "layer", "mean_d1", "mean_d2"]
 
 
@@ -79,7 +81,8 @@ class DiagnoseResult:
         out.mkdir(parents=True, exist_ok=True)
         for name in self.layerwise:
             row = self.scores.loc[name] if name in self.scores.index else pd.Series(dtype=float)
-            with atomic_result_dir(out / name) as staging:
+            # owns only its own files: a `score` result in OUT/NAME (summary, tables, meta.json) stays whole
+            with atomic_result_dir(out / name, owns=DIAGNOSE_FILES) as staging:
                 scores = {str(method): json_score(value) for method, value in row.items()}
                 (staging / "scores.json").write_text(json.dumps(scores, indent=2))
                 self.layerwise[name].to_csv(staging / "layerwise.csv", index=False)

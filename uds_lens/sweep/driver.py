@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.models import DEVICE_ENV
@@ -165,6 +166,9 @@ def sweep(
             )
         except OutputConflictError as error:
             raise SweepError(str(error)) from None
+    # every local checkpoint of the list against full, before any worker computes (compatibility.py); one that
+    # cannot be read is left to its worker, which reports it as a failed row
+    check_checkpoints(full, retain, [(entry.name, entry.source) for entry in entries], skip_unreadable=True)
     plan = WorkerPlan(
         str(full),
         None if retain is None else str(retain),
