@@ -210,12 +210,9 @@ class UDSAuditor:
         _ = self.stage1
         self.retain = None
 
-    # -- loading -----------------------------------------------------------------------------------------------
-
     def load(self, model: object, role: str = "unlearned") -> Any:
-        """A model as this auditor runs it: a path or hub id is loaded in the auditor's dtype and device; a
-        HookedTransformer or Hugging Face model is returned as is. ``model`` is typed ``object``: anything else is
-        refused here, by ``models.load``'s ``TypeError`` that names the forms a model may take."""
+        """A model as this auditor runs it: a path or hub id loaded in its dtype and device, a loaded model as is
+        (anything else is refused by ``models.load``'s ``TypeError``, which names the forms a model may take)."""
         return self._load(model, role)
 
     def load_source(self, model: object, role: str = "unlearned") -> Any:
@@ -678,17 +675,14 @@ class UDSAuditor:
 
     def patch_heads(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
-
         return patch_heads(self, unlearned, **kwargs)
 
     def patch_tokens(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
-
         return patch_tokens(self, unlearned, **kwargs)
 
     def patch_positions(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
         """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
-
         return patch_positions(self, unlearned, **kwargs)
 
     def __repr__(self) -> str:

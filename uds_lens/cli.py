@@ -60,53 +60,18 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _loadable(path: str) -> bool:
-    """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
-    from uds_lens.resolve import ModelLoadError, resolve_source
-
-    if Path(path).expanduser().exists():
-        return True
-    try:
-        resolve_source(path)
-    except ModelLoadError:
-        return False
-    return True
-
-
-def _split_named(value: str) -> tuple[str, str] | None:
-    """``NAME=PATH`` as ``(NAME, PATH)``, or None for a bare path (an existing path, even one with ``=`` in it).
-
-    Either side may contain ``=``: the split is the one whose right side is a loadable checkpoint (an existing path,
-    a zoo name, a hub id); where none is, the first ``=`` (so the error names the missing checkpoint).
-    """
-    if "=" not in value or Path(value).expanduser().exists():
-        return None
-    splits = [
-        (value[:at], value[at + 1 :])
-        for at, char in enumerate(value)
-        if char == "=" and 0 < at < len(value) - 1
-    ]
-    if not splits:
-        return None
-    return next((split for split in splits if _loadable(split[1])), splits[0])
-
-
-def _checkpoint_paths(values: list[str]) -> list[str]:
-    """The checkpoints ``--unlearned`` values name, ``NAME=`` removed (see :func:`_split_named`)."""
-    return [value if split is None else split[1] for value, split in ((v, _split_named(v)) for v in values)]
-
-
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
-    see :func:`_split_named`), a bare path is named after its directory (parent directories added where two basenames
+    see :func:`uds_lens.resolve.split_named`), a bare path is named after its directory (parent directories added where two basenames
     clash, see ``scoring.result_names``)."""
+    from uds_lens.resolve import split_named
     from uds_lens.results import check_result_name
     from uds_lens.scoring import result_names
 
     named: dict[str, str] = {}
     plain: list[str] = []
     for value in values:
-        split = _split_named(value)
+        split = split_named(value)
         if split is not None:
             name, path = split
             check_result_name(name)
@@ -241,9 +206,9 @@ def score(
     )
     # Every checkpoint argument names a checkpoint before the model libraries are even imported: a mistyped path
     # fails in a second, in one line (score_models checks it again for Python callers).
-    from uds_lens.resolve import check_sources
+    from uds_lens.resolve import check_sources, checkpoint_paths
 
-    check_sources([full, None if no_retain else retain, *_checkpoint_paths(unlearned)])
+    check_sources([full, None if no_retain else retain, *checkpoint_paths(unlearned)])
     from uds_lens.scoring import score_models
 
     # score_models checks --out, --cache-dir and --limit before any compute

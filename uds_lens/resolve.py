@@ -290,7 +290,44 @@ def model_name(source: Any) -> str:
     return described.replace("/", "__")
 
 
+def loadable(path: str) -> bool:
+    """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
+    if Path(path).expanduser().exists():
+        return True
+    try:
+        resolve_source(path)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def split_named(value: str) -> tuple[str, str] | None:
+    """``NAME=PATH`` as ``(NAME, PATH)``, or None for a bare path (an existing path, even one with ``=`` in it).
+
+    Either side may contain ``=``: the split is the one whose right side is a loadable checkpoint (an existing path,
+    a zoo name, a hub id); where none is, the first ``=`` (so the error names the missing checkpoint).
+    """
+    if "=" not in value or Path(value).expanduser().exists():
+        return None
+    splits = [
+        (value[:at], value[at + 1 :])
+        for at, char in enumerate(value)
+        if char == "=" and 0 < at < len(value) - 1
+    ]
+    if not splits:
+        return None
+    return next((split for split in splits if loadable(split[1])), splits[0])
+
+
+def checkpoint_paths(values: list[str]) -> list[str]:
+    """The checkpoints ``--unlearned`` values name, ``NAME=`` removed (see :func:`split_named`)."""
+    return [value if split is None else split[1] for value, split in ((v, split_named(v)) for v in values)]
+
+
 __all__ = [
+    "checkpoint_paths",
+    "loadable",
+    "split_named",
     "HUB_TIMEOUT_S",
     "SAFE_LOAD_KWARGS",
     "ZOO_PREFIX",

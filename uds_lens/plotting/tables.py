@@ -23,7 +23,8 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import pandas as pd
 
-from uds_lens.results import ExampleView, UDSResult
+from uds_lens.example_view import ExampleView
+from uds_lens.results import UDSResult
 from uds_lens.results import one_site as one_site  # re-exported: figures and analyses share one site policy
 from uds_lens.uds import ke_mask
 
