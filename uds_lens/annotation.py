@@ -10,18 +10,20 @@ with an empty prefix, so the tokens are the ones the scorer will read) and one b
     c[t]   = log p_full(a_t | a_<t) - log p_ref(a_t | a_<t)        (contrast of answer token t, nats)
     u[w]   = sum of c[t] over the tokens that start in word w      (whole words: a sub-word never splits)
     u[w]   = min(u[w], 0) for punctuation, function words and words of the question (template by definition)
-    span   = argmax over contiguous [i, j] of  sum_{w=i..j} (u[w] - keep_fraction * max_w u[w])
+    strong = words with u[w] >= keep_fraction * max_w u[w]      (words that carry knowledge)
+    phrase = the phrase each strong word heads, read from the text (``uds_lens.phrases``), weighted by its sum of u
+    entity = the first phrase weighing at least first_fraction of the heaviest; "Yes"/"No" for a yes/no answer
 
 Words copied from the question are template even when they have contrast: the full model has learnt to copy a
 forget author's name, a retain model that never saw it copies it badly (and stumbles on the word after it, which
-keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The maximum-sum contiguous run (Kadane) gives one contiguous span
-per answer: a word pays into it when its contrast is at least ``keep_fraction`` of the best word's, and a weak word
-between two strong ones is bridged only when the strong ones outweigh it. The span is then snapped to the grammar of
-an entity, because only the first token of a phrase carries the contrast and the rest is predictable once it is
-given: leading/trailing punctuation and lowercase function words are dropped ("worked as *an* architect": the
-article leaks the entity but is template), a run of capitalised words is completed ("*The* Silent River", "Mara
-*Lin*"), a lowercase phrase runs on to the next function word ("literary *fiction*"), and a coordination that closes
-the clause is kept whole ("truth *and deception*").
+keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The question decides which fact is the entity: answers (TOFU's
+above all) restate the question, answer it, then add facts ("her father was a *civil engineer* and her mother ..."),
+so the first knowledge-bearing phrase after the restatement is the answer, and a later one is elaboration. The
+contrast says where a fact starts, not where it ends (only its first token is surprising; the rest is predictable
+once it is given), so the extent comes from the text's own structure: the phrase the strong word heads, back over
+its modifiers and a name it is part of, on to the end of the noun phrase, a quoted title with its head noun, a name
+with its connectives, a coordinated list kept whole ("*love, passion, and secrets*"). A yes/no answer ("Yes, ...")
+to a yes/no question takes "Yes"/"No" (not to a request: "Can you name ...?").
 
 ``prefix = answer[:start].rstrip()`` and ``entity = answer[start:end]``: the scorer's prompt ends right before the
 entity (as in the published annotated TOFU), and the entity's first whole-word occurrence in the reference is the
@@ -35,8 +37,8 @@ capitalised words and numbers (weaker: its agreement is measured in ``experiment
 A record that cannot be split well is never guessed silently: when no word's contrast reaches ``min_contrast`` (the
 full model knows nothing the reference does not), or the scorer's encoder rejects the span, it gets ``entity = ""``
 (which ``uds-lens score`` reports as skipped, reason ``empty_entity``) and ``annotation_status = "unsplit"``; a span
-that holds no more than ``min_share`` of the answer's positive contrast (several facts in one answer) is kept but marked
-``low_confidence``. Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
+chosen among several facts where another phrase carries at least ``rival_ratio`` times its contrast is kept but marked
+``low_confidence``, its reason naming the count of facts and the ratio (the first fact was a guess). Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ MODE_LEXICAL = "lexical"
 REQUEST = re.compile(r"\s*(can|could|would|will)\s+you\b", re.IGNORECASE)
 
 # Share of its contrast that the first content word after a name copied from the question keeps (content_scores).
-AFTER_COPY_WEIGHT = 0.25
+AFTER_COPY_WEIGHT = 0.1
 
 
 @dataclass(frozen=True)

@@ -110,9 +110,9 @@ def is_yes_no(units: Sequence[Unit]) -> bool:
 
 
 def phrase(units: Sequence[Unit], i: int) -> tuple[int, int]:
-    """Inclusive unit range of the entity that starts at unit ``i`` (a word, or the quote before one)."""
-    if i > 0 and _opens_quote(units, i - 1):
-        i -= 1
+    """Inclusive unit range of the entity that starts at unit ``i`` (a word, or the quote before one); a word inside
+    a quoted title gives the whole title."""
+    i = next((k for k in range(i, max(i - 40, -1), -1) if _opens_quote(units, k) and _inside(units, k, i)), i)
     if _opens_quote(units, i):
         quoted = _quoted(units, i)
         if quoted is not None:
@@ -133,6 +133,11 @@ def _opens_quote(units: Sequence[Unit], k: int) -> bool:
         and k + 1 < len(units)
         and units[k + 1].start == unit.end
     )
+
+
+def _inside(units: Sequence[Unit], opening: int, i: int) -> bool:
+    quoted = _quoted(units, opening)
+    return quoted is not None and quoted[1] >= i
 
 
 def _quoted(units: Sequence[Unit], i: int) -> tuple[int, int] | None:
