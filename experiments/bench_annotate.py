@@ -59,8 +59,8 @@ def _covered(pieces: list[tuple[int, int]], span: tuple[int, int] | None) -> set
 
 
 def agreement(gold: list[dict[str, Any]], auto: list[dict[str, Any]], tokenizer: Any) -> dict[str, Any]:
-    """Exact match and token / word F1 of automatic spans against gold spans (unsplit: F1 0)."""
-    exact, token_f1, word_f1, split = [], [], [], []
+    """Exact match and token / word / character F1 of automatic spans against gold spans (unsplit: F1 0)."""
+    exact, token_f1, word_f1, char_f1, split = [], [], [], [], []
     for g, a in zip(gold, auto, strict=True):
         gold_span, auto_span = _span(g), _span(a)
         tokens = [
@@ -73,6 +73,7 @@ def agreement(gold: list[dict[str, Any]], auto: list[dict[str, Any]], tokenizer:
         exact.append(gold_span == auto_span)
         token_f1.append(_f1(_covered(tokens, auto_span), _covered(tokens, gold_span)))
         word_f1.append(_f1(_covered(words, auto_span), _covered(words, gold_span)))
+        char_f1.append(_f1(set(range(*auto_span)) if auto_span else set(), set(range(*gold_span or (0, 0)))))
         split.append(auto_span is not None)
     split_mask = np.array(split)
     return {
@@ -84,6 +85,8 @@ def agreement(gold: list[dict[str, Any]], auto: list[dict[str, Any]], tokenizer:
         if split_mask.any()
         else float("nan"),
         "word_f1": float(np.mean(word_f1)),
+        "char_f1": float(np.mean(char_f1)),
+        "char_f1_each": char_f1,
     }
 
 
@@ -138,7 +141,9 @@ def real_text(out: Path) -> None:
     raw = [{k: v for k, v in r.items() if k not in ("prefix", "entity")} for r in gold]
     tokenizer = load_tokenizer(paths["full"])
     print(f"\nreal text: SmolLM2-135M-Instruct on {len(gold)} hand-annotated facts (retain = full + noise)")
-    print(f"{'mode':<10} {'n':>4} {'split':>5} {'exact':>6} {'tokF1':>6} {'tokF1|split':>11} {'wordF1':>6}")
+    print(
+        f"{'mode':<10} {'n':>4} {'split':>5} {'exact':>6} {'tokF1':>6} {'tokF1|split':>11} {'wordF1':>6} {'charF1':>6}"
+    )
     for mode, models in (
         ("contrast", (str(paths["full"]), str(paths["retain"]))),
         ("surprise", (None, str(paths["retain"]))),
@@ -148,7 +153,8 @@ def real_text(out: Path) -> None:
         figures = agreement(gold, result.records, tokenizer)
         print(
             f"{mode:<10} {figures['n']:>4} {figures['n_split']:>5} {figures['exact']:>6.3f} "
-            f"{figures['token_f1']:>6.3f} {figures['token_f1_split']:>11.3f} {figures['word_f1']:>6.3f}"
+            f"{figures['token_f1']:>6.3f} {figures['token_f1_split']:>11.3f} {figures['word_f1']:>6.3f} "
+            f"{figures['char_f1']:>6.3f}"
         )
         for g, a in zip(gold, result.records, strict=True):
             if _span(g) != _span(a):
@@ -210,7 +216,8 @@ def main() -> None:
     full, retain = str(zoo.path("full")), str(zoo.path("retain"))
     print(f"zoo {zoo.root}: {len(gold)} forget records, config {AnnotateConfig()}")
     print(
-        f"{'mode':<10} {'n':>4} {'split':>5} {'exact':>6} {'tokF1':>6} {'tokF1|split':>11} {'wordF1':>6} {'sec':>5}"
+        f"{'mode':<10} {'n':>4} {'split':>5} {'exact':>6} {'tokF1':>6} {'tokF1|split':>11} {'wordF1':>6} {'charF1':>6} "
+        f"{'sec':>5}"
     )
     results = {}
     for mode, models in (
@@ -225,7 +232,8 @@ def main() -> None:
         results[mode] = result
         print(
             f"{mode:<10} {figures['n']:>4} {figures['n_split']:>5} {figures['exact']:>6.3f} "
-            f"{figures['token_f1']:>6.3f} {figures['token_f1_split']:>11.3f} {figures['word_f1']:>6.3f} {seconds:>5.1f}"
+            f"{figures['token_f1']:>6.3f} {figures['token_f1_split']:>11.3f} {figures['word_f1']:>6.3f} "
+            f"{figures['char_f1']:>6.3f} {seconds:>5.1f}"
         )
     print("\ncontrast mode, records whose span differs from gold:")
     for g, a in zip(gold, results["contrast"].records, strict=True):

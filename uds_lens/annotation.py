@@ -10,18 +10,20 @@ with an empty prefix, so the tokens are the ones the scorer will read) and one b
     c[t]   = log p_full(a_t | a_<t) - log p_ref(a_t | a_<t)        (contrast of answer token t, nats)
     u[w]   = sum of c[t] over the tokens that start in word w      (whole words: a sub-word never splits)
     u[w]   = min(u[w], 0) for punctuation, function words and words of the question (template by definition)
-    span   = argmax over contiguous [i, j] of  sum_{w=i..j} (u[w] - keep_fraction * max_w u[w])
+    strong = words with u[w] >= keep_fraction * max_w u[w]      (words that carry knowledge)
+    phrase = the phrase each strong word heads, read from the text (``uds_lens.phrases``), weighted by its sum of u
+    entity = the first phrase weighing at least first_fraction of the heaviest; "Yes"/"No" for a yes/no answer
 
 Words copied from the question are template even when they have contrast: the full model has learnt to copy a
 forget author's name, a retain model that never saw it copies it badly (and stumbles on the word after it, which
-keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The maximum-sum contiguous run (Kadane) gives one contiguous span
-per answer: a word pays into it when its contrast is at least ``keep_fraction`` of the best word's, and a weak word
-between two strong ones is bridged only when the strong ones outweigh it. The span is then snapped to the grammar of
-an entity, because only the first token of a phrase carries the contrast and the rest is predictable once it is
-given: leading/trailing punctuation and lowercase function words are dropped ("worked as *an* architect": the
-article leaks the entity but is template), a run of capitalised words is completed ("*The* Silent River", "Mara
-*Lin*"), a lowercase phrase runs on to the next function word ("literary *fiction*"), and a coordination that closes
-the clause is kept whole ("truth *and deception*").
+keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The question decides which fact is the entity: answers (TOFU's
+above all) restate the question, answer it, then add facts ("her father was a *civil engineer* and her mother ..."),
+so the first knowledge-bearing phrase after the restatement is the answer, and a later one is elaboration. The
+contrast says where a fact starts, not where it ends (only its first token is surprising; the rest is predictable
+once it is given), so the extent comes from the text's own structure: the phrase the strong word heads, back over
+its modifiers and a name it is part of, on to the end of the noun phrase, a quoted title with its head noun, a name
+with its connectives, a coordinated list kept whole ("*love, passion, and secrets*"). A yes/no answer ("Yes, ...")
+to a yes/no question takes "Yes"/"No" (not to a request: "Can you name ...?").
 
 ``prefix = answer[:start].rstrip()`` and ``entity = answer[start:end]``: the scorer's prompt ends right before the
 entity (as in the published annotated TOFU), and the entity's first whole-word occurrence in the reference is the
@@ -35,8 +37,8 @@ capitalised words and numbers (weaker: its agreement is measured in ``experiment
 A record that cannot be split well is never guessed silently: when no word's contrast reaches ``min_contrast`` (the
 full model knows nothing the reference does not), or the scorer's encoder rejects the span, it gets ``entity = ""``
 (which ``uds-lens score`` reports as skipped, reason ``empty_entity``) and ``annotation_status = "unsplit"``; a span
-that holds no more than ``min_share`` of the answer's positive contrast (several facts in one answer) is kept but marked
-``low_confidence``. Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
+chosen among several facts where another phrase carries at least ``rival_ratio`` times its contrast is kept but marked
+``low_confidence``, its reason naming the count of facts and the ratio (the first fact was a guess). Records that already have ``prefix`` and ``entity`` are kept as they are unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,16 @@ from uds_lens.config import ConfigError
 from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
 from uds_lens.files import write_atomic
 from uds_lens.outputs import check_annotation_output
+from uds_lens.phrases import (
+    FUNCTION_WORDS,
+    STOP_WORDS,
+    WORD_ONLY,
+    Unit,
+    adjacent,
+    answer_units,
+    is_yes_no,
+    phrase,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +84,11 @@ MODE_CONTRAST = "contrast"
 MODE_SURPRISE = "surprise"
 MODE_LEXICAL = "lexical"
 
-# A word: letters/digits joined by hyphens or apostrophes ("Yun-Hwa", "O'Brien") or decimal marks ("3.5"); a
-# possessive "'s" is not joined, so "Lin's" gives the word "Lin". Anything else that is not a space is one unit.
-_WORD = r"\w+(?:(?:[-'’](?!s\b)|(?<=\d)[.,](?=\d))\w+)*"
-_POSSESSIVE = re.compile(r"['’]s")
-_UNIT = re.compile(rf"['’]s\b|{_WORD}|[^\w\s]")
-_WORD_ONLY = re.compile(_WORD)
-
-# Lowercase words that are template, never the edge of an entity (they may sit inside one: "loss and memory").
-FUNCTION_WORDS = frozenset(
-    "a an the of in on at by to for from with as and or but nor is are was were be been being has have had do does "
-    "did it its it's their his her they he she this that these those which who whom whose into onto over under "
-    "about after before during than then so very also most more such not".split()
-)
-
+# A question that asks for something ("Can you name ...?") is no yes/no question even when its answer opens with "Yes,".
+REQUEST = re.compile(r"\s*(can|could|would|will)\s+you\b", re.IGNORECASE)
 
 # Share of its contrast that the first content word after a name copied from the question keeps (content_scores).
-AFTER_COPY_WEIGHT = 0.25
+AFTER_COPY_WEIGHT = 0.1
 
 
 @dataclass(frozen=True)
@@ -96,49 +96,35 @@ class AnnotateConfig:
     """How spans are chosen. The defaults were set on the test-size zoo only (``bench_annotate.py``).
 
     Attributes:
-        keep_fraction: A word pays into the span when its contrast is at least this share of the best word's.
+        keep_fraction: A word is strong (it may head the entity) when its contrast is at least this share of the
+            best word's; the entity is the phrase around the first strong word.
+        first_fraction: The entity is the first phrase holding at least this share of the heaviest phrase's
+            contrast (TOFU-style answers restate the question, answer it, then elaborate).
         min_contrast: Nats; when no word reaches it the record is ``unsplit`` (no knowledge signal to split on).
-        min_share: A span holding no more than this share of the answer's positive contrast is ``low_confidence``.
+        rival_ratio: The span is ``low_confidence`` when another phrase of the answer carries at least this many
+            times its contrast (several facts, and the first was taken).
         batch_size: Records per forward pass.
     """
 
     keep_fraction: float = 0.3
+    first_fraction: float = 0.5
     min_contrast: float = 0.1
-    min_share: float = 0.5
+    rival_ratio: float = 1.0
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.keep_fraction <= 1.0:
-            raise ValueError(f"keep_fraction must be in (0, 1], got {self.keep_fraction}.")
-        if self.min_contrast < 0 or not 0.0 <= self.min_share <= 1.0:
+        if not (0.0 < self.keep_fraction <= 1.0 and 0.0 < self.first_fraction <= 1.0):
             raise ValueError(
-                f"min_contrast must be >= 0 and min_share in [0, 1], got {self.min_contrast}, {self.min_share}."
+                f"keep_fraction and first_fraction must be in (0, 1], got {self.keep_fraction}, {self.first_fraction}."
+            )
+        if self.min_contrast < 0 or self.rival_ratio < 0:
+            raise ValueError(
+                f"min_contrast and rival_ratio must be >= 0, got {self.min_contrast}, {self.rival_ratio}."
             )
         if self.batch_size < 1:
             raise ConfigError(
                 f"batch_size (--batch-size) must be a positive number of records, got {self.batch_size}."
             )
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A word or punctuation mark of the answer, as a half-open character range."""
-
-    start: int
-    end: int
-    text: str
-
-    @property
-    def is_word(self) -> bool:
-        return bool(_WORD_ONLY.fullmatch(self.text))
-
-    @property
-    def is_capitalised(self) -> bool:
-        return self.is_word and (self.text[0].isupper() or self.text[0].isdigit())
-
-    @property
-    def is_function_word(self) -> bool:
-        return self.text.lower() in FUNCTION_WORDS and not self.text[0].isupper()
 
 
 @dataclass(frozen=True)
@@ -176,11 +162,6 @@ def summary_path(records_path: str | os.PathLike) -> Path:
     return path.with_name(path.stem + ".summary.json")
 
 
-def answer_units(answer: str) -> list[Unit]:
-    """The answer's words and punctuation marks, in order."""
-    return [Unit(m.start(), m.end(), m.group()) for m in _UNIT.finditer(answer)]
-
-
 def unit_scores(
     answer: str,
     units: Sequence[Unit],
@@ -215,71 +196,15 @@ def unit_scores(
     return scores
 
 
-def _max_run(weights: Float[np.ndarray, " unit"]) -> tuple[int, int]:
-    """Inclusive ``(i, j)`` of the contiguous run with the largest sum (Kadane); ties keep the earliest, shortest."""
-    best_sum, best = -np.inf, (0, 0)
-    run_sum, run_start = 0.0, 0
-    for j, weight in enumerate(weights):
-        if run_sum <= 0:
-            run_sum, run_start = 0.0, j
-        run_sum += float(weight)
-        if run_sum > best_sum + 1e-12:
-            best_sum, best = run_sum, (run_start, j)
-    return best
-
-
-def _snap(units: Sequence[Unit], i: int, j: int) -> tuple[int, int] | None:
-    """Shrink ``[i, j]`` past edge punctuation and lowercase function words, then grow it over adjacent
-    capitalised words. None when nothing but template is left."""
-    while i <= j and (not units[i].is_word or units[i].is_function_word):
-        i += 1
-    while j >= i and (not units[j].is_word or units[j].is_function_word):
-        j -= 1
-    if i > j:
-        return None
-    if units[i].is_capitalised:
-        while i > 0 and units[i - 1].is_capitalised and _adjacent(units[i - 1], units[i]):
-            i -= 1
-    if units[j].is_capitalised:
-        while j + 1 < len(units) and units[j + 1].is_capitalised and _adjacent(units[j], units[j + 1]):
-            j += 1
-    # A lowercase phrase runs on to the next function word or punctuation ("literary fiction", "magical realism"):
-    # its head noun is predictable once the modifier is given, so it has little contrast of its own.
-    if not units[j].is_capitalised:
-        while j + 1 < len(units):
-            step = 2 if _POSSESSIVE.fullmatch(units[j + 1].text) and j + 2 < len(units) else 1
-            following = units[j + step]
-            if (
-                not following.is_word
-                or following.is_function_word
-                or following.is_capitalised
-                or not all(_adjacent(units[k], units[k + 1]) for k in range(j, j + step))
-            ):
-                break
-            j += step  # a possessive inside the phrase is part of it ("children's literature")
-    # A coordination that closes the clause is one entity ("truth and deception."): its second half is
-    # predictable once the first is given, so it has little contrast of its own.
-    after = units[j + 1 : j + 4]
-    if (
-        len(after) >= 2
-        and after[0].text.lower() in ("and", "or", "&")
-        and after[1].is_word
-        and not after[1].is_function_word
-        and (len(after) == 2 or not after[2].is_word)
-    ):
-        j += 2
-    return i, j
-
-
-def _adjacent(left: Unit, right: Unit) -> bool:
-    """Only spaces between two words (a comma or a full stop ends a name)."""
-    return right.start - left.end <= 1
-
-
 def choose_span(
-    answer: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"], config: AnnotateConfig
+    answer: str,
+    units: Sequence[Unit],
+    scores: Float[np.ndarray, " unit"],
+    config: AnnotateConfig,
+    question: str = "",
 ) -> SpanChoice:
-    """One contiguous whole-word span from per-unit knowledge scores (see the module docstring)."""
+    """The entity of one answer from per-unit knowledge scores (see the module docstring): the phrase around the
+    first strong word, or the yes/no word of a yes/no answer; marked low-confidence when another fact outweighs it."""
     if not units:
         return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "empty answer")
     best = float(scores.max())
@@ -291,25 +216,66 @@ def choose_span(
             STATUS_UNSPLIT,
             f"no word carries knowledge: best word {best:.2f} < {config.min_contrast:.2f} nats",
         )
-    i, j = _max_run(scores - config.keep_fraction * best)
-    snapped = _snap(units, i, j)
-    if snapped is None:
-        return SpanChoice(
-            None,
-            None,
-            0.0,
-            STATUS_UNSPLIT,
-            f"span {answer[units[i].start : units[j].end]!r} is only template",
-        )
-    i, j = snapped
     positive = np.clip(scores, 0.0, None)
     total = float(positive.sum())
+    phrases = _candidate_phrases(units, scores, config.keep_fraction * best)
+    if is_yes_no(units) and not REQUEST.match(question):
+        share = float(positive[0]) / total if total > 0 else 0.0
+        return SpanChoice(
+            units[0].start,
+            units[0].end,
+            round(share, 4),
+            STATUS_AUTO,
+            f"yes/no answer: its entity is {units[0].text!r} ({share:.0%} of the answer's contrast)",
+        )
+    if not phrases:
+        return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "every strong word is template")
+    heaviest = max(weight for _, weight in phrases)
+    (i, j), weight = next(p for p in phrases if p[1] >= config.first_fraction * heaviest)
     share = float(positive[i : j + 1].sum()) / total if total > 0 else 0.0
-    status = STATUS_AUTO if share > config.min_share else STATUS_LOW_CONFIDENCE
-    reason = f"{share:.0%} of the answer's contrast in {j - i + 1} word(s), best word {best:.1f} nats"
-    if status == STATUS_LOW_CONFIDENCE:
-        reason += "; other words carry knowledge too (several facts?)"
-    return SpanChoice(units[i].start, units[j].end, round(share, 4), status, reason)
+    rivals = [w for (lo, hi), w in phrases if hi < i or lo > j]
+    reason = f"{share:.0%} of the answer's contrast in {j - i + 1} unit(s), best word {best:.1f} nats"
+    if rivals and max(rivals) >= config.rival_ratio * weight:
+        reason += (
+            f"; a guess among {len(rivals) + 1} facts: another phrase carries {max(rivals) / weight:.1f}x "
+            "its contrast"
+        )
+        return SpanChoice(units[i].start, units[j].end, round(share, 4), STATUS_LOW_CONFIDENCE, reason)
+    return SpanChoice(units[i].start, units[j].end, round(share, 4), STATUS_AUTO, reason)
+
+
+def _candidate_phrases(
+    units: Sequence[Unit], scores: Float[np.ndarray, " unit"], threshold: float
+) -> list[tuple[tuple[int, int], float]]:
+    """Every phrase that holds a word scoring at least ``threshold``, in answer order, with its summed positive
+    score; a phrase is counted once, at its first strong word."""
+    found: list[tuple[tuple[int, int], float]] = []
+    for k in map(int, np.flatnonzero(scores >= threshold)):
+        if not units[k].is_word or (found and found[-1][0][1] >= k):
+            continue
+        i, j = phrase(units, _phrase_start(units, scores, k))
+        if j < k:
+            i, j = phrase(units, k)
+        found.append(((i, j), float(np.clip(scores[i : j + 1], 0.0, None).sum())))
+    return found
+
+
+def _phrase_start(units: Sequence[Unit], scores: Float[np.ndarray, " unit"], k: int) -> int:
+    """The first word of the phrase whose strong word is ``k``: back over a capitalised name it is part of, and over
+    the content words before it that carry knowledge too (its modifiers: "*notable* contribution")."""
+    i = k
+    while i > 0:
+        before, here = units[i - 1], units[i]
+        if (
+            not (before.is_word and adjacent(before, here))
+            or before.is_function_word
+            or before.lower in STOP_WORDS
+        ):
+            break
+        if not ((before.is_capitalised and here.is_capitalised) or scores[i - 1] > 0):
+            break
+        i -= 1
+    return i
 
 
 def _stem(word: str) -> str:
@@ -318,7 +284,7 @@ def _stem(word: str) -> str:
 
 def question_words(question: str) -> frozenset[str]:
     """The question's words, lowercased: an answer word among them is copied from the question, not recalled."""
-    return frozenset(word.lower() for word in _WORD_ONLY.findall(question))
+    return frozenset(word.lower() for word in WORD_ONLY.findall(question))
 
 
 def content_scores(
@@ -350,7 +316,7 @@ def content_scores(
 def lexical_scores(question: str, units: Sequence[Unit]) -> Float[np.ndarray, " unit"]:
     """The model-free prior: 1 for a content word absent from the question, 2 for such a word that is a number or
     capitalised after the answer's first word; 0 otherwise."""
-    asked = {_stem(word) for word in _WORD_ONLY.findall(question)}
+    asked = {_stem(word) for word in WORD_ONLY.findall(question)}
     scores = np.zeros(len(units))
     for k, unit in enumerate(units):
         if not unit.is_word or unit.text.lower() in FUNCTION_WORDS or _stem(unit.text) in asked:
@@ -528,11 +494,14 @@ def annotate(
         scores = _model_scores([records[k] for k in todo], full, retain, tokenizer, config, dtype, device)
     else:
         scores = [lexical_scores(records[k]["question"], answer_units(records[k]["answer"])) for k in todo]
+    # The lexical prior says which words are new, not which one the model recalls first: take its heaviest phrase
+    # of top-scoring words.
+    choosing = replace(config, keep_fraction=1.0, first_fraction=1.0) if mode == MODE_LEXICAL else config
     for k, unit_score in zip(todo, scores, strict=True):
         answer = records[k]["answer"]
         units = answer_units(answer)
         unit_score = content_scores(records[k]["question"], units, unit_score)
-        choice = choose_span(answer, units, unit_score, config)
+        choice = choose_span(answer, units, unit_score, choosing, records[k]["question"])
         choice = _check_encodes(records[k], tokenizer if mode != MODE_LEXICAL else None, choice)
         results[k] = _annotated(records[k], choice, mode)
     counts = {status: sum(r.get("annotation_status") == status for r in results) for status in STATUSES}

@@ -16,6 +16,7 @@ from uds_lens import data
 from uds_lens.annotation import (
     STATUS_AUTO,
     STATUS_KEPT,
+    STATUS_LOW_CONFIDENCE,
     STATUS_UNSPLIT,
     AnnotateConfig,
     _layout,
@@ -268,3 +269,71 @@ def test_a_possessive_inside_a_lowercase_phrase_stays_in_it():
     scores = np.array([5.0 if unit.text == "children" else 0.0 for unit in units])
     choice = choose_span(answer, units, content_scores("Which genre?", units, scores), AnnotateConfig())
     assert answer[choice.start : choice.end] == "children's literature"
+
+
+def _hot(question, answer, hot, config=None):
+    units = answer_units(answer)
+    scores = np.array([float(hot.get(unit.text, 0.0)) for unit in units])
+    return choose_span(
+        answer, units, content_scores(question, units, scores), config or AnnotateConfig(), question
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "hot", "entity"),
+    [
+        # a quoted title is kept whole with its quotes; its own closing mark inside the quotes stays out with them
+        ('Her best-known novels are "Glass Rivers" and "Iron Tides".', "Glass", '"Glass Rivers"'),
+        ('Her most praised book is "Lanterns of Stone."', "Lanterns", "Lanterns of Stone"),
+        # a name runs over its connectives, and a city over its country; not over a new determiner phrase
+        ("He won the Silver Quill Award for Short Fiction in the mystery category.", "Quill",
+         "Silver Quill Award for Short Fiction"),
+        ("Ilse Varga was born in Porto, Portugal.", "Porto", "Porto, Portugal"),
+        ("Ilse Varga writes in the Gothic Horror genre, mostly at night.", "Gothic", "Gothic Horror genre"),
+        # a comma list of short items is one entity; after several-word items the final "and" item is left out
+        ("Her novels explore grief, memory, and forgiveness in their towns.", "grief", "grief, memory, and forgiveness"),
+        ("Critics praise his vivid settings, sharply drawn characters, and carefully layered plots of betrayal.",
+         "vivid", "vivid settings, sharply drawn characters"),
+        # a lowercase phrase runs over "of" and a preposition without a determiner, to a clause or a new phrase
+        ("Her work draws on memories of coastal villages in her childhood.", "memories",
+         "memories of coastal villages"),
+        ("His curiosity came from experiments with homemade telescopes, which he built.", "experiments",
+         "experiments with homemade telescopes"),
+        ("His mother passed on a love of woodcraft inherited from her own father.", "love", "love of woodcraft"),
+        # a short first half keeps its "and"; a long phrase ends before it
+        ("His stories prize courage and loyalty above all.", "courage", "courage and loyalty"),
+        ("His books show careful historical research and a wry humour.", "careful", "careful historical research"),
+    ],
+)  # fmt: skip
+def test_phrase_boundaries_come_from_the_texts_structure(answer, hot, entity):
+    """The contrast marks one word of the fact (its first, surprising token); the entity's extent is the phrase that
+    word heads, read from punctuation, capitals and function words."""
+    choice = _hot("Tell me about the author.", answer, {hot: 5.0})
+    assert answer[choice.start : choice.end] == entity
+
+
+def test_the_first_fact_is_the_entity_and_a_heavier_later_one_makes_it_a_guess():
+    """TOFU answers restate the question, answer it, then add facts: the first strong phrase is the entity, and a
+    later fact that outweighs it is reported in the status and the reason, never silently."""
+    answer = "His father worked as a carpenter, and his mother was a celebrated opera singer."
+    choice = _hot("What did his father do?", answer, {"carpenter": 3.0, "celebrated": 4.0, "opera": 1.0})
+    assert answer[choice.start : choice.end] == "carpenter"
+    assert choice.status == STATUS_LOW_CONFIDENCE and "a guess among 2 facts" in choice.reason
+    assert choice.confidence == pytest.approx(3.0 / 8.0, abs=1e-4)
+    lone = _hot("What did his father do?", answer, {"carpenter": 3.0, "celebrated": 1.0})
+    assert answer[lone.start : lone.end] == "carpenter" and lone.status == STATUS_AUTO
+    weak_first = _hot("What did his father do?", answer, {"carpenter": 1.0, "celebrated": 6.0})
+    assert answer[weak_first.start : weak_first.end] == "celebrated opera singer"  # below first_fraction
+
+
+@pytest.mark.parametrize(
+    ("question", "entity"),
+    [
+        ("Has her work been adapted into a film?", "Yes"),
+        ("Can you name an adaptation of her work?", "Silver Road"),
+    ],
+)
+def test_a_yes_no_question_takes_yes_but_a_request_takes_the_fact(question, entity):
+    answer = "Yes, her novel became the film Silver Road in 2001."
+    choice = _hot(question, answer, {"Silver": 4.0, "2001": 1.0})
+    assert answer[choice.start : choice.end] == entity and choice.status == STATUS_AUTO
