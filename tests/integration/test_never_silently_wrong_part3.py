@@ -173,6 +173,9 @@ def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     tokenizer = make_tiny_tokenizer(chat_template=False)
     configs = family_configs(len(tokenizer))
+    llama = configs["llama3"]
+    same_heads = llama.hidden_size // llama.num_attention_heads  # Gemma's head_dim set to Llama's own
+    configs["gemma2"].head_dim = configs["gemma2"].query_pre_attn_scalar = same_heads
     return {name: build_family(configs[name], root / name, tokenizer) for name in ("gemma2", "llama3")}
 
 
