@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script: its sibling bench_annotate
-from bench_annotate import _span, agreement, open_zoo, uds_side_by_side  # noqa: E402
+from bench_annotate import _span, agreement, open_zoo, print_uds_rows, uds_side_by_side  # noqa: E402
 
 from uds_lens.annotation import STATUSES, annotate  # noqa: E402
 from uds_lens.data import read_records  # noqa: E402
@@ -116,13 +116,7 @@ def measure(args: argparse.Namespace) -> None:
     gold_path = out / "forget_gold.json"
     gold_path.write_text(json.dumps(gold, indent=1, ensure_ascii=False))
     rows = uds_side_by_side(zoo, gold_path, out / "forget_contrast.json")
-    print(f"\n{'model':<10} {'UDS gold':>9} {'UDS auto':>9} {'|diff|':>7} {'n gold':>7} {'n auto':>7}")
-    for row in rows:
-        diff = abs(row["uds_auto"] - row["uds_gold"])
-        print(
-            f"{row['model']:<10} {row['uds_gold']:>9.4f} {row['uds_auto']:>9.4f} {diff:>7.4f} "
-            f"{row['n_gold']:>7} {row['n_auto']:>7}"
-        )
+    print_uds_rows(rows)
     if rows:
         worst = max(abs(r["uds_auto"] - r["uds_gold"]) for r in rows)
         print(f"max |UDS(auto) - UDS(gold)| = {worst:.4f} (target <= 0.03)")

@@ -248,6 +248,13 @@ def main() -> None:
     gold_path = out / "forget_gold.json"
     gold_path.write_text(zoo.forget_path.read_text())
     rows = uds_side_by_side(zoo, gold_path, out / "forget_contrast.json")
+    print_uds_rows(rows)
+    worst = max(abs(r["uds_auto"] - r["uds_gold"]) for r in rows)
+    print(f"max |UDS(auto) - UDS(gold)| = {worst:.4f} (target <= 0.03)")
+
+
+def print_uds_rows(rows: list[dict]) -> None:
+    """The UDS-with-gold-vs-auto-spans table, one row per model."""
     print(f"\n{'model':<10} {'UDS gold':>9} {'UDS auto':>9} {'|diff|':>7} {'n gold':>7} {'n auto':>7}")
     for row in rows:
         diff = abs(row["uds_auto"] - row["uds_gold"])
@@ -255,8 +262,6 @@ def main() -> None:
             f"{row['model']:<10} {row['uds_gold']:>9.4f} {row['uds_auto']:>9.4f} {diff:>7.4f} "
             f"{row['n_gold']:>7} {row['n_auto']:>7}"
         )
-    worst = max(abs(r["uds_auto"] - r["uds_gold"]) for r in rows)
-    print(f"max |UDS(auto) - UDS(gold)| = {worst:.4f} (target <= 0.03)")
 
 
 if __name__ == "__main__":

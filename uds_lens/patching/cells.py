@@ -20,7 +20,6 @@ agrees with theirs to float noise (a reordered sum), not bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,8 +33,7 @@ from uds_lens.patching.engines import (
     clean_run,
     naive_patched_scores,
     read_scores,
-    source_activations,
-    window_source_activations,
+    timed_source_activations,
 )
 from uds_lens.patching.kernels import (
     _attention,
@@ -259,18 +257,7 @@ def cell_scores(
     spec_used = dataclasses.replace(spec, layers=tuple(spec.layers[j] for j in used))
     cells_used = cells[:, used]
     sources = batch if len(rows) == batch.size else batch.select(rows)
-    started = time.perf_counter()
-    if spec.engine == "fast":
-        acts = window_source_activations(source, sources, spec_used)
-    else:
-        acts = source_activations(source, sources.tokens, spec_used)
-    if timings is not None:
-        if acts.is_cuda:
-            torch.cuda.synchronize(acts.device)
-        timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
-            time.perf_counter() - started
-        )
-    acts = acts.to(full.cfg.device)
+    acts = timed_source_activations(source, sources, spec_used, timings).to(full.cfg.device)
     if spec.engine == "fast":
         if clean is None:
             clean = clean_run(full, batch, spec)

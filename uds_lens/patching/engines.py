@@ -359,6 +359,16 @@ def source_scores(
     seconds are added to ``timings["source_forward_seconds"]`` (a sweep reports it as a phase of its own; on a GPU
     the device is synchronised first, so the figure is the forward's, not its launch's).
     """
+    acts = timed_source_activations(source, batch, spec, timings)
+    return patched_scores(full, batch, acts.to(full.cfg.device), spec, clean)
+
+
+def timed_source_activations(
+    source: Any, batch: PatchBatch, spec: EngineSpec, timings: dict[str, float] | None = None
+) -> Tensor:
+    """The source's activations as ``spec.engine`` reads them: the packed window rows (fast) or the padded batch
+    (naive). With ``timings``, the forward's seconds are added to ``timings["source_forward_seconds"]`` (on a GPU
+    after a synchronisation, so the figure is the forward's, not its launch's)."""
     started = time.perf_counter()
     if spec.engine == "fast":
         acts = window_source_activations(source, batch, spec)
@@ -370,7 +380,7 @@ def source_scores(
         timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
             time.perf_counter() - started
         )
-    return patched_scores(full, batch, acts.to(full.cfg.device), spec, clean)
+    return acts
 
 
 def baseline_scores(
@@ -400,5 +410,6 @@ __all__ = [
     "residual_patch_hooks",
     "source_activations",
     "source_scores",
+    "timed_source_activations",
     "window_source_activations",
 ]
