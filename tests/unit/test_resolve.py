@@ -101,7 +101,8 @@ def test_an_unreachable_hub_is_one_line_after_one_request(hub):
     started = time.perf_counter()
     with pytest.raises(ModelLoadError) as error:
         load_model("nobody/no-such-model")
-    assert time.perf_counter() - started < 1.0
+    # one request instead of five retries (34 s before); the bound leaves room for a loaded machine
+    assert time.perf_counter() - started < 5.0
     message = str(error.value)
     assert "\n" not in message and "'nobody/no-such-model'" in message and "cannot be reached" in message
     assert "no local path" in message and "Name or service not known" in message
