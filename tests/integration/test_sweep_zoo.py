@@ -12,10 +12,12 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
+from helpers.numerics import reordered_tolerance
 from typer.testing import CliRunner
 
 from uds_lens import UDSAuditor
 from uds_lens.cli import app
+from uds_lens.config import UDSConfig
 from uds_lens.results import RESULT_FILES, UDSResult, verify_result_dir
 from uds_lens.scoring import score_models
 from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, SweepError, sweep
@@ -72,17 +74,29 @@ def ray_cluster():
 
 
 def assert_same_as_reference(out, table, reference):
-    """Every unlearned model scored and saved, with exactly `uds-lens score`'s numbers (1e-6)."""
+    """Every unlearned model scored and saved, with `uds-lens score`'s numbers (1e-6). A sweep runs Stage 2 on
+    the KE cells only (its default): d2 and LER equal score's on those cells and are NaN on the others."""
     rows = table.set_index("name")
     for name, expected in reference.items():
         assert rows.loc[name, "status"] in ("scored", "reused"), rows.loc[name, "error"]
         assert rows.loc[name, "uds"] == pytest.approx(expected.uds, abs=1e-6), name
         saved = UDSResult.load(out / name)
+        assert saved.stage2_cells == rows.loc[name, "stage2_cells"] == "ke"
         merged = saved.layers.merge(expected.layers, on=["idx", "layer"], suffixes=("", "_ref"))
         assert len(merged) == len(expected.layers) > 0
-        for column in ("s0", "baseline_score", "d1", "d2", "ler"):
+        ke = merged["ke_ref"].astype(bool)
+        assert ke.any() and merged.loc[~ke, "d2"].isna().all()
+        for column in ("s0", "baseline_score", "d1"):
             np.testing.assert_allclose(
                 merged[column], merged[f"{column}_ref"], atol=1e-6, err_msg=f"{name} {column}"
+            )
+        for column in ("d2", "ler"):  # reordered: the KE cells run packed in other products than every cell's
+            reference_values = merged.loc[ke, f"{column}_ref"].to_numpy(dtype=float)
+            np.testing.assert_allclose(
+                merged.loc[ke, column],
+                reference_values,
+                atol=reordered_tolerance(float(np.abs(reference_values).max())),
+                err_msg=f"{name} {column}",
             )
         by_idx = saved.examples.set_index("idx")["uds"].sort_index()
         np.testing.assert_allclose(by_idx, expected.examples.set_index("idx")["uds"].sort_index(), atol=1e-6)
@@ -138,13 +152,14 @@ def test_in_process_sweep_equals_score_and_reports_a_model_that_fails(zoo, refer
     assert_complete_files(out, table, list(zoo["models"]), ["broken"])
     assert (table.set_index("name").drop("broken")["status"] == "scored").all()
     assert_same_as_reference(out, table, reference)
-    # the same files `uds-lens score` writes: scoring into the sweep's directory reuses every result
+    # the same files `uds-lens score --stage2-cells ke` writes: scoring into the sweep's directory reuses them all
     again = score_models(
         zoo["full"],
         zoo["retain"],
         zoo["models"],
         zoo["data"],
         out_dir=out,
+        config=UDSConfig(stage2_cells="ke"),
         cache_dir=tmp_path / "s1",
         progress=False,
     )
