@@ -70,7 +70,7 @@ demo: setup
 
 # The core tests: every module a UDS number passes through (loading, sources, both engines, the auditor and its
 # published-compat mode, components, KE-only Stage 2) and the real SmolLM2. The notebooks run on 4.x only: they call
-# the same library functions, and executing them twice cost CI minutes the 30-minute budget does not have.
+# the same library functions, and executing them twice cost about six CI minutes.
 CORE_TESTS := tests/unit/test_models.py tests/unit/test_sources.py tests/unit/test_patching.py \
 	tests/unit/test_uds.py tests/unit/test_auditor.py tests/unit/test_components.py tests/unit/test_dtypes.py \
 	tests/unit/test_families.py tests/unit/test_stage2_cells.py \
