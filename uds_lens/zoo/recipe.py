@@ -21,7 +21,7 @@ All models share one architecture and one tokenizer, so any two can be patched i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .tokenizer import DEFAULT_VOCAB_SIZE
@@ -64,31 +64,23 @@ def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
     }
 
 
+_TEST_SIZE = ZooSize(
+    n_authors=30,
+    shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
+    base_epochs=30,
+    base_lr=3e-3,
+    finetune_epochs=16,
+    finetune_lr=2e-3,
+    unlearning=_unlearning_settings(epochs=10),
+    rmu_layers=(0, 1, 3),
+    pool_variants=6,
+)
+
 SIZES: dict[str, ZooSize] = {
-    "test": ZooSize(
-        n_authors=30,
-        shape=ModelShape(n_layers=4, d_model=64, d_mlp=256, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=16,
-        finetune_lr=2e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(0, 1, 3),
-        pool_variants=6,
-    ),
+    "test": _TEST_SIZE,
     # The notebooks' zoo: the test zoo's world and recipe at twice its depth, so a layer-wise figure has eight points
     # and an RMU layer can sit early, in the middle or last (built by the notebooks when their zoo is missing).
-    "notebook": ZooSize(
-        n_authors=30,
-        shape=ModelShape(n_layers=8, d_model=64, d_mlp=256, n_heads=4),
-        base_epochs=30,
-        base_lr=3e-3,
-        finetune_epochs=16,
-        finetune_lr=2e-3,
-        unlearning=_unlearning_settings(epochs=10),
-        rmu_layers=(1, 4, 7),
-        pool_variants=6,
-    ),
+    "notebook": replace(_TEST_SIZE, shape=replace(_TEST_SIZE.shape, n_layers=8), rmu_layers=(1, 4, 7)),
     "default": ZooSize(
         n_authors=200,
         shape=ModelShape(n_layers=4, d_model=128, d_mlp=512, n_heads=4),
