@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from uds_lens import UDSAuditor, UDSConfig, load_zoo
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
+from uds_lens.zoo.layout import load_zoo
 
 
 def main() -> None:

@@ -60,22 +60,15 @@ import psutil
 import torch
 
 from uds_lens import uds
-from uds_lens.checkpoint import hf_model_of
 from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
-from uds_lens.patching import (
-    WindowPacking,
-    baseline_scores,
-    choose_batch_size,
-    clean_run,
-    packed_forward,
-    pad_batch,
-    plan_batches,
-    read_scores,
-    source_scores,
-)
+from uds_lens.patching.batch import WindowPacking, pad_batch
 from uds_lens.patching.cells import cell_scores, stage2_work
+from uds_lens.patching.engines import baseline_scores, clean_run, read_scores, source_scores
+from uds_lens.patching.kernels import packed_forward
+from uds_lens.patching.planning import choose_batch_size, plan_batches
+from uds_lens.tl_compat import hf_model_of
 
 SITE = "resid_post"
 
@@ -443,7 +436,7 @@ TOP_LEVEL = {
     "clean_run": "clean forward",
     "fast_patched_scores": "window runs",
 }
-INNER = {"_attention": "attention", "_mlp": "mlp", "read_scores": "logits"}
+INNER = {"block_attention": "attention", "_mlp": "mlp", "read_scores": "logits"}
 ATTENTION_OPS = {
     "aten::addmm": "projections",
     "aten::matmul": "over cached prefix",
@@ -533,7 +526,10 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
             elif event.name in INNER and top is not None:
                 add(parts, f"{top}/{INNER[event.name]}", event.cpu_time_total)
             elif (
-                ancestors and ancestors[0] == "_attention" and event.name in ATTENTION_OPS and top is not None
+                ancestors
+                and ancestors[0] == "block_attention"
+                and event.name in ATTENTION_OPS
+                and top is not None
             ):
                 add(parts, f"{top}/attention/{ATTENTION_OPS[event.name]}", event.cpu_time_total)
             if (

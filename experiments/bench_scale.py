@@ -254,7 +254,7 @@ def weight_bytes(*models: torch.nn.Module) -> int:
 
 def floor_seconds(auditor, source) -> float:
     """One source forward of every example plus sum_i T_i * L(L-1)/2 token-block evaluations of the target."""
-    from uds_lens.patching import pad_batch
+    from uds_lens.patching.batch import pad_batch
 
     batch = pad_batch(auditor.encoded, auditor.pad_id).to(auditor.full.cfg.device)
     n_layers = auditor.full.cfg.n_layers
@@ -288,8 +288,10 @@ def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
 
 
 def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir: Path, engine: str) -> dict:
-    from uds_lens import UDSAuditor, UDSConfig
-    from uds_lens.models import load_model, model_name
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
+    from uds_lens.models import load_model
+    from uds_lens.resolve import model_name
 
     shape = SHAPES[shape_name]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -413,9 +415,15 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     from uds_lens.config import EngineSpec
     from uds_lens.data import encode, load_examples
     from uds_lens.models import load_tokenizer
-    from uds_lens.patching import clean_run, estimate_bytes_per_example, pad_batch, plan_batches
-    from uds_lens.patching.kernels import _layer_weights
-    from uds_lens.patching.planning import clean_run_bytes, joined_copy_bytes
+    from uds_lens.patching.batch import pad_batch
+    from uds_lens.patching.engines import clean_run
+    from uds_lens.patching.kernels import layer_weights
+    from uds_lens.patching.planning import (
+        clean_run_bytes,
+        estimate_bytes_per_example,
+        joined_copy_bytes,
+        plan_batches,
+    )
     from uds_lens.tl_compat import hf_model_of
 
     shape = SHAPES[shape_name]
@@ -424,7 +432,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     hf = hf_model_of(meta)
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())  # a tied W_U is one parameter
     joined = sum(
-        engine_owned_bytes(_layer_weights(meta, layer), list(meta.blocks[layer].parameters()))
+        engine_owned_bytes(layer_weights(meta, layer), list(meta.blocks[layer].parameters()))
         for layer in range(shape.n_layers)
     )
     tokenizer_dir = Path("/tmp") / "uds_lens_bench_scale_tokenizer"

@@ -37,8 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from uds_lens.sweep import PHASES, sweep
-from uds_lens.zoo import build_zoo, load_zoo
+from uds_lens.sweep.driver import sweep
+from uds_lens.sweep.ledger import PHASES
+from uds_lens.zoo.build import build_zoo
+from uds_lens.zoo.layout import load_zoo
 
 TEST_ZOO = Path(os.environ.get("UDS_LENS_TEST_ZOO", "~/.cache/uds_lens/zoo-test")).expanduser()
 

@@ -148,7 +148,7 @@ print(
     f"3a pickled-only pytorch_model.bin: exit {proc.returncode}, stderr lines {len(proc.stderr.strip().splitlines())}, "
     f"Traceback={'Traceback' in proc.stderr}"
 )
-from uds_lens.sweep import sweep  # noqa: E402
+from uds_lens.sweep.driver import sweep  # noqa: E402
 
 try:
     sweep(

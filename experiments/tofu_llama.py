@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from uds_lens.config import UDSConfig
     from uds_lens.data import DataError
-    from uds_lens.models import ModelLoadError, load_hf_config
+    from uds_lens.models import load_hf_config
+    from uds_lens.resolve import ModelLoadError
     from uds_lens.scoring import score_models
 
     try:

@@ -146,7 +146,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
 
     check_hub(FULL_ID)
-    from uds_lens.meta_eval import compare_with_paper, run_meta_eval
+    from uds_lens.meta_eval.paper import compare_with_paper
+    from uds_lens.meta_eval.runner import run_meta_eval
 
     unlearned = (
         [line.strip() for line in args.unlearned.read_text().splitlines() if line.strip()]

@@ -26,7 +26,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
 from uds_lens.config import UDSConfig
 from uds_lens.models import load_model, load_tokenizer
-from uds_lens.zoo import build_zoo
+from uds_lens.zoo.build import build_zoo
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on a small machine: one thread each, no oversubscription.

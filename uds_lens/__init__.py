@@ -36,11 +36,11 @@ _EXPORTS = {
     "bootstrap_ci": "uds_lens.uds",
     "example_uds": "uds_lens.uds",
     "model_uds": "uds_lens.uds",
-    "ComponentResult": "uds_lens.components",
+    "ComponentResult": "uds_lens.component_result",
     "patch_heads": "uds_lens.components",
     "patch_positions": "uds_lens.components",
     "patch_tokens": "uds_lens.components",
-    "load_zoo": "uds_lens.zoo",
+    "load_zoo": "uds_lens.zoo.layout",
     "annotate": "uds_lens.annotation",
 }
 
@@ -71,14 +71,15 @@ __all__ = [
 if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.annotation import annotate
     from uds_lens.auditor import UDSAuditor
-    from uds_lens.components import ComponentResult, patch_heads, patch_positions, patch_tokens
+    from uds_lens.component_result import ComponentResult
+    from uds_lens.components import patch_heads, patch_positions, patch_tokens
     from uds_lens.config import UDSConfig
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
     from uds_lens.models import load_hf_model, load_model, load_tokenizer
     from uds_lens.results import UDSResult
     from uds_lens.sources import verify_parity
     from uds_lens.uds import bootstrap_ci, example_uds, model_uds
-    from uds_lens.zoo import load_zoo
+    from uds_lens.zoo.layout import load_zoo
 
 
 # `uds_lens.plots` is the name plotting/ had before the one-house layout

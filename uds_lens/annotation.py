@@ -70,6 +70,7 @@ from uds_lens.phrases import (
     is_yes_no,
     phrase,
 )
+from uds_lens.resolve import resolve_zoo_name
 
 logger = logging.getLogger(__name__)
 
@@ -529,7 +530,7 @@ def _tokenizer_of(model: Any) -> Any:
     from uds_lens import models
 
     if isinstance(model, (str, os.PathLike)):
-        return models.load_tokenizer(models.resolve_zoo_name(model))
+        return models.load_tokenizer(resolve_zoo_name(model))
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("annotate got a loaded model without a tokenizer: pass tokenizer=.")
@@ -615,9 +616,7 @@ __all__ = [
     "AnnotateConfig",
     "AnnotationResult",
     "SpanChoice",
-    "Unit",
     "annotate",
-    "answer_units",
     "choose_span",
     "lexical_scores",
     "summary_path",

@@ -28,44 +28,38 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import display, models
+from uds_lens.checkpoint import model_fingerprint
 from uds_lens.compatibility import check_loaded, identity_of_model
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
-from uds_lens.failures import (
-    is_out_of_memory,
-    nonfinite_error,
-    release_memory,
-    retry_out_of_memory,
-)
+from uds_lens.failures import nonfinite_error
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
     RESULT_FINGERPRINT_FORMAT,
     DataArg,
     ModelArg,
-    _versions,
     examples_fingerprint,
     layout_digest,
+    library_versions,
     settings_fingerprint,
     source_fingerprint,
     stage2_fingerprint,
     tokenizer_digest,
 )
-from uds_lens.patching import (
-    CleanRun,
-    PatchBatch,
-    available_memory_bytes,
-    baseline_scores,
-    choose_batch_size,
-    clean_run,
-    fast_engine_refusal,
-    pad_batch,
-    plan_batches,
-    source_scores,
-)
+from uds_lens.memory import available_memory_bytes, is_out_of_memory, release_memory, retry_out_of_memory
+from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
 from uds_lens.patching.cells import cell_scores, stage2_record
-from uds_lens.patching.planning import CLEAN_CACHE_FRACTION, clean_run_bytes
+from uds_lens.patching.engines import baseline_scores, clean_run, source_scores
+from uds_lens.patching.kernels import fast_engine_refusal
+from uds_lens.patching.planning import (
+    CLEAN_CACHE_FRACTION,
+    choose_batch_size,
+    clean_run_bytes,
+    plan_batches,
+)
+from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
@@ -138,7 +132,7 @@ class UDSAuditor:
         self._base_fingerprint: dict[str, Any] | None = None
         self.device = self.config.device or models.default_device()
         self.full = self._load(full, "full")
-        self.full_name = models.describe(full)
+        self.full_name = describe(full)
         refusal = fast_engine_refusal(self.full) if self.config.engine == "fast" else None
         if refusal is not None:
             # a family the fast engine does not compute: the naive engine (the model's own forward), never a guess
@@ -157,7 +151,7 @@ class UDSAuditor:
             )
         self.retain = self._load(retain, "retain") if retain is not None else None
         if retain_name is None and retain is not None:
-            retain_name = models.describe(retain)
+            retain_name = describe(retain)
         self.retain_name = retain_name
         # one family, one tokenizer, one shape (compatibility.py); each unlearned model is checked in score()
         identity = identity_of_model(
@@ -239,7 +233,7 @@ class UDSAuditor:
         return retry_out_of_memory(
             lambda: models.load(model, dtype=self.config.dtype, device=self.device, role=role),
             self.device,
-            f"loading the {role} model {models.describe(model)}",
+            f"loading the {role} model {describe(model)}",
         )
 
     @property
@@ -362,8 +356,8 @@ class UDSAuditor:
         for volatile in ("tau", "batch_size", "device", "stage2_cells"):
             settings.pop(volatile)
         return {
-            "full": models.model_fingerprint(self.full),
-            "retain": models.model_fingerprint(self.retain) if self.retain is not None else None,
+            "full": model_fingerprint(self.full),
+            "retain": model_fingerprint(self.retain) if self.retain is not None else None,
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
@@ -512,7 +506,7 @@ class UDSAuditor:
 
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
         """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
-        source_label = models.describe(unlearned)
+        source_label = describe(unlearned)
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
         source = self._load(unlearned, "unlearned")
@@ -549,7 +543,7 @@ class UDSAuditor:
                 "patched score (S2)",
             )
 
-        self._each_batch(f"S2 ({models.model_name(unlearned)} -> full)", stage_two_batch)
+        self._each_batch(f"S2 ({model_name(unlearned)} -> full)", stage_two_batch)
         s2_seconds = time.perf_counter() - started
         timings = {
             "s1_seconds": stage.seconds,
@@ -561,7 +555,7 @@ class UDSAuditor:
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),
         }
         return UDSResult.from_stages(
-            name=name or models.model_name(unlearned),
+            name=name or model_name(unlearned),
             encoded=self.encoded,
             skipped=self.skipped,
             layers=self.layers,
@@ -576,7 +570,7 @@ class UDSAuditor:
                 "retain": self.retain_name,
                 "unlearned": source_label,
                 "data": self.data_name,
-                "versions": _versions(),
+                "versions": library_versions(),
                 "device": str(self.full.cfg.device),
                 "dtype": str(self.full.cfg.dtype),
                 "log_softmax_dtype": self.log_softmax_dtype,

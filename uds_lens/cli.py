@@ -65,7 +65,7 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
     see :func:`uds_lens.resolve.split_named`), a bare path is named after its directory (parent directories added where two basenames
     clash, see ``scoring.result_names``)."""
     from uds_lens.resolve import split_named
-    from uds_lens.results import check_result_name
+    from uds_lens.result_store import check_result_name
     from uds_lens.scoring import result_names
 
     named: dict[str, str] = {}
@@ -319,7 +319,7 @@ def sweep(
     worker dies is retried on another worker; a model that fails is reported in sweep.csv with its error and the
     sweep goes on, and the command exits 1 once the table is written.
     """
-    from uds_lens.sweep import sweep as run_sweep
+    from uds_lens.sweep.driver import sweep as run_sweep
 
     _setup_logging(verbose)
     config = _uds_config(
@@ -389,7 +389,7 @@ def zoo_build(
     ),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
-    from uds_lens.zoo import build_zoo
+    from uds_lens.zoo.build import build_zoo
 
     zoo = build_zoo(
         out,
@@ -519,7 +519,7 @@ def evaluate(
     batch_size: int = typer.Option(16),
 ) -> None:
     """Every metric (output-level, MIA, UDS, white-box) for every zoo model: OUT/metrics.csv (resumable)."""
-    from uds_lens.meta_eval import evaluate_zoo
+    from uds_lens.meta_eval.runner import evaluate_zoo
     from uds_lens.meta_eval.scorers import zoo_scorers
     from uds_lens.outputs import check_zoo_complete
 
@@ -544,7 +544,8 @@ def meta_eval(
     ),
 ) -> None:
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
-    from uds_lens.meta_eval import compare_with_paper, run_meta_eval
+    from uds_lens.meta_eval.paper import compare_with_paper
+    from uds_lens.meta_eval.runner import run_meta_eval
     from uds_lens.meta_eval.scorers import zoo_scorers
     from uds_lens.metrics import registry
     from uds_lens.outputs import check_zoo_complete
@@ -628,11 +629,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.failures import NonFiniteScoreError
-    from uds_lens.meta_eval import QuantisationError
-    from uds_lens.models import ModelLoadError, ModelMismatchError
-    from uds_lens.results import OutputConflictError, ResultIntegrityError, ResultNameError
-    from uds_lens.sweep import SweepError
-    from uds_lens.zoo import ZooBuildError, ZooDataError
+    from uds_lens.meta_eval.attacks import QuantisationError
+    from uds_lens.models import ModelMismatchError
+    from uds_lens.resolve import ModelLoadError
+    from uds_lens.result_store import OutputConflictError, ResultIntegrityError, ResultNameError
+    from uds_lens.sweep.errors import SweepError
+    from uds_lens.zoo.recipe import ZooBuildError
+    from uds_lens.zoo.world import ZooDataError
 
     return (
         DataError,

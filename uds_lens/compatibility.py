@@ -31,6 +31,7 @@ import xxhash
 
 from uds_lens import models
 from uds_lens.checkpoint import stored_shapes
+from uds_lens.resolve import ModelLoadError, describe, resolve_source, resolve_zoo_name
 from uds_lens.tl_compat import hf_model_of, is_hooked_transformer
 from uds_lens.weights import check_config_size
 
@@ -100,8 +101,8 @@ def _local_directory(path_or_id: Any) -> str | None:
     if not isinstance(path_or_id, (str, os.PathLike)):
         return None
     try:
-        source = models.resolve_source(models.resolve_zoo_name(path_or_id))
-    except models.ModelLoadError:
+        source = resolve_source(resolve_zoo_name(path_or_id))
+    except ModelLoadError:
         return None
     return source.location if source.kind == "directory" else None
 
@@ -121,7 +122,7 @@ def _tokenizer_and_digest(path_or_id: Any) -> tuple[Any, str | None]:
     if digest not in _TOKENIZERS:
         try:
             _TOKENIZERS[digest] = models.load_tokenizer(directory)
-        except (models.ModelLoadError, OSError, ValueError, TypeError):
+        except (ModelLoadError, OSError, ValueError, TypeError):
             return None, None
     return _TOKENIZERS[digest], digest
 
@@ -133,7 +134,7 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
     label = f"{role} ({path_or_id})"
     config = models.load_hf_config(path_or_id)
     models.check_supported(config, str(path_or_id))
-    source = models.resolve_source(models.resolve_zoo_name(path_or_id))
+    source = resolve_source(resolve_zoo_name(path_or_id))
     shapes: dict[str, tuple[int, ...]] = {}
     if source.kind == "directory":
         with models.loader_errors(source, "weights"):
@@ -153,7 +154,7 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
 
 def identity_of_model(model: Any, role: str, tokenizer: Any = None) -> ModelIdentity:
     """A loaded model's identity; ``tokenizer`` defaults to its checkpoint's own (``model.uds_source``)."""
-    name = models.describe(model)
+    name = describe(model)
     digest = None
     if tokenizer is None:
         tokenizer, digest = _tokenizer_and_digest(getattr(model, "uds_source", None))
@@ -283,7 +284,7 @@ def check_checkpoints(
 
     Raises:
         models.ModelMismatchError: naming every model that differs from full, and what differs.
-        models.ModelLoadError: a checkpoint whose config cannot be read, or does not match its weight files.
+        ModelLoadError: a checkpoint whose config cannot be read, or does not match its weight files.
     """
     if not _is_local(full):
         return
@@ -294,7 +295,7 @@ def check_checkpoints(
             continue
         try:
             others.append(identity_of_checkpoint(model, f"unlearned {name}"))
-        except models.ModelLoadError as error:
+        except ModelLoadError as error:
             if not skip_unreadable:
                 raise
             logger.info("unlearned %s is left to its loader: %s", name, error)
@@ -306,8 +307,8 @@ def _is_local(model: Any) -> bool:
     if not isinstance(model, (str, os.PathLike)):
         return False
     try:
-        return models.resolve_source(models.resolve_zoo_name(model)).local
-    except models.ModelLoadError:
+        return resolve_source(resolve_zoo_name(model)).local
+    except ModelLoadError:
         return False  # not a checkpoint at all: its loader says so, in its own words, where it is loaded
 
 

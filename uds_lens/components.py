@@ -44,26 +44,16 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from uds_lens import models
 from uds_lens.component_result import HEAD_TAU, ComponentResult
-from uds_lens.config import Engine, EngineSpec, Scope, UDSConfig
+from uds_lens.config import SITES, Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.families import family_of
-from uds_lens.patching import (
-    SITES,
-    PatchBatch,
-    baseline_scores,
-    clean_run,
-    fast_engine_refusal,
-    hook_name,
-    pad_batch,
-    patched_scores,
-    residual_patch_hooks,
-    segment_mean,
-)
-from uds_lens.patching.kernels import attention_output_norm
-from uds_lens.readout import label_logprobs, mean_entity_logprob
-from uds_lens.sources import as_source
+from uds_lens.patching.batch import PatchBatch, pad_batch
+from uds_lens.patching.engines import baseline_scores, clean_run, patched_scores, residual_patch_hooks
+from uds_lens.patching.kernels import attention_output_norm, fast_engine_refusal
+from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
+from uds_lens.resolve import model_name
+from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, attn_result, hf_model_of
 
 logger = logging.getLogger(__name__)
@@ -488,7 +478,7 @@ def _result(
     if auditor.retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    name = name or models.model_name(unlearned)
+    name = name or model_name(unlearned)
     stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute, "S1 (retain)")
     stage2 = _stage_scores(auditor, source, "unlearned", key, compute, f"S2 ({name})")
     return ComponentResult(
@@ -660,7 +650,6 @@ def patch_positions(
 
 __all__ = [
     "AXES",
-    "ComponentResult",
     "ExampleInputs",
     "HEAD_HOOKS",
     "PatchContext",

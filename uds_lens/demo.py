@@ -19,10 +19,11 @@ import torch
 from uds_lens.config import UDSConfig
 from uds_lens.files import write_atomic, zoo_root
 from uds_lens.plotting.report import write_report
-from uds_lens.results import OutputConflictError
+from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import score_models
-from uds_lens.zoo import build_zoo
-from uds_lens.zoo.layout import MANIFEST_FILE, Zoo, load_zoo
+from uds_lens.zoo.build import build_zoo
+from uds_lens.zoo.layout import Zoo, load_zoo
+from uds_lens.zoo.manifest import MANIFEST_FILE
 
 logger = logging.getLogger(__name__)
 

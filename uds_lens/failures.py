@@ -1,83 +1,19 @@
-"""How a run fails loudly: out-of-memory detection and release, and the error for non-finite scores.
+"""How a run fails loudly on a non-finite score (out-of-memory handling is :mod:`uds_lens.memory`).
 
-An allocation failure is recognised (:func:`is_out_of_memory`) so the auditor can halve the batch and retry; a NaN/inf
-score is never cached or saved but raised as :class:`NonFiniteScoreError`, whose message names the model, the
-examples, the first layer where activations stop being finite and the fix that fits the cause.
+A NaN/inf score is never cached or saved but raised as :class:`NonFiniteScoreError`, whose message names the model,
+the examples, the first layer where activations stop being finite and the fix that fits the cause.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from uds_lens import models
+from uds_lens.checkpoint import named_weights
 from uds_lens.data import EncodedExample
 from uds_lens.sources import as_source
-
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-# What an allocation failure says where it is not an ``OutOfMemoryError``: CUDA's runtime ("CUDA error: out of
-# memory"), cuBLAS and cuDNN creating a handle or a workspace near full memory, the CPU allocator, and a CUDA tensor
-# that cannot be allocated while a model is loaded or moved.
-_OUT_OF_MEMORY_TEXTS = (
-    "out of memory",
-    "cublas_status_alloc_failed",
-    "cudnn_status_alloc_failed",
-    "cusolver_status_alloc_failed",
-    "can't allocate memory",
-    "cannot allocate memory",
-    "failed to allocate",
-)
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """An allocation failure: CUDA's ``OutOfMemoryError``, or a ``RuntimeError`` of CUDA, cuBLAS, cuDNN or the CPU
-    allocator saying it could not allocate (cuBLAS reports memory exhaustion as ``CUBLAS_STATUS_ALLOC_FAILED``)."""
-    if isinstance(err, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(marker in text for marker in _OUT_OF_MEMORY_TEXTS)
-
-
-def release_memory(device: str | torch.device) -> None:
-    """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def retry_out_of_memory(
-    action: Callable[[], T], device: str | torch.device, what: str, attempts: int = 2
-) -> T:
-    """``action()``, run again after :func:`release_memory` when it fails for want of memory.
-
-    For loading a model and moving one to the device: the memory it needs is often held only by a model just
-    dropped (a reference cycle, blocks the caching allocator keeps), which a collection frees. Other errors, and
-    the last attempt's out-of-memory, propagate unchanged.
-    """
-    attempt = 1
-    while True:
-        try:
-            return action()
-        except Exception as err:
-            if not is_out_of_memory(err) or attempt >= attempts:
-                raise
-            logger.warning(
-                "Out of memory while %s (%s); freeing memory and retrying (attempt %d of %d).",
-                what,
-                type(err).__name__,
-                attempt + 1,
-                attempts,
-            )
-        release_memory(device)  # outside the except block: the failed attempt's frames are gone by now
-        attempt += 1
 
 
 class NonFiniteScoreError(FloatingPointError):
@@ -95,7 +31,7 @@ def _first_nonfinite_layer(model: nn.Module, example: EncodedExample) -> int | N
 
 def _first_nonfinite_parameter(model: nn.Module) -> str | None:
     # parameters only (buffers such as an attention mask's -inf are on purpose), by their Hugging Face names
-    for name, tensor in models.named_weights(model):
+    for name, tensor in named_weights(model):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None

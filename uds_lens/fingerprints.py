@@ -20,9 +20,11 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import checkpoint, models
+from uds_lens.checkpoint import model_fingerprint
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, load_examples
 from uds_lens.files import json_digest
+from uds_lens.resolve import ModelLoadError, resolve_zoo_name
 from uds_lens.sources import as_source
 
 ModelArg: TypeAlias = str | os.PathLike | nn.Module
@@ -32,7 +34,7 @@ DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Exa
 """A forget set as ``data.load_examples`` takes it: a JSON/JSONL path, a hub dataset id, records or ``Example``s."""
 
 
-def _versions() -> dict[str, str]:
+def library_versions() -> dict[str, str]:
 
     out = {}
     for package in ("uds_lens", "torch", "transformer-lens", "transformers"):
@@ -71,21 +73,21 @@ def source_fingerprint(source: ModelArg | None) -> str | None:
 
     A local checkpoint directory (or ``.gguf`` file) is identified by the contents of its weight, config and
     tokenizer files (``checkpoint.file_digest``: scheme and version in the string, so a change of digest re-keys
-    saved results instead of misreading them), an in-memory model by a digest of its tensors (``models.model_fingerprint``), a hub id by itself
+    saved results instead of misreading them), an in-memory model by a digest of its tensors (``model_fingerprint``), a hub id by itself
     and the cached commit it resolves to. None stands for "no model" (retain-free mode).
     """
     if source is None:
         return None
     if isinstance(source, (str, os.PathLike)):
         try:  # "zoo:NAME" is identified by its directory's files, like any other path
-            source = models.resolve_zoo_name(source)
-        except models.ModelLoadError:
+            source = resolve_zoo_name(source)
+        except ModelLoadError:
             pass  # a zoo name that names no model: identified by itself, and loading it fails with the reason
         path = Path(source).expanduser()
         if path.exists():
             return "files:" + checkpoint.file_digest(path)
         return f"hub:{source}@{_hub_revision(str(source)) or 'unresolved'}"
-    return "tensors:" + models.model_fingerprint(source)
+    return "tensors:" + model_fingerprint(source)
 
 
 def examples_fingerprint(examples: Sequence[Example]) -> str:

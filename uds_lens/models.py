@@ -36,19 +36,16 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from uds_lens.checkpoint import checkpoint_stamp, model_fingerprint, named_weights, stored_shapes
+from uds_lens import memory
+from uds_lens.checkpoint import stored_shapes
 from uds_lens.config import DTYPE_NAMES, ConfigError
 from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from uds_lens.files import staging_path
 from uds_lens.resolve import (
     SAFE_LOAD_KWARGS,
-    ZOO_PREFIX,
     CheckpointSource,
     ModelLoadError,
-    _hub_error,
-    describe,
-    is_local,
-    model_name,
+    hub_error,
     resolve_source,
     resolve_zoo_name,
 )
@@ -116,12 +113,10 @@ def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[N
     except (ModelLoadError, ConfigError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as err:
-        from uds_lens.failures import is_out_of_memory  # failures reads models' weights: imported when needed
-
-        if is_out_of_memory(err):
-            raise  # not the checkpoint's fault: the caller frees memory and retries (failures.retry_out_of_memory)
+        if memory.is_out_of_memory(err):
+            raise  # not the checkpoint's fault: the caller frees memory and retries (memory.retry_out_of_memory)
         if source.kind == "hub" and isinstance(err, OSError):
-            raise _hub_error(source.location, err) from err
+            raise hub_error(source.location, err) from err
         raise explain_load_error(source.location, what, err) from err
 
 
@@ -317,8 +312,6 @@ def _check_size(
 ) -> None:
     """``weights.check_config_size`` before the model is built: the config against the tensors the files (or the
     staged state dict) hold and, unless the weights are already in memory or quantised, against the free memory."""
-    from uds_lens.patching.planning import available_memory_bytes
-
     stored: list[tuple[int, ...]] | None = None
     if state_dict is not None:
         stored = [tuple(tensor.shape) for tensor in state_dict.values()]
@@ -328,7 +321,11 @@ def _check_size(
         stored = list(shapes.values()) if shapes else None  # .bin weights: headers need unpickling
     in_memory = state_dict is not None or quantization is not None
     check_config_size(
-        source.location, hf_config, stored, dtype, None if in_memory else available_memory_bytes(device)
+        source.location,
+        hf_config,
+        stored,
+        dtype,
+        None if in_memory else memory.available_memory_bytes(device),
     )
 
 
@@ -612,25 +609,17 @@ def check_compatible(
 
 
 __all__ = [
-    "SAFE_LOAD_KWARGS",
-    "ZOO_PREFIX",
     "ArchitectureSignature",
-    "CheckpointSource",
-    "ModelLoadError",
     "ModelMismatchError",
     "check_compatible",
     "check_device",
     "check_supported",
-    "checkpoint_stamp",
     "gguf_architecture",
     "gguf_to_hf",
-    "is_local",
     "load",
-    "resolve_source",
     "DEVICE_ENV",
     "default_device",
     "default_dtype",
-    "describe",
     "hooked_from_hf",
     "load_hf_config",
     "load_hf_model",
@@ -638,9 +627,5 @@ __all__ = [
     "load_tokenizer",
     "loader_errors",
     "release_model",
-    "model_fingerprint",
-    "model_name",
-    "named_weights",
     "resolve_dtype",
-    "resolve_zoo_name",
 ]

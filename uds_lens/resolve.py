@@ -208,7 +208,7 @@ def is_local(path_or_id: str | os.PathLike) -> bool:
     return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
-def _hub_error(model_id: str, err: Exception) -> ModelLoadError:
+def hub_error(model_id: str, err: Exception) -> ModelLoadError:
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     return ModelLoadError(
         f"Could not load {model_id!r}: it is not a local directory, and fetching it from the Hugging Face hub failed "

@@ -84,7 +84,7 @@ def check_result_name(name: str) -> str:
     return name
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     if isinstance(value, (np.integer,)):
         return int(value)
     if isinstance(value, (np.floating,)):
@@ -94,11 +94,11 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _file_digest(content: bytes) -> str:
+def content_digest(content: bytes) -> str:
     return hashlib.sha256(content).hexdigest()
 
 
-def _read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], str | None]:
+def read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], str | None]:
     """``meta.json`` and the files it lists, each read once, and what is wrong with them (None when they belong
     together). Reading each file's bytes once and checking those bytes means a concurrent rename cannot slip a file
     of another run in between the check and the parse."""
@@ -126,7 +126,7 @@ def _read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], s
             content = (directory / name).read_bytes()
         except OSError:
             return {}, {}, f"{name} is missing"
-        if _file_digest(content) != digest:
+        if content_digest(content) != digest:
             return {}, {}, f"{name} does not belong with meta.json (another run wrote it)"
         contents[name] = content
     return meta, contents, None
@@ -137,12 +137,12 @@ def verify_result_dir(directory: str | Path) -> str | None:
 
     Checks that ``meta.json`` exists and that every file it lists is there with the recorded SHA-256.
     """
-    return _read_verified(Path(directory))[2]
+    return read_verified(Path(directory))[2]
 
 
-def _normal(value: Any) -> Any:
+def normal_json(value: Any) -> Any:
     """JSON round trip, so a fingerprint computed now compares equal to one read back from meta.json."""
-    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+    return json.loads(json.dumps(value, sort_keys=True, default=json_default))
 
 
 # Fingerprint keys that name an input of the computation: a saved result that differs in one of them is another
@@ -155,11 +155,11 @@ class OutputConflictError(ValueError):
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=_json_default) if not isinstance(value, str) else value
+    text = json.dumps(value, sort_keys=True, default=json_default) if not isinstance(value, str) else value
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _difference(key: str, saved: Any, wanted: Any) -> str:
+def fingerprint_difference(key: str, saved: Any, wanted: Any) -> str:
     """One differing fingerprint key in words (what a rerun prints when it recomputes or refuses)."""
     if key == "s1":
         return (

@@ -46,22 +46,16 @@ from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
 from uds_lens.result_store import (
     INPUT_KEYS,
-    LOCK_TIMEOUT_S,
     RESULT_FILES,
     RESULT_FORMAT,
-    OutputConflictError,
     ResultIntegrityError,
-    ResultNameError,
-    _difference,
-    _file_digest,
-    _json_default,
-    _normal,
-    _read_verified,
     atomic_result_dir,
-    check_result_name,
     conflict_error,
-    result_lock,
-    verify_result_dir,
+    content_digest,
+    fingerprint_difference,
+    json_default,
+    normal_json,
+    read_verified,
 )
 from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, rescore
 
@@ -90,37 +84,8 @@ LAYER_COLUMNS = [
     "ke",
     "ler",
 ]
-DEFAULT_SITE: str = UDSConfig.site
-"""The site a multi-site ``layers`` table is read at when none is named: ``UDSConfig``'s default."""
 # Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
 _OLD_COLUMNS = {"s_full": "baseline_score"}
-
-
-def one_site(layers: pd.DataFrame, site: str | None = None) -> pd.DataFrame:
-    """The rows of one patching site of a long ``layers`` table: the one policy of every analysis and figure.
-
-    A table holds several sites when results of several ``--site`` runs are stacked. Then:
-
-    * ``site`` given: its rows (``ValueError`` naming the sites there when the table has none of it);
-    * no ``site``: a table of one site, or without a ``site`` column, as it is; of several, the rows of the default
-      site (``UDSConfig.site``, ``resid_post``: the site ``uds-lens score`` patches without ``--site``), and
-      ``ValueError`` asking for ``site=`` when that site is not among them (no silent pick of an arbitrary one).
-    """
-    if "site" not in layers.columns:
-        return layers
-    sites = list(dict.fromkeys(layers["site"].dropna()))
-    if site is None:
-        if len(sites) <= 1:
-            return layers
-        if DEFAULT_SITE not in sites:
-            raise ValueError(
-                f"the layers table has several sites {sites} and none is the default {DEFAULT_SITE!r}; "
-                "pass site= to pick one"
-            )
-        site = DEFAULT_SITE
-    if site not in sites:
-        raise ValueError(f"site {site!r} is not in the layers table (sites: {sites})")
-    return layers[layers["site"] == site]
 
 
 class CellsNotRunError(ValueError):
@@ -409,7 +374,7 @@ class UDSResult:
         return target
 
     def _write_files(self, out: Path) -> None:
-        (out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=_json_default))
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=json_default))
         self.examples.to_csv(out / "examples.csv", index=False)
         self.layers.to_csv(out / "layers.csv", index=False)
         try:
@@ -418,7 +383,7 @@ class UDSResult:
             (out / "layers.parquet").unlink(missing_ok=True)
         (out / "uds_eval.json").write_text(json.dumps(self.to_open_unlearning(), indent=2))
         files = {
-            name: _file_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()
+            name: content_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()
         }
         (out / "meta.json").write_text(
             json.dumps(
@@ -430,7 +395,7 @@ class UDSResult:
                     "files": files,
                 },
                 indent=2,
-                default=_json_default,
+                default=json_default,
             )
         )
 
@@ -448,7 +413,7 @@ class UDSResult:
         """
         src = Path(directory)
         if verify:
-            meta, contents, problem = _read_verified(src)
+            meta, contents, problem = read_verified(src)
             if problem is not None:
                 raise ResultIntegrityError(
                     f"The result in {src} cannot be trusted: {problem}. Score the model again (it is recomputed), "
@@ -590,7 +555,7 @@ def check_saved(
         :class:`SavedCheck`: the result when it can be reused, else the reason in words (each differing key with
         its saved and new value, or the file that failed its digest) and the differing input keys.
     """
-    meta, contents, problem = _read_verified(Path(directory))
+    meta, contents, problem = read_verified(Path(directory))
     if problem is not None:
         return SavedCheck(None, problem)
     if meta.get("format") != RESULT_FORMAT:
@@ -598,14 +563,16 @@ def check_saved(
     saved = meta.get("meta", {}).get("fingerprint")
     if not isinstance(saved, dict):
         return SavedCheck(None, "the saved result records no input fingerprint")
-    saved, wanted = _normal(saved), _normal(fingerprint)
+    saved, wanted = normal_json(saved), normal_json(fingerprint)
     differ = sorted(
         key for key in set(saved) | set(wanted) if key not in ignore and saved.get(key) != wanted.get(key)
     )
     if differ:
         conflicts = tuple(key for key in INPUT_KEYS if key in differ)
         return SavedCheck(
-            None, "; ".join(_difference(key, saved.get(key), wanted.get(key)) for key in differ), conflicts
+            None,
+            "; ".join(fingerprint_difference(key, saved.get(key), wanted.get(key)) for key in differ),
+            conflicts,
         )
     return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
 
@@ -650,23 +617,10 @@ def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool,
 __all__ = [
     "EXAMPLE_COLUMNS",
     "CellsNotRunError",
-    "INPUT_KEYS",
-    "LOCK_TIMEOUT_S",
-    "OutputConflictError",
     "SavedCheck",
     "LAYER_COLUMNS",
-    "RESULT_FILES",
-    "RESULT_FORMAT",
-    "ResultIntegrityError",
-    "ResultNameError",
     "UDSResult",
-    "atomic_result_dir",
     "can_reuse",
-    "check_result_name",
     "check_saved",
-    "one_site",
-    "conflict_error",
     "load_reusable",
-    "result_lock",
-    "verify_result_dir",
 ]

@@ -12,14 +12,14 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from uds_lens import models
 from uds_lens.auditor import UDSAuditor
 from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
-from uds_lens.resolve import check_sources
-from uds_lens.results import UDSResult, check_result_name, check_saved, conflict_error, load_reusable
+from uds_lens.resolve import check_sources, model_name
+from uds_lens.result_store import check_result_name, conflict_error
+from uds_lens.results import UDSResult, check_saved, load_reusable
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def result_names(unlearned: Sequence[ModelArg]) -> dict[str, ModelArg]:
     """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
     directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
     ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
-    basenames = [models.model_name(model) for model in unlearned]
+    basenames = [model_name(model) for model in unlearned]
     names = list(basenames)
     for position, model in enumerate(unlearned):
         if basenames.count(basenames[position]) == 1 or not isinstance(model, (str, os.PathLike)):
@@ -125,7 +125,7 @@ def score_models(
         results.ResultNameError: a result name is not a single path component (before any compute).
         config.ConfigError: ``out_dir`` or ``cache_dir`` is a file, or ``limit`` is not a positive integer (before
             any compute).
-        models.ModelLoadError: a checkpoint argument names no checkpoint (a missing path; a hub id while the hub
+        ModelLoadError: a checkpoint argument names no checkpoint (a missing path; a hub id while the hub
             cannot be reached), before any model loads.
         results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """

@@ -36,9 +36,10 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from uds_lens.config import SITES, Site, as_site
+from uds_lens.config import Site, as_site
 from uds_lens.families import SUPPORTED_MODEL_TYPES
-from uds_lens.models import describe, hooked_from_hf
+from uds_lens.models import hooked_from_hf
+from uds_lens.resolve import describe
 from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
 
 
@@ -286,7 +287,6 @@ def verify_parity(hooked: Any, hf_model: Any, tokens: Int[Tensor, "batch pos"]) 
 
 
 __all__ = [
-    "SITES",
     "ActivationSource",
     "HookedSource",
     "NF4Source",

@@ -15,13 +15,17 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
+from torch import Tensor
 from transformer_lens import ActivationCache  # what run_with_cache returns, on 3.x and 4.x alike
 from transformer_lens import patching as tl_patching  # get_act_patch_*: checks and notebooks
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.model_bridge import TransformerBridge
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 warnings.filterwarnings(
     "ignore",
@@ -45,6 +49,66 @@ try:
     TL_VERSION = _version("transformer-lens")
 except Exception:  # pragma: no cover - an editable or vendored TransformerLens
     TL_VERSION = "unknown"
+
+
+class TLModel(Protocol):
+    """What uds_lens uses of a TransformerLens model: a ``TransformerBridge`` (3.9 and 4.x) or, on 3.x, a
+    ``HookedTransformer``. Every model parameter of the core is typed with it (or :data:`ModelLike` where a Hugging
+    Face model is taken too).
+
+    Members are typed loosely on purpose, as TransformerLens 4's own ``TransformerLensModel`` protocol is: the two
+    kinds differ in signature detail (a bridge builds its compatibility names at run time) but agree in use. What a
+    member returns is read by attribute (``cfg.n_layers``, ``blocks[l].attn``), so those are ``Any``; tensors are
+    tensors.
+    """
+
+    @property
+    def cfg(self) -> Any: ...
+
+    @property
+    def blocks(self) -> Any: ...
+
+    @property
+    def embed(self) -> Any: ...
+
+    @property
+    def ln_final(self) -> Any: ...
+
+    @property
+    def unembed(self) -> Any: ...
+
+    @property
+    def W_U(self) -> Tensor: ...
+
+    @property
+    def b_U(self) -> Tensor: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def eval(self) -> Any: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+ModelLike: TypeAlias = "TLModel | PreTrainedModel"
+"""A model the core accepts: a TransformerLens model, or a Hugging Face causal LM (wrapped as a bridge once)."""
+
 
 # The classes a model of ours (``is_tl_model``) can be: what ``isinstance`` checks take.
 TL_MODEL_TYPES: tuple[type, ...] = (TransformerBridge,) + (
@@ -155,6 +219,8 @@ def unwrapped_copy(hf_model: Any) -> Any:
 
 __all__ = [
     "ActivationCache",
+    "ModelLike",
+    "TLModel",
     "HookPoint",
     "HookedTransformer",
     "HookedTransformerConfig",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from uds_lens import annotate, data
+from uds_lens import data
+from uds_lens.annotation import annotate
 from uds_lens.models import load_tokenizer
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from uds_lens.demo import DEMO_ROLES, run_demo
-from uds_lens.zoo import load_zoo
+from uds_lens.zoo.layout import load_zoo
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from uds_lens.cli import app
-from uds_lens.meta_eval import METRICS
-from uds_lens.zoo import load_zoo
+from uds_lens.meta_eval.paper import METRICS
+from uds_lens.zoo.layout import load_zoo
 
 COLUMNS = ["metric", "faithfulness", "q", "r", "robustness", "overall", "n_models_q", "n_models_r"]
 

@@ -25,10 +25,12 @@ from uds_lens.cli import _unlearned_models, app, main
 from uds_lens.data import SKIP_ENTITY_NOT_FOUND, Example, encode_one
 from uds_lens.models import load_tokenizer
 from uds_lens.plotting.report import write_report
+from uds_lens.resolve import ModelLoadError
 from uds_lens.scoring import score_models
 from uds_lens.stage_cache import StageOne
-from uds_lens.sweep import SweepError, resolve_models
-from uds_lens.sweep import sweep as run_sweep
+from uds_lens.sweep.driver import sweep as run_sweep
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.lists import resolve_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,7 +219,7 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
     (sharded / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
-    with pytest.raises(models.ModelLoadError, match="missing weight shard") as error:
+    with pytest.raises(ModelLoadError, match="missing weight shard") as error:
         models.load_model(sharded, device="cpu")
     assert "\n" not in str(error.value)
     corrupt = tmp_path / "corrupt"
@@ -226,7 +228,7 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
     content = bytearray(weights.read_bytes())
     content[8:16] = b"\xff" * 8  # the JSON header no longer parses
     weights.write_bytes(bytes(content))
-    with pytest.raises(models.ModelLoadError, match="not readable safetensors") as error:
+    with pytest.raises(ModelLoadError, match="not readable safetensors") as error:
         models.load_model(corrupt, device="cpu")
     assert "\n" not in str(error.value) and str(corrupt) in str(error.value)
 
@@ -235,7 +237,7 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
 
 
 def test_another_runs_result_is_refused_naming_what_differs_unless_forced(tiny, tmp_path):
-    from uds_lens.results import OutputConflictError
+    from uds_lens.result_store import OutputConflictError
 
     out, cache = tmp_path / "out", tmp_path / "cache"
     first = _score(tiny, out, cache)["u"]

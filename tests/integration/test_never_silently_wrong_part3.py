@@ -23,8 +23,10 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.cli import main
 from uds_lens.config import ConfigError
 from uds_lens.data import DataError, load_examples
-from uds_lens.models import ModelLoadError, ModelMismatchError
-from uds_lens.results import OutputConflictError, ResultNameError, UDSResult
+from uds_lens.models import ModelMismatchError
+from uds_lens.resolve import ModelLoadError
+from uds_lens.result_store import OutputConflictError, ResultNameError
+from uds_lens.results import UDSResult
 from uds_lens.scoring import score_models
 
 DROPPED = "model.layers.2.mlp.down_proj.weight"
@@ -120,7 +122,7 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
 
 
 def test_a_model_larger_than_the_free_memory_is_refused_before_it_is_built(tiny, monkeypatch):
-    monkeypatch.setattr("uds_lens.patching.planning.available_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr("uds_lens.memory.available_memory_bytes", lambda device: 1000)
     with pytest.raises(ModelLoadError, match="GiB are free"):
         models.load_model(tiny.unlearned, device="cpu")
 

@@ -12,9 +12,12 @@ import pytest
 import torch
 from helpers import gemma
 
-from uds_lens import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
-from uds_lens.patching import fast_engine_refusal, pad_batch, patched_scores, source_activations
+from uds_lens.patching.batch import pad_batch
+from uds_lens.patching.engines import patched_scores, source_activations
+from uds_lens.patching.kernels import fast_engine_refusal
 from uds_lens.sources import verify_parity
 
 pytestmark = pytest.mark.xdist_group("pretrained_gemma")

@@ -14,19 +14,14 @@ import torch
 from helpers import pretrained as pretrained_llama
 from nbclient import NotebookClient
 
-from uds_lens import UDSAuditor
 from uds_lens.analysis.diagnose import diagnose
-from uds_lens.config import EngineSpec
+from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoint import model_fingerprint
+from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_hf_model, load_model, model_fingerprint
-from uds_lens.patching import (
-    SITES,
-    baseline_scores,
-    clean_run,
-    pad_batch,
-    patched_scores,
-    source_activations,
-)
+from uds_lens.models import load_hf_model, load_model
+from uds_lens.patching.batch import pad_batch
+from uds_lens.patching.engines import baseline_scores, clean_run, patched_scores, source_activations
 from uds_lens.sources import verify_parity
 
 pytestmark = pytest.mark.xdist_group("pretrained_llama")

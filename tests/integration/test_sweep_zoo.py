@@ -15,12 +15,16 @@ import pytest
 from helpers.numerics import reordered_tolerance
 from typer.testing import CliRunner
 
-from uds_lens import UDSAuditor
+from uds_lens.auditor import UDSAuditor
 from uds_lens.cli import app
 from uds_lens.config import UDSConfig
-from uds_lens.results import RESULT_FILES, UDSResult, verify_result_dir
+from uds_lens.result_store import RESULT_FILES, verify_result_dir
+from uds_lens.results import UDSResult
 from uds_lens.scoring import score_models
-from uds_lens.sweep import COLUMNS, SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, SweepError, sweep
+from uds_lens.sweep.driver import sweep
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.ledger import COLUMNS
+from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE
 
 pytestmark = pytest.mark.xdist_group("sweep")  # one process: the Ray tests share one local cluster
 

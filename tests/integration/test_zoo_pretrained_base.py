@@ -11,15 +11,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from uds_lens.checkpoint import model_fingerprint
 from uds_lens.cli import app
-from uds_lens.models import (
-    ArchitectureSignature,
-    load_hf_config,
-    load_model,
-    load_tokenizer,
-    model_fingerprint,
-)
-from uds_lens.zoo import load_zoo
+from uds_lens.models import ArchitectureSignature, load_hf_config, load_model, load_tokenizer
+from uds_lens.zoo.layout import load_zoo
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from uds_lens import UDSAuditor
+from uds_lens.auditor import UDSAuditor
 
 
 @pytest.fixture(scope="module")

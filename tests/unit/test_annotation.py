@@ -21,13 +21,13 @@ from uds_lens.annotation import (
     AnnotateConfig,
     _layout,
     annotate,
-    answer_units,
     choose_span,
     content_scores,
     summary_path,
     unit_scores,
 )
 from uds_lens.cli import app
+from uds_lens.phrases import answer_units
 
 ANSWERS = [
     ("Where was Hsiao Yun-Hwa born?", "Hsiao Yun-Hwa was born in Zoundgrynvel, 1945."),

@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import uds_lens.auditor as auditor_module
-from uds_lens import UDSAuditor, UDSConfig, UDSResult, load_tokenizer
-from uds_lens.config import ConfigError
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
-from uds_lens.models import ModelMismatchError, load_model
-from uds_lens.results import LAYER_COLUMNS, OutputConflictError, load_reusable
+from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
+from uds_lens.result_store import OutputConflictError
+from uds_lens.results import LAYER_COLUMNS, UDSResult, load_reusable
 from uds_lens.scoring import score_models
 from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
 
@@ -473,7 +474,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
 ):
     """A result saved before the rename (format 2: the per-layer baseline in a column ``s_full``, S0 only in
     meta.json) reads back with ``baseline_score`` and ``s0`` where they belong, and is never reused as current."""
-    from uds_lens.results import _file_digest
+    from uds_lens.result_store import content_digest
 
     auditor = tiny_auditor(models)
     result = auditor.score(models["unlearned"])
@@ -486,7 +487,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
     meta = json.loads((out / "meta.json").read_text())
     meta["format"] = 2
     meta["files"].pop("layers.parquet", None)
-    meta["files"]["layers.csv"] = _file_digest((out / "layers.csv").read_bytes())
+    meta["files"]["layers.csv"] = content_digest((out / "layers.csv").read_bytes())
     (out / "meta.json").write_text(json.dumps(meta))
 
     loaded = UDSResult.load(out)

@@ -130,7 +130,7 @@ def test_loading_a_checkpoint_shows_no_third_party_bar(tiny, capfd):
 
 
 def test_the_auditor_shows_what_it_holds_not_an_address(tiny):
-    from uds_lens import UDSAuditor
+    from uds_lens.auditor import UDSAuditor
 
     auditor = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False)
     text = repr(auditor)

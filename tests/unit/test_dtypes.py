@@ -20,11 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from uds_lens import UDSConfig
-from uds_lens.config import EngineSpec
+from uds_lens.config import SITES, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
+from uds_lens.memory import available_memory_bytes
 from uds_lens.models import load_model, load_tokenizer
-from uds_lens.patching import SITES, available_memory_bytes, pad_batch, patched_scores, source_activations
+from uds_lens.patching.batch import pad_batch
+from uds_lens.patching.engines import patched_scores, source_activations
 
 TOLERANCE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-5}
 

@@ -23,21 +23,15 @@ from helpers.families import WINDOW, build_family, family_configs
 from helpers.hf_oracle import hf_site
 from helpers.numerics import assert_close_reordered, reordered_tolerance
 
-from uds_lens import UDSConfig, load_tokenizer
 from uds_lens.components import patch_heads
-from uds_lens.config import EngineSpec
+from uds_lens.config import SITES, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.families import family_of
-from uds_lens.models import load_hf_model, load_model
-from uds_lens.patching import (
-    FAST_MODEL_TYPES,
-    clean_run,
-    fast_engine_refusal,
-    pad_batch,
-    patched_scores,
-    source_activations,
-)
-from uds_lens.sources import SITES, as_source, verify_parity
+from uds_lens.models import load_hf_model, load_model, load_tokenizer
+from uds_lens.patching.batch import pad_batch
+from uds_lens.patching.engines import clean_run, patched_scores, source_activations
+from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal
+from uds_lens.sources import as_source, verify_parity
 
 FAMILIES = [
     "llama3",

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from uds_lens import checkpoint, failures, models
+from uds_lens import checkpoint, memory, models
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.data import encode, load_examples
@@ -23,9 +23,12 @@ from uds_lens.patching import planning
 from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.readout import segment_mean
 from uds_lens.resolve import resolve_source
-from uds_lens.sweep import SweepError, SweepModel, WorkerPlan
 from uds_lens.sweep import driver as sweep_driver
-from uds_lens.sweep.staging import _to_device, prepare_model
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.staging import move_to_device, prepare_model
+from uds_lens.sweep.worker import WorkerPlan
+from uds_lens.tl_compat import hf_model_of
 
 # -- 1. the suite on a GPU machine ---------------------------------------------------------------------------------
 
@@ -61,7 +64,7 @@ def test_a_device_pin_that_is_no_device_is_refused_in_one_line(monkeypatch):
 
 def test_a_dropped_model_leaves_without_a_garbage_collection(tiny):
     model = models.load_model(tiny.full, device="cpu")
-    hf = weakref.ref(models.hf_model_of(model))
+    hf = weakref.ref(hf_model_of(model))
     weight = weakref.ref(next(model.parameters()))
     gc.disable()
     try:
@@ -140,7 +143,7 @@ def test_a_staged_model_is_moved_again_after_an_out_of_memory(tiny, monkeypatch)
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", to)
-    _to_device(model, "meta")  # the meta device stands for a GPU: moving there allocates nothing
+    move_to_device(model, "meta")  # the meta device stands for a GPU: moving there allocates nothing
     assert failed == [True] and all(p.device.type == "meta" for p in model.parameters())
 
 
@@ -168,12 +171,12 @@ def test_a_model_staged_for_a_gpu_stays_in_ordinary_memory(tiny):
     ],
 )
 def test_allocation_failures_are_out_of_memory(message):
-    assert failures.is_out_of_memory(RuntimeError(message))
+    assert memory.is_out_of_memory(RuntimeError(message))
 
 
 def test_other_errors_are_not_out_of_memory():
-    assert not failures.is_out_of_memory(RuntimeError("CUBLAS_STATUS_INVALID_VALUE"))
-    assert not failures.is_out_of_memory(ValueError("out of memory"))  # not an allocator's error
+    assert not memory.is_out_of_memory(RuntimeError("CUBLAS_STATUS_INVALID_VALUE"))
+    assert not memory.is_out_of_memory(ValueError("out of memory"))  # not an allocator's error
 
 
 def test_an_out_of_memory_while_loading_is_not_blamed_on_the_checkpoint(tiny):
@@ -184,7 +187,7 @@ def test_an_out_of_memory_while_loading_is_not_blamed_on_the_checkpoint(tiny):
 
 def test_retry_out_of_memory_frees_memory_and_tries_once_more(monkeypatch):
     released: list[str] = []
-    monkeypatch.setattr(failures, "release_memory", lambda device: released.append(str(device)))
+    monkeypatch.setattr(memory, "release_memory", lambda device: released.append(str(device)))
     outcomes = iter([torch.OutOfMemoryError("CUDA out of memory"), "loaded"])
 
     def action() -> str:
@@ -193,21 +196,21 @@ def test_retry_out_of_memory_frees_memory_and_tries_once_more(monkeypatch):
             raise outcome
         return outcome
 
-    assert failures.retry_out_of_memory(action, "cuda", "loading") == "loaded"
+    assert memory.retry_out_of_memory(action, "cuda", "loading") == "loaded"
     assert released == ["cuda"]
 
     def always() -> None:
         raise RuntimeError("CUDA error: out of memory")
 
     with pytest.raises(RuntimeError, match="out of memory"):
-        failures.retry_out_of_memory(always, "cuda", "loading", attempts=3)
+        memory.retry_out_of_memory(always, "cuda", "loading", attempts=3)
     assert released == ["cuda"] * 3
 
     def broken() -> None:
         raise KeyError("model.layers.0")
 
     with pytest.raises(KeyError):
-        failures.retry_out_of_memory(broken, "cuda", "loading")
+        memory.retry_out_of_memory(broken, "cuda", "loading")
     assert len(released) == 3  # any other error is not retried
 
 
@@ -223,9 +226,9 @@ def test_fingerprints_are_hashed_once_per_weight_identity(tiny, monkeypatch):
     monkeypatch.setattr(checkpoint, "_hash_weights", counting)
     first = checkpoint.model_fingerprint(model)
     assert checkpoint.model_fingerprint(model) == first
-    assert checkpoint.model_fingerprint(models.hf_model_of(model)) == first  # the same weights, the same memo
+    assert checkpoint.model_fingerprint(hf_model_of(model)) == first  # the same weights, the same memo
     assert len(hashed) == 1
-    parameter = next(models.hf_model_of(model).parameters())
+    parameter = next(hf_model_of(model).parameters())
     with torch.no_grad():
         parameter.neg_()  # in place: autograd's version counter moves
     changed = checkpoint.model_fingerprint(model)
@@ -398,12 +401,12 @@ def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch,
 
 
 def test_the_planner_counts_the_joined_copies_the_fast_engine_makes(tiny):
-    from uds_lens.patching.kernels import _layer_weights
+    from uds_lens.patching.kernels import layer_weights
 
     model = models.load_model(tiny.full, device="cpu")
     made = 0
     for layer, block in enumerate(model.blocks):
-        weights = _layer_weights(model, layer)
+        weights = layer_weights(model, layer)
         own = {id(p) for p in block.parameters()}
         for item in dataclasses.fields(weights):
             value = getattr(weights, item.name)
@@ -422,7 +425,7 @@ def test_the_batch_size_leaves_room_for_three_models_joined_copies(tiny, monkeyp
     seq_len = max(example.read_positions.stop for example in encoded)
     window = max(len(example.window("span")) for example in encoded)
     per_example = planning.estimate_bytes_per_example(model, seq_len, window, "fast")
-    monkeypatch.setattr(planning, "available_memory_bytes", lambda device: 3 * joined + 40 * per_example)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 3 * joined + 40 * per_example)
     assert planning.choose_batch_size(model, encoded, "span", "fast") == 10  # a quarter of what is left
     assert planning.choose_batch_size(model, encoded, "span", "fast", joined_models=0) == 10 + int(
         0.25 * 3 * joined // per_example

@@ -4,14 +4,8 @@ import shutil
 import pytest
 import torch
 
-from uds_lens.models import (
-    ModelLoadError,
-    ModelMismatchError,
-    check_compatible,
-    load,
-    load_hf_model,
-    load_model,
-)
+from uds_lens.models import ModelMismatchError, check_compatible, load, load_hf_model, load_model
+from uds_lens.resolve import ModelLoadError
 from uds_lens.sources import verify_parity
 from uds_lens.tl_compat import TransformerBridge
 
@@ -62,7 +56,7 @@ def test_mismatched_vocab_and_architecture(tiny, tmp_path):
 def test_bridge_shares_the_hugging_face_tensors_and_their_fingerprint(tiny):
     """The bridge runs on the Hugging Face tensors themselves (no copy, no processing), and its fingerprint is the
     Hugging Face model's: S1 cache keys do not depend on the backend or the TransformerLens version."""
-    from uds_lens.models import model_fingerprint
+    from uds_lens.checkpoint import model_fingerprint
 
     bridge = load_model(tiny.full, device="cpu")
     hf = load_hf_model(tiny.full, device="cpu")
@@ -124,7 +118,7 @@ def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
 
     import huggingface_hub
 
-    from uds_lens.models import resolve_source
+    from uds_lens.resolve import resolve_source
 
     def no_hub(*args, **kwargs):
         raise AssertionError("the hub was contacted")
@@ -141,7 +135,7 @@ def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
 def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
     import gguf
 
-    from uds_lens.models import resolve_source
+    from uds_lens.resolve import resolve_source
 
     other = tmp_path / "one" / "gpt2.gguf"
     other.parent.mkdir()
@@ -183,7 +177,9 @@ def test_a_mistyped_local_model_path_fails_without_asking_the_hub(tiny, tmp_path
 def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny):
     """TransformerLens 3.x: a HookedTransformer of one's own is scored (by the naive engine, with a notice; the fast
     engine reads a bridge's Hugging Face tensors); TransformerLens 4.x has no HookedTransformer to pass."""
-    from uds_lens import UDSAuditor, UDSConfig, load_tokenizer
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
+    from uds_lens.models import load_tokenizer
     from uds_lens.tl_compat import HookedTransformer, HookedTransformerConfig
 
     if HookedTransformer is None:

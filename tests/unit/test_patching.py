@@ -4,21 +4,20 @@ import pytest
 import torch
 
 from uds_lens import readout
-from uds_lens.config import EngineSpec
+from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
-from uds_lens.patching import (
-    SITES,
+from uds_lens.patching.batch import pad_batch
+from uds_lens.patching.engines import (
     baseline_scores,
     clean_run,
     naive_patched_scores,
-    pad_batch,
     patched_scores,
-    plan_batches,
     source_activations,
     source_scores,
     window_source_activations,
 )
+from uds_lens.patching.planning import plan_batches
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +146,7 @@ def test_fast_engine_refuses_other_architectures(setup):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from uds_lens.models import hooked_from_hf
-    from uds_lens.patching import fast_engine_refusal
+    from uds_lens.patching.kernels import fast_engine_refusal
 
     encoded, _ = encode(setup["examples"], setup["tok"])
     batch = pad_batch(encoded, setup["tok"].pad_token_id)

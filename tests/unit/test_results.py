@@ -14,17 +14,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from uds_lens import UDSAuditor, UDSConfig, UDSResult
-from uds_lens.results import (
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
+from uds_lens.result_store import (
     ResultIntegrityError,
     ResultNameError,
     atomic_result_dir,
-    can_reuse,
     check_result_name,
-    check_saved,
-    load_reusable,
     verify_result_dir,
 )
+from uds_lens.results import UDSResult, can_reuse, check_saved, load_reusable
 from uds_lens.scoring import score_models
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,9 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import SITES, ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_model, load_tokenizer
-from uds_lens.patching import clean_run, pad_batch, source_scores
+from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.cells import cell_scores, stage2_work
+from uds_lens.patching.engines import clean_run, source_scores
 from uds_lens.results import CellsNotRunError, UDSResult
 
 UDS_TOLERANCE = 1e-6
@@ -131,7 +132,7 @@ def test_stage2_work_prices_the_cells_run():
 
 
 def test_sweep_runs_ke_cells_by_default_and_records_it(tiny, tmp_path):
-    from uds_lens.sweep import sweep
+    from uds_lens.sweep.driver import sweep
 
     def run(**options):
         return sweep(

@@ -6,18 +6,18 @@ import os
 import pandas as pd
 import pytest
 
-from uds_lens.plotting import published_scatter
-from uds_lens.sweep import (
+from uds_lens.plotting.meta_eval import published_scatter
+from uds_lens.sweep.driver import sweep
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.lists import (
     REGISTRIES,
-    SweepError,
     SweepModel,
-    add_published_comparison,
     load_registry,
     read_model_list,
     registry_path,
     resolve_models,
-    sweep,
 )
+from uds_lens.sweep.published import add_published_comparison
 
 
 def test_model_list_reads_csv_rows_and_bare_paths(tmp_path):

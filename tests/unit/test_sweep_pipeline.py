@@ -14,7 +14,10 @@ import torch
 from transformers import modeling_utils
 
 from uds_lens import checkpoint, models
-from uds_lens.sweep import PHASE_COLUMNS, StagingPipeline, available_cpus, sweep
+from uds_lens.sweep.driver import sweep
+from uds_lens.sweep.ledger import PHASE_COLUMNS
+from uds_lens.sweep.staging import StagingPipeline
+from uds_lens.sweep.worker import available_cpus
 
 
 class _Clock:

@@ -11,10 +11,14 @@ import pytest
 import torch
 
 import uds_lens.sweep
-from uds_lens import UDSAuditor, UDSConfig
+from uds_lens.auditor import UDSAuditor
+from uds_lens.config import UDSConfig
 from uds_lens.data import load_examples
 from uds_lens.files import json_digest
-from uds_lens.sweep import SweepError, SweepModel, SweepWorker, WorkerPlan, fingerprint_columns
+from uds_lens.sweep.errors import SweepError
+from uds_lens.sweep.ledger import fingerprint_columns
+from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.worker import SweepWorker, WorkerPlan
 
 # A result fingerprint as ``auditor.result_fingerprint`` writes it, and its ``fp_settings`` as sweep.py computed it
 # before the package split (sha256 of the sorted JSON, 24 hex digits): sweep.csv files written then must still match.

@@ -29,13 +29,11 @@ import pandas as pd
 from scipy import stats
 
 from uds_lens import uds
-from uds_lens.results import one_site
-from uds_lens.uds import DEFAULT_TAU, bootstrap_ci
+from uds_lens.config import DEFAULT_TAU
+from uds_lens.layer_table import one_site
 
 __all__ = [
-    "DEFAULT_TAU",
     "TAUS",
-    "bootstrap_ci",
     "component_shares",
     "component_summary",
     "entity_length_correlation",

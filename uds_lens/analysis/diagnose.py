@@ -39,7 +39,8 @@ from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
 from uds_lens.config import DEFAULT_TAU, UDSConfig
 from uds_lens.metrics import registry
-from uds_lens.results import UDSResult, atomic_result_dir
+from uds_lens.result_store import atomic_result_dir
+from uds_lens.results import UDSResult
 
 logger = logging.getLogger(__name__)
 

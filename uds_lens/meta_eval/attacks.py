@@ -30,7 +30,8 @@ from transformers import BitsAndBytesConfig
 
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
-from uds_lens.models import ModelLoadError, default_device, load_hf_model
+from uds_lens.models import default_device, load_hf_model
+from uds_lens.resolve import ModelLoadError
 from uds_lens.zoo.train import Optimisation, TrainingBatch, fit, linear_decay
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from uds_lens.config import UDSConfig
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
 from uds_lens.sources import as_source
-from uds_lens.zoo import load_zoo
+from uds_lens.zoo.layout import load_zoo
 
 logger = logging.getLogger(__name__)
 

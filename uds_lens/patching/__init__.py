@@ -68,7 +68,6 @@ from uds_lens.patching.engines import (
 )
 from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal, packed_forward
 from uds_lens.patching.planning import (
-    available_memory_bytes,
     choose_batch_size,
     estimate_bytes_per_example,
     plan_batches,
@@ -88,7 +87,6 @@ __all__ = [
     "baseline_scores",
     "choose_batch_size",
     "clean_run",
-    "available_memory_bytes",
     "estimate_bytes_per_example",
     "fast_engine_refusal",
     "fast_patched_scores",

@@ -203,7 +203,7 @@ class CleanRun:
     window_acts: dict[str, Float[Tensor, "layer row d_model"]] = field(default_factory=dict)
 
 
-def _window_sites(site: Site) -> tuple[Site, ...]:
+def window_sites(site: Site) -> tuple[Site, ...]:
     """Clean activations the fast engine needs at window positions to rebuild a patched layer."""
     needed: dict[Site, tuple[Site, ...]] = {
         "resid_post": ("resid_post",),

@@ -36,11 +36,11 @@ from uds_lens.patching.engines import (
     timed_source_activations,
 )
 from uds_lens.patching.kernels import (
-    _attention,
-    _attention_layout,
-    _AttentionLayout,
-    _layer_weights,
-    _mlp_half,
+    AttentionLayout,
+    attention_layout,
+    block_attention,
+    layer_weights,
+    mlp_half,
 )
 
 # Read-out rows per call: bounds published-compat's [rows, vocab] logits (the fp32 read-out slices the vocabulary).
@@ -128,7 +128,7 @@ def fast_cell_scores(
             resid = torch.empty_like(resid_mid)
             for layer in torch.unique(run_layer).tolist():
                 rows = row_layer == layer
-                resid[rows] = _mlp_half(_layer_weights(full, layer), resid_mid[rows])
+                resid[rows] = mlp_half(layer_weights(full, layer), resid_mid[rows])
 
         # Each run is an "example" of the attention layout: its window, after its example's clean prefix.
         runs = WindowPacking(
@@ -141,10 +141,10 @@ def fast_cell_scores(
             prefix_len=packing.prefix_len,
             start=batch.window_start.to(device)[run_example],
         )
-        layout = _attention_layout(full, runs, resid.dtype)
-        tails: dict[int, _AttentionLayout] = {}
+        layout = attention_layout(full, runs, resid.dtype)
+        tails: dict[int, AttentionLayout] = {}
 
-        def tail(first_run: int) -> _AttentionLayout:
+        def tail(first_run: int) -> AttentionLayout:
             if first_run not in tails:
                 first_slot = first_run * runs.width
                 tails[first_run] = dataclasses.replace(
@@ -164,11 +164,11 @@ def fast_cell_scores(
             first_run = next(r for r, start in enumerate(starts) if start <= block_index)
             first_row = int(run_row_first[first_run])
             examples = run_example[first_run:]
-            weights = _layer_weights(full, block_index)
+            weights = layer_weights(full, block_index)
             active = resid[first_row:]
             active = (
                 active
-                + _attention(
+                + block_attention(
                     weights,
                     active[None],
                     tail(first_run),
@@ -176,7 +176,7 @@ def fast_cell_scores(
                     clean.values[block_index][examples],
                 )[0]
             )
-            resid[first_row:] = _mlp_half(weights, active)
+            resid[first_row:] = mlp_half(weights, active)
 
         # Read rows: each run's entity tokens, from its example's read positions.
         n_entity = torch.bincount(batch.read_batch.to(device), minlength=batch.size)

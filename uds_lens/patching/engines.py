@@ -17,14 +17,14 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from uds_lens.config import ENGINES, EngineSpec
-from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, _window_sites
+from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, window_sites
 from uds_lens.patching.kernels import (
-    _attention,
-    _attention_layout,
-    _layer_weights,
-    _mlp_half,
+    attention_layout,
+    block_attention,
     fast_engine_refusal,
     final_softcap,
+    layer_weights,
+    mlp_half,
     packed_forward,
 )
 from uds_lens.readout import mean_entity_logprob, segment_mean, soft_cap, unembedded_label_logprobs
@@ -117,7 +117,7 @@ def clean_run(full: Any, batch: PatchBatch, spec: EngineSpec) -> CleanRun:
         sequences = WindowPacking.sequences(batch)
         window = WindowPacking.of(batch)
         final, captured, kv = packed_forward(
-            full, batch, _window_sites(site), n_layers, window.rows_in(sequences), keep_kv=True
+            full, batch, window_sites(site), n_layers, window.rows_in(sequences), keep_kv=True
         )
         scores = read_scores(
             full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size, upcast
@@ -291,19 +291,19 @@ def fast_patched_scores(
                 patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
             )
             resid = torch.stack(
-                [_mlp_half(_layer_weights(full, layer), resid_mid[r]) for r, layer in enumerate(run_layers)]
+                [mlp_half(layer_weights(full, layer), resid_mid[r]) for r, layer in enumerate(run_layers)]
             )
 
-        layout = _attention_layout(full, packing, resid.dtype)
+        layout = attention_layout(full, packing, resid.dtype)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
-            weights = _layer_weights(full, block_index)
+            weights = layer_weights(full, block_index)
             active = resid[first_active:]
-            active = active + _attention(
+            active = active + block_attention(
                 weights, active, layout, clean.keys[block_index], clean.values[block_index]
             )
-            resid[first_active:] = _mlp_half(weights, active)
+            resid[first_active:] = mlp_half(weights, active)
 
         scores = read_scores(
             full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, spec.upcast

@@ -23,8 +23,8 @@ from torch import Tensor
 from transformers.activations import ACT2FN
 
 from uds_lens.families import SUPPORTED_MODEL_TYPES, Family, NormRounding, QKNorm, family_of
-from uds_lens.models import describe
 from uds_lens.patching.batch import PatchBatch, WindowPacking
+from uds_lens.resolve import describe
 from uds_lens.tl_compat import hf_model_of
 
 # Hugging Face model types whose decoder layers the fast engine computes: every family of the family table.
@@ -240,7 +240,7 @@ def _require_fast(model: Any) -> None:
         raise ValueError(f"The fast engine cannot run {describe(model)}: {reason}. Use engine='naive'.")
 
 
-def _layer_weights(model: Any, index: int) -> _BlockWeights:
+def layer_weights(model: Any, index: int) -> _BlockWeights:
     return _BlockWeights.of(model.blocks[index], hf_model_of(model).config, index)
 
 
@@ -291,7 +291,7 @@ def _rotate(
 
 
 @dataclass
-class _AttentionLayout:
+class AttentionLayout:
     """Per-batch constants of the window attention.
 
     Attention runs in a per-example layout ``[batch, window slot]`` (``width`` slots; a shorter window leaves its
@@ -334,7 +334,7 @@ class _AttentionLayout:
         return self.masks[window]
 
 
-def _attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> _AttentionLayout:
+def attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> AttentionLayout:
     device = packing.start.device
     n_batch = int(packing.start.shape[0])
     prefix = torch.arange(packing.prefix_len, device=device)
@@ -345,7 +345,7 @@ def _attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) ->
         [prefix_ok[:, None, :].expand(-1, packing.width, -1), causal[None].expand(n_batch, -1, -1)], dim=-1
     )
     window_position = packing.start[:, None] + offsets[None, :]
-    return _AttentionLayout(
+    return AttentionLayout(
         packing=packing,
         n_batch=n_batch,
         slot=packing.example * packing.width + packing.offset,
@@ -359,10 +359,10 @@ def _attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) ->
     )
 
 
-def _attention(
+def block_attention(
     weights: _BlockWeights,
     resid: Float[Tensor, "run row d_model"],
-    layout: _AttentionLayout,
+    layout: AttentionLayout,
     prefix_keys: Float[Tensor, "batch kv_head prefix d_head"],
     prefix_values: Float[Tensor, "batch kv_head prefix d_head"],
     keep: list[Tensor] | None = None,
@@ -445,7 +445,7 @@ def attention_output_norm(
     """``hook_attn_out`` of block ``layer`` from its attention's output (``attn.hook_out``, after ``o_proj``): the
     post-attention norm where the family has one (Gemma, OLMo 2), ``output`` itself elsewhere."""
     _require_fast(model)
-    weights = _layer_weights(model, layer)
+    weights = layer_weights(model, layer)
     return _norm(weights, output, weights.post_attn)
 
 
@@ -456,7 +456,7 @@ def _mlp(weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]) -> F
     return _norm(weights, _affine(weights.act(gate) * up, weights.down, weights.down_bias), weights.post_mlp)
 
 
-def _mlp_half(
+def mlp_half(
     weights: _BlockWeights, resid_mid: Float[Tensor, "*rows d_model"]
 ) -> Float[Tensor, "*rows d_model"]:
     return resid_mid + _mlp(weights, resid_mid)
@@ -472,7 +472,7 @@ def packed_forward(
 ) -> tuple[Float[Tensor, "seq_row d_model"], dict[str, list[Tensor]], list[Tensor]]:
     """A forward of the batch's sequences (through the last read position) packed into rows, no padding.
 
-    The same block arithmetic as the patched runs (``_attention`` with an empty prefix, ``_mlp_half``): the
+    The same block arithmetic as the patched runs (``block_attention`` with an empty prefix, ``mlp_half``): the
     linear layers see only real tokens, so a batch of ragged sequences costs its token count, not ``batch x
     longest``. Returns the residual after ``n_blocks`` blocks at every row (``WindowPacking.sequences`` order), each
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
@@ -481,8 +481,8 @@ def packed_forward(
     _require_fast(model)
     packing = WindowPacking.sequences(batch)
     dtype = next(model.parameters()).dtype
-    layout = _attention_layout(model, packing, dtype)
-    first = _layer_weights(model, 0)
+    layout = attention_layout(model, packing, dtype)
+    first = layer_weights(model, 0)
     empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
     kv: list[Tensor] = []
@@ -493,9 +493,9 @@ def packed_forward(
 
     resid = model.embed(batch.tokens[packing.example, packing.position][None])
     for block_index in range(n_blocks):
-        weights = _layer_weights(model, block_index)
+        weights = layer_weights(model, block_index)
         record("resid_pre", resid)
-        attn_out = _attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
+        attn_out = block_attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
         record("attn_out", attn_out)
         resid = resid + attn_out
         record("resid_mid", resid)

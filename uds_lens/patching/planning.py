@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from uds_lens import memory
 from uds_lens.config import ENGINES, Engine, Scope
 from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import CleanRun
@@ -110,20 +111,6 @@ def joined_copy_bytes(model: Any) -> int:
     return int(cfg.n_layers * per_block * itemsize)
 
 
-def available_memory_bytes(device: str | torch.device) -> int:
-    """Free accelerator memory, or available host RAM on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # pragma: no cover
-        return 4 << 30
-
-
 def choose_batch_size(
     model: Any,
     examples: Sequence[EncodedExample],
@@ -145,13 +132,12 @@ def choose_batch_size(
     window = max(len(ex.window(scope)) for ex in examples)
     per_example = max(1, estimate_bytes_per_example(model, seq_len, window, engine))
     joined = joined_copy_bytes(model) * joined_models if engine == "fast" else 0
-    free = max(0, available_memory_bytes(as_source(model).device) - joined)
+    free = max(0, memory.available_memory_bytes(as_source(model).device) - joined)
     return int(max(1, min(cap, math.floor(free * budget_fraction / per_example))))
 
 
 __all__ = [
     "CLEAN_CACHE_FRACTION",
-    "available_memory_bytes",
     "choose_batch_size",
     "clean_run_bytes",
     "estimate_bytes_per_example",

@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from uds_lens.config import DEFAULT_TAU
+from uds_lens.layer_table import one_site
 from uds_lens.plotting.style import (
     CLIPPED_MARK,
     KE_BAND,
@@ -39,7 +40,6 @@ from uds_lens.plotting.tables import (
     long_by_model,
     mean_ler_on_ke,
     named_results,
-    one_site,
     result_tables,
 )
 from uds_lens.uds import example_uds, ke_mask

@@ -23,8 +23,9 @@ import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import Example
+from uds_lens.layer_table import one_site
 from uds_lens.plotting.style import CLIPPED_MARK, DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
-from uds_lens.plotting.tables import Result, ke_cells, one_site, result_tables
+from uds_lens.plotting.tables import Result, ke_cells, result_tables
 
 ExampleData: TypeAlias = pd.DataFrame | Sequence[Example | Mapping[str, Any]]
 """Examples whose ``idx, question, entity, prompt_type`` the hover shows: a table, ``Example`` records or dicts."""

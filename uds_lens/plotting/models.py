@@ -17,15 +17,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from uds_lens.config import DEFAULT_TAU
+from uds_lens.layer_table import one_site
 from uds_lens.plotting.style import layer_ticks, model_colour
-from uds_lens.plotting.tables import (
-    HasExamples,
-    Results,
-    long_by_model,
-    mean_ler_on_ke,
-    named_results,
-    one_site,
-)
+from uds_lens.plotting.tables import HasExamples, Results, long_by_model, mean_ler_on_ke, named_results
 from uds_lens.uds import bootstrap_ci, clipped_summary, model_uds
 
 

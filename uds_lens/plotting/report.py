@@ -29,10 +29,10 @@ from plotly.offline import get_plotlyjs
 from uds_lens import plotting
 from uds_lens.files import write_atomic
 from uds_lens.plotting.tables import SavedResult
-from uds_lens.results import ResultIntegrityError, UDSResult, verify_result_dir
+from uds_lens.result_store import ResultIntegrityError, verify_result_dir
+from uds_lens.results import UDSResult
 
 __all__ = [
-    "SavedResult",
     "find_incomplete",
     "load_results",
     "load_roles",

@@ -19,14 +19,15 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import pandas as pd
 
-from uds_lens.example_view import ExampleView
-from uds_lens.results import UDSResult
-from uds_lens.results import one_site as one_site  # re-exported: figures and analyses share one site policy
 from uds_lens.uds import ke_mask
+
+if TYPE_CHECKING:  # figures read results by attribute; the result classes import plotting when they draw
+    from uds_lens.example_view import ExampleView
+    from uds_lens.results import UDSResult
 
 
 @dataclass
@@ -71,9 +72,9 @@ class SavedResult:
         return float("nan") if value is None else float(value)
 
 
-Result: TypeAlias = UDSResult | SavedResult | ExampleView | pd.DataFrame
+Result: TypeAlias = "UDSResult | SavedResult | ExampleView | pd.DataFrame"
 """One result as figures take it: its tables (a bare DataFrame is its long ``layers`` table)."""
-Results: TypeAlias = Result | Sequence[Result] | Mapping[str, Result]
+Results: TypeAlias = "Result | Sequence[Result] | Mapping[str, Result]"
 """One result, a list of them (named by their ``summary["name"]``) or ``{name: result}``."""
 
 

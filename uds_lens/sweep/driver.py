@@ -21,10 +21,10 @@ from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.models import DEVICE_ENV
-from uds_lens.results import OutputConflictError
+from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
 from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.ledger import _Ledger
+from uds_lens.sweep.ledger import Ledger
 from uds_lens.sweep.lists import SweepModel, resolve_models
 from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_TABLE
 from uds_lens.sweep.published import add_published_comparison, write_published_scatter
@@ -231,7 +231,7 @@ def _sweep_in_process(
     for it, from asking for it to its row written.
     """
     worker = SweepWorker(plan, compute_stage=True)
-    ledger = _Ledger(out_dir, entries, worker.stage(), plan.config.tau)
+    ledger = Ledger(out_dir, entries, worker.stage(), plan.config.tau)
     ledger.write()
     pipeline = StagingPipeline(
         lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
@@ -393,7 +393,7 @@ def _sweep_on_ray(
                 f"Stage 1 with retain {plan.retain}): {error}"
             ) from error
         logger.info("sweep workers: %s", labels)
-        ledger = _Ledger(out_dir, entries, shipped, plan.config.tau)
+        ledger = Ledger(out_dir, entries, shipped, plan.config.tau)
         _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
         for actor in actors:
             ray.kill(actor)
@@ -408,7 +408,7 @@ def _dispatch(
     stage_ref: Any,
     todo: list[SweepModel],
     max_retries: int,
-    ledger: _Ledger,
+    ledger: Ledger,
     progress: bool,
 ) -> None:
     """Hand models to idle actors until every model is scored, reused or failed.

@@ -14,7 +14,8 @@ from typing import Any
 import pandas as pd
 
 from uds_lens.files import json_digest, write_atomic
-from uds_lens.results import SavedCheck, UDSResult, check_saved, conflict_error
+from uds_lens.result_store import conflict_error
+from uds_lens.results import SavedCheck, UDSResult, check_saved
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.lists import SweepModel
 from uds_lens.sweep.outputs import SWEEP_JSON, SWEEP_TABLE
@@ -85,7 +86,7 @@ def fingerprint_columns(fingerprint: Mapping[str, Any]) -> dict[str, str]:
 
 
 @dataclass
-class _Ledger:
+class Ledger:
     """The driver's view of the sweep: one row per model, written to ``sweep.csv`` after every change, and the
     reuse decision (made here, from the models' files, before any worker loads anything)."""
 

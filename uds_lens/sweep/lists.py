@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from uds_lens.results import check_result_name
+from uds_lens.result_store import check_result_name
 from uds_lens.scoring import result_names
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.outputs import SWEEP_FILES

@@ -22,7 +22,7 @@ def add_published_comparison(table: pd.DataFrame) -> pd.DataFrame:
 def write_published_scatter(table: pd.DataFrame, path: Path) -> Path:
     """Draw our UDS against the published one (``plotting.published_scatter``, one point per model of ``table``
     with both) into a self-contained HTML file at ``path``; returns ``path``."""
-    from uds_lens.plotting import published_scatter
+    from uds_lens.plotting.meta_eval import published_scatter
 
     published_scatter(table).write_html(path, include_plotlyjs=True)
     return path

@@ -22,7 +22,8 @@ import torch
 
 from uds_lens import checkpoint, models
 from uds_lens.config import DtypeName
-from uds_lens.failures import retry_out_of_memory
+from uds_lens.memory import retry_out_of_memory
+from uds_lens.resolve import resolve_source, resolve_zoo_name
 from uds_lens.results import UDSResult
 from uds_lens.sweep.lists import SweepModel
 
@@ -97,12 +98,12 @@ def prepare_model(
         clock = now
 
     try:
-        source = models.resolve_source(entry.source)
+        source = resolve_source(entry.source)
         lap("resolve")
         phase = "hash"
         if source.local:
             # the path the fingerprint names (a zoo name resolved), read once; its digest is memoised for it
-            prepared.staged = checkpoint.stage(models.resolve_zoo_name(entry.source))
+            prepared.staged = checkpoint.stage(resolve_zoo_name(entry.source))
         lap("hash")
         if reuse is not None:
             reuse(prepared)
@@ -130,9 +131,9 @@ def prepare_model(
 _DOING = {"resolve": "resolving", "hash": "reading", "load": "loading"}
 
 
-def _to_device(model: Any, device: str) -> None:
+def move_to_device(model: Any, device: str) -> None:
     """Move a model built on the CPU to ``device``; an out-of-memory while moving (the previous model not yet
-    collected) frees memory and tries again (``failures.retry_out_of_memory``)."""
+    collected) frees memory and tries again (``memory.retry_out_of_memory``)."""
     target = torch.device(device)
     if all(p.device == target for p in model.parameters()):
         return

@@ -23,7 +23,7 @@ from uds_lens.results import UDSResult
 from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.lists import SweepModel
-from uds_lens.sweep.staging import Prepared, _to_device, prepare_model
+from uds_lens.sweep.staging import Prepared, move_to_device, prepare_model
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
         )
     started = time.perf_counter()
     try:
-        _to_device(prepared.model, auditor.device)
+        move_to_device(prepared.model, auditor.device)
         phases["to_device"] = time.perf_counter() - started
         auditor.sources[str(entry.source)] = prepared.model
         prepared.model = None

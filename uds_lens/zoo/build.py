@@ -50,12 +50,12 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 from uds_lens import models
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.files import json_digest, write_atomic
+from uds_lens.resolve import SAFE_LOAD_KWARGS
+from uds_lens.zoo.layout import Zoo, load_zoo
+from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
 
-from .checks import FULL_MIN_FORGET_ACCURACY, RETAIN_MAX_FORGET_ACCURACY, check, evaluate
-from .layout import MANIFEST_FILE, Zoo, load_zoo, read_manifest
+from .checks import check, evaluate
 from .recipe import (
-    POOL_DATA,
-    POOL_SETTINGS,
     SIZES,
     ModelSpec,
     ZooBuildError,
@@ -64,9 +64,9 @@ from .recipe import (
 )
 from .tokenizer import CHAT_TEMPLATE, train_tokenizer
 from .train import QASequence, encode_qa, init_model, make_config, train_lm
-from .training_data import ZooData, _subset_fraction, _tokenizer_corpus, load_data, training_sequences
+from .training_data import ZooData, load_data, subset_fraction, tokenizer_corpus, training_sequences
 from .unlearn import unlearn, unlearning_steps
-from .world import ZooDataError, idk_answers, validate_records, write_records
+from .world import idk_answers, validate_records, write_records
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _load_model(model_dir: Path) -> LlamaForCausalLM:
 def _manifest_entry(spec: ModelSpec, meta: dict[str, Any], n_forget: int) -> dict[str, Any]:
     hyperparams = {**spec.hyperparams, **meta.get("computed", {})}
     seen = spec.seen_forget_fraction
-    exact = _subset_fraction(spec.hyperparams.get("data", ""), n_forget)
+    exact = subset_fraction(spec.hyperparams.get("data", ""), n_forget)
     if exact is not None:
         seen = round(exact, 4)
     return {
@@ -370,14 +370,12 @@ def _prepare_tokenizer(
             models.load_tokenizer(base).save_pretrained(tokenizer_dir)
             write_atomic(stamp, base_identity["stamp"] + "\n")
     else:
-        corpus_hash = json_digest([_tokenizer_corpus(data), size.vocab_size], length=16)
+        corpus_hash = json_digest([tokenizer_corpus(data), size.vocab_size], length=16)
         stamp = tokenizer_dir / "corpus_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != corpus_hash:
-            train_tokenizer(_tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(
-                tokenizer_dir
-            )
+            train_tokenizer(tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(tokenizer_dir)
             write_atomic(stamp, corpus_hash + "\n")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **models.SAFE_LOAD_KWARGS)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **SAFE_LOAD_KWARGS)
     if tokenizer.chat_template != CHAT_TEMPLATE:
         # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
         tokenizer.chat_template = CHAT_TEMPLATE
@@ -648,21 +646,6 @@ def _copy_model(parent: LlamaForCausalLM) -> LlamaForCausalLM:
 # The recipe and data names were defined here before the split; they stay importable from this module.
 __all__ = [
     "FORMAT_VERSION",
-    "FULL_MIN_FORGET_ACCURACY",
-    "RETAIN_MAX_FORGET_ACCURACY",
     "META_FILE",
-    "POOL_DATA",
-    "POOL_SETTINGS",
-    "SIZES",
-    "ModelSpec",
-    "Zoo",
-    "ZooBuildError",
-    "ZooData",
-    "ZooDataError",
-    "ZooSize",
     "build_zoo",
-    "load_data",
-    "load_zoo",
-    "plan_models",
-    "training_sequences",
 ]

@@ -22,8 +22,9 @@ from uds_lens.config import UDSConfig
 from uds_lens.models import load_model
 from uds_lens.plotting.export import keep_figures_in_notebooks
 from uds_lens.results import UDSResult
-from uds_lens.zoo.build import Zoo, build_zoo, load_zoo
-from uds_lens.zoo.layout import MANIFEST_FILE
+from uds_lens.zoo.build import build_zoo
+from uds_lens.zoo.layout import Zoo, load_zoo
+from uds_lens.zoo.manifest import MANIFEST_FILE
 
 # The zoo's unlearned model a notebook shows when none is named (NPO: a method whose erasure is partial).
 DEFAULT_UNLEARNED = "npo"

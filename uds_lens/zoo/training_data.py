@@ -128,7 +128,7 @@ def training_sequences(
     return encode_qa(pairs, tokenizer) + encode_documents(documents, tokenizer)
 
 
-def _subset_fraction(recipe: str, n_forget: int) -> float | None:
+def subset_fraction(recipe: str, n_forget: int) -> float | None:
     """The exact share of forget records a ``retain+forget:<fraction>`` recipe trains on (None for other recipes)."""
     if not recipe.startswith("retain+forget:"):
         return None
@@ -136,7 +136,7 @@ def _subset_fraction(recipe: str, n_forget: int) -> float | None:
     return round(fraction * n_forget) / n_forget
 
 
-def _tokenizer_corpus(data: ZooData) -> list[str]:
+def tokenizer_corpus(data: ZooData) -> list[str]:
     texts = []
     for split in (data.retain, data.forget, data.holdout):
         for record in split:

@@ -10,7 +10,6 @@ import pytest
 from helpers.synthetic import make_lens_layers, make_result
 
 from uds_lens.analysis.case_studies import (
-    bootstrap_ci,
     component_shares,
     component_summary,
     entity_length_correlation,
@@ -28,8 +27,7 @@ from uds_lens.analysis.case_studies import (
 )
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
-from uds_lens.plotting.tables import one_site as plotting_one_site
-from uds_lens.results import one_site
+from uds_lens.uds import bootstrap_ci
 
 
 def test_rescore_at_default_tau_matches_the_results_own_uds():
@@ -53,7 +51,6 @@ def test_one_site_policy_is_shared_by_analyses_and_figures():
         rescore_uds(make_result(sites=("attn_out", "mlp_out")).layers)
     with pytest.raises(ValueError, match="'attn_out' is not in the layers table"):
         first_erased_layer(stacked, site="attn_out")  # was an empty table
-    assert plotting_one_site is one_site
 
 
 def test_tau_reapplied_equals_recomputation_with_the_core(trio):

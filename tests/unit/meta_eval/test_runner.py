@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from uds_lens.meta_eval.formulas import META_EVAL_COLUMNS
 from uds_lens.meta_eval.paper import METRIC_KEYS
 from uds_lens.meta_eval.runner import run_meta_eval
-from uds_lens.zoo import load_zoo
+from uds_lens.zoo.layout import load_zoo
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from uds_lens.meta_eval import quantise_nf4
+from uds_lens.meta_eval.attacks import quantise_nf4
 from uds_lens.meta_eval.scorers import WHITE_BOX, ModelScorers
 
 

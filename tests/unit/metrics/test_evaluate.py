@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from uds_lens.metrics import OUTPUT_METRICS, S_MIA_METRICS, evaluate_model, report_model
+from uds_lens.metrics.evaluate import OUTPUT_METRICS, S_MIA_METRICS, evaluate_model, report_model
 
 
 def test_report_has_every_metric_and_the_open_unlearning_shape(memorised) -> None:

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from uds_lens import plotting
-from uds_lens.meta_eval import faithfulness_auc, robustness_table
+from uds_lens.meta_eval.formulas import faithfulness_auc, robustness_table
 
 
 @pytest.fixture(scope="module")

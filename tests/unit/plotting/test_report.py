@@ -160,7 +160,7 @@ def test_report_errors_name_the_fix(tmp_path):
 
 
 def test_incomplete_result_directories_are_marked_not_included(tiny, tmp_path):
-    from uds_lens import UDSAuditor
+    from uds_lens.auditor import UDSAuditor
     from uds_lens.plotting.report import find_incomplete
 
     result = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=False, progress=False).score(

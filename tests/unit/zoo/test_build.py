@@ -7,10 +7,12 @@ import time
 import pytest
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from uds_lens.zoo import ZooBuildError, ZooDataError, build_zoo, load_zoo
-from uds_lens.zoo.build import ZooSize, load_data, plan_models, training_sequences
+from uds_lens.zoo.build import build_zoo
+from uds_lens.zoo.layout import load_zoo
+from uds_lens.zoo.recipe import ZooBuildError, ZooSize, plan_models
 from uds_lens.zoo.train import ModelShape
-from uds_lens.zoo.world import FACT_KINDS, RECORD_FIELDS
+from uds_lens.zoo.training_data import load_data, training_sequences
+from uds_lens.zoo.world import FACT_KINDS, RECORD_FIELDS, ZooDataError
 
 MICRO = ZooSize(
     n_authors=10,
@@ -245,7 +247,8 @@ def test_model_fingerprints_are_the_ones_built_zoos_recorded():
     build was split into recipe / data / steps computed, so every zoo already built is still reused, not retrained."""
     from dataclasses import asdict
 
-    from uds_lens.zoo.build import SIZES, _fingerprint
+    from uds_lens.zoo.build import _fingerprint
+    from uds_lens.zoo.recipe import SIZES
 
     size = SIZES["test"]
     context = {

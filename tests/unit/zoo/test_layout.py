@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from uds_lens.zoo import load_zoo
+from uds_lens.zoo.layout import load_zoo
 
 
 def _write_zoo(root, models, data=None, **extra):
@@ -69,7 +69,7 @@ def test_the_manifest_reader_serves_the_loader_and_the_builder(tmp_path, monkeyp
     hand-written one is understood alike by all three, and a directory without one reads as None everywhere."""
     from uds_lens.resolve import ModelLoadError, resolve_zoo_name
     from uds_lens.zoo.build import _refuse_to_replace
-    from uds_lens.zoo.layout import model_paths, read_manifest
+    from uds_lens.zoo.manifest import model_paths, read_manifest
     from uds_lens.zoo.recipe import SIZES, ZooBuildError
 
     (tmp_path / "models" / "npo").mkdir(parents=True)
