@@ -122,6 +122,31 @@ def defines(modules: dict[str, Module], module: str, name: str) -> bool:
     return f"{module}.{name}" in modules  # a submodule
 
 
+def attribute_reads(modules: dict[str, Module], module: Module) -> list[tuple[str, str]]:
+    """``mod.name`` reads where ``mod`` is one of our modules (not a package) that imports ``name`` from another of
+    our modules instead of defining it: a re-export used by attribute."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules and alias.asname:
+                    bound[alias.asname] = alias.name
+    found = []
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            target = modules[bound[node.value.id]]
+            if target.is_package or node.attr in target.defined or f"{target.name}.{node.attr}" in modules:
+                continue
+            origin = target.imported.get(node.attr)
+            if origin is not None and origin[0].startswith(PACKAGE) and origin[0] != TL_DOOR:
+                found.append((target.name, node.attr))
+    return found
+
+
 def circles(modules: dict[str, Module]) -> list[list[str]]:
     graph: dict[str, set[str]] = defaultdict(set)
     for module in modules.values():
@@ -187,9 +212,14 @@ def main() -> None:
             if name.startswith("_") and source != module.name:
                 private.append((str(module.path.relative_to(ROOT)), source, name))
 
+    by_attribute = [
+        (str(module.path.relative_to(ROOT)), source, name)
+        for module in scanned
+        for source, name in attribute_reads(modules, module)
+    ]
     reexports: Counter[str] = Counter()
     reexport_names: dict[str, set[str]] = defaultdict(set)
-    for _file, source, name in through:
+    for _file, source, name in through + by_attribute:
         reexport_names[source].add(name)
     for module in modules.values():
         for name in module.all:
@@ -220,6 +250,10 @@ def main() -> None:
         if args.detail:
             for file, source, name in pairs:
                 print(f"    {file}: {name} from {source}")
+    print(f"attribute reads (module.name) through a module that does not define the name: {len(by_attribute)}")
+    if args.detail:
+        for file, source, name in by_attribute:
+            print(f"    {file}: {source}.{name}")
     found = circles(modules)
     print(f"import circles (function-level imports count, TYPE_CHECKING ones do not): {len(found)}")
     for group in found:

@@ -16,7 +16,7 @@ from helpers.tiny import FORGET_SET, make_tiny_llama, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from uds_lens import annotation, models, scoring
+from uds_lens import annotation, models
 from uds_lens.analysis.diagnose import DiagnoseResult
 from uds_lens.annotation import annotate
 from uds_lens.auditor import UDSAuditor
@@ -292,7 +292,7 @@ def test_a_concurrent_run_of_other_inputs_is_refused_at_the_write(tiny, tmp_path
         shutil.copytree(tmp_path / "first" / "u", out / "u")
         return result
 
-    monkeypatch.setattr(scoring.UDSAuditor, "score", meanwhile)
+    monkeypatch.setattr(UDSAuditor, "score", meanwhile)
     with pytest.raises(OutputConflictError, match="unlearned differs"):
         score_models(
             tiny.full,
