@@ -24,6 +24,7 @@ from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
 from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
+from uds_lens.patching import engines
 from uds_lens.result_store import OutputConflictError
 from uds_lens.results import LAYER_COLUMNS, UDSResult, load_reusable
 from uds_lens.scoring import score_models
@@ -186,7 +187,7 @@ def test_out_of_memory_halves_the_batch_and_retries(models, monkeypatch, tiny_au
     and the smaller batches are kept for the next model."""
     config = UDSConfig(batch_size=8)
     reference = tiny_auditor(models, config).score(models["unlearned"])
-    real_scores = auditor_module.source_scores
+    real_scores = engines.source_scores  # what the auditor calls (patched there below)
     sizes = []
 
     def small_memory(full, source, batch, *args):

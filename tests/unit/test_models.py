@@ -221,20 +221,3 @@ def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.manifest']"
-
-
-def test_moved_names_stay_importable_from_models():
-    """resolve.py and checkpoint.py hold what models.py held; `from uds_lens.models import X` keeps working."""
-    from uds_lens import checkpoint, models, resolve
-
-    for name in (
-        "CheckpointSource",
-        "ModelLoadError",
-        "resolve_source",
-        "resolve_zoo_name",
-        "describe",
-        "model_name",
-    ):
-        assert getattr(models, name) is getattr(resolve, name)
-    for name in ("model_fingerprint", "named_weights", "checkpoint_stamp"):
-        assert getattr(models, name) is getattr(checkpoint, name)
