@@ -474,7 +474,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
 ):
     """A result saved before the rename (format 2: the per-layer baseline in a column ``s_full``, S0 only in
     meta.json) reads back with ``baseline_score`` and ``s0`` where they belong, and is never reused as current."""
-    from uds_lens.result_store import content_digest
+    from uds_lens.files import bytes_digest
 
     auditor = tiny_auditor(models)
     result = auditor.score(models["unlearned"])
@@ -487,7 +487,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
     meta = json.loads((out / "meta.json").read_text())
     meta["format"] = 2
     meta["files"].pop("layers.parquet", None)
-    meta["files"]["layers.csv"] = content_digest((out / "layers.csv").read_bytes())
+    meta["files"]["layers.csv"] = bytes_digest((out / "layers.csv").read_bytes())
     (out / "meta.json").write_text(json.dumps(meta))
 
     loaded = UDSResult.load(out)
