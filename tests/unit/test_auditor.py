@@ -23,6 +23,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
+from uds_lens.fingerprints import result_fingerprint
 from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
 from uds_lens.result_store import OutputConflictError
 from uds_lens.results import LAYER_COLUMNS, UDSResult, load_reusable
@@ -447,6 +448,23 @@ def test_a_current_cache_file_without_s0_is_rebuilt(tiny, tmp_path):
     with pytest.warns(UserWarning, match="recomputing S1"):
         stage = UDSAuditor(tiny.full, tiny.retain, tiny.data, cache_dir=cache, progress=False).stage1
     assert not stage.cached and torch.isfinite(stage.s0).all()
+
+
+@pytest.mark.parametrize("cells", ["all", "ke"])
+def test_the_saved_fingerprint_is_result_fingerprint_plus_s1(models, tiny, tiny_auditor, cells):
+    """One function lays a result fingerprint out (``fingerprints.inputs_fingerprint`` and ``with_unlearned``): what
+    an auditor saves in meta.json is ``result_fingerprint`` of the same inputs (what ``score`` compares a saved result
+    with before loading anything) plus ``s1``, its keys in the order meta.json has always had them."""
+    config = UDSConfig(stage2_cells=cells)
+    auditor = tiny_auditor(models, config)
+    saved = auditor.fingerprint(models["unlearned"])
+    order = ["format", "full", "retain", "data", "tokenizer", "settings", "s1", "unlearned"]
+    assert list(saved) == order + (["stage2"] if cells == "ke" else [])
+    inputs = result_fingerprint(
+        models["full"], models["retain"], models["unlearned"], tiny.data, config, tokenizer=auditor.tokenizer
+    )
+    assert {key: value for key, value in saved.items() if key != "s1"} == inputs
+    assert inputs["tokenizer"] != "from full" and inputs["unlearned"].startswith("tensors:")
 
 
 def test_the_stage_digest_is_the_one_saved_results_were_fingerprinted_with():
