@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig
 
 from uds_lens.checkpoint import checkpoint_stamp
-from uds_lens.files import replace_directory
+from uds_lens.files import replace_directory, write_atomic
 from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
 from uds_lens.models import default_device, load_hf_model
 from uds_lens.resolve import ModelLoadError
@@ -88,18 +88,16 @@ def _keep_standard_nf4_layout(model: Any) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-RELEARN_MARKER = (
-    "relearn.json"  # written last: a directory holding it (with these settings) is a finished run
-)
+# Written last (in one step): a directory holding it, with the settings asked for, is a finished run.
+RELEARN_MARKER = "relearn.json"
 
 
 def _finished(directory: Path, settings: dict[str, Any]) -> bool:
-    marker = directory / RELEARN_MARKER
-    return (
-        marker.is_file()
-        and json.loads(marker.read_text()) == settings
-        and (directory / "config.json").is_file()
-    )
+    try:
+        recorded = json.loads((directory / RELEARN_MARKER).read_text())
+    except (OSError, ValueError):  # none (not finished), or not readable: train again
+        return False
+    return bool(recorded == settings and (directory / "config.json").is_file())
 
 
 def _relearn_settings(
@@ -187,7 +185,7 @@ def relearn(
         shutil.rmtree(tmp_dir)
     model.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / RELEARN_MARKER).write_text(json.dumps(settings, indent=1))
+    write_atomic(tmp_dir / RELEARN_MARKER, json.dumps(settings, indent=1))
     return _put_in_place(tmp_dir, out_dir)
 
 
