@@ -37,16 +37,13 @@ from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_con
 from uds_lens.failures import nonfinite_error
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
-    RESULT_FINGERPRINT_FORMAT,
     DataArg,
     ModelArg,
-    examples_fingerprint,
+    inputs_fingerprint,
     layout_digest,
     library_versions,
-    settings_fingerprint,
-    source_fingerprint,
-    stage2_fingerprint,
     tokenizer_digest,
+    with_unlearned,
 )
 from uds_lens.memory import available_memory_bytes, is_out_of_memory, release_memory, retry_out_of_memory
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
@@ -333,23 +330,22 @@ class UDSAuditor:
         plus ``s1``: the :func:`stage_digest` of the Stage 1 every result of this auditor is computed from (so this
         computes Stage 1, or reads it from the cache, when it is not there yet)."""
         if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
+            tokenizer = self.tokenizer if self._inputs["tokenizer_given"] else None
             self._base_fingerprint = {
-                "format": RESULT_FINGERPRINT_FORMAT,
-                "full": source_fingerprint(self._inputs["full"]),
-                "retain": source_fingerprint(self._inputs["retain"]),
-                "data": examples_fingerprint(self.examples),
-                "tokenizer": tokenizer_digest(self.tokenizer)
-                if self._inputs["tokenizer_given"]
-                else "from full",
-                "settings": settings_fingerprint(self.config, self.full),
+                **inputs_fingerprint(
+                    self._inputs["full"],
+                    self._inputs["retain"],
+                    self.examples,
+                    self.config,
+                    tokenizer,
+                    self.full,
+                ),
                 "s1": stage_digest(self.stage1),
             }
-        fingerprint = {**self._base_fingerprint, "unlearned": source_fingerprint(unlearned)}
         # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
-        stage2 = stage2_fingerprint(self.config, retain_free=self.stage1.s1 is None)
-        if stage2 is not None:
-            fingerprint["stage2"] = stage2
-        return fingerprint
+        return with_unlearned(
+            self._base_fingerprint, unlearned, self.config, retain_free=self.stage1.s1 is None
+        )
 
     def fingerprint_payload(self) -> dict[str, Any]:
         settings = self.config.to_dict()

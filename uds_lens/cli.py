@@ -633,7 +633,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.models import ModelMismatchError
     from uds_lens.resolve import ModelLoadError
     from uds_lens.result_store import OutputConflictError, ResultIntegrityError, ResultNameError
-    from uds_lens.sweep.errors import SweepError
+    from uds_lens.sweep.lists import SweepError
     from uds_lens.zoo.recipe import ZooBuildError
     from uds_lens.zoo.world import ZooDataError
 

@@ -1,6 +1,6 @@
 """Head- and position-level patching: UDS at the granularity TransformerLens users work at.
 
-UDS (``auditor.py`` running ``patching.py``) patches one hook site per layer (a whole residual or block output). Here
+UDS (``auditor.py`` running ``patching.engines``) patches one hook site per layer (a residual or block output). Here
 the same patch is resolved further, with the same stages and the same definitions (``d1 = baseline - s1``,
 ``d2 = baseline - s2`` with the unpatched score as baseline, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
 KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; :class:`ComponentResult` computes them through
@@ -21,7 +21,7 @@ Engines. A head's output enters the residual stream only through the attention o
 patching head ``h`` is exactly patching ``attn_out`` with ``clean attn_out + (z_src,h - z_full,h) W_O[h]`` (for
 ``hook_z``; ``hook_result`` uses the source's own ``W_O``; where the family normalises the attention's output before
 adding it, Gemma's and OLMo 2's post-attention norm, the patched ``attn_out`` is that norm of the patched sum
-``attn.hook_out + change``). That lets the fast engine of ``patching.py`` run it:
+``attn.hook_out + change``). That lets the fast engine (``patching.engines`` on ``patching.kernels``) run it:
 one call per head over all layers. Everything else (other hook names, all positions, per-token reads) uses
 ``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
 naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.

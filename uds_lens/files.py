@@ -1,8 +1,16 @@
-"""Files on the ground floor: where caches live, how a file is replaced in one step, how JSON is digested.
+"""Files on the ground floor: where caches live, how a file is replaced in one step, how contents are digested.
 
-Every module that writes a file a reader may see half-written goes through :func:`write_atomic`; every digest of a
-JSON-able value is :func:`json_digest`; every default location under the cache is :func:`cache_root` (read at call
-time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
+Every module that writes a file a reader may see half-written goes through :func:`write_atomic` (a directory
+through :func:`replace_directory`); every digest of a JSON-able value is :func:`json_digest`, of bytes
+:func:`bytes_digest`, of a few small files :func:`files_digest`; every default location under the cache is
+:func:`cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
+
+Two digests of file contents, each for its files. Weights are identified by ``checkpoint.file_digest``: XXH3-128,
+because checkpoints are gigabytes and a sweep's pace is set by reading and hashing them (XXH3 hashes several GB/s
+per core, SHA-256 about 0.6), memoised by size and modification time, its scheme and version in the string. Everything
+else is SHA-256 here: a saved result's files (``meta.json`` records them), the zoo's data and tokenizer files, a
+notebook's source. Those are kilobytes to megabytes, so speed does not matter, and SHA-256 is the digest anyone can
+check with ``sha256sum``.
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +63,63 @@ def staging_path(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Put the finished directory ``staging`` in ``target``'s place so that a complete directory exists at every moment.
+
+    A directory cannot be renamed over one that has files, so an existing ``target`` is renamed aside (a hidden
+    sibling, ``.NAME.old-XXXXXXXXXXXX``), ``staging`` renamed to ``target``, and only then the old one deleted.
+    Should the second rename fail, the old directory is renamed back: ``target`` is the old directory or the new
+    one. A process killed between the two renames (two system calls) leaves no ``target`` but both complete
+    directories, the old one aside and the new one at ``staging``; a writer that marks ``staging`` complete (its
+    last file) can find it there and rename it in (``meta_eval.attacks.relearn`` does). ``staging`` and ``target``
+    must be on one filesystem (siblings are).
+    """
+    staging, target = Path(staging), Path(target)
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return target
+    aside = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
+    os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    return target
+
+
 def json_digest(obj: Any, length: int | None = None) -> str:
     """SHA-256 of ``obj`` as canonical JSON (sorted keys, ``str`` for what JSON cannot hold), optionally cut to
     ``length`` hex digits. Equal values give equal digests in every process and on every machine."""
-    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    return bytes_digest(json.dumps(obj, sort_keys=True, default=str).encode(), length)
+
+
+def bytes_digest(content: bytes, length: int | None = None) -> str:
+    """SHA-256 of ``content`` as hex, optionally cut to ``length`` hex digits (``sha256sum`` of a file of these bytes):
+    what a result's ``meta.json`` records of each of its files, and what an executed notebook records of its source."""
+    digest = hashlib.sha256(content).hexdigest()
     return digest if length is None else digest[:length]
 
 
-__all__ = ["cache_root", "json_digest", "staging_path", "write_atomic", "zoo_root"]
+def files_digest(paths: Iterable[str | os.PathLike], length: int | None = None) -> str:
+    """SHA-256 over each file's name (not its directory) then its bytes, in the order given, optionally cut to
+    ``length`` hex digits: one identity for a few small files (the zoo's data files, its tokenizer)."""
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    hexdigest = digest.hexdigest()
+    return hexdigest if length is None else hexdigest[:length]
+
+
+__all__ = [
+    "bytes_digest",
+    "cache_root",
+    "files_digest",
+    "json_digest",
+    "replace_directory",
+    "staging_path",
+    "write_atomic",
+    "zoo_root",
+]

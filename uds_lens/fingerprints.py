@@ -122,6 +122,42 @@ def stage2_fingerprint(config: UDSConfig, retain_free: bool = False) -> dict[str
     return {"cells": "ke", "tau": config.tau}
 
 
+def inputs_fingerprint(
+    full: ModelArg,
+    retain: ModelArg | None,
+    examples: Sequence[Example],
+    config: UDSConfig,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    loaded_full: ModelArg | None = None,
+) -> dict[str, Any]:
+    """The keys of a result fingerprint that every model scored against the same inputs shares: ``format``,
+    ``full``, ``retain`` (:func:`source_fingerprint` of the arguments as given), ``data`` (the records as scored),
+    ``tokenizer`` (``"from full"`` unless one is passed explicitly) and ``settings`` (:func:`settings_fingerprint`,
+    its dtype read from ``loaded_full``, the model ``full`` loaded as, when there is one). The one place that lays
+    the dict out: :func:`result_fingerprint` and ``UDSAuditor.fingerprint`` complete it with :func:`with_unlearned`.
+    """
+    return {
+        "format": RESULT_FINGERPRINT_FORMAT,
+        "full": source_fingerprint(full),
+        "retain": source_fingerprint(retain),
+        "data": examples_fingerprint(examples),
+        "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
+        "settings": settings_fingerprint(config, full if loaded_full is None else loaded_full),
+    }
+
+
+def with_unlearned(
+    inputs: dict[str, Any], unlearned: ModelArg | None, config: UDSConfig, retain_free: bool
+) -> dict[str, Any]:
+    """``inputs`` (:func:`inputs_fingerprint`, and ``s1`` where an auditor adds it) completed for one scored model:
+    ``unlearned`` (:func:`source_fingerprint`) and, for a KE-only Stage 2, ``stage2`` (:func:`stage2_fingerprint`)."""
+    fingerprint = {**inputs, "unlearned": source_fingerprint(unlearned)}
+    stage2 = stage2_fingerprint(config, retain_free=retain_free)
+    if stage2 is not None:
+        fingerprint["stage2"] = stage2
+    return fingerprint
+
+
 def result_fingerprint(
     full: ModelArg,
     retain: ModelArg | None,
@@ -144,16 +180,5 @@ def result_fingerprint(
     the Stage 1 values (which needs the models): a saved result is reused only when that matches too.
     """
     config = config or UDSConfig()
-    fingerprint = {
-        "format": RESULT_FINGERPRINT_FORMAT,
-        "full": source_fingerprint(full),
-        "retain": source_fingerprint(retain),
-        "unlearned": source_fingerprint(unlearned),
-        "data": examples_fingerprint(load_examples(data, limit=limit)),
-        "tokenizer": "from full" if tokenizer is None else tokenizer_digest(tokenizer),
-        "settings": settings_fingerprint(config, full),
-    }
-    stage2 = stage2_fingerprint(config, retain_free=retain is None)
-    if stage2 is not None:
-        fingerprint["stage2"] = stage2
-    return fingerprint
+    inputs = inputs_fingerprint(full, retain, load_examples(data, limit=limit), config, tokenizer)
+    return with_unlearned(inputs, unlearned, config, retain_free=retain is None)

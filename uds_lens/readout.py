@@ -7,7 +7,9 @@ per-example mean (SPEC §2: ``score = mean_t log p(y_t | x_<t)`` over the entity
 
 Two precisions: by default the log-softmax runs in float32 as ``label logit - logsumexp`` (one pass over the
 vocabulary, no ``[rows, vocab]`` output); published-compat (``upcast=False``) takes ``log_softmax`` in the model's
-dtype and rounds as the published implementation does.
+dtype and rounds as the published implementation does. The output metrics (``metrics.memorization``), the zoo's
+training losses (``zoo.train.sequence_logprobs``) and the Fisher baseline read log-probs the published way too, on
+fp32 logits: ``upcast=False``, the numbers they always had (the two forms differ in the last bits).
 """
 
 from __future__ import annotations

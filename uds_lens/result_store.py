@@ -13,11 +13,9 @@ a new computation (``results.check_saved``) is decided by comparing fingerprints
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,12 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from uds_lens.files import staging_path
+from uds_lens.files import bytes_digest, replace_directory, staging_path
 
 # The files of one saved result; meta.json (written last) holds their digests.
 RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
+# The ones every saved result has (meta.json must list them): the others are optional.
+REQUIRED_FILES = ("summary.json", "examples.csv", "layers.csv")
 # Bumped when the saved tables change meaning: a result of another format is never reused (3: layers.s_full
 # renamed baseline_score, s0 and examples' question/entity added, LER NaN outside KE layers).
 RESULT_FORMAT = 3
@@ -94,10 +94,6 @@ def json_default(value: Any) -> Any:
     return str(value)
 
 
-def content_digest(content: bytes) -> str:
-    return hashlib.sha256(content).hexdigest()
-
-
 def read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], str | None]:
     """``meta.json`` and the files it lists, each read once, and what is wrong with them (None when they belong
     together). Reading each file's bytes once and checking those bytes means a concurrent rename cannot slip a file
@@ -117,7 +113,7 @@ def read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], st
             {},
             "meta.json lists no file digests (an older uds_lens wrote it, or the write did not finish)",
         )
-    missing = [name for name in ("summary.json", "examples.csv", "layers.csv") if name not in files]
+    missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         return {}, {}, f"meta.json does not list {missing}"
     contents: dict[str, bytes] = {}
@@ -126,7 +122,7 @@ def read_verified(directory: Path) -> tuple[dict[str, Any], dict[str, bytes], st
             content = (directory / name).read_bytes()
         except OSError:
             return {}, {}, f"{name} is missing"
-        if content_digest(content) != digest:
+        if bytes_digest(content) != digest:
             return {}, {}, f"{name} does not belong with meta.json (another run wrote it)"
         contents[name] = content
     return meta, contents, None
@@ -206,8 +202,9 @@ def atomic_result_dir(
     While the block runs, ``target``'s lock is held, so concurrent writers of the same ``OUT/NAME`` take turns and
     the last one wins whole. The staging directory is a hidden sibling (``OUT/.NAME.tmp-*``, same filesystem), so the
     final step is a rename: an existing ``target`` is renamed aside, the staging directory renamed into place, and
-    the old one deleted. A reader sees the old directory, none, or the new one; an exception or a kill inside the
-    block leaves ``target`` as it was (leftover staging directories are removed by the next writer). Files in the
+    the old one deleted (``files.replace_directory``). A reader sees the old directory, none, or the new one; an
+    exception or a kill inside the block leaves ``target`` as it was (leftover staging directories are removed by the
+    next writer, which also renames back an old directory a kill between the two renames left aside). Files in the
     old directory that the writer did not produce are carried over, except those it ``owns`` (by default a
     ``UDSResult``'s files: a new result never keeps an old one's table); ``diagnose`` owns only its own files, so
     a ``score`` result in the same directory stays whole.
@@ -232,11 +229,15 @@ def atomic_result_dir(
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with result_lock(target, timeout):
+        for leftover in sorted(target.parent.iterdir()):
+            if leftover.name.startswith(f".{target.name}.old-") and not target.exists():
+                os.rename(
+                    leftover, target
+                )  # a writer killed between replace_directory's renames: the old one back
+            elif leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
+                shutil.rmtree(leftover, ignore_errors=True)
         if check is not None:
             check(target)
-        for leftover in target.parent.iterdir():
-            if leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
-                shutil.rmtree(leftover, ignore_errors=True)
         staging = staging_path(target)  # OUT/.NAME.tmp-*: the one spelling of a writer's hidden sibling
         staging.mkdir()
         try:
@@ -246,12 +247,9 @@ def atomic_result_dir(
                     if entry.name not in owns and not (staging / entry.name).exists():
                         copy = shutil.copytree if entry.is_dir() else shutil.copy2
                         copy(entry, staging / entry.name)
-                old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-                os.rename(target, old)
-                os.rename(staging, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(staging, target)
+            replace_directory(
+                staging, target
+            )  # the old one renamed aside, the new one in, the old one deleted
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -264,6 +262,7 @@ __all__ = [
     "LOCK_TIMEOUT_S",
     "RESULT_FILES",
     "RESULT_FORMAT",
+    "REQUIRED_FILES",
     "OutputConflictError",
     "ResultIntegrityError",
     "ResultNameError",

@@ -44,6 +44,7 @@ from uds_lens import display
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
+from uds_lens.files import bytes_digest
 from uds_lens.result_store import (
     INPUT_KEYS,
     RESULT_FILES,
@@ -51,7 +52,6 @@ from uds_lens.result_store import (
     ResultIntegrityError,
     atomic_result_dir,
     conflict_error,
-    content_digest,
     fingerprint_difference,
     json_default,
     normal_json,
@@ -383,7 +383,7 @@ class UDSResult:
             (out / "layers.parquet").unlink(missing_ok=True)
         (out / "uds_eval.json").write_text(json.dumps(self.to_open_unlearning(), indent=2))
         files = {
-            name: content_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()
+            name: bytes_digest((out / name).read_bytes()) for name in RESULT_FILES if (out / name).is_file()
         }
         (out / "meta.json").write_text(
             json.dumps(

@@ -1,6 +1,6 @@
 """The Unlearning Depth Score (UDS): how much of the forgotten knowledge is still causally recoverable.
 
-For every example ``i`` and layer ``l`` (one patch per layer, see ``patching.py``):
+For every example ``i`` and layer ``l`` (one patch per layer, see ``uds_lens.patching.engines``):
 
 * ``baseline[l]``: the full model's mean entity-token log-prob, unpatched (S0; the fast engine recomputes it per
   layer, equal to S0 up to float noise, so that a source identical to full gives deltas of exactly 0);

@@ -29,8 +29,7 @@ from uds_lens.resolve import ModelLoadError
 from uds_lens.scoring import score_models
 from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.driver import sweep as run_sweep
-from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.lists import resolve_models
+from uds_lens.sweep.lists import SweepError, resolve_models
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,9 +22,8 @@ from uds_lens.result_store import RESULT_FILES, verify_result_dir
 from uds_lens.results import UDSResult
 from uds_lens.scoring import score_models
 from uds_lens.sweep.driver import sweep
-from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import COLUMNS
-from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE
+from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_JSON, SWEEP_TABLE, SweepError
 
 pytestmark = pytest.mark.xdist_group("sweep")  # one process: the Ray tests share one local cluster
 

@@ -23,6 +23,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
+from uds_lens.fingerprints import result_fingerprint
 from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
 from uds_lens.patching import engines
 from uds_lens.result_store import OutputConflictError
@@ -450,6 +451,23 @@ def test_a_current_cache_file_without_s0_is_rebuilt(tiny, tmp_path):
     assert not stage.cached and torch.isfinite(stage.s0).all()
 
 
+@pytest.mark.parametrize("cells", ["all", "ke"])
+def test_the_saved_fingerprint_is_result_fingerprint_plus_s1(models, tiny, tiny_auditor, cells):
+    """One function lays a result fingerprint out (``fingerprints.inputs_fingerprint`` and ``with_unlearned``): what
+    an auditor saves in meta.json is ``result_fingerprint`` of the same inputs (what ``score`` compares a saved result
+    with before loading anything) plus ``s1``, its keys in the order meta.json has always had them."""
+    config = UDSConfig(stage2_cells=cells)
+    auditor = tiny_auditor(models, config)
+    saved = auditor.fingerprint(models["unlearned"])
+    order = ["format", "full", "retain", "data", "tokenizer", "settings", "s1", "unlearned"]
+    assert list(saved) == order + (["stage2"] if cells == "ke" else [])
+    inputs = result_fingerprint(
+        models["full"], models["retain"], models["unlearned"], tiny.data, config, tokenizer=auditor.tokenizer
+    )
+    assert {key: value for key, value in saved.items() if key != "s1"} == inputs
+    assert inputs["tokenizer"] != "from full" and inputs["unlearned"].startswith("tensors:")
+
+
 def test_the_stage_digest_is_the_one_saved_results_were_fingerprinted_with():
     """S0 is hashed under its former label, so results saved before the rename (whose fingerprint's ``s1`` is this
     digest) are still reused: the digest is written out here byte by byte."""
@@ -475,7 +493,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
 ):
     """A result saved before the rename (format 2: the per-layer baseline in a column ``s_full``, S0 only in
     meta.json) reads back with ``baseline_score`` and ``s0`` where they belong, and is never reused as current."""
-    from uds_lens.result_store import content_digest
+    from uds_lens.files import bytes_digest
 
     auditor = tiny_auditor(models)
     result = auditor.score(models["unlearned"])
@@ -488,7 +506,7 @@ def test_an_old_result_directory_loads_with_s0_and_the_baseline_in_their_columns
     meta = json.loads((out / "meta.json").read_text())
     meta["format"] = 2
     meta["files"].pop("layers.parquet", None)
-    meta["files"]["layers.csv"] = content_digest((out / "layers.csv").read_bytes())
+    meta["files"]["layers.csv"] = bytes_digest((out / "layers.csv").read_bytes())
     (out / "meta.json").write_text(json.dumps(meta))
 
     loaded = UDSResult.load(out)

@@ -24,8 +24,7 @@ from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.readout import segment_mean
 from uds_lens.resolve import resolve_source
 from uds_lens.sweep import driver as sweep_driver
-from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.staging import move_to_device, prepare_model
 from uds_lens.sweep.worker import WorkerPlan
 from uds_lens.tl_compat import hf_model_of

@@ -101,6 +101,24 @@ def test_an_overwrite_keeps_files_other_tools_left(two_results, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.") and p.is_dir()]
 
 
+def test_the_next_writer_renames_back_an_old_result_a_kill_left_aside(two_results, tmp_path):
+    """A writer killed between ``replace_directory``'s two renames leaves no OUT/NAME, its old result whole aside
+    (``.NAME.old-*``) and its new one staged (``.NAME.tmp-*``): the next writer renames the old one back before it
+    checks and writes, so what the old directory held beside the result is carried over, and nothing is left."""
+    target = tmp_path / "model"
+    two_results[False].save(target)
+    (target / "scores.json").write_text('{"cka": 0.5}')
+    os.rename(target, tmp_path / ".model.old-0123456789ab")
+    two_results[True].save(tmp_path / "staged")
+    os.rename(tmp_path / "staged", tmp_path / ".model.tmp-1-deadbeef")
+    seen = []
+    with atomic_result_dir(target, check=lambda t: seen.append(verify_result_dir(t))) as staging:
+        (staging / "summary.json").write_text("{}")
+    assert seen == [None]  # the check saw the old result, whole
+    assert json.loads((target / "scores.json").read_text()) == {"cka": 0.5}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["model"]
+
+
 def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp_path, monkeypatch):
     """Writer A stalls in the middle of its files until writer B has finished (or 3 s passed): written in place,
     the directory ends with B's summary and A's meta; written atomically under the lock, it is one run's."""

@@ -8,16 +8,18 @@ import pytest
 
 from uds_lens.plotting.meta_eval import published_scatter
 from uds_lens.sweep.driver import sweep
-from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.lists import (
     REGISTRIES,
+    SCATTER_HTML,
+    SWEEP_TABLE,
+    SweepError,
     SweepModel,
     load_registry,
     read_model_list,
     registry_path,
     resolve_models,
 )
-from uds_lens.sweep.published import add_published_comparison
+from uds_lens.sweep.published import add_published_comparison, write_published_scatter
 
 
 def test_model_list_reads_csv_rows_and_bare_paths(tmp_path):
@@ -104,7 +106,7 @@ def test_bad_options_fail_before_any_model_is_loaded(tmp_path):
         sweep("/no/full", "/no/retain", "/no/data.json", tmp_path / "out", ["/x"], max_retries=-1)
 
 
-def test_published_comparison_and_scatter():
+def test_published_comparison_and_scatter(tmp_path):
     table = pd.DataFrame(
         {
             "name": ["a", "b", "c"],
@@ -125,6 +127,21 @@ def test_published_comparison_and_scatter():
     assert "2 without both" in fig.layout.title.text
     diagonal = [trace for trace in fig.data if trace.mode == "lines"]
     assert list(diagonal[0].x) == [0, 1] and list(diagonal[0].y) == [0, 1]
+    written = write_published_scatter(compared, tmp_path / SCATTER_HTML)
+    assert written.read_text(encoding="utf-8").rstrip().endswith("</html>")
+    assert [path.name for path in tmp_path.iterdir()] == [SCATTER_HTML]  # no staging sibling left behind
+
+
+def _sweep_table_only_whole(monkeypatch) -> None:
+    """Make writing sweep.csv in place (``to_csv(path)``, which a reader can see half-written) fail."""
+    to_csv = pd.DataFrame.to_csv
+
+    def whole_only(frame, path_or_buf=None, *args, **kwargs):
+        if path_or_buf is not None and os.path.basename(str(path_or_buf)) == SWEEP_TABLE:
+            raise AssertionError(f"{SWEEP_TABLE} written in place, not replaced in one step")
+        return to_csv(frame, path_or_buf, *args, **kwargs)
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", whole_only)
 
 
 def test_registry_names_are_unique_directory_names():
@@ -135,6 +152,7 @@ def test_registry_names_are_unique_directory_names():
 
 def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr("uds_lens.sweep.driver.ray_available", lambda: False)
+    _sweep_table_only_whole(monkeypatch)
     with pytest.raises(SweepError, match="needs Ray"):
         sweep(tiny.full, tiny.retain, tiny.data, tmp_path / "out", [tiny.unlearned], address="auto")
     with pytest.warns(UserWarning, match="Ray is not installed"):
@@ -147,8 +165,13 @@ def test_without_ray_the_sweep_runs_in_process_with_a_warning(tiny, tmp_path, mo
             workers=2,
             cache_dir=tmp_path / "s1",
             progress=False,
+            compare_published=True,
         )
     assert table.loc[0, "status"] == "scored" and table.loc[0, "worker"].endswith(f":{os.getpid()}")
+    # the published comparison rewrites sweep.csv (whole) with its columns
+    on_disk = pd.read_csv(tmp_path / "out" / SWEEP_TABLE)
+    assert list(on_disk.columns) == list(table.columns) and "uds_minus_published" in on_disk
+    assert on_disk.loc[0, "uds"] == pytest.approx(table.loc[0, "uds"], abs=1e-12)
     assert 0.0 < table.loc[0, "uds"] < 1.0
     # retain-free: no UDS (d2 is unnormalised), but the model is scored and saved
     free = sweep(

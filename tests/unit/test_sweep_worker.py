@@ -15,9 +15,8 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.data import load_examples
 from uds_lens.files import json_digest
-from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import fingerprint_columns
-from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.worker import SweepWorker, WorkerPlan
 
 # A result fingerprint as ``auditor.result_fingerprint`` writes it, and its ``fp_settings`` as sweep.py computed it

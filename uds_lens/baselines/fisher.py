@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from uds_lens.baselines.layerwise import MIN_WEIGHT, LayerwiseErasure
+from uds_lens.readout import label_logprobs
 from uds_lens.sources import as_source
 
 FISHER_FRACTIONS = (1e-4, 1e-3, 1e-2)
@@ -89,8 +90,9 @@ def diagonal_fisher(model: Any, examples: Sequence[Any], progress: bool = False)
             tokens = torch.tensor([example.input_ids], dtype=torch.long, device=device)
             positions = torch.tensor(list(example.read_positions), dtype=torch.long, device=device)
             labels = torch.tensor(list(example.labels), dtype=torch.long, device=device)
-            logprobs = torch.log_softmax(source.logits(tokens)[0, positions].float(), dim=-1)
-            loss = -logprobs.gather(1, labels[:, None]).mean()
+            # the log-softmax form on fp32 logits (label_logprobs' published-compat path): the loss as it always was
+            logits = source.logits(tokens)[0, positions].float()
+            loss = -label_logprobs(logits, labels, upcast=False).mean()
             grads = torch.autograd.grad(loss, flat, allow_unused=True)
             offset = 0
             for layer, layer_params in enumerate(parameters):

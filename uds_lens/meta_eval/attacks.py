@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig
 
 from uds_lens.checkpoint import checkpoint_stamp
+from uds_lens.files import replace_directory, write_atomic
 from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
 from uds_lens.models import default_device, load_hf_model
 from uds_lens.resolve import ModelLoadError
@@ -87,7 +88,16 @@ def _keep_standard_nf4_layout(model: Any) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+# Written last (in one step): a directory holding it, with the settings asked for, is a finished run.
 RELEARN_MARKER = "relearn.json"
+
+
+def _finished(directory: Path, settings: dict[str, Any]) -> bool:
+    try:
+        recorded = json.loads((directory / RELEARN_MARKER).read_text())
+    except (OSError, ValueError):  # none (not finished), or not readable: train again
+        return False
+    return bool(recorded == settings and (directory / "config.json").is_file())
 
 
 def _relearn_settings(
@@ -135,6 +145,11 @@ def relearn(
     loss (normalised by the label tokens of each accumulated batch). Weights are trained in fp32 (bf16 autocast on
     CUDA). Deterministic given ``seed``. An ``out_dir`` holding a finished run with the same settings is reused.
 
+    The run is saved beside ``out_dir`` (``NAME.tmp``, its settings file last) and put in its place with
+    ``files.replace_directory``: a crash at any moment leaves a complete directory, the old ``out_dir`` or the new
+    one, and a finished run still at ``NAME.tmp`` (a kill before or during the replacement) is renamed in by the next
+    call with the same settings instead of trained again.
+
     Returns:
         ``out_dir``.
     """
@@ -142,14 +157,13 @@ def relearn(
     settings = _relearn_settings(
         path, len(forget_records), epochs, lr, batch_size, grad_accum, seed, weight_decay
     )
-    marker = out_dir / RELEARN_MARKER
-    if (
-        marker.is_file()
-        and json.loads(marker.read_text()) == settings
-        and (out_dir / "config.json").is_file()
-    ):
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    if _finished(out_dir, settings):
         logger.info("relearned checkpoint %s exists; reusing it", out_dir)
         return out_dir
+    if _finished(tmp_dir, settings):
+        logger.info("relearned checkpoint %s was saved but not yet put in place; doing so", tmp_dir)
+        return _put_in_place(tmp_dir, out_dir)
     device = device or default_device()
     torch.manual_seed(seed)
     model = load_hf_model(path, dtype=torch.float32, device=device)
@@ -167,13 +181,19 @@ def relearn(
             seed=seed,
             on_step=bar.update,
         )
-    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     model.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / RELEARN_MARKER).write_text(json.dumps(settings, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
+    write_atomic(tmp_dir / RELEARN_MARKER, json.dumps(settings, indent=1))
+    return _put_in_place(tmp_dir, out_dir)
+
+
+def _put_in_place(tmp_dir: Path, out_dir: Path) -> Path:
+    """Replace ``out_dir`` with the finished run in ``tmp_dir`` (the old one renamed aside, the new one in, the old
+    one deleted), and delete what a killed replacement left aside."""
+    replace_directory(tmp_dir, out_dir)
+    for leftover in out_dir.parent.iterdir():
+        if leftover.name.startswith(f".{out_dir.name}.old-"):
+            shutil.rmtree(leftover, ignore_errors=True)
     return out_dir

@@ -31,6 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from uds_lens.metrics.chat import IGNORE_INDEX, SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
+from uds_lens.readout import label_logprobs
 
 TRUTH_RATIO_EPS = 1e-10
 HM_EPS = 1e-12
@@ -145,7 +146,8 @@ def _answer_scores(logits: Float[Tensor, "pos vocab"], item: EncodedQA, tokenize
     aligned = answer.clone()
     aligned[-1] = False
     aligned_logits, targets = shifted_logits[aligned], shifted_labels[aligned]
-    logprobs = F.log_softmax(aligned_logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    # the log-softmax form on fp32 logits (label_logprobs' published-compat path): the numbers these metrics had
+    logprobs = label_logprobs(aligned_logits, targets, upcast=False)
     return AnswerScores(
         avg_loss=avg_loss,
         logprobs=logprobs,

@@ -29,7 +29,7 @@ from plotly.offline import get_plotlyjs
 from uds_lens import plotting
 from uds_lens.files import write_atomic
 from uds_lens.plotting.tables import SavedResult
-from uds_lens.result_store import ResultIntegrityError, verify_result_dir
+from uds_lens.result_store import REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
 
 __all__ = [
@@ -44,7 +44,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 by construction)
-RESULT_FILES = ("meta.json", "summary.json", "examples.csv", "layers.csv")
+# A sub-directory holding any of these is a result to show (or to name as incomplete): meta.json and the files
+# every saved result has.
+RESULT_MARKERS = ("meta.json", *REQUIRED_FILES)
 DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 
 
@@ -89,7 +91,7 @@ def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
 
 def _read_result(directory: Path) -> tuple[UDSResult | None, str | None]:
     """The result ``UDSResult.save`` wrote in ``directory`` (or None if it holds none), or why it cannot be shown."""
-    if not any((directory / name).is_file() for name in RESULT_FILES):
+    if not any((directory / name).is_file() for name in RESULT_MARKERS):
         return None, None
     reason = verify_result_dir(directory)
     if reason is not None:
@@ -341,7 +343,7 @@ def write_report(
     results, incomplete = _scan(root)
     if not results:
         raise FileNotFoundError(
-            f"no saved results under {root}: expected sub-directories with {', '.join(RESULT_FILES)} "
+            f"no saved results under {root}: expected sub-directories with {', '.join(RESULT_MARKERS)} "
             "(written by `uds-lens score`)"
             + (
                 f"; incomplete: {', '.join(f'{n} ({r})' for n, r in incomplete.items())}"

@@ -44,31 +44,34 @@ of the one auditor that computed Stage 1, exactly as ``uds-lens score`` would.
 
 The package, one concept per module (every name is re-exported here):
 
-* ``lists``: what to sweep (:class:`SweepModel`, model-list files, the shipped registries, result-name checks);
+* ``lists``: what to sweep (:class:`SweepModel`, model-list files, the shipped registries, result-name checks), the
+  names of the sweep's own files (:data:`SWEEP_FILES`) and :class:`SweepError`;
 * ``staging``: a model made ready before its turn (:func:`prepare_model`, the move to the device) and the
   :class:`StagingPipeline` that stages one model ahead;
 * ``worker``: :class:`SweepWorker` (its auditor, the shipped Stage 1, :func:`finish_model`) and its threads;
 * ``ledger``: ``sweep.csv``'s :data:`COLUMNS` and :data:`PHASES`, the rows, the reuse decision and the writes;
 * ``driver``: :func:`sweep`, in-process or on Ray (actors, dispatch, retries);
-* ``published``: the comparison with the published figures and its scatter (``plotting`` imported only to draw);
-* ``outputs`` / ``errors``: the names of the sweep's own files, and :class:`SweepError`.
+* ``published``: the comparison with the published figures and its scatter (``plotting`` imported only to draw).
 """
 
 from __future__ import annotations
 
 from uds_lens.sweep.driver import ray_available, sweep
-from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import COLUMNS, PHASE_COLUMNS, PHASES, fingerprint_columns
 from uds_lens.sweep.lists import (
     ANCHOR_METHODS,
     REGISTRIES,
+    SCATTER_HTML,
+    SWEEP_FILES,
+    SWEEP_JSON,
+    SWEEP_TABLE,
+    SweepError,
     SweepModel,
     load_registry,
     read_model_list,
     registry_path,
     resolve_models,
 )
-from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_FILES, SWEEP_JSON, SWEEP_TABLE
 from uds_lens.sweep.published import add_published_comparison
 from uds_lens.sweep.staging import Prepared, StagingPipeline, prepare_model
 from uds_lens.sweep.worker import (

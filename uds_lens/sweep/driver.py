@@ -20,13 +20,12 @@ from tqdm.auto import tqdm
 from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
+from uds_lens.files import write_atomic
 from uds_lens.models import DEVICE_ENV
 from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
-from uds_lens.sweep.errors import SweepError
 from uds_lens.sweep.ledger import Ledger
-from uds_lens.sweep.lists import SweepModel, resolve_models
-from uds_lens.sweep.outputs import SCATTER_HTML, SWEEP_TABLE
+from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_TABLE, SweepError, SweepModel, resolve_models
 from uds_lens.sweep.published import add_published_comparison, write_published_scatter
 from uds_lens.sweep.staging import Prepared, StagingPipeline
 from uds_lens.sweep.worker import (
@@ -210,7 +209,8 @@ def sweep(
             table = _sweep_in_process(plan, entries, out_dir, force, progress, prefetch)
     if compare_published:
         table = add_published_comparison(table)
-        table.to_csv(out_dir / SWEEP_TABLE, index=False)
+        # replaced in one step, as the ledger writes it: a reader sees the ledger's table or this one, never a part
+        write_atomic(out_dir / SWEEP_TABLE, table.to_csv(index=False))
         write_published_scatter(table, out_dir / SCATTER_HTML)
     return table
 

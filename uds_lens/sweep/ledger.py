@@ -16,9 +16,7 @@ import pandas as pd
 from uds_lens.files import json_digest, write_atomic
 from uds_lens.result_store import conflict_error
 from uds_lens.results import SavedCheck, UDSResult, check_saved
-from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.lists import SweepModel
-from uds_lens.sweep.outputs import SWEEP_JSON, SWEEP_TABLE
+from uds_lens.sweep.lists import SWEEP_JSON, SWEEP_TABLE, SweepError, SweepModel
 from uds_lens.sweep.staging import Prepared
 from uds_lens.sweep.worker import ModelOutcome, ShippedStage
 

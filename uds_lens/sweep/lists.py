@@ -1,4 +1,5 @@
-"""What to sweep: model lists, the shipped registries and the checks on result names."""
+"""What to sweep: model lists, the shipped registries and the checks on result names (which may not be the sweep's
+own files, named here: :data:`SWEEP_FILES`), and :class:`SweepError`, which every module of the sweep raises."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ import pandas as pd
 
 from uds_lens.result_store import check_result_name
 from uds_lens.scoring import result_names
-from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.outputs import SWEEP_FILES
 
+# What a sweep writes in its output directory, beside one ``NAME/`` directory per model.
+SWEEP_TABLE = "sweep.csv"
+SWEEP_JSON = "sweep_eval.json"
+SCATTER_HTML = "published_scatter.html"
+# What a sweep writes next to the NAME/ directories (and `uds-lens report` adds): no model may be named like them.
+SWEEP_FILES = (SWEEP_TABLE, SWEEP_JSON, SCATTER_HTML, "report.html", "roles.json")
 REGISTRIES = {"tofu-llama-3.2-1b": "tofu_llama32_1b_registry.csv"}
 # Registry rows that are the sweep's own references, not unlearned models: left out unless asked for by method.
 ANCHOR_METHODS = ("full", "retain")
+
+
+class SweepError(RuntimeError):
+    """A sweep cannot run as asked (bad model list, unknown registry, Ray unavailable, workers that cannot start)."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ from uds_lens.data import Example
 from uds_lens.fingerprints import source_fingerprint
 from uds_lens.results import UDSResult
 from uds_lens.stage_cache import StageOne
-from uds_lens.sweep.errors import SweepError
-from uds_lens.sweep.lists import SweepModel
+from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.staging import Prepared, move_to_device, prepare_model
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ tokenizer, parent, shape, threads) is reused. A file lock (``.zoo.lock``) serial
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 
 from uds_lens import models
 from uds_lens.checkpoint import checkpoint_stamp
-from uds_lens.files import json_digest, write_atomic
+from uds_lens.files import files_digest, json_digest, write_atomic
 from uds_lens.resolve import SAFE_LOAD_KWARGS
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
@@ -72,14 +71,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_FILE = "zoo_meta.json"
-
-
-def _hash_files(paths: Sequence[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def _fingerprint(spec: ModelSpec, parent_fingerprint: str | None, context: dict[str, Any]) -> str:
@@ -392,8 +383,8 @@ def _fingerprint_context(
 ) -> dict[str, Any]:
     """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base)."""
     context = {
-        "data": _hash_files([paths["forget"], paths["retain"], paths["holdout"]]),
-        "tokenizer": _hash_files([tokenizer_dir / "tokenizer.json"]),
+        "data": files_digest([paths["forget"], paths["retain"], paths["holdout"]], length=16),
+        "tokenizer": files_digest([tokenizer_dir / "tokenizer.json"], length=16),
         "shape": asdict(size.shape),
         "threads": threads,
     }

@@ -12,7 +12,6 @@ documentation build does not run them a second time. A notebook whose cell fails
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import re
@@ -21,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from uds_lens.files import bytes_digest
+
 logger = logging.getLogger(__name__)
 
 # The parameter cell's switch: True runs a few examples and models (minutes on a CPU), False the full notebook.
@@ -28,11 +29,6 @@ FAST_LINE = re.compile(r"^FAST\s*=\s*(True|False)\b", flags=re.MULTILINE)
 CELL_TIMEOUT_S = 900
 # Where an executed copy records the notebook it was executed from.
 METADATA_KEY = "uds_lens"
-
-
-def source_digest(path: Path) -> str:
-    """SHA-256 of a notebook file's bytes: an executed copy is current while its source still has this digest."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def execute(path: Path, workdir: Path, timeout: int = CELL_TIMEOUT_S) -> Any:
@@ -64,7 +60,10 @@ def write_copy(notebook: Any, source: Path, out_dir: Path) -> Path:
     concurrent reader sees the old copy or the new one)."""
     import nbformat
 
-    notebook.metadata[METADATA_KEY] = {"source": Path(source).name, "source_sha256": source_digest(source)}
+    notebook.metadata[METADATA_KEY] = {
+        "source": Path(source).name,
+        "source_sha256": bytes_digest(Path(source).read_bytes()),
+    }
     target = copy_path(source, out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as handle:
@@ -84,7 +83,7 @@ def is_current(source: Path, out_dir: Path) -> bool:
         stamp = nbformat.read(target, as_version=4).metadata.get(METADATA_KEY, {})
     except Exception:  # a truncated or foreign file: execute again
         return False
-    return bool(stamp.get("source_sha256") == source_digest(source))
+    return bool(stamp.get("source_sha256") == bytes_digest(Path(source).read_bytes()))
 
 
 def ensure_executed(notebooks: Sequence[Path], out_dir: Path) -> list[Path]:

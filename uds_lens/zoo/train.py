@@ -26,6 +26,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from uds_lens.data import Example, build_prompt
+from uds_lens.readout import label_logprobs
 
 from .tokenizer import format_prompt, format_target
 
@@ -124,11 +125,12 @@ def sequence_logprobs(
     shifted_logits = logits[:, :-1].float()
     shifted_labels = labels[:, 1:]
     mask = shifted_labels != IGNORE_INDEX
-    token_logprobs = (
-        torch.log_softmax(shifted_logits, dim=-1)
-        .gather(-1, shifted_labels.clamp(min=0).unsqueeze(-1))
-        .squeeze(-1)
-    )
+    # the log-softmax form on fp32 logits (label_logprobs' published-compat path): the numbers the zoo was trained with
+    token_logprobs = label_logprobs(
+        shifted_logits.reshape(-1, shifted_logits.shape[-1]),
+        shifted_labels.clamp(min=0).reshape(-1),
+        upcast=False,
+    ).view(shifted_labels.shape)
     summed = (token_logprobs * mask).sum(dim=-1)
     return summed, mask.sum(dim=-1).float()
 
