@@ -250,7 +250,9 @@ def main() -> None:
         if args.detail:
             for file, source, name in pairs:
                 print(f"    {file}: {name} from {source}")
-    print(f"attribute reads (module.name) through a module that does not define the name: {len(by_attribute)}")
+    print(
+        f"attribute reads (module.name) through a module that does not define the name: {len(by_attribute)}"
+    )
     if args.detail:
         for file, source, name in by_attribute:
             print(f"    {file}: {source}.{name}")
