@@ -223,8 +223,9 @@ def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code(
     assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.manifest']"
 
 
-def test_moved_names_stay_importable_from_models():
-    """resolve.py and checkpoint.py hold what models.py held; `from uds_lens.models import X` keeps working."""
+def test_moved_names_have_one_home():
+    """resolve.py and checkpoint.py hold what models.py held, and only they: models re-exports none of it (an
+    import names the module that defines the name)."""
     from uds_lens import checkpoint, models, resolve
 
     for name in (
@@ -235,6 +236,25 @@ def test_moved_names_stay_importable_from_models():
         "describe",
         "model_name",
     ):
-        assert getattr(models, name) is getattr(resolve, name)
+        assert hasattr(resolve, name) and name not in models.__all__
     for name in ("model_fingerprint", "named_weights", "checkpoint_stamp"):
-        assert getattr(models, name) is getattr(checkpoint, name)
+        assert hasattr(checkpoint, name) and not hasattr(models, name)
+
+
+def test_a_checkpoint_argument_is_resolved_once_per_load(tiny, monkeypatch):
+    """load_model resolves its argument once and hands the resolved source to the config, weights and tokenizer
+    loaders; given a source resolved already, it resolves nothing."""
+    from uds_lens import models, resolve
+
+    resolved = []
+    real = resolve.resolve_zoo_name
+    monkeypatch.setattr(
+        resolve, "resolve_zoo_name", lambda path_or_id: resolved.append(path_or_id) or real(path_or_id)
+    )
+    model = models.load_model(str(tiny.full), dtype="float32", device="cpu")
+    assert resolved == [str(tiny.full)]
+    assert model.uds_source == str(tiny.full)
+    source = resolve.resolve_source(str(tiny.full))
+    resolved.clear()
+    again = models.load_model(source, dtype="float32", device="cpu")
+    assert resolved == [] and again.uds_source == str(tiny.full)
