@@ -122,26 +122,26 @@ def checkpoint_tokenizer(path_or_id: CheckpointRef | None) -> PreTrainedTokenize
 def _tokenizer_and_digest(
     source: CheckpointSource | None,
 ) -> tuple[PreTrainedTokenizerBase | None, str | None]:
-    directory = source.location if source is not None and source.kind == "directory" else None
-    digest = tokenizer_files_digest(directory) if directory is not None else None
-    if directory is None or digest is None:
+    if source is None or source.kind != "directory":
+        return None, None
+    digest = tokenizer_files_digest(source.location)
+    if digest is None:
         return None, None
     if digest not in _TOKENIZERS:
         try:
-            _TOKENIZERS[digest] = models.load_tokenizer(directory)
+            _TOKENIZERS[digest] = models.read_tokenizer(source)
         except (ModelLoadError, OSError, ValueError, TypeError):
             return None, None
     return _TOKENIZERS[digest], digest
 
 
-def identity_of_checkpoint(path_or_id: CheckpointRef, role: str) -> ModelIdentity:
+def identity_of_checkpoint(source: CheckpointSource, role: str) -> ModelIdentity:
     """A checkpoint's identity from its config and tokenizer files, without building the model; its config's size
     is checked against its weight files first (``weights.check_config_size``), so a config describing another model
     is refused here."""
-    label = f"{role} ({path_or_id})"
-    source = resolve_source(path_or_id)
-    config = models.load_hf_config(source)
-    models.check_supported(config, str(path_or_id))
+    label = f"{role} ({source})"
+    config = models.read_config(source)
+    models.check_supported(config, str(source))
     shapes: dict[str, tuple[int, ...]] = {}
     if source.kind == "directory":
         with models.loader_errors(source, "weights"):

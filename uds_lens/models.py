@@ -222,7 +222,11 @@ def _check_gguf(source: CheckpointSource) -> None:
 
 def load_hf_config(path_or_id: CheckpointRef) -> PretrainedConfig:
     """The Hugging Face config of a checkpoint (directory, ``.gguf`` or hub id), offline for local sources."""
-    source = resolve_source(path_or_id)
+    return read_config(resolve_source(path_or_id))
+
+
+def read_config(source: CheckpointSource) -> PretrainedConfig:
+    """:func:`load_hf_config` of a checkpoint resolved already."""
     if source.kind == "gguf":
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
@@ -251,8 +255,8 @@ def load_hf_model(
     """A Hugging Face causal LM of a supported family in eval mode (local sources are read offline).
 
     Args:
-        path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one), hub id, ``zoo:NAME``,
-            or its :class:`~uds_lens.resolve.CheckpointSource` (resolved already).
+        path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one), hub id or
+            ``zoo:NAME`` (resolved here, once; :func:`read_hf_model` takes a source resolved already).
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
@@ -260,11 +264,23 @@ def load_hf_model(
         state_dict: the weights, already in memory (a sweep's staged read); only the config is read from the
             checkpoint then.
     """
+    source = resolve_source(path_or_id)
+    return read_hf_model(source, dtype, device, quantization, attn_implementation, state_dict)
+
+
+def read_hf_model(
+    source: CheckpointSource,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    quantization: BitsAndBytesConfig | None = None,
+    attn_implementation: str | None = None,
+    state_dict: dict[str, Tensor] | None = None,
+) -> PreTrainedModel:
+    """:func:`load_hf_model` of a checkpoint resolved already."""
     device = device or default_device()
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    source = resolve_source(path_or_id)
-    hf_config = load_hf_config(source)
+    hf_config = read_config(source)
     check_supported(hf_config, source.path_or_id)
     first: str | None
     first, kwargs = source.from_pretrained_args()
@@ -452,16 +468,25 @@ def load_model(
     hashes each checkpoint once), used instead of reading its weight files (the config and tokenizer are still read
     from the checkpoint).
     """
+    return read_model(resolve_source(path_or_id), dtype, device, tensors)
+
+
+def read_model(
+    source: CheckpointSource,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
+) -> TransformerBridge:
+    """:func:`load_model` of a checkpoint resolved already."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    source = resolve_source(path_or_id)  # once: what follows is handed the resolved source
     # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
     # (a bridge of an older release, a traceback) leaves the device now.
     gc.collect()
     with loader_errors(source):
         if source.kind == "directory":
             _check_shards(Path(source.location))
-        hf_model = load_hf_model(
+        hf_model = read_hf_model(
             source,
             dtype=torch_dtype,
             device=device,
@@ -471,7 +496,7 @@ def load_model(
     tokenizer = None
     if source.kind == "directory":
         try:
-            tokenizer = load_tokenizer(source)
+            tokenizer = read_tokenizer(source)
         except (ModelLoadError, OSError, ValueError, TypeError):
             tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
     model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=source.path_or_id, keep=False)
@@ -501,9 +526,10 @@ def load(
         TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
     """
     if isinstance(model, (str, os.PathLike)):
+        source = resolve_source(model)
         if hooked:
-            return load_model(model, dtype=dtype, device=device)
-        return load_hf_model(model, dtype=dtype, device=device, quantization=quantization)
+            return read_model(source, dtype=dtype, device=device)
+        return read_hf_model(source, dtype=dtype, device=device, quantization=quantization)
     if is_tl_model(model):
         return model
     if hasattr(model, "config"):
@@ -520,7 +546,11 @@ def load_tokenizer(path_or_id: CheckpointRef) -> PreTrainedTokenizerBase:
     For a ``.gguf`` file, ``transformers`` rebuilds the tokenizer from the file's vocabulary (slow: seconds);
     ``gguf_to_hf`` saves it once as a regular directory.
     """
-    source = resolve_source(path_or_id, weights=False)
+    return read_tokenizer(resolve_source(path_or_id, weights=False))
+
+
+def read_tokenizer(source: CheckpointSource) -> PreTrainedTokenizerBase:
+    """:func:`load_tokenizer` of a checkpoint resolved already."""
     first, kwargs = source.from_pretrained_args()
     with loader_errors(source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
@@ -540,8 +570,8 @@ def gguf_to_hf(gguf_path: CheckpointRef, out_dir: str | os.PathLike) -> Path:
     if source.kind != "gguf":
         raise ModelLoadError(f"{gguf_path} is not a .gguf file (nor a directory holding exactly one).")
     out = Path(out_dir).expanduser()
-    hf_model = load_hf_model(source, dtype=torch.float32, device="cpu")
-    tokenizer = load_tokenizer(source)
+    hf_model = read_hf_model(source, dtype=torch.float32, device="cpu")
+    tokenizer = read_tokenizer(source)
     tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
@@ -643,6 +673,10 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "loader_errors",
+    "read_config",
+    "read_hf_model",
+    "read_model",
+    "read_tokenizer",
     "release_model",
     "resolve_dtype",
 ]
