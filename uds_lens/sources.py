@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 from einops import rearrange
@@ -231,6 +231,10 @@ class NF4Source(HookedSource):
         return hooked_from_hf(plain, dtype=dtype, device=device, name=self.name)
 
 
+SourceLike: TypeAlias = ModelLike | ActivationSource
+"""What :func:`as_source` reads: a model, or its :class:`ActivationSource` (returned as it is)."""
+
+
 def is_quantised(model: ModelLike) -> bool:
     """True for a Hugging Face model loaded with a quantisation config (bitsandbytes NF4, ...)."""
     return bool(
@@ -242,7 +246,7 @@ def is_quantised(model: ModelLike) -> bool:
 def as_source(model: object) -> ActivationSource:
     """The :class:`ActivationSource` of a model: a TransformerLens model, or a Hugging Face causal LM (NF4 too),
     which is wrapped as a ``TransformerBridge`` once (the bridge is kept on the model). It takes any object
-    (:data:`~uds_lens.tl_compat.ModelLike` or an ``ActivationSource``): what is neither is refused by name.
+    (:data:`SourceLike`): what is neither is refused by name.
 
     Raises:
         TypeError: for anything else, naming the model (a Hugging Face model of a family uds_lens does not
@@ -298,6 +302,7 @@ __all__ = [
     "ActivationSource",
     "HookedSource",
     "NF4Source",
+    "SourceLike",
     "as_source",
     "hook_name",
     "is_quantised",
