@@ -5,8 +5,10 @@ checkpoint is read from a local Hugging Face directory (``config.json`` + weight
 holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
 model type must be one uds_lens supports, and two models are only accepted together when their architecture and
 vocabulary match. Which checkpoint an argument names (and what a model is called) is decided first, without the
-network, by :mod:`uds_lens.resolve`; the identity of a checkpoint or of a model's weights is
-:mod:`uds_lens.checkpoint`. Both modules' names stay importable from here.
+network, by :mod:`uds_lens.resolve`, once: each ``load_*`` resolves its argument and hands the resolved
+``CheckpointSource`` to its ``read_*``, which reads the config, weights and tokenizer from it (a source resolved
+already is returned as it is by ``resolve_source``). The identity of a checkpoint or of a model's weights is
+:mod:`uds_lens.checkpoint`.
 
 A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
 (``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its

@@ -6,8 +6,10 @@ holding exactly one), a zoo model (``zoo:NAME``, :func:`resolve_zoo_name`, read 
 a string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any hub
 request. A hub id is looked up once: when the hub cannot be reached (one request, :func:`hub_reachable`), loading
 fails with one line, or reads the local Hugging Face cache where the model is there, instead of retrying for half a
-minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads. :func:`describe`
-and :func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
+minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads, and hands each back
+resolved: a :class:`CheckpointSource` stands for its argument (a path-like object whose path is the argument as
+given), so it is passed down in the argument's place and nothing below resolves it again. :func:`describe` and
+:func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ _HUB_ID = re.compile(
 )
 
 
-CheckpointRef: TypeAlias = "str | os.PathLike[str]"
+CheckpointRef: TypeAlias = str | os.PathLike[str]
 """A checkpoint argument: a Hugging Face directory, a ``.gguf`` file (or a directory holding one), a hub id,
 ``zoo:NAME``, or a :class:`CheckpointSource` (one resolved already)."""
 
