@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 import xxhash
-from torch import Tensor
+from torch import Tensor, nn
 
-from uds_lens.tl_compat import hf_model_of, is_hooked_transformer
+from uds_lens.tl_compat import ModelLike, hf_model_of, is_hooked_transformer, is_tl_model
 
 # What is hashed, and how: bump on any change, so old identities never match new ones.
 DIGEST_VERSION = 2
@@ -299,21 +299,23 @@ def stage(path: str | os.PathLike, pin_memory: bool = False) -> Staged:
 # Identity of a model in memory: its tensors' bytes
 
 
-def named_weights(model: Any) -> list[tuple[str, Tensor]]:
+def named_weights(model: ModelLike | nn.Module) -> list[tuple[str, Tensor]]:
     """The tensors a fingerprint hashes, by name: a Hugging Face model's parameters under their Hugging Face names
     (a bridge's are its Hugging Face model's: the bridge wraps each module in one holding it as
-    ``_original_component``, a segment dropped here, and parameters the bridge added are left out), or a
-    ``HookedTransformer``'s state dict."""
+    ``_original_component``, a segment dropped here, and parameters the bridge added are left out), a
+    ``HookedTransformer``'s state dict, or any other module's parameters."""
     if is_hooked_transformer(model):
         return [(name, value) for name, value in model.state_dict().items() if torch.is_tensor(value)]
-    hf = hf_model_of(model) or model
+    hf = _weights_owner(model)
     own = hf.__dict__.get("_uds_weight_names")
     named = [(name.replace("._original_component", ""), param) for name, param in hf.named_parameters()]
     return [(name, param) for name, param in named if own is None or name in own]
 
 
 # model_fingerprint's digests, per model object (dropped with it), each with the identity of the weights it hashed.
-_FINGERPRINTS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary[ModelLike | nn.Module, tuple[tuple[Any, ...], str]] = (
+    weakref.WeakKeyDictionary()
+)
 _FINGERPRINTS_LOCK = threading.Lock()
 
 
@@ -330,7 +332,7 @@ def _weights_identity(weights: list[tuple[str, Tensor]]) -> tuple[Any, ...] | No
         return None
 
 
-def model_fingerprint(model: Any) -> str:
+def model_fingerprint(model: ModelLike | nn.Module) -> str:
     """A digest of every weight's bytes (not the path): any change to any weight changes it.
 
     A bridge and the Hugging Face model it wraps have the same fingerprint (their tensors are the same), on every
@@ -355,10 +357,16 @@ def model_fingerprint(model: Any) -> str:
     return fingerprint
 
 
-def _fingerprint_owner(model: Any) -> Any:
+def _weights_owner(model: ModelLike | nn.Module) -> ModelLike | nn.Module:
+    """The model whose weights :func:`named_weights` reads: a bridge's Hugging Face model, any other model itself."""
+    hf = hf_model_of(model) if is_tl_model(model) else None
+    return model if hf is None else hf
+
+
+def _fingerprint_owner(model: ModelLike | nn.Module) -> ModelLike | nn.Module | None:
     """The object whose weights :func:`named_weights` reads (a bridge's Hugging Face model), if it can be weakly
     referenced."""
-    owner = model if is_hooked_transformer(model) else hf_model_of(model) or model
+    owner = model if is_hooked_transformer(model) else _weights_owner(model)
     try:
         weakref.ref(owner)
     except TypeError:
@@ -366,7 +374,7 @@ def _fingerprint_owner(model: Any) -> Any:
     return owner
 
 
-def forget_fingerprint(model: Any) -> None:
+def forget_fingerprint(model: ModelLike | nn.Module) -> None:
     """Drop the memoised fingerprint of ``model`` (after changing its weights through ``tensor.data``)."""
     owner = _fingerprint_owner(model)
     if owner is not None:

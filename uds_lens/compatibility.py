@@ -25,15 +25,18 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from uds_lens import models
 from uds_lens.checkpoint import stored_shapes
-from uds_lens.resolve import ModelLoadError, describe, resolve_source, resolve_zoo_name
-from uds_lens.tl_compat import hf_model_of, is_hooked_transformer
+from uds_lens.resolve import CheckpointRef, CheckpointSource, ModelLoadError, describe, resolve_source
+from uds_lens.tl_compat import ModelLike, hf_model_of, is_hooked_transformer, is_tl_model
 from uds_lens.weights import check_config_size
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class ModelIdentity:
     label: str
     model_type: str | None
     signature: models.ArchitectureSignature
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     tokenizer_files: str | None = None
     tensors: dict[str, tuple[int, ...]] | None = None
 
@@ -81,7 +84,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 # Tokenizers already read, by the digest of their files: a sweep reads each distinct tokenizer once.
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}
 
 
 def tokenizer_files_digest(directory: str | os.PathLike) -> str | None:
@@ -97,44 +100,48 @@ def tokenizer_files_digest(directory: str | os.PathLike) -> str | None:
     return hasher.hexdigest()
 
 
-def _local_directory(path_or_id: Any) -> str | None:
+def _local_source(path_or_id: object) -> CheckpointSource | None:
+    """The resolved source of a checkpoint reference on this machine; None for anything else (a hub id is checked
+    once loaded: a check fetches nothing), or for what names no checkpoint (its loader says so, where it loads)."""
     if not isinstance(path_or_id, (str, os.PathLike)):
         return None
     try:
-        source = resolve_source(resolve_zoo_name(path_or_id))
+        source = resolve_source(path_or_id)
     except ModelLoadError:
         return None
-    return source.location if source.kind == "directory" else None
+    return source if source.local else None
 
 
-def checkpoint_tokenizer(path_or_id: Any) -> Any:
+def checkpoint_tokenizer(path_or_id: CheckpointRef | None) -> PreTrainedTokenizerBase | None:
     """A local checkpoint directory's own tokenizer, or None: a checkpoint without tokenizer files, a ``.gguf``
     (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check). Read once per
     distinct set of tokenizer files."""
-    return _tokenizer_and_digest(path_or_id)[0]
+    return _tokenizer_and_digest(_local_source(path_or_id))[0]
 
 
-def _tokenizer_and_digest(path_or_id: Any) -> tuple[Any, str | None]:
-    directory = _local_directory(path_or_id)
-    digest = tokenizer_files_digest(directory) if directory is not None else None
-    if directory is None or digest is None:
+def _tokenizer_and_digest(
+    source: CheckpointSource | None,
+) -> tuple[PreTrainedTokenizerBase | None, str | None]:
+    if source is None or source.kind != "directory":
+        return None, None
+    digest = tokenizer_files_digest(source.location)
+    if digest is None:
         return None, None
     if digest not in _TOKENIZERS:
         try:
-            _TOKENIZERS[digest] = models.load_tokenizer(directory)
+            _TOKENIZERS[digest] = models.read_tokenizer(source)
         except (ModelLoadError, OSError, ValueError, TypeError):
             return None, None
     return _TOKENIZERS[digest], digest
 
 
-def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIdentity:
+def identity_of_checkpoint(source: CheckpointSource, role: str) -> ModelIdentity:
     """A checkpoint's identity from its config and tokenizer files, without building the model; its config's size
     is checked against its weight files first (``weights.check_config_size``), so a config describing another model
     is refused here."""
-    label = f"{role} ({path_or_id})"
-    config = models.load_hf_config(path_or_id)
-    models.check_supported(config, str(path_or_id))
-    source = resolve_source(resolve_zoo_name(path_or_id))
+    label = f"{role} ({source})"
+    config = models.read_config(source)
+    models.check_supported(config, str(source))
     shapes: dict[str, tuple[int, ...]] = {}
     if source.kind == "directory":
         with models.loader_errors(source, "weights"):
@@ -147,26 +154,29 @@ def identity_of_checkpoint(path_or_id: str | os.PathLike, role: str) -> ModelIde
         label,
         getattr(config, "model_type", None),
         models.ArchitectureSignature.of_config(config),
-        *_tokenizer_and_digest(path_or_id),
+        *_tokenizer_and_digest(source),
         tensors=shapes or None,
     )
 
 
-def identity_of_model(model: Any, role: str, tokenizer: Any = None) -> ModelIdentity:
+def identity_of_model(
+    model: ModelLike, role: str, tokenizer: PreTrainedTokenizerBase | None = None
+) -> ModelIdentity:
     """A loaded model's identity; ``tokenizer`` defaults to its checkpoint's own (``model.uds_source``)."""
     name = describe(model)
     digest = None
     if tokenizer is None:
-        tokenizer, digest = _tokenizer_and_digest(getattr(model, "uds_source", None))
+        tokenizer, digest = _tokenizer_and_digest(_local_source(getattr(model, "uds_source", None)))
     model_type = None
     if not is_hooked_transformer(model):
-        model_type = getattr((hf_model_of(model) or model).config, "model_type", None)
+        hf = hf_model_of(model) if is_tl_model(model) else model
+        model_type = getattr(getattr(hf, "config", None), "model_type", None)
     return ModelIdentity(
         f"{role} ({name})", model_type, models.ArchitectureSignature.of(model), tokenizer, digest
     )
 
 
-def _merges(tokenizer: Any) -> list[str] | None:
+def _merges(tokenizer: PreTrainedTokenizerBase) -> list[str] | None:
     """A BPE tokenizer's merges as ``"a b"`` strings (tokenizers writes them as strings or as pairs), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -177,7 +187,7 @@ def _merges(tokenizer: Any) -> list[str] | None:
     return [" ".join(pair) if isinstance(pair, list) else str(pair) for pair in merges]
 
 
-def tokenizer_differences(first: Any, second: Any) -> list[str]:
+def tokenizer_differences(first: PreTrainedTokenizerBase, second: PreTrainedTokenizerBase) -> list[str]:
     """What makes two tokenizers encode text into ids that mean different tokens, in words (empty: none)."""
     differences = []
     vocab_a, vocab_b = first.get_vocab(), second.get_vocab()
@@ -271,7 +281,10 @@ def check_identities(reference: ModelIdentity, others: Iterable[ModelIdentity]) 
 
 
 def check_checkpoints(
-    full: Any, retain: Any, unlearned: Sequence[tuple[str, Any]] = (), skip_unreadable: bool = False
+    full: object,
+    retain: object,
+    unlearned: Sequence[tuple[str, object]] = (),
+    skip_unreadable: bool = False,
 ) -> None:
     """Before anything is loaded: full, retain and every unlearned model given as a checkpoint reference are one
     family with one tokenizer and one shape. Models already in memory are left to :func:`check_loaded`, and nothing
@@ -286,15 +299,18 @@ def check_checkpoints(
         models.ModelMismatchError: naming every model that differs from full, and what differs.
         ModelLoadError: a checkpoint whose config cannot be read, or does not match its weight files.
     """
-    if not _is_local(full):
+    full_source = _local_source(full)
+    if full_source is None:
         return
-    reference = identity_of_checkpoint(full, "full")
-    others = [identity_of_checkpoint(retain, "retain")] if _is_local(retain) else []
+    reference = identity_of_checkpoint(full_source, "full")
+    retain_source = _local_source(retain)
+    others = [identity_of_checkpoint(retain_source, "retain")] if retain_source is not None else []
     for name, model in unlearned:
-        if not _is_local(model):
+        source = _local_source(model)
+        if source is None:
             continue
         try:
-            others.append(identity_of_checkpoint(model, f"unlearned {name}"))
+            others.append(identity_of_checkpoint(source, f"unlearned {name}"))
         except ModelLoadError as error:
             if not skip_unreadable:
                 raise
@@ -302,17 +318,7 @@ def check_checkpoints(
     check_identities(reference, others)
 
 
-def _is_local(model: Any) -> bool:
-    """A checkpoint reference on this machine (a hub id is checked once loaded: a check fetches nothing)."""
-    if not isinstance(model, (str, os.PathLike)):
-        return False
-    try:
-        return resolve_source(resolve_zoo_name(model)).local
-    except ModelLoadError:
-        return False  # not a checkpoint at all: its loader says so, in its own words, where it is loaded
-
-
-def check_loaded(reference: ModelIdentity, model: Any, role: str) -> None:
+def check_loaded(reference: ModelIdentity, model: ModelLike, role: str) -> None:
     """A loaded model against full's identity (``UDSAuditor`` checks retain and each unlearned model with it)."""
     check_identities(reference, [identity_of_model(model, role)])
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -31,6 +31,9 @@ from torch import Tensor
 
 from uds_lens import display, uds
 from uds_lens.config import DEFAULT_TAU, Engine
+
+if TYPE_CHECKING:  # drawing only: core modules import no plotly
+    import plotly.graph_objects as go
 
 HEAD_TAU = 0.01
 """KE threshold of head patching, in nats (SPEC 2: stated separately from the residual stream's ``tau``)."""
@@ -217,7 +220,9 @@ class ComponentResult:
             }
         )
 
-    def figure(self, value: str = "component_uds", idx: int | None = None, title: str | None = None) -> Any:
+    def figure(
+        self, value: str = "component_uds", idx: int | None = None, title: str | None = None
+    ) -> go.Figure:
         """Heatmap ``layer x component`` (``px.imshow``, y = layer); every cell's hover says what it rests on.
 
         Args:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from uds_lens import display
 from uds_lens.uds import clipped_mask
+
+if TYPE_CHECKING:  # drawing only: core modules import no plotly
+    import plotly.graph_objects as go
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class ExampleView:
         header = ["layer", "d1", "d2", "KE", "LER", "clipped"]
         return display.html_table(self._headline(), header, rows, notes)
 
-    def figure(self, title: str | None = None) -> Any:
+    def figure(self, title: str | None = None) -> go.Figure:
         """``plotting.example_curves``: d1 solid, d2 dashed, KE layers shaded, UDS in the title."""
         from uds_lens.plotting.curves import example_curves  # drawing only: core modules import no plotly
 

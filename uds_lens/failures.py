@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from uds_lens.checkpoint import named_weights
 from uds_lens.data import EncodedExample
 from uds_lens.sources import as_source
+from uds_lens.tl_compat import ModelLike
 
 
 class NonFiniteScoreError(FloatingPointError):
     """A model produced NaN/inf scores: the message names the model, the examples, the first layer and the fix."""
 
 
-def _first_nonfinite_layer(model: nn.Module, example: EncodedExample) -> int | None:
+def _first_nonfinite_layer(model: ModelLike, example: EncodedExample) -> int | None:
     """The first block whose output (``resid_post``) is non-finite on ``example``, or None when all are finite."""
     source = as_source(model)
     n_layers = source.n_layers
@@ -29,7 +29,7 @@ def _first_nonfinite_layer(model: nn.Module, example: EncodedExample) -> int | N
     return bad[0] if bad else None
 
 
-def _first_nonfinite_parameter(model: nn.Module) -> str | None:
+def _first_nonfinite_parameter(model: ModelLike) -> str | None:
     # parameters only (buffers such as an attention mask's -inf are on purpose), by their Hugging Face names
     for name, tensor in named_weights(model):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -38,7 +38,7 @@ def _first_nonfinite_parameter(model: nn.Module) -> str | None:
 
 
 def nonfinite_error(
-    model: nn.Module,
+    model: ModelLike,
     role: str,
     label: str | None,
     what: str,

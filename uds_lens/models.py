@@ -5,8 +5,10 @@ checkpoint is read from a local Hugging Face directory (``config.json`` + weight
 holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
 model type must be one uds_lens supports, and two models are only accepted together when their architecture and
 vocabulary match. Which checkpoint an argument names (and what a model is called) is decided first, without the
-network, by :mod:`uds_lens.resolve`; the identity of a checkpoint or of a model's weights is
-:mod:`uds_lens.checkpoint`. Both modules' names stay importable from here.
+network, by :mod:`uds_lens.resolve`, once: each ``load_*`` resolves its argument and hands the resolved
+``CheckpointSource`` to its ``read_*``, which reads the config, weights and tokenizer from it (a source resolved
+already is returned as it is by ``resolve_source``). The identity of a checkpoint or of a model's weights is
+:mod:`uds_lens.checkpoint`.
 
 A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
 (``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its
@@ -27,7 +29,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
@@ -43,13 +45,14 @@ from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPE
 from uds_lens.files import staging_path
 from uds_lens.resolve import (
     SAFE_LOAD_KWARGS,
+    CheckpointRef,
     CheckpointSource,
     ModelLoadError,
     hub_error,
     resolve_source,
-    resolve_zoo_name,
 )
 from uds_lens.tl_compat import (
+    ModelLike,
     TransformerBridge,
     bridge_from_hf,
     hf_model_of,
@@ -57,6 +60,15 @@ from uds_lens.tl_compat import (
     is_tl_model,
 )
 from uds_lens.weights import check_config_size, check_loading_info
+
+if TYPE_CHECKING:
+    from transformers import (
+        BitsAndBytesConfig,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +222,13 @@ def _check_gguf(source: CheckpointSource) -> None:
         )
 
 
-def load_hf_config(path_or_id: str | os.PathLike) -> Any:
+def load_hf_config(path_or_id: CheckpointRef) -> PretrainedConfig:
     """The Hugging Face config of a checkpoint (directory, ``.gguf`` or hub id), offline for local sources."""
-    source = resolve_source(path_or_id)
+    return read_config(resolve_source(path_or_id))
+
+
+def read_config(source: CheckpointSource) -> PretrainedConfig:
+    """:func:`load_hf_config` of a checkpoint resolved already."""
     if source.kind == "gguf":
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
@@ -220,7 +236,7 @@ def load_hf_config(path_or_id: str | os.PathLike) -> Any:
         return AutoConfig.from_pretrained(first, **kwargs)
 
 
-def check_supported(hf_config: Any, name: str) -> None:
+def check_supported(hf_config: PretrainedConfig, name: str) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = getattr(hf_config, "architectures", None)
@@ -231,17 +247,18 @@ def check_supported(hf_config: Any, name: str) -> None:
 
 
 def load_hf_model(
-    path_or_id: str | os.PathLike,
+    path_or_id: CheckpointRef,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-    quantization: Any = None,
+    quantization: BitsAndBytesConfig | None = None,
     attn_implementation: str | None = None,
     state_dict: dict[str, Tensor] | None = None,
-) -> Any:
+) -> PreTrainedModel:
     """A Hugging Face causal LM of a supported family in eval mode (local sources are read offline).
 
     Args:
-        path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one) or hub id.
+        path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one), hub id or
+            ``zoo:NAME`` (resolved here, once; :func:`read_hf_model` takes a source resolved already).
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
@@ -249,13 +266,24 @@ def load_hf_model(
         state_dict: the weights, already in memory (a sweep's staged read); only the config is read from the
             checkpoint then.
     """
-    path_or_id = resolve_zoo_name(path_or_id)
+    source = resolve_source(path_or_id)
+    return read_hf_model(source, dtype, device, quantization, attn_implementation, state_dict)
+
+
+def read_hf_model(
+    source: CheckpointSource,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    quantization: BitsAndBytesConfig | None = None,
+    attn_implementation: str | None = None,
+    state_dict: dict[str, Tensor] | None = None,
+) -> PreTrainedModel:
+    """:func:`load_hf_model` of a checkpoint resolved already."""
     device = device or default_device()
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    source = resolve_source(path_or_id)
-    hf_config = load_hf_config(path_or_id)
-    check_supported(hf_config, str(path_or_id))
+    hf_config = read_config(source)
+    check_supported(hf_config, source.path_or_id)
     first: str | None
     first, kwargs = source.from_pretrained_args()
     loader: Any = AutoModelForCausalLM
@@ -279,7 +307,7 @@ def load_hf_model(
         model.config.architectures = [type(model).__name__]
     if quantization is None:
         model.to(device)
-    return model.eval()
+    return cast("PreTrainedModel", model.eval())
 
 
 @contextlib.contextmanager
@@ -304,11 +332,11 @@ def _quantised_placement(device: str) -> dict[str, Any]:
 
 def _check_size(
     source: CheckpointSource,
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     state_dict: dict[str, Tensor] | None,
     dtype: torch.dtype,
     device: str,
-    quantization: Any,
+    quantization: BitsAndBytesConfig | None,
 ) -> None:
     """``weights.check_config_size`` before the model is built: the config against the tensors the files (or the
     staged state dict) hold and, unless the weights are already in memory or quantised, against the free memory."""
@@ -333,7 +361,7 @@ def _check_size(
 # Hugging Face model -> TransformerBridge
 
 
-def _stand_in_tokenizer() -> Any:
+def _stand_in_tokenizer() -> PreTrainedTokenizerFast:
     """A one-token fast tokenizer for a bridge over a checkpoint that ships none (the bridge keeps a tokenizer;
     uds_lens tokenises with the checkpoint's own, ``load_tokenizer``)."""
     from tokenizers import Tokenizer
@@ -360,10 +388,10 @@ def _check_shards(directory: Path) -> None:
 
 
 def hooked_from_hf(
-    hf_model: Any,
+    hf_model: PreTrainedModel,
     dtype: torch.dtype | None = None,
     device: str | None = None,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     name: str | None = None,
     keep: bool = True,
 ) -> TransformerBridge:
@@ -385,7 +413,8 @@ def hooked_from_hf(
     if (dtype is not None and dtype != param.dtype) or (
         device is not None and torch.device(device) != param.device
     ):
-        hf_model.to(device=device or param.device, dtype=dtype or param.dtype)
+        # transformers' own decorator hides ``to``'s signature from a type checker
+        hf_model.to(device=device or param.device, dtype=dtype or param.dtype)  # type: ignore[call-arg]
     # The bridge may add parameters of its own to the model (a zero unembedding bias): the fingerprint hashes the
     # model's own weights, named before wrapping.
     object.__setattr__(
@@ -407,12 +436,13 @@ def hooked_from_hf(
     return bridge
 
 
-def _kept_bridge(hf_model: Any) -> TransformerBridge | None:
+def _kept_bridge(hf_model: PreTrainedModel) -> TransformerBridge | None:
     kept = hf_model.__dict__.get("_uds_bridge")
-    return kept() if isinstance(kept, weakref.ref) else kept
+    bridge = kept() if isinstance(kept, weakref.ref) else kept
+    return cast("TransformerBridge | None", bridge)
 
 
-def release_model(model: Any) -> None:
+def release_model(model: ModelLike) -> None:
     """Let a model's memory go as soon as the last reference to it is dropped, without a garbage collection.
 
     Drops the bridge kept on its Hugging Face model (the reference cycle model -> bridge -> model of
@@ -425,7 +455,7 @@ def release_model(model: Any) -> None:
 
 
 def load_model(
-    path_or_id: str | os.PathLike,
+    path_or_id: CheckpointRef,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     tensors: Iterable[tuple[str, Tensor]] | None = None,
@@ -440,18 +470,26 @@ def load_model(
     hashes each checkpoint once), used instead of reading its weight files (the config and tokenizer are still read
     from the checkpoint).
     """
-    path_or_id = resolve_zoo_name(path_or_id)
+    return read_model(resolve_source(path_or_id), dtype, device, tensors)
+
+
+def read_model(
+    source: CheckpointSource,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    tensors: Iterable[tuple[str, Tensor]] | None = None,
+) -> TransformerBridge:
+    """:func:`load_model` of a checkpoint resolved already."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    source = resolve_source(path_or_id)
     # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
     # (a bridge of an older release, a traceback) leaves the device now.
     gc.collect()
     with loader_errors(source):
         if source.kind == "directory":
             _check_shards(Path(source.location))
-        hf_model = load_hf_model(
-            path_or_id,
+        hf_model = read_hf_model(
+            source,
             dtype=torch_dtype,
             device=device,
             attn_implementation="eager",
@@ -460,26 +498,27 @@ def load_model(
     tokenizer = None
     if source.kind == "directory":
         try:
-            tokenizer = load_tokenizer(path_or_id)
+            tokenizer = read_tokenizer(source)
         except (ModelLoadError, OSError, ValueError, TypeError):
             tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
-    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=str(path_or_id), keep=False)
+    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=source.path_or_id, keep=False)
     # where the model came from, for result names and fingerprints (describe() reads it back)
-    setattr(model, "uds_source", str(path_or_id))  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
+    setattr(model, "uds_source", source.path_or_id)  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
     return model
 
 
 def load(
-    model: Any,
+    model: object,
     hooked: bool = True,
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
-    quantization: Any = None,
+    quantization: BitsAndBytesConfig | None = None,
     role: str = "model",
-) -> Any:
+) -> ModelLike:
     """The one way every part of uds_lens turns a model argument into a model.
 
-    A checkpoint reference (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME``) is loaded as a
+    A checkpoint reference (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME``, or a
+    :class:`~uds_lens.resolve.CheckpointSource`, resolved already) is loaded as a
     ``TransformerBridge`` (``load_model``: the patch target, and the usual source) or, with ``hooked=False``, as a
     plain Hugging Face model (``load_hf_model``: a source wrapped by ``sources.as_source``; NF4 with
     ``quantization``). A model already in memory (a bridge, a TransformerLens 3.x ``HookedTransformer``, or a
@@ -489,33 +528,40 @@ def load(
         TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
     """
     if isinstance(model, (str, os.PathLike)):
+        source = resolve_source(model)
         if hooked:
-            return load_model(model, dtype=dtype, device=device)
-        return load_hf_model(model, dtype=dtype, device=device, quantization=quantization)
-    if is_tl_model(model) or hasattr(model, "config"):
+            return read_model(source, dtype=dtype, device=device)
+        return read_hf_model(source, dtype=dtype, device=device, quantization=quantization)
+    if is_tl_model(model):
         return model
+    if hasattr(model, "config"):
+        return cast("PreTrainedModel", model)
     raise TypeError(
         f"{role} must be a checkpoint path, hub id, TransformerBridge, HookedTransformer or Hugging Face model "
         f"(got {type(model).__name__})."
     )
 
 
-def load_tokenizer(path_or_id: str | os.PathLike) -> Any:
+def load_tokenizer(path_or_id: CheckpointRef) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a checkpoint (UDS needs character offsets to locate entities).
 
     For a ``.gguf`` file, ``transformers`` rebuilds the tokenizer from the file's vocabulary (slow: seconds);
     ``gguf_to_hf`` saves it once as a regular directory.
     """
-    source = resolve_source(path_or_id, weights=False)
+    return read_tokenizer(resolve_source(path_or_id, weights=False))
+
+
+def read_tokenizer(source: CheckpointSource) -> PreTrainedTokenizerBase:
+    """:func:`load_tokenizer` of a checkpoint resolved already."""
     first, kwargs = source.from_pretrained_args()
     with loader_errors(source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return cast("PreTrainedTokenizerBase", tokenizer)
 
 
-def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def gguf_to_hf(gguf_path: CheckpointRef, out_dir: str | os.PathLike) -> Path:
     """Save a Llama ``.gguf`` checkpoint as a Hugging Face directory (fp32 safetensors + tokenizer), once.
 
     Loading a GGUF dequantises every tensor and rebuilds the tokenizer from the file (a minute for a 135M model on
@@ -526,8 +572,8 @@ def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path
     if source.kind != "gguf":
         raise ModelLoadError(f"{gguf_path} is not a .gguf file (nor a directory holding exactly one).")
     out = Path(out_dir).expanduser()
-    hf_model = load_hf_model(source.location, dtype=torch.float32, device="cpu")
-    tokenizer = load_tokenizer(source.location)
+    hf_model = read_hf_model(source, dtype=torch.float32, device="cpu")
+    tokenizer = read_tokenizer(source)
     tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a model loaded from GGUF (it counts as quantised); the dequantised tensors and a
@@ -567,14 +613,17 @@ class ArchitectureSignature:
     d_vocab: int
 
     @classmethod
-    def of(cls, model: Any) -> ArchitectureSignature:
+    def of(cls, model: ModelLike) -> ArchitectureSignature:
         if is_hooked_transformer(model):
             c = model.cfg
             return cls(c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads, c.d_head, c.d_mlp, c.d_vocab)
-        return cls.of_config((hf_model_of(model) or model).config)
+        hf = hf_model_of(model) if is_tl_model(model) else model
+        if hf is None:
+            raise TypeError(f"{type(model).__name__} wraps no Hugging Face model: its shapes are unknown.")
+        return cls.of_config(hf.config)
 
     @classmethod
-    def of_config(cls, c: Any) -> ArchitectureSignature:
+    def of_config(cls, c: PretrainedConfig) -> ArchitectureSignature:
         """The signature a Hugging Face Llama config describes (no weights needed)."""
         n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -590,7 +639,7 @@ class ArchitectureSignature:
 
 
 def check_compatible(
-    target: Any, source: Any, target_name: str = "full", source_name: str = "source"
+    target: ModelLike, source: ModelLike, target_name: str = "full", source_name: str = "source"
 ) -> None:
     """Refuse to patch between models whose architecture or vocabulary differ."""
     a, b = ArchitectureSignature.of(target), ArchitectureSignature.of(source)
@@ -626,6 +675,10 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "loader_errors",
+    "read_config",
+    "read_hf_model",
+    "read_model",
+    "read_tokenizer",
     "release_model",
     "resolve_dtype",
 ]

@@ -6,8 +6,10 @@ holding exactly one), a zoo model (``zoo:NAME``, :func:`resolve_zoo_name`, read 
 a string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any hub
 request. A hub id is looked up once: when the hub cannot be reached (one request, :func:`hub_reachable`), loading
 fails with one line, or reads the local Hugging Face cache where the model is there, instead of retrying for half a
-minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads. :func:`describe`
-and :func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
+minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads, and hands each back
+resolved: a :class:`CheckpointSource` stands for its argument (a path-like object whose path is the argument as
+given), so it is passed down in the argument's place and nothing below resolves it again. :func:`describe` and
+:func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from uds_lens.data import looks_like_local_path
 from uds_lens.files import cache_root
 from uds_lens.zoo.manifest import model_paths
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
 
 
 class ModelLoadError(RuntimeError):
@@ -44,13 +48,38 @@ _HUB_ID = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class CheckpointSource:
-    """Where a checkpoint lives, resolved once: ``kind`` is ``"directory"`` (a Hugging Face directory), ``"gguf"``
-    (``location`` is the ``.gguf`` file) or ``"hub"`` (``location`` is the hub id)."""
+CheckpointRef: TypeAlias = str | os.PathLike[str]
+"""A checkpoint argument: a Hugging Face directory, a ``.gguf`` file (or a directory holding one), a hub id,
+``zoo:NAME``, or a :class:`CheckpointSource` (one resolved already)."""
 
-    kind: str
+
+@dataclass(frozen=True)
+class CheckpointSource(os.PathLike[str]):
+    """A checkpoint argument resolved once (:func:`resolve_source`), to be passed down instead of the argument.
+
+    It stands for the argument it was resolved from: ``os.fspath`` and ``str`` give that argument as it was given
+    (``zoo:npo`` stays ``zoo:npo``), so it goes wherever a checkpoint path or hub id goes (a fingerprint, a name, a
+    loader), and :func:`resolve_source` returns it as it is instead of resolving it again.
+
+    Attributes:
+        kind: ``"directory"`` (a Hugging Face directory), ``"gguf"`` (``location`` is the ``.gguf`` file) or
+            ``"hub"`` (``location`` is the hub id).
+        location: where the checkpoint is read from.
+        path_or_id: the argument with a zoo name replaced by its directory: what a loaded model records as its
+            ``uds_source`` and loader messages name it by.
+        given: the argument as it was given.
+    """
+
+    kind: Literal["directory", "gguf", "hub"]
     location: str
+    path_or_id: str
+    given: str
+
+    def __fspath__(self) -> str:
+        return self.given
+
+    def __str__(self) -> str:
+        return self.given
 
     @property
     def local(self) -> bool:
@@ -71,11 +100,12 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith((".", "~")) or looks_like_local_path(text)
 
 
-def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> CheckpointSource:
-    """Classify a checkpoint argument without touching the network, failing at once on what cannot be one.
+def resolve_source(path_or_id: CheckpointRef, weights: bool = True) -> CheckpointSource:
+    """Classify a checkpoint argument without touching the network, failing at once on what cannot be one; a
+    :class:`CheckpointSource` is returned as it is (it was resolved already).
 
     Args:
-        path_or_id: a directory, a ``.gguf`` file, or a hub id.
+        path_or_id: a directory, a ``.gguf`` file, a hub id or ``zoo:NAME``.
         weights: a directory must hold a model (``config.json`` or one ``.gguf``); ``False`` accepts any
             directory (a tokenizer-only one).
 
@@ -83,28 +113,35 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
         ModelLoadError: a path that does not exist, a directory that is neither a Hugging Face checkpoint nor holds
             exactly one ``.gguf`` file, a file that is not ``.gguf``, or a string that is not a plausible hub id.
     """
+    if isinstance(path_or_id, CheckpointSource):
+        return path_or_id
+    given = os.fspath(path_or_id)
     path_or_id = resolve_zoo_name(path_or_id)
     text = os.fspath(path_or_id)
     path = Path(text).expanduser()
+
+    def source(kind: Literal["directory", "gguf", "hub"], location: str) -> CheckpointSource:
+        return CheckpointSource(kind, location, text, given)
+
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return CheckpointSource("gguf", str(path))
+            return source("gguf", str(path))
         raise ModelLoadError(
             f"{text} is a file but not a .gguf checkpoint. Pass a Hugging Face checkpoint directory (config.json + "
             "weights), a .gguf file, or a hub id (owner/name)."
         )
     if path.is_dir():
         if (path / "config.json").is_file():
-            return CheckpointSource("directory", str(path))
+            return source("directory", str(path))
         ggufs = sorted(p.name for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
         if len(ggufs) == 1:
-            return CheckpointSource("gguf", str(path / ggufs[0]))
+            return source("gguf", str(path / ggufs[0]))
         if ggufs:
             raise ModelLoadError(
                 f"{text} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}); pass the one you mean as a file path."
             )
         if not weights:
-            return CheckpointSource("directory", str(path))
+            return source("directory", str(path))
         raise ModelLoadError(
             f"{text} is a directory but has no config.json and no .gguf file: not a Hugging Face checkpoint."
         )
@@ -119,7 +156,7 @@ def resolve_source(path_or_id: str | os.PathLike, weights: bool = True) -> Check
             "(owner/name). Pass a local checkpoint directory, a .gguf file, or a hub id such as "
             "'meta-llama/Llama-3.2-1B'."
         )
-    return CheckpointSource("hub", text)
+    return source("hub", text)
 
 
 # How long one hub request may take, and how long its answer is trusted (a notebook that lost its connection
@@ -187,19 +224,32 @@ def _hub_or_cache(model_id: str) -> bool:
     )
 
 
-def check_sources(models: Iterable[Any]) -> None:
-    """Resolve a run's checkpoint arguments before any of them loads: a mistyped path, an implausible hub id or a
-    hub id that can be neither fetched (the hub is unreachable) nor read from the cache fails at once, in one line.
-    Models already in memory (anything but a string or path) are skipped.
+def check_source(model: M) -> M | CheckpointSource:
+    """Resolve a checkpoint argument before it loads: a mistyped path, an implausible hub id or a hub id that can be
+    neither fetched (the hub is unreachable) nor read from the cache fails at once, in one line.
+
+    Returns:
+        A checkpoint reference (a string or path) as its :class:`CheckpointSource`, to be passed down in its place
+        (it is resolved once); anything else (a model in memory, None) as it is.
+
+    Raises:
+        ModelLoadError: ``model`` cannot name a checkpoint.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    source = resolve_source(model)
+    if source.kind == "hub":
+        _hub_or_cache(source.location)
+    return source
+
+
+def check_sources(models: Iterable[M]) -> list[M | CheckpointSource]:
+    """:func:`check_source` of each of a run's model arguments, in order, before any of them loads.
 
     Raises:
         ModelLoadError: the first argument that cannot name a checkpoint.
     """
-    for model in models:
-        if isinstance(model, (str, os.PathLike)):
-            source = resolve_source(model)
-            if source.kind == "hub":
-                _hub_or_cache(source.location)
+    return [check_source(model) for model in models]
 
 
 def is_local(path_or_id: str | os.PathLike) -> bool:
@@ -269,7 +319,9 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     )
 
 
-def describe(path_or_model: Any) -> str:
+def describe(path_or_model: object) -> str:
+    """How messages and results name a model argument: a checkpoint reference as given, a loaded model by where it
+    was loaded from (``uds_source``), its Hugging Face name, or its class."""
     if isinstance(path_or_model, (str, os.PathLike)):
         return str(path_or_model)
     return (
@@ -279,7 +331,7 @@ def describe(path_or_model: Any) -> str:
     )
 
 
-def model_name(source: Any) -> str:
+def model_name(source: object) -> str:
     """Result name of a model: a directory's basename, or a hub id with ``/`` replaced by ``__``."""
     described = describe(source)
     if described.startswith(ZOO_PREFIX):
@@ -331,8 +383,10 @@ __all__ = [
     "HUB_TIMEOUT_S",
     "SAFE_LOAD_KWARGS",
     "ZOO_PREFIX",
+    "CheckpointRef",
     "CheckpointSource",
     "ModelLoadError",
+    "check_source",
     "check_sources",
     "describe",
     "hub_reachable",

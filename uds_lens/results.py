@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -58,6 +58,10 @@ from uds_lens.result_store import (
     read_verified,
 )
 from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, rescore
+
+if TYPE_CHECKING:  # type names only: this module never imports torch
+    from jaxtyping import Float
+    from torch import Tensor
 
 EXAMPLE_COLUMNS = [
     "idx",
@@ -115,18 +119,19 @@ class UDSResult:
         encoded: Sequence[EncodedExample],
         skipped: Sequence[Skip],
         layers: Sequence[int],
-        s0: Any,
-        baseline: Any,
-        s1: Any,
-        s2: Any,
+        s0: Float[Tensor, " example"],
+        baseline: Float[Tensor, "example layer"],
+        s1: Float[Tensor, "example layer"] | None,
+        s2: Float[Tensor, "example layer"],
         config: UDSConfig,
         meta: dict[str, Any],
         records: Sequence[Example] = (),
     ) -> UDSResult:
         """Tables from the stages' CPU tensors: ``s0`` (S0) ``[example]``; ``baseline``, ``s1`` (None in
         retain-free mode) and ``s2`` ``[example, layer]``, rows in ``encoded`` order. ``records`` are the forget-set
-        examples (scored and skipped), whose prompt type, question and entity the examples table shows. (Tensors are
-        annotated ``Any`` so this module, and with it ``uds-lens report``, never imports torch.)"""
+        examples (scored and skipped), whose prompt type, question and entity the examples table shows. (The tensor
+        types are a type checker's names only, so this module, and with it ``uds-lens report``, never imports
+        torch.)"""
         n, n_layers = len(encoded), len(layers)
         idx = np.repeat([e.idx for e in encoded], n_layers)
         base = baseline.numpy().reshape(-1)

@@ -17,7 +17,7 @@ from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
-from uds_lens.resolve import check_sources, model_name
+from uds_lens.resolve import check_source, model_name
 from uds_lens.result_store import check_result_name, conflict_error
 from uds_lens.results import UDSResult, check_saved, load_reusable
 
@@ -145,7 +145,10 @@ def score_models(
         check_output_dir(cache_dir, "S1 cache directory (--cache-dir)")
     check_positive_int("limit (--limit)", limit, "score every example")
     # Every checkpoint argument names a checkpoint before any loads: a mistyped path fails now, not after Stage 1.
-    check_sources([full, retain, *(model for _, model in items)])
+    # Each is resolved here, once: what follows (checks, fingerprints, loading) is handed the resolved source.
+    full = check_source(full)
+    retain = check_source(retain)
+    items = [(name, check_source(model)) for name, model in items]
     # Before any model is built: the data read and decoded, and full, retain and every unlearned checkpoint of one
     # family, tokenizer and shape (a mismatch found after Stage 1 would have cost its compute).
     if data is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 from einops import rearrange
@@ -40,7 +40,10 @@ from uds_lens.config import Site, as_site
 from uds_lens.families import SUPPORTED_MODEL_TYPES
 from uds_lens.models import hooked_from_hf
 from uds_lens.resolve import describe
-from uds_lens.tl_compat import hf_model_of, is_tl_model, unwrapped_copy
+from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of, is_bridge, is_tl_model, unwrapped_copy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def hook_name(site: str, layer: int) -> str:
@@ -55,7 +58,7 @@ class ActivationSource(ABC):
         model: The wrapped model.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: TLModel) -> None:
         self.model = model
 
     @property
@@ -165,7 +168,7 @@ class ActivationSource(ABC):
         """The model's final norm followed by its unembedding, in fp32: the decoder of the logit lens."""
 
     @abstractmethod
-    def hooked(self, dtype: torch.dtype, device: str) -> Any:
+    def hooked(self, dtype: torch.dtype, device: str) -> TLModel:
         """The model as a TransformerLens model with gradients; a loaded one is returned as is (no copy, no cast)."""
 
 
@@ -211,7 +214,7 @@ class HookedSource(ActivationSource):
         )
         return self.model.unembed(self.final_norm(batched))[0].float()
 
-    def hooked(self, dtype: torch.dtype, device: str) -> Any:
+    def hooked(self, dtype: torch.dtype, device: str) -> TLModel:
         return self.model
 
 
@@ -222,12 +225,17 @@ class NF4Source(HookedSource):
     baselines run (``hooked``) is a dequantised copy (the 4-bit-rounded weights), leaving the model itself quantised.
     """
 
-    def hooked(self, dtype: torch.dtype, device: str) -> Any:
+    def hooked(self, dtype: torch.dtype, device: str) -> TLModel:
+        assert is_bridge(self.model)  # as_source wraps a quantised Hugging Face model as a bridge
         plain = unwrapped_copy(hf_model_of(self.model)).dequantize()
         return hooked_from_hf(plain, dtype=dtype, device=device, name=self.name)
 
 
-def is_quantised(model: Any) -> bool:
+SourceLike: TypeAlias = ModelLike | ActivationSource
+"""What :func:`as_source` reads: a model, or its :class:`ActivationSource` (returned as it is)."""
+
+
+def is_quantised(model: ModelLike) -> bool:
     """True for a Hugging Face model loaded with a quantisation config (bitsandbytes NF4, ...)."""
     return bool(
         getattr(model, "is_quantized", False)
@@ -235,9 +243,10 @@ def is_quantised(model: Any) -> bool:
     )
 
 
-def as_source(model: Any) -> ActivationSource:
+def as_source(model: object) -> ActivationSource:
     """The :class:`ActivationSource` of a model: a TransformerLens model, or a Hugging Face causal LM (NF4 too),
-    which is wrapped as a ``TransformerBridge`` once (the bridge is kept on the model).
+    which is wrapped as a ``TransformerBridge`` once (the bridge is kept on the model). It takes any object
+    (:data:`SourceLike`): what is neither is refused by name.
 
     Raises:
         TypeError: for anything else, naming the model (a Hugging Face model of a family uds_lens does not
@@ -254,11 +263,14 @@ def as_source(model: Any) -> ActivationSource:
             f"Hugging Face causal LM of a supported family ({', '.join(SUPPORTED_MODEL_TYPES)}): pass a "
             "TransformerBridge (uds_lens.load_model) or a supported Hugging Face model (uds_lens.load_hf_model)."
         )
-    bridge = hooked_from_hf(model, name=describe(model))
-    return NF4Source(bridge) if is_quantised(model) else HookedSource(bridge)
+    hf_model = cast("PreTrainedModel", model)  # a causal LM of a supported family (its config says so)
+    bridge = hooked_from_hf(hf_model, name=describe(hf_model))
+    return NF4Source(bridge) if is_quantised(hf_model) else HookedSource(bridge)
 
 
-def verify_parity(hooked: Any, hf_model: Any, tokens: Int[Tensor, "batch pos"]) -> dict[str, float]:
+def verify_parity(
+    hooked: ModelLike, hf_model: PreTrainedModel, tokens: Int[Tensor, "batch pos"]
+) -> dict[str, float]:
     """Max absolute differences between a TransformerLens model's hook points and Hugging Face's own outputs.
 
     ``hf_model``'s forward with ``output_hidden_states`` is the reference (a model wrapped by a bridge computes the
@@ -290,6 +302,7 @@ __all__ = [
     "ActivationSource",
     "HookedSource",
     "NF4Source",
+    "SourceLike",
     "as_source",
     "hook_name",
     "is_quantised",

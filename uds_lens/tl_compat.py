@@ -15,7 +15,7 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, overload, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -23,9 +23,10 @@ from transformer_lens import ActivationCache  # what run_with_cache returns, on 
 from transformer_lens import patching as tl_patching  # get_act_patch_*: checks and notebooks
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.model_bridge import TransformerBridge
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from typing_extensions import TypeIs  # typing's from 3.13; a type checker's name only
 
 warnings.filterwarnings(
     "ignore",
@@ -51,31 +52,52 @@ except Exception:  # pragma: no cover - an editable or vendored TransformerLens
     TL_VERSION = "unknown"
 
 
+@runtime_checkable
+class TLConfig(Protocol):
+    """What uds_lens reads of a TransformerLens model's ``cfg`` (a bridge's ``TransformerBridgeConfig``, a 3.x
+    ``HookedTransformerConfig``): the shapes, where and in what dtype it computes, and whether attention keeps its
+    per-head outputs (``use_attn_result``, set by :func:`attn_result` on a ``HookedTransformer``)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_key_value_heads: int | None
+    d_head: int
+    d_mlp: int | None
+    d_vocab: int
+    n_ctx: int
+    dtype: torch.dtype
+    device: str | None
+    use_attn_result: bool
+
+
+@runtime_checkable
 class TLModel(Protocol):
     """What uds_lens uses of a TransformerLens model: a ``TransformerBridge`` (3.9 and 4.x) or, on 3.x, a
     ``HookedTransformer``. Every model parameter of the core is typed with it (or :data:`ModelLike` where a Hugging
     Face model is taken too).
 
-    Members are typed loosely on purpose, as TransformerLens 4's own ``TransformerLensModel`` protocol is: the two
-    kinds differ in signature detail (a bridge builds its compatibility names at run time) but agree in use. What a
-    member returns is read by attribute (``cfg.n_layers``, ``blocks[l].attn``), so those are ``Any``; tensors are
-    tensors.
+    Members are typed as loosely as the two kinds differ, as TransformerLens 4's own ``TransformerLensModel``
+    protocol is: a bridge builds its compatibility names at run time, and its forward returns what ``return_type``
+    asks for, so ``blocks`` (read by attribute path, ``blocks[l].attn.hook_z``) and the forwards' returns are
+    ``Any``; the configuration, the modules and the tensors are typed. Runtime-checkable (every member present), so
+    the test suite's runtime type checks hold a model to it.
     """
 
     @property
-    def cfg(self) -> Any: ...
+    def cfg(self) -> TLConfig: ...
 
     @property
     def blocks(self) -> Any: ...
 
     @property
-    def embed(self) -> Any: ...
+    def embed(self) -> torch.nn.Module: ...
 
     @property
-    def ln_final(self) -> Any: ...
+    def ln_final(self) -> torch.nn.Module: ...
 
     @property
-    def unembed(self) -> Any: ...
+    def unembed(self) -> torch.nn.Module: ...
 
     @property
     def W_U(self) -> Tensor: ...
@@ -84,7 +106,7 @@ class TLModel(Protocol):
     def b_U(self) -> Tensor: ...
 
     @property
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> PreTrainedTokenizerBase | None: ...
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]: ...
@@ -93,20 +115,24 @@ class TLModel(Protocol):
 
     def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
 
-    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]: ...
 
-    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+    def hooks(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[Any]: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
-    def eval(self) -> Any: ...
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
 
-    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+    def requires_grad_(self, requires_grad: bool = True) -> torch.nn.Module: ...
+
+    def eval(self) -> torch.nn.Module: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.nn.Module: ...
 
 
-ModelLike: TypeAlias = "TLModel | PreTrainedModel"
+ModelLike: TypeAlias = TLModel | PreTrainedModel
 """A model the core accepts: a TransformerLens model, or a Hugging Face causal LM (wrapped as a bridge once)."""
 
 
@@ -116,20 +142,23 @@ TL_MODEL_TYPES: tuple[type, ...] = (TransformerBridge,) + (
 )
 
 
-def is_tl_model(model: Any) -> bool:
+def is_tl_model(model: object) -> TypeIs[TLModel]:
     """True for a ``TransformerBridge`` or (TransformerLens 3.x) a ``HookedTransformer``."""
     return isinstance(model, TL_MODEL_TYPES)
 
 
-def is_bridge(model: Any) -> bool:
+def is_bridge(model: object) -> TypeIs[TransformerBridge]:
     return isinstance(model, TransformerBridge)
 
 
-def is_hooked_transformer(model: Any) -> bool:
+def is_hooked_transformer(model: object) -> TypeGuard[TLModel]:
+    """True for a TransformerLens 3.x ``HookedTransformer`` (never on 4.x, which has none)."""
     return HookedTransformer is not None and isinstance(model, HookedTransformer)
 
 
-def bridge_from_hf(hf_model: Any, tokenizer: Any, name: str) -> TransformerBridge:
+def bridge_from_hf(
+    hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str
+) -> TransformerBridge:
     """Wrap a Hugging Face causal LM as a ``TransformerBridge`` with its weights as they are.
 
     ``boot_transformers`` with ``hf_model`` reads neither the hub nor the disk (the config is the model's own, the
@@ -167,13 +196,21 @@ def bridge_from_hf(hf_model: Any, tokenizer: Any, name: str) -> TransformerBridg
     return bridge
 
 
-def hf_model_of(model: Any) -> Any:
-    """The Hugging Face model a bridge wraps (``None`` for a ``HookedTransformer``)."""
+@overload
+def hf_model_of(model: TransformerBridge) -> PreTrainedModel: ...
+
+
+@overload
+def hf_model_of(model: ModelLike) -> PreTrainedModel | None: ...
+
+
+def hf_model_of(model: ModelLike) -> PreTrainedModel | None:
+    """The Hugging Face model a bridge wraps (``None`` for a ``HookedTransformer`` or a Hugging Face model)."""
     return getattr(model, "original_model", None) if is_bridge(model) else None
 
 
 @contextlib.contextmanager
-def attn_result(model: Any, enabled: bool = True) -> Iterator[None]:
+def attn_result(model: TLModel, enabled: bool = True) -> Iterator[None]:
     """``hook_result`` (per-head attention outputs) computed inside the block, restored afterwards: the bridge's
     ``set_use_attn_result`` or a ``HookedTransformer``'s ``cfg.use_attn_result``."""
     previous = bool(getattr(model.cfg, "use_attn_result", False))
@@ -187,14 +224,14 @@ def attn_result(model: Any, enabled: bool = True) -> Iterator[None]:
             _set_attn_result(model, previous)
 
 
-def _set_attn_result(model: Any, value: bool) -> None:
+def _set_attn_result(model: TLModel, value: bool) -> None:
     if is_bridge(model):
         model.set_use_attn_result(value)
     else:
         model.cfg.use_attn_result = value
 
 
-def unwrapped_copy(hf_model: Any) -> Any:
+def unwrapped_copy(hf_model: PreTrainedModel) -> PreTrainedModel:
     """A deep copy of a Hugging Face model as it was before a bridge wrapped it (each bridge component replaced by
     the module it wraps, its ``_original_component``), so it can be changed (dequantised) and wrapped anew."""
     plain = copy.deepcopy(hf_model)
@@ -220,6 +257,7 @@ def unwrapped_copy(hf_model: Any) -> Any:
 __all__ = [
     "ActivationCache",
     "ModelLike",
+    "TLConfig",
     "TLModel",
     "HookPoint",
     "HookedTransformer",

@@ -221,3 +221,22 @@ def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.manifest']"
+
+
+def test_a_checkpoint_argument_is_resolved_once_per_load(tiny, monkeypatch):
+    """load_model resolves its argument once and hands the resolved source to the config, weights and tokenizer
+    loaders; given a source resolved already, it resolves nothing."""
+    from uds_lens import models, resolve
+
+    resolved = []
+    real = resolve.resolve_zoo_name
+    monkeypatch.setattr(
+        resolve, "resolve_zoo_name", lambda path_or_id: resolved.append(path_or_id) or real(path_or_id)
+    )
+    model = models.load_model(str(tiny.full), dtype="float32", device="cpu")
+    assert resolved == [str(tiny.full)]
+    assert model.uds_source == str(tiny.full)
+    source = resolve.resolve_source(str(tiny.full))
+    resolved.clear()
+    again = models.load_model(source, dtype="float32", device="cpu")
+    assert resolved == [] and again.uds_source == str(tiny.full)

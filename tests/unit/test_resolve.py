@@ -14,7 +14,7 @@ import transformers
 from uds_lens import resolve
 from uds_lens.cli import main
 from uds_lens.models import load_model
-from uds_lens.resolve import CheckpointSource, ModelLoadError, check_sources
+from uds_lens.resolve import CheckpointSource, ModelLoadError, check_sources, resolve_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,13 +116,25 @@ def test_the_hub_is_asked_only_for_hub_ids_and_a_cached_model_loads_without_it(h
     check_sources([str(tiny.full), tiny.full, None, object()])  # local checkpoints and models in memory
     assert hub.requests == 0
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
-    first, kwargs = CheckpointSource("hub", "org/cached").from_pretrained_args()
+    first, kwargs = resolve_source("org/cached").from_pretrained_args()
     assert (
         first == "org/cached" and kwargs["local_files_only"] is True and kwargs["trust_remote_code"] is False
     )
     assert hub.requests == 1
     hub.error = None
     monkeypatch.setattr(resolve, "_hub_answers", {})
-    assert CheckpointSource("hub", "org/cached").from_pretrained_args()[1]["local_files_only"] is False
-    assert CheckpointSource("directory", str(tiny.full)).from_pretrained_args()[1]["local_files_only"] is True
+    assert resolve_source("org/cached").from_pretrained_args()[1]["local_files_only"] is False
+    assert resolve_source(tiny.full).from_pretrained_args()[1]["local_files_only"] is True
     assert hub.requests == 2
+
+
+def test_a_resolved_source_stands_for_the_argument_it_was_resolved_from(tiny):
+    """check_sources hands back each checkpoint argument resolved, to be passed down in its place: its fspath and
+    str are the argument as given, so it names and fingerprints the checkpoint as the argument did, and resolving
+    it again returns it as it is."""
+    given = str(tiny.full) + "/"
+    source, model, nothing = check_sources([given, object, None])
+    assert isinstance(source, CheckpointSource) and (model, nothing) == (object, None)
+    assert os.fspath(source) == str(source) == given and Path(source) == Path(given)
+    assert (source.kind, source.location, source.path_or_id) == ("directory", str(tiny.full), given)
+    assert resolve_source(source) is source and resolve_source(source, weights=False) is source

@@ -26,10 +26,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from uds_lens import models, uds
 from uds_lens.analysis.case_studies import TAUS, component_summary, prompt_type_uds, tau_sensitivity
@@ -38,6 +38,7 @@ from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
 from uds_lens.config import DEFAULT_TAU, UDSConfig
+from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.metrics import registry
 from uds_lens.result_store import atomic_result_dir
 from uds_lens.results import UDSResult
@@ -109,22 +110,22 @@ def uds_layerwise(layers: pd.DataFrame, tau: float) -> LayerwiseErasure:
 
 
 def diagnose(
-    full: Any,
-    retain: Any,
-    unlearned: Mapping[str, Any],
-    data: Any,
+    full: ModelArg,
+    retain: ModelArg | None,
+    unlearned: Mapping[str, ModelArg],
+    data: DataArg,
     out_dir: str | os.PathLike | None = None,
     methods: Sequence[str] = METHODS,
     sites: Sequence[str] = ("resid_post",),
     tau: float = DEFAULT_TAU,
     taus: Sequence[float] = TAUS,
-    calibration: Any = None,
+    calibration: DataArg = None,
     fisher_fractions: Sequence[float] = FISHER_FRACTIONS,
     tuned_lens_steps: int = 200,
     probe_folds: int = 1,
     batch_size: int = 8,
     published_compat: bool = False,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     cache_dir: str | os.PathLike | bool | None = None,
     dtype: str | None = None,
     device: str | None = None,

@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from uds_lens.readout import segment_mean
-from uds_lens.sources import as_source
+from uds_lens.sources import SourceLike, as_source
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -84,7 +84,7 @@ def _pad(examples: Sequence[Any], pad_id: int) -> tuple[Int[Tensor, "batch pos"]
 
 @torch.no_grad()
 def collect_hidden_states(
-    model: Any, examples: Sequence[Any], batch_size: int = DEFAULT_BATCH_SIZE, pad_id: int = 0
+    model: SourceLike, examples: Sequence[Any], batch_size: int = DEFAULT_BATCH_SIZE, pad_id: int = 0
 ) -> HiddenStates:
     """One forward of ``model`` over ``examples``; keep every layer's residual at the read positions.
 

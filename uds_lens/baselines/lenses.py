@@ -40,7 +40,8 @@ from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_era
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import PROMPT_TEMPLATE
 from uds_lens.readout import label_logprobs
-from uds_lens.sources import as_source
+from uds_lens.sources import SourceLike, as_source
+from uds_lens.tl_compat import ModelLike
 
 LENS_TAU = DEFAULT_TAU  # SPEC §3: the lenses' KE threshold is the published 0.05, whatever UDS's --tau
 DEFAULT_CHUNK = 512
@@ -48,7 +49,7 @@ DEFAULT_CHUNK = 512
 Decoder = Callable[[Tensor], Tensor]
 
 
-def final_decoder(full: Any) -> Decoder:
+def final_decoder(full: SourceLike) -> Decoder:
     """The full model's final norm followed by its unembedding, as a function ``h -> logits`` (fp32 out).
 
     Args:
@@ -226,7 +227,7 @@ def logit_lens(
 
 
 @contextlib.contextmanager
-def _frozen(model: nn.Module) -> Iterator[None]:
+def _frozen(model: ModelLike) -> Iterator[None]:
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -250,7 +251,7 @@ def calibration_token_ids(examples: Sequence[Any], tokenizer: Any) -> list[list[
 
 
 def train_tuned_lens(
-    model: Any,
+    model: ModelLike,
     calibration: Sequence[Sequence[int]],
     steps: int = 200,
     lr: float = 1e-3,

@@ -37,6 +37,7 @@ from uds_lens.baselines.lenses import (
 from uds_lens.baselines.probing import fit_probes, probe_layerwise
 from uds_lens.baselines.similarity import layer_similarities, similarity_layerwise
 from uds_lens.data import load_examples
+from uds_lens.sources import SourceLike
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +115,13 @@ class References:
             fisher_retain = diagonal_fisher(retain, encoded)
             self.anchors = [fisher_anchor(fisher_full, fisher_retain, p) for p in fisher_fractions]
 
-    def collect(self, model: Any) -> HiddenStates:
+    def collect(self, model: SourceLike) -> HiddenStates:
         """One model's hidden states at the auditor's read positions."""
         return collect_hidden_states(
             model, self.auditor.encoded, batch_size=self.batch_size, pad_id=self.auditor.pad_id
         )
 
-    def observational(self, model: Any) -> tuple[dict[str, float | None], list[LayerwiseErasure]]:
+    def observational(self, model: SourceLike) -> tuple[dict[str, float | None], list[LayerwiseErasure]]:
         """Scores (``json_score``: null when undefined) and layerwise erasures of every prepared method for one
         unlearned model."""
         scores: dict[str, float | None] = {}

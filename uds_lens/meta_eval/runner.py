@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.data import read_records
 from uds_lens.files import write_atomic
+from uds_lens.fingerprints import ModelArg
 from uds_lens.meta_eval.attacks import quantise_nf4, relearn
 from uds_lens.meta_eval.formulas import (
     QUANTISATION,
@@ -44,7 +45,7 @@ from uds_lens.zoo.layout import POOL_ROLES, Zoo, load_zoo
 
 logger = logging.getLogger(__name__)
 
-ScoreFn = Callable[[Any], float]
+ScoreFn = Callable[[ModelArg], float]
 META_ROLES = ("full", "retain", *ROBUSTNESS_ROLES, *POOL_ROLES)
 # the meta-evaluation reads utility only through the utility filter on the unlearned models (relative to full)
 UTILITY_ROLES = ("full", "retain", *ROBUSTNESS_ROLES)
@@ -57,7 +58,7 @@ def _references_stamp(zoo: Zoo) -> str:
     return " ".join(checkpoint_stamp(zoo.path(name)) for name in ("full", "retain"))
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 

@@ -13,11 +13,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.references import References
 from uds_lens.config import UDSConfig
+from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
 from uds_lens.sources import as_source
@@ -44,9 +44,9 @@ class ModelScorers:
 
     def __init__(
         self,
-        full: Any,
-        retain: Any,
-        data: Any,
+        full: ModelArg,
+        retain: ModelArg | None,
+        data: DataArg,
         *,
         config: UDSConfig | None = None,
         cache_dir: str | os.PathLike | bool | None = None,
@@ -57,7 +57,7 @@ class ModelScorers:
         self.batch_size = batch_size
         self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
         self._reference: References | None = None
-        self._scores: dict[Any, dict[str, float | None]] = {}
+        self._scores: dict[str | int, dict[str, float | None]] = {}
 
     @classmethod
     def from_zoo(
@@ -74,13 +74,13 @@ class ModelScorers:
             batch_size=batch_size,
         )
 
-    def _key(self, model: Any) -> Any:
+    def _key(self, model: ModelArg) -> str | int:
         return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
 
-    def uds(self, model: Any) -> float:
+    def uds(self, model: ModelArg) -> float:
         return self.auditor.score(model).uds
 
-    def _white_box(self, model: Any) -> dict[str, float | None]:
+    def _white_box(self, model: ModelArg) -> dict[str, float | None]:
         key = self._key(model)
         if key not in self._scores:
             if self._reference is None:
@@ -106,9 +106,9 @@ class ModelScorers:
             }
         return self._scores[key]
 
-    def white_box_fns(self) -> dict[str, Callable[[Any], float]]:
-        def make(name: str) -> Callable[[Any], float]:
-            def score(model: Any) -> float:
+    def white_box_fns(self) -> dict[str, Callable[[ModelArg], float]]:
+        def make(name: str) -> Callable[[ModelArg], float]:
+            def score(model: ModelArg) -> float:
                 value = self._white_box(model)[name]
                 return float("nan") if value is None else float(value)
 
@@ -117,7 +117,9 @@ class ModelScorers:
         return {name: make(name) for name in WHITE_BOX}
 
 
-def zoo_scorers(zoo_dir: str | os.PathLike, progress: bool = False) -> tuple[Callable[[Any], float], dict]:
+def zoo_scorers(
+    zoo_dir: str | os.PathLike, progress: bool = False
+) -> tuple[Callable[[ModelArg], float], dict[str, Callable[[ModelArg], float]]]:
     """``(uds_fn, white_box_fns)`` for ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` on a zoo."""
     scorers = ModelScorers.from_zoo(zoo_dir, progress=progress)
     return scorers.uds, scorers.white_box_fns()

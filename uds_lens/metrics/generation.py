@@ -14,18 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tqdm.auto import tqdm
 
 from uds_lens.metrics.chat import pad_id_of
 
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
 MAX_NEW_TOKENS = 200
 
 
 @lru_cache(maxsize=1)
-def _scorer() -> Any:
+def _scorer() -> Any:  # rouge_score ships no types
     from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
@@ -36,7 +39,7 @@ def rouge_l_recall(prediction: str, reference: str) -> float:
     return float(_scorer().score(reference, prediction)["rougeL"].recall)
 
 
-def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """The tokenizer's EOS plus any EOS ids in the model's generation config (Llama-3 lists several)."""
     ids = {int(tokenizer.eos_token_id)}
     config = getattr(model, "generation_config", None)
@@ -50,8 +53,8 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 @torch.no_grad()
 def generate_greedy(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[int]],
     *,
     batch_size: int,
@@ -81,7 +84,7 @@ def generate_greedy(
             attention_mask[r, width - n :] = 1
         # use_cache explicitly: a checkpoint saved from training often carries use_cache=False in its generation
         # config, which makes every step re-run the whole sequence (10x slower at 200 new tokens, measured)
-        output = model.generate(
+        output = cast("GenerationMixin", model).generate(  # a causal LM: a PreTrainedModel that generates
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             do_sample=False,
@@ -96,7 +99,7 @@ def generate_greedy(
         for r, i in enumerate(rows):
             new_tokens = output[r, width:].tolist()
             cut = next((j for j, t in enumerate(new_tokens) if t in stops), len(new_tokens))
-            texts[i] = tokenizer.decode(new_tokens[:cut], skip_special_tokens=True).strip()
+            texts[i] = str(tokenizer.decode(new_tokens[:cut], skip_special_tokens=True)).strip()
     return texts
 
 

@@ -11,7 +11,7 @@ utility Truth Ratio variant ("true better") ``mean(max(0, 1 - gm(perturbed Probs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uds_lens.data import as_list, record_field
 from uds_lens.metrics.chat import SYSTEM_PROMPT, prompt_ids, qa_pairs
@@ -24,6 +24,9 @@ from uds_lens.metrics.memorization import (
 )
 from uds_lens.metrics.registry import mean_or_nan
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 def true_better_ratio(correct_prob: float, perturbed_probs: Sequence[float]) -> float:
     """The utility Truth Ratio of one example: ``max(0, 1 - gm(perturbed) / correct)``."""
@@ -31,8 +34,8 @@ def true_better_ratio(correct_prob: float, perturbed_probs: Sequence[float]) -> 
 
 
 def model_utility(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     retain_records: Sequence[Any],
     *,
     batch_size: int,

@@ -31,6 +31,8 @@ from uds_lens.zoo.manifest import model_paths as model_paths  # re-exported: the
 if TYPE_CHECKING:
     import torch
 
+    from uds_lens.tl_compat import TransformerBridge
+
 POSITIVE_POOL = "pos"
 NEGATIVE_POOL = "neg"
 POOL_ROLES = (POSITIVE_POOL, NEGATIVE_POOL)
@@ -75,8 +77,10 @@ class Zoo:
     def role(self, name: str) -> str:
         return str(self.info(name).get("role"))
 
-    def model(self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None) -> Any:
-        """One zoo model loaded as a TransformerLens ``HookedTransformer`` (``uds_lens.load_model`` on its path)."""
+    def model(
+        self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None
+    ) -> TransformerBridge:
+        """One zoo model loaded as a ``TransformerBridge`` (``uds_lens.load_model`` on its path)."""
         from uds_lens.models import load_model
 
         return load_model(self.path(name), dtype=dtype, device=device)

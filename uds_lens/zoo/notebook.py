@@ -13,15 +13,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import transformers
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
+from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.models import load_model
 from uds_lens.plotting.export import keep_figures_in_notebooks
+from uds_lens.resolve import CheckpointRef
 from uds_lens.results import UDSResult
+from uds_lens.tl_compat import TransformerBridge
 from uds_lens.zoo.build import build_zoo
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE
@@ -45,13 +47,13 @@ class NotebookSetup:
     """
 
     zoo: Zoo | None
-    full: Any
-    retain: Any
-    data: Any
-    unlearned: Any
+    full: ModelArg
+    retain: ModelArg | None
+    data: DataArg
+    unlearned: CheckpointRef
     name: str
     auditor: UDSAuditor
-    unlearned_model: Any = None
+    unlearned_model: TransformerBridge | None = None
     result: UDSResult | None = None
 
     def __str__(self) -> str:
@@ -67,7 +69,7 @@ class NotebookSetup:
             lines.append(f"{self.name}: UDS = {self.result.uds:.3f} (95% CI {low:.3f} to {high:.3f})")
         return "\n".join(lines)
 
-    def resolve(self, model: Any) -> Any:
+    def resolve(self, model: CheckpointRef) -> CheckpointRef:
         """A zoo model name -> its checkpoint directory; anything else (a directory, a hub id) as it is."""
         if self.zoo is not None and isinstance(model, str) and model in self.zoo.names():
             return self.zoo.path(model)
@@ -75,10 +77,10 @@ class NotebookSetup:
 
 
 def notebook_setup(
-    full: Any = None,
-    retain: Any = None,
-    unlearned: Any = None,
-    data: Any = None,
+    full: ModelArg | None = None,
+    retain: ModelArg | None = None,
+    unlearned: CheckpointRef | None = None,
+    data: DataArg = None,
     *,
     zoo_dir: str | Path,
     device: str | None = None,
