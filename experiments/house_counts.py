@@ -101,11 +101,21 @@ class Module:
                 args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
                 for arg in args:
                     if arg.arg in MODEL_NAMES and arg.annotation is not None:
-                        if "Any" in ast.unparse(arg.annotation):
+                        if top_level_any(arg.annotation):
                             params += 1
                 if node.returns is not None and ast.unparse(node.returns) in ("Any", "'Any'"):
                     returns += 1
         return params, returns
+
+
+def top_level_any(annotation: ast.expr) -> bool:
+    """``Any``, or a union with ``Any`` as one of its members (``Any`` inside ``Sequence[dict[str, Any]]`` is a
+    record's values, not the parameter)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return top_level_any(annotation.left) or top_level_any(annotation.right)
+    return isinstance(annotation, ast.Name) and annotation.id == "Any"
 
 
 def read_tree() -> dict[str, Module]:

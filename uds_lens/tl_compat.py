@@ -71,8 +71,17 @@ class TLConfig(Protocol):
     use_attn_result: bool
 
 
+class _TLModelCheck(type(Protocol)):  # type: ignore[misc]
+    """``isinstance(x, TLModel)``: a TransformerLens model class answers at once; anything else is checked member by
+    member. The structural check reads every member (a bridge builds ``hook_dict`` on each read), and the test
+    suite's runtime type checks ask it at every call that takes a model."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, TL_MODEL_TYPES) or super().__instancecheck__(instance)
+
+
 @runtime_checkable
-class TLModel(Protocol):
+class TLModel(Protocol, metaclass=_TLModelCheck):
     """What uds_lens uses of a TransformerLens model: a ``TransformerBridge`` (3.9 and 4.x) or, on 3.x, a
     ``HookedTransformer``. Every model parameter of the core is typed with it (or :data:`ModelLike` where a Hugging
     Face model is taken too).

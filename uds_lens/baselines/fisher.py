@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -30,8 +29,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from uds_lens.baselines.layerwise import MIN_WEIGHT, LayerwiseErasure
+from uds_lens.data import EncodedExample
 from uds_lens.readout import label_logprobs
-from uds_lens.sources import as_source
+from uds_lens.sources import SourceLike, as_source
 
 FISHER_FRACTIONS = (1e-4, 1e-3, 1e-2)
 FISHER_EPS = 1e-8
@@ -67,7 +67,9 @@ class FisherDiagonal:
     n_examples: int
 
 
-def diagonal_fisher(model: Any, examples: Sequence[Any], progress: bool = False) -> FisherDiagonal:
+def diagonal_fisher(
+    model: SourceLike, examples: Sequence[EncodedExample], progress: bool = False
+) -> FisherDiagonal:
     """Per-layer diagonal Fisher of ``model`` on the encoded examples, one backward per example.
 
     Args:

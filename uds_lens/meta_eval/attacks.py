@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.files import replace_directory, write_atomic
@@ -42,14 +42,14 @@ class QuantisationError(RuntimeError):
     """NF4 quantisation is unavailable (bitsandbytes missing or unable to run on this device)."""
 
 
-def nf4_config() -> Any:
+def nf4_config() -> BitsAndBytesConfig:
     """The paper's quantisation: bitsandbytes 4-bit NF4 with bf16 compute, no calibration."""
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
     )
 
 
-def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
+def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> PreTrainedModel:
     """Load a checkpoint with NF4 4-bit weights (a Hugging Face model; use it as a UDS source or for output metrics).
 
     Raises:
@@ -74,7 +74,7 @@ def quantise_nf4(path: str | os.PathLike, device: str | None = None) -> Any:
     return model
 
 
-def _keep_standard_nf4_layout(model: Any) -> None:
+def _keep_standard_nf4_layout(model: PreTrainedModel) -> None:
     """Run NF4 on CPU through bitsandbytes' generic dequantise-and-matmul path, never its AVX512-BF16 kernel.
 
     On a CPU with AVX512-BF16, bitsandbytes (>= 0.48) repacks each 4-bit weight in place for that kernel at the first

@@ -22,13 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from uds_lens.metrics.chat import IGNORE_INDEX, SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
 from uds_lens.readout import label_logprobs
@@ -108,9 +109,9 @@ def min_k_plus_plus_z(
 
 @torch.no_grad()
 def score_encoded(
-    model: Any,
+    model: PreTrainedModel,
     encoded: Sequence[EncodedQA],
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     batch_size: int,
     progress: bool = False,
@@ -134,7 +135,14 @@ def score_encoded(
     return results
 
 
-def _answer_scores(logits: Float[Tensor, "pos vocab"], item: EncodedQA, tokenizer: Any) -> AnswerScores:
+@runtime_checkable
+class Decoder(Protocol):
+    """What the answer statistics read of a tokenizer: its ``decode`` (the answer's text)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def _answer_scores(logits: Float[Tensor, "pos vocab"], item: EncodedQA, tokenizer: Decoder) -> AnswerScores:
     labels = torch.tensor(item.labels)
     # logits[t] predicts token t + 1.
     shifted_logits, shifted_labels = logits[:-1], labels[1:]
@@ -154,11 +162,11 @@ def _answer_scores(logits: Float[Tensor, "pos vocab"], item: EncodedQA, tokenize
         predictions=aligned_logits.argmax(-1),
         targets=targets,
         z_scores=min_k_plus_plus_z(aligned_logits, targets),
-        target_text=tokenizer.decode(shifted_labels[answer].tolist(), skip_special_tokens=True).strip(),
+        target_text=str(tokenizer.decode(shifted_labels[answer].tolist(), skip_special_tokens=True)).strip(),
     )
 
 
-def _device_of(model: Any) -> torch.device:
+def _device_of(model: PreTrainedModel) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:
@@ -166,8 +174,8 @@ def _device_of(model: Any) -> torch.device:
 
 
 def score_answers(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     pairs: Sequence[tuple[str, str]],
     *,
     batch_size: int,
@@ -181,8 +189,8 @@ def score_answers(
 
 
 def answer_probs(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     questions: Sequence[str],
     answer_lists: Sequence[Sequence[str]],
     *,
@@ -210,8 +218,8 @@ def answer_probs(
 
 
 def paraphrased_and_perturbed_probs(
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     questions: Sequence[str],
     paraphrases: Sequence[Sequence[str]],
     perturbed: Sequence[Sequence[str]],

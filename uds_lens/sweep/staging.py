@@ -131,7 +131,7 @@ def prepare_model(
 _DOING = {"resolve": "resolving", "hash": "reading", "load": "loading"}
 
 
-def move_to_device(model: Any, device: str) -> None:
+def move_to_device(model: torch.nn.Module, device: str) -> None:
     """Move a model built on the CPU to ``device``; an out-of-memory while moving (the previous model not yet
     collected) frees memory and tries again (``memory.retry_out_of_memory``)."""
     target = torch.device(device)
@@ -142,8 +142,9 @@ def move_to_device(model: Any, device: str) -> None:
 
     def move() -> None:
         torch.nn.Module.to(model, device=target)
-        if getattr(model, "cfg", None) is not None:
-            model.cfg.device = device
+        config = getattr(model, "cfg", None)  # a TransformerLens model records its device there
+        if config is not None:
+            config.device = device
 
     retry_out_of_memory(move, target, f"moving {getattr(model, 'uds_source', 'a staged model')} to {device}")
 
