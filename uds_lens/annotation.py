@@ -120,7 +120,7 @@ class AnnotateConfig:
     first_fraction: float = 0.5
     min_contrast: float = 0.1
     rival_ratio: float = 1.0
-    answer_fraction: float = 0.25
+    answer_fraction: float = 0.1
     batch_size: int = 16
 
     def __post_init__(self) -> None:

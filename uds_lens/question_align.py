@@ -80,7 +80,7 @@ CONTAINER_NOUNS = frozenset(
     "member members element elements importance ability abilities continuation contribution contributions genre "
     "field fields way ways sense number variety range kind kinds type types form forms aspect aspects part role "
     "realm world domain area areas use theme themes topics subjects issues notion idea concept concepts "
-    "exploration depiction portrayal representation expression".split()
+    "exploration depiction portrayal representation expression city town country region work works".split()
 )
 CONTAINER_LINKS = frozenset(("of", "to", "in", "for", "on"))
 SENTENCE_ENDS = frozenset(".;!?")
