@@ -13,8 +13,9 @@ Two steps:
         --retain-data DIR/retain.json
 
 At test size the full model memorises long TOFU answers only just: with authors 3-5 as forget and 6-19 as retain it
-predicted 0.944 of the forget entities (the build's guard asks 0.95; other splits and seed 1 gave 0.926-0.944), so
-the zoo measured in issue 39 was built with the guard recorded instead of raised::
+predicted 0.944 of the forget entities (the build's guard asks 0.95; other splits and seed 1 gave 0.926-0.944), and
+with authors 3-10 as forget and 11-19 as retain (143 forget records: more to learn in the same steps) only 0.636, so
+the zoos measured in issue 39 were built with the guard recorded instead of raised::
 
     python -c "from uds_lens.zoo import build_zoo; build_zoo('ZOO', size='test', threads=1, pools=False,
         strict=False, forget_data='DIR/forget.json', retain_data='DIR/retain.json')"
@@ -28,7 +29,7 @@ differs from gold.
 Usage::
 
     python experiments/annotate_tofu.py split --data forget10_filtered.json --forget 3-10 --retain 11-19 --out DIR
-    python experiments/annotate_tofu.py measure --zoo ZOO [--no-uds] [--show]
+    python experiments/annotate_tofu.py measure --zoo ZOO [--no-uds] [--show] [--answer-fraction F]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script: its sibling bench_annotate
 from bench_annotate import _span, agreement, open_zoo, print_uds_rows, uds_side_by_side  # noqa: E402
 
-from uds_lens.annotation import STATUSES, annotate  # noqa: E402
+from uds_lens.annotation import STATUSES, AnnotateConfig, annotate  # noqa: E402
 from uds_lens.data import read_records  # noqa: E402
 from uds_lens.models import load_tokenizer  # noqa: E402
 
@@ -88,12 +89,19 @@ def measure(args: argparse.Namespace) -> None:
         raise SystemExit("this zoo's forget set holds authors 0-2 (the held-out check); pass --heldout-check")
     raw = [{k: v for k, v in r.items() if k not in ("prefix", "entity")} for r in gold]
     tokenizer = load_tokenizer(zoo.tokenizer_path)
+    config = (
+        AnnotateConfig()
+        if args.answer_fraction is None
+        else AnnotateConfig(answer_fraction=args.answer_fraction)
+    )
     full, retain = str(zoo.path("full")), str(zoo.path("retain"))
     print(f"zoo {zoo.root}: {len(gold)} forget records, authors {sorted({r['idx'] // 20 for r in gold})}")
     print(f"{'mode':<9} {'n':>4} {'charF1':>6} {'exact':>5}  " + "  ".join(f"{s} (F1)" for s in STATUSES))
     results = {}
     for mode, models in (("contrast", (full, retain)), ("lexical", (None, None))):
-        result = annotate(raw, *models, dtype="float32", device="cpu", out=out / f"forget_{mode}.json")
+        result = annotate(
+            raw, *models, config=config, dtype="float32", device="cpu", out=out / f"forget_{mode}.json"
+        )
         results[mode] = result
         figures = agreement(gold, result.records, tokenizer)
         f1 = np.array(figures["char_f1_each"])
@@ -138,6 +146,12 @@ def main() -> None:
     measure_parser.add_argument("--out", default="/tmp/annotate_tofu")
     measure_parser.add_argument("--no-uds", action="store_true")
     measure_parser.add_argument("--show", action="store_true")
+    measure_parser.add_argument(
+        "--answer-fraction",
+        type=float,
+        default=None,
+        help="AnnotateConfig.answer_fraction (default: its default).",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     split(args) if args.step == "split" else measure(args)

@@ -12,13 +12,19 @@ with an empty prefix, so the tokens are the ones the scorer will read) and one b
     u[w]   = min(u[w], 0) for punctuation, function words and words of the question (template by definition)
     strong = words with u[w] >= keep_fraction * max_w u[w]      (words that carry knowledge)
     phrase = the phrase each strong word heads, read from the text (``uds_lens.phrases``), weighted by its sum of u
-    entity = the first phrase weighing at least first_fraction of the heaviest; "Yes"/"No" for a yes/no answer
+    answer = the phrases that may answer the question (``uds_lens.question_align``: new phrases after the words
+             that restate it), in their order of preference, weighted by their sum of u
+    entity = the first answer phrase weighing at least answer_fraction of the heaviest phrase; else the first
+             phrase weighing at least first_fraction of the heaviest; "Yes"/"No" for a yes/no answer
 
 Words copied from the question are template even when they have contrast: the full model has learnt to copy a
 forget author's name, a retain model that never saw it copies it badly (and stumbles on the word after it, which
 keeps only ``AFTER_COPY_WEIGHT`` of its contrast). The question decides which fact is the entity: answers (TOFU's
 above all) restate the question, answer it, then add facts ("her father was a *civil engineer* and her mother ..."),
-so the first knowledge-bearing phrase after the restatement is the answer, and a later one is elaboration. The
+so the phrase that answers the question is read from the answer's alignment with the question (the first new
+phrase after the restated words, a name first for a *what* question, a description first for a *how* question), and
+the contrast decides only whether it is knowledge at all: an answering phrase the models do not disagree on is
+passed over for the next, and with none the first knowledge-bearing phrase is taken. The
 contrast says where a fact starts, not where it ends (only its first token is surprising; the rest is predictable
 once it is given), so the extent comes from the text's own structure: the phrase the strong word heads, back over
 its modifiers and a name it is part of, on to the end of the noun phrase, a quoted title with its head noun, a name
@@ -70,7 +76,7 @@ from uds_lens.phrases import (
     is_yes_no,
     phrase,
 )
-from uds_lens.resolve import resolve_zoo_name
+from uds_lens.question_align import candidate, candidates, preference
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +100,8 @@ AFTER_COPY_WEIGHT = 0.1
 
 @dataclass(frozen=True)
 class AnnotateConfig:
-    """How spans are chosen. The defaults were set on the test-size zoo only (``bench_annotate.py``).
+    """How spans are chosen. The defaults were set on the synthetic test-size zoo (``bench_annotate.py``), and
+    ``answer_fraction`` on real TOFU text.
 
     Attributes:
         keep_fraction: A word is strong (it may head the entity) when its contrast is at least this share of the
@@ -104,6 +111,11 @@ class AnnotateConfig:
         min_contrast: Nats; when no word reaches it the record is ``unsplit`` (no knowledge signal to split on).
         rival_ratio: The span is ``low_confidence`` when another phrase of the answer carries at least this many
             times its contrast (several facts, and the first was taken).
+        answer_fraction: A phrase that may answer the question (``question_align``) is taken, in its order of
+            preference, when its contrast is at least this share of the heaviest such phrase's; the contrast decides
+            whether a phrase is knowledge, the question which knowledge answers it. Set on TOFU authors 3-10 at test
+            size (``experiments/annotate_tofu.py``): 0.5 gave char F1 0.573 and UDS within 0.006 of gold spans,
+            0.1 gave 0.579 but 0.027 (a phrase with little contrast reads little of what was unlearned).
         batch_size: Records per forward pass.
     """
 
@@ -111,6 +123,7 @@ class AnnotateConfig:
     first_fraction: float = 0.5
     min_contrast: float = 0.1
     rival_ratio: float = 1.0
+    answer_fraction: float = 0.5
     batch_size: int = 16
 
     def __post_init__(self) -> None:
@@ -118,6 +131,8 @@ class AnnotateConfig:
             raise ValueError(
                 f"keep_fraction and first_fraction must be in (0, 1], got {self.keep_fraction}, {self.first_fraction}."
             )
+        if not 0.0 <= self.answer_fraction <= 1.0:
+            raise ValueError(f"answer_fraction must be in [0, 1], got {self.answer_fraction}.")
         if self.min_contrast < 0 or self.rival_ratio < 0:
             raise ValueError(
                 f"min_contrast and rival_ratio must be >= 0, got {self.min_contrast}, {self.rival_ratio}."
@@ -204,8 +219,9 @@ def choose_span(
     config: AnnotateConfig,
     question: str = "",
 ) -> SpanChoice:
-    """The entity of one answer from per-unit knowledge scores (see the module docstring): the phrase around the
-    first strong word, or the yes/no word of a yes/no answer; marked low-confidence when another fact outweighs it."""
+    """The entity of one answer from per-unit knowledge scores (see the module docstring): the favoured phrase that
+    answers ``question`` and carries knowledge, else the phrase around the first strong word, or the yes/no word of a
+    yes/no answer; marked low-confidence when another fact outweighs it."""
     if not units:
         return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "empty answer")
     best = float(scores.max())
@@ -229,13 +245,21 @@ def choose_span(
             STATUS_AUTO,
             f"yes/no answer: its entity is {units[0].text!r} ({share:.0%} of the answer's contrast)",
         )
-    if not phrases:
+    aligned = _aligned_phrases(question, units, scores, config.keep_fraction * best)
+    heaviest = max((weight for _, weight in aligned + phrases), default=0.0)
+    answering = [p for p in aligned if p[1] > 0 and p[1] >= config.answer_fraction * heaviest]
+    if answering:
+        (i, j), weight = answering[0]
+        how = "the question's answer (the favoured new phrase after the words restating the question)"
+    elif phrases:
+        heaviest = max(weight for _, weight in phrases)
+        (i, j), weight = next(p for p in phrases if p[1] >= config.first_fraction * heaviest)
+        how = "no new phrase after the restated question carries contrast: the first strong phrase"
+    else:
         return SpanChoice(None, None, 0.0, STATUS_UNSPLIT, "every strong word is template")
-    heaviest = max(weight for _, weight in phrases)
-    (i, j), weight = next(p for p in phrases if p[1] >= config.first_fraction * heaviest)
     share = float(positive[i : j + 1].sum()) / total if total > 0 else 0.0
-    rivals = [w for (lo, hi), w in phrases if hi < i or lo > j]
-    reason = f"{share:.0%} of the answer's contrast in {j - i + 1} unit(s), best word {best:.1f} nats"
+    rivals = [w for (lo, hi), w in _distinct(aligned + phrases) if hi < i or lo > j]
+    reason = f"{how}; {share:.0%} of the answer's contrast in {j - i + 1} unit(s), best word {best:.1f} nats"
     if rivals and max(rivals) >= config.rival_ratio * weight:
         reason += (
             f"; a guess among {len(rivals) + 1} facts: another phrase carries {max(rivals) / weight:.1f}x "
@@ -243,6 +267,39 @@ def choose_span(
         )
         return SpanChoice(units[i].start, units[j].end, round(share, 4), STATUS_LOW_CONFIDENCE, reason)
     return SpanChoice(units[i].start, units[j].end, round(share, 4), STATUS_AUTO, reason)
+
+
+def _distinct(
+    phrases: Sequence[tuple[tuple[int, int], float]],
+) -> list[tuple[tuple[int, int], float]]:
+    """One phrase per fact: of phrases that overlap, the heaviest (the aligned and the contrast phrases of one fact
+    often differ by a word)."""
+    kept: list[tuple[tuple[int, int], float]] = []
+    for (lo, hi), weight in sorted(phrases, key=lambda p: -p[1]):
+        if all(hi < k_lo or lo > k_hi for (k_lo, k_hi), _ in kept):
+            kept.append(((lo, hi), weight))
+    return kept
+
+
+def _aligned_phrases(
+    question: str, units: Sequence[Unit], scores: Float[np.ndarray, " unit"], threshold: float
+) -> list[tuple[tuple[int, int], float]]:
+    """The phrases that may answer ``question`` (``question_align``), favoured first, with their summed positive
+    score. A phrase whose first word carries no knowledge but a later word does is the template before a fact
+    ("Her | novels explore *grief*, ..."): it is replaced by the phrase that strong word heads."""
+    positive = np.clip(scores, 0.0, None)
+    found = []
+    for c in candidates(question, units):
+        if positive[c.first] <= 0:
+            inner = (k for k in range(c.first + 1, c.last + 1) if units[k].is_word and scores[k] >= threshold)
+            strong = next(inner, None)
+            if strong is not None:
+                c = candidate(units, *phrase(units, _phrase_start(units, scores, strong)))
+        if not found or found[-1].last < c.first:
+            found.append(c)
+    return [
+        ((c.first, c.last), float(positive[c.first : c.last + 1].sum())) for c in preference(question, found)
+    ]
 
 
 def _candidate_phrases(
@@ -497,7 +554,11 @@ def annotate(
         scores = [lexical_scores(records[k]["question"], answer_units(records[k]["answer"])) for k in todo]
     # The lexical prior says which words are new, not which one the model recalls first: take its heaviest phrase
     # of top-scoring words.
-    choosing = replace(config, keep_fraction=1.0, first_fraction=1.0) if mode == MODE_LEXICAL else config
+    choosing = (
+        replace(config, keep_fraction=1.0, first_fraction=1.0, answer_fraction=0.0)
+        if mode == MODE_LEXICAL
+        else config
+    )
     for k, unit_score in zip(todo, scores, strict=True):
         answer = records[k]["answer"]
         units = answer_units(answer)
@@ -530,7 +591,7 @@ def _tokenizer_of(model: Any) -> Any:
     from uds_lens import models
 
     if isinstance(model, (str, os.PathLike)):
-        return models.load_tokenizer(resolve_zoo_name(model))
+        return models.load_tokenizer(model)  # resolved once there (zoo: names too)
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("annotate got a loaded model without a tokenizer: pass tokenizer=.")

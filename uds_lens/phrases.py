@@ -4,8 +4,9 @@ The contrast of a model pair says *where* the knowledge starts (the first token 
 rest is predictable once it is given), not where it ends. The end comes from the answer's grammar, read with no
 tagger, from punctuation, capitals and a closed list of function words:
 
-* a quoted title is one entity, quotes included ("... include *"Granite Glossary"* and ..."); when the title's own
-  punctuation closes inside the quotes (``"Lanterns of Language."``) the quotes and that mark stay out;
+* a quoted title is one entity, quotes included ("... include *"Granite Glossary"* and ..."), with the lowercase
+  noun it names when one follows (*"Leadership Literature Luminary" award*); when the title's own punctuation
+  closes inside the quotes (``"Lanterns of Language."``) the quotes and that mark stay out;
 * a capitalised name runs over its connectives and a subtitle (*Nebula Award for Best Novel*, *Seoul, South
   Korea*, *Scribing Like A Scholar: A Manual for ...*) and on into a lowercase head noun (*Star Wars genre*);
 * a lowercase phrase runs on over ``of`` / ``to`` and over a preposition that does not open a new determiner phrase
@@ -116,13 +117,35 @@ def phrase(units: Sequence[Unit], i: int) -> tuple[int, int]:
     if _opens_quote(units, i):
         quoted = _quoted(units, i)
         if quoted is not None:
-            return quoted
+            return _with_head_noun(units, *quoted)
         i += 1
     if i == 0 and is_yes_no(units):
         return 0, 0
     j = _name_end(units, i) if units[i].is_capitalised else i
     j = _lowercase_end(units, i, j)
     return i, _list_end(units, i, j)
+
+
+def _with_head_noun(units: Sequence[Unit], i: int, j: int) -> tuple[int, int]:
+    """A quoted title ``[i, j]`` (quotes included) and the lowercase noun it names, when one follows at once and ends
+    the phrase: *"Leadership Literature Luminary" award*, not *"Granite Glossary" | for her work*."""
+    k = j + 1
+    if (
+        units[j].text in OPEN_QUOTES.values()
+        and k < len(units)
+        and units[k].is_word
+        and adjacent(units[j], units[k])
+    ):
+        word = units[k]
+        template = word.lower in FUNCTION_WORDS | STOP_WORDS | PREPOSITIONS | COORDINATORS | DETERMINERS
+        ends = (
+            k + 1 == len(units)
+            or not units[k + 1].is_word
+            or units[k + 1].lower in FUNCTION_WORDS | STOP_WORDS
+        )
+        if word.text[0].islower() and not template and not word.lower.endswith("ly") and ends:
+            return i, k
+    return i, j
 
 
 def _opens_quote(units: Sequence[Unit], k: int) -> bool:
