@@ -57,7 +57,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jaxtyping import Float
@@ -76,7 +76,14 @@ from uds_lens.phrases import (
     is_yes_no,
     phrase,
 )
-from uds_lens.question_align import candidate, candidates, preference
+from uds_lens.question_align import Candidate, candidate, candidates, preference
+from uds_lens.resolve import CheckpointRef
+
+if TYPE_CHECKING:  # type names only: importing annotate loads neither torch nor TransformerLens
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
+
+    from uds_lens.tl_compat import ModelLike
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +295,7 @@ def _aligned_phrases(
     score. A phrase whose first word carries no knowledge but a later word does is the template before a fact
     ("Her | novels explore *grief*, ..."): it is replaced by the phrase that strong word heads."""
     positive = np.clip(scores, 0.0, None)
-    found = []
+    found: list[Candidate] = []
     for c in candidates(question, units):
         if positive[c.first] <= 0:
             inner = (k for k in range(c.first + 1, c.last + 1) if units[k].is_word and scores[k] >= threshold)
@@ -384,7 +391,7 @@ def lexical_scores(question: str, units: Sequence[Unit]) -> Float[np.ndarray, " 
 
 
 def _answer_token_logprobs(
-    model: Any, sequences: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int
+    model: ModelLike, sequences: Sequence[tuple[list[int], int]], pad_id: int, batch_size: int
 ) -> list[np.ndarray]:
     """Log-prob of every answer token under ``model``: one forward per batch of records, no per-token calls.
 
@@ -415,7 +422,7 @@ def _answer_token_logprobs(
     return out
 
 
-def _label_logprobs(logits: Any, labels: Any) -> Any:
+def _label_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     """Log-prob of each label, in fp32 even for a bf16 model (as the scorer reads them).
 
     Shapes: logits ``Float[Tensor, "answer_token vocab"]`` (the positions predicting the answer tokens), labels
@@ -497,10 +504,10 @@ def _check_encodes(record: dict[str, Any], tokenizer: Any, choice: SpanChoice) -
 
 def annotate(
     data: str | os.PathLike | Sequence[dict[str, Any]],
-    full: Any = None,
-    retain: Any = None,
+    full: CheckpointRef | ModelLike | None = None,
+    retain: CheckpointRef | ModelLike | None = None,
     *,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     overwrite: bool = False,
     config: AnnotateConfig | None = None,
     dtype: str | None = None,
@@ -544,7 +551,7 @@ def annotate(
         kept.setdefault("annotation_status", STATUS_KEPT)
         kept.setdefault("reason", "kept: prefix/entity given in the input")
         results.append(kept)
-    if todo and mode != MODE_LEXICAL:
+    if todo and retain is not None:  # contrast or surprise: a reference model is given (checked above)
         tokenizer = (
             tokenizer if tokenizer is not None else _tokenizer_of(full if full is not None else retain)
         )
@@ -587,7 +594,7 @@ def annotate(
     return result
 
 
-def _tokenizer_of(model: Any) -> Any:
+def _tokenizer_of(model: CheckpointRef | ModelLike) -> PreTrainedTokenizerBase:
     from uds_lens import models
 
     if isinstance(model, (str, os.PathLike)):
@@ -618,7 +625,7 @@ def _check_tokenizers(tokenizer: Any, named_models: dict[str, Any]) -> None:
 
 
 def _fit_model(
-    model: Any, sequences: Sequence[tuple[list[int], int]], role: str
+    model: ModelLike, sequences: Sequence[tuple[list[int], int]], role: str
 ) -> list[tuple[list[int], int]]:
     """``sequences`` as ``model`` can run them: each cut to its context (as ``score`` cuts an example: nothing after
     a position changes the log-prob read there), after checking every id is in its vocabulary."""
@@ -638,9 +645,9 @@ def _fit_model(
 
 def _model_scores(
     records: Sequence[dict[str, Any]],
-    full: Any,
-    reference: Any,
-    tokenizer: Any,
+    full: CheckpointRef | ModelLike | None,
+    reference: CheckpointRef | ModelLike,
+    tokenizer: PreTrainedTokenizerBase,
     config: AnnotateConfig,
     dtype: str | None,
     device: str | None,
