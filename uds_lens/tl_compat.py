@@ -15,7 +15,7 @@ import io
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -51,6 +51,7 @@ except Exception:  # pragma: no cover - an editable or vendored TransformerLens
     TL_VERSION = "unknown"
 
 
+@runtime_checkable
 class TLModel(Protocol):
     """What uds_lens uses of a TransformerLens model: a ``TransformerBridge`` (3.9 and 4.x) or, on 3.x, a
     ``HookedTransformer``. Every model parameter of the core is typed with it (or :data:`ModelLike` where a Hugging
