@@ -64,9 +64,9 @@ from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.models import hooked_from_hf
 from uds_lens.patching.batch import WindowPacking, pad_batch
-from uds_lens.patching.cells import cell_scores, stage2_work
-from uds_lens.patching.engines import baseline_scores, clean_run, read_scores, source_scores
-from uds_lens.patching.kernels import packed_forward
+from uds_lens.patching.cells import stage2_work
+from uds_lens.patching.engines import engine_for
+from uds_lens.patching.kernels import packed_forward, read_scores
 from uds_lens.patching.planning import choose_batch_size, plan_batches
 from uds_lens.tl_compat import hf_model_of
 
@@ -305,12 +305,12 @@ def run_stage2(full, source, examples, batch_size, engine, device, cleans=None):
     spec = EngineSpec(SITE, range(full.cfg.n_layers), engine)
     plan, padded = batches(examples, batch_size, engine, device)
     if cleans is None:
-        cleans = [clean_run(full, b, spec) for b in padded]
+        cleans = [engine_for(spec).clean_run(full, b) for b in padded]
     sync(device)
     started = clock(device)
     outputs = []
     for batch, clean in zip(padded, cleans):
-        outputs.append(source_scores(full, source, batch, spec, clean))
+        outputs.append(engine_for(spec).source_scores(full, source, batch, clean))
     sync(device)
     seconds = clock(device) - started
     by_example = {}
@@ -328,9 +328,9 @@ def run_stage1(full, source, examples, batch_size, engine, device):
     _, padded = batches(examples, batch_size, engine, device)
     cleans = []
     for batch in padded:
-        clean = clean_run(full, batch, spec)
-        baseline_scores(full, batch, clean, spec)
-        source_scores(full, source, batch, spec, clean)
+        clean = engine_for(spec).clean_run(full, batch)
+        engine_for(spec).baseline_scores(full, batch, clean)
+        engine_for(spec).source_scores(full, source, batch, clean)
         cleans.append(clean)
     sync(device)
     return clock(device) - started, cleans
@@ -459,10 +459,11 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import uds_lens.patching as patching
-    from uds_lens.patching import engines, kernels
+    from uds_lens.patching import cells, engines, kernels
 
-    # A function is looked up in the module that calls it: scope it in every module of the package that holds it.
-    modules = (patching, engines, kernels)
+    # A function is looked up in the module that calls it: scope it in every module of the package that holds it
+    # (and a method in its class).
+    modules = (patching, engines, kernels, cells, engines.FastEngine)
     originals = {
         name: next(getattr(module, name) for module in modules if hasattr(module, name))
         for name in (*TOP_LEVEL, *INNER)
@@ -484,17 +485,17 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
 
     spec = EngineSpec(SITE, range(full.cfg.n_layers), "fast")
     _, padded = batches(examples, batch_size, "fast", device)
-    cleans = [clean_run(full, batch, spec) for batch in padded]
+    cleans = [engine_for(spec).clean_run(full, batch) for batch in padded]
 
     def stage1():
         for batch in padded:
-            clean = patching.clean_run(full, batch, spec)
-            patching.baseline_scores(full, batch, clean, spec)
-            patching.source_scores(full, source, batch, spec, clean)
+            clean = engine_for(spec).clean_run(full, batch)
+            engine_for(spec).baseline_scores(full, batch, clean)
+            engine_for(spec).source_scores(full, source, batch, clean)
 
     def stage2():
         for batch, clean in zip(padded, cleans):
-            patching.source_scores(full, source, batch, spec, clean)
+            engine_for(spec).source_scores(full, source, batch, clean)
 
     def add(parts, key, seconds):
         parts[key] = parts.get(key, 0.0) + seconds
@@ -653,10 +654,14 @@ def bench_ke_only(
     examples = synthetic_examples(n_examples, full.cfg.d_vocab)
     spec = EngineSpec(SITE, range(n_layers), "fast")
     plan, padded = batches(examples, choose_batch_size(full, examples, "span", "fast"), "fast", device)
-    cleans = [clean_run(full, batch, spec) for batch in padded]
+    cleans = [engine_for(spec).clean_run(full, batch) for batch in padded]
     order = [index for members in plan for index in members]
-    baseline = torch.cat([baseline_scores(full, b, c, spec).float().cpu() for b, c in zip(padded, cleans)])
-    s1 = torch.cat([source_scores(full, source, b, spec, c).float().cpu() for b, c in zip(padded, cleans)])
+    baseline = torch.cat(
+        [engine_for(spec).baseline_scores(full, b, c).float().cpu() for b, c in zip(padded, cleans)]
+    )
+    s1 = torch.cat(
+        [engine_for(spec).source_scores(full, source, b, c).float().cpu() for b, c in zip(padded, cleans)]
+    )
     d1 = (baseline - s1).numpy()
     window = [len(examples[i].window("span")) for i in order]
     reads = torch.tensor([examples[i].n_entity_tokens for i in order], dtype=torch.float64)
@@ -671,7 +676,10 @@ def bench_ke_only(
         sync(device)
         started = clock(device)
         d2_every = torch.cat(
-            [source_scores(full, unlearned, b, spec, c).float().cpu() for b, c in zip(padded, cleans)]
+            [
+                engine_for(spec).source_scores(full, unlearned, b, c).float().cpu()
+                for b, c in zip(padded, cleans)
+            ]
         )
         sync(device)
         every_s2 = min(every_s2, clock(device) - started)
@@ -692,7 +700,7 @@ def bench_ke_only(
             started = clock(device)
             s2 = torch.cat(
                 [
-                    cell_scores(full, unlearned, b, spec, cells[bounds[k] : bounds[k + 1]], c)
+                    engine_for(spec).cell_scores(full, unlearned, b, cells[bounds[k] : bounds[k + 1]], c)
                     for k, (b, c) in enumerate(zip(padded, cleans))
                 ]
             )

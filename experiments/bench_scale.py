@@ -408,7 +408,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
       (``planning.clean_run_bytes``), measured by running the clean run with random fp32 weights at the shape's
       layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
       on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
-    * per batch: the planner's estimate per example (``estimate_bytes_per_example``, the fast engine) and the
+    * per batch: the planner's estimate per example (``FastEngine.bytes_per_example``) and the
       batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
       the joined copies of all three.
     """
@@ -416,11 +416,10 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     from uds_lens.data import encode, load_examples
     from uds_lens.models import load_tokenizer
     from uds_lens.patching.batch import pad_batch
-    from uds_lens.patching.engines import clean_run
+    from uds_lens.patching.engines import FastEngine, engine_for
     from uds_lens.patching.kernels import layer_weights
     from uds_lens.patching.planning import (
         clean_run_bytes,
-        estimate_bytes_per_example,
         joined_copy_bytes,
         plan_batches,
     )
@@ -441,7 +440,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     encoded, _ = encode(load_examples(make_records(n_examples)), tokenizer)
     seq_len = max(example.read_positions.stop for example in encoded)
     window = max(len(example.window("span")) for example in encoded)
-    per_example = estimate_bytes_per_example(meta, seq_len, window, "fast")
+    per_example = FastEngine.bytes_per_example(meta, seq_len, window)
     spec = EngineSpec("resid_post", tuple(range(shape.n_layers)))
 
     # The clean-run cache, measured with random weights: the shape's layers, d_model and heads; a small MLP and
@@ -455,7 +454,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     for members in plan_batches(sample, "span", 8):
         batch = pad_batch([sample[i] for i in members], tokenizer.pad_token_id, "span", cut=True)
         with torch.no_grad():
-            run = clean_run(small, batch, spec)
+            run = engine_for(spec).clean_run(small, batch)
         measured = clean_run_bytes(run)
         held = measured - (measured - run.scores.numel() * 4) // 4 * (4 - itemsize)
         cache += held

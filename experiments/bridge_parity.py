@@ -29,7 +29,7 @@ from uds_lens.config import EngineSpec  # noqa: E402
 from uds_lens.data import encode, load_examples  # noqa: E402
 from uds_lens.models import load_hf_model, load_model, load_tokenizer  # noqa: E402
 from uds_lens.patching.batch import pad_batch  # noqa: E402
-from uds_lens.patching.engines import patched_scores, source_activations  # noqa: E402
+from uds_lens.patching.engines import engine_for, source_activations  # noqa: E402
 from uds_lens.patching.kernels import fast_engine_refusal  # noqa: E402
 from uds_lens.tl_compat import TL_VERSION  # noqa: E402
 
@@ -68,13 +68,13 @@ def measure(name: str, full_dir: Path, retain_dir: Path, tokenizer, data) -> Non
         acts = source_activations(
             retain, cut.tokens, EngineSpec("resid_post", layers, published_compat=compat)
         )
-        naive = patched_scores(
-            full, cut, acts, EngineSpec("resid_post", layers, "naive", published_compat=compat)
+        naive = engine_for(EngineSpec("resid_post", layers, "naive", published_compat=compat)).patched_scores(
+            full, cut, acts
         )
         if refusal is None:
-            fast = patched_scores(
-                full, cut, acts, EngineSpec("resid_post", layers, "fast", published_compat=compat)
-            )
+            fast = engine_for(
+                EngineSpec("resid_post", layers, "fast", published_compat=compat)
+            ).patched_scores(full, cut, acts)
             engines.append(f"{float((fast - naive).abs().max()):.2e}")
         else:
             engines.append("naive only")

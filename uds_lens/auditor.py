@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import display, models
@@ -45,16 +44,16 @@ from uds_lens.fingerprints import (
     tokenizer_digest,
     with_unlearned,
 )
-from uds_lens.memory import available_memory_bytes, is_out_of_memory, release_memory, retry_out_of_memory
+from uds_lens.memory import available_memory_bytes, retry_out_of_memory
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
-from uds_lens.patching.cells import cell_scores, stage2_record
-from uds_lens.patching.engines import baseline_scores, clean_run, source_scores
-from uds_lens.patching.kernels import fast_engine_refusal
+from uds_lens.patching.cells import stage2_record
+from uds_lens.patching.engines import PatchEngine, engine_class, engine_for
 from uds_lens.patching.planning import (
     CLEAN_CACHE_FRACTION,
     choose_batch_size,
     clean_run_bytes,
     plan_batches,
+    run_batches,
 )
 from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
@@ -130,7 +129,7 @@ class UDSAuditor:
         self.device = self.config.device or models.default_device()
         self.full = self._load(full, "full")
         self.full_name = describe(full)
-        refusal = fast_engine_refusal(self.full) if self.config.engine == "fast" else None
+        refusal = engine_class(self.config.engine).refusal(self.full)
         if refusal is not None:
             # a family the fast engine does not compute: the naive engine (the model's own forward), never a guess
             logger.warning("%s: %s; scoring with the naive engine.", self.full_name, refusal)
@@ -179,6 +178,7 @@ class UDSAuditor:
             raise ConfigError(
                 f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1})."
             )
+        self.engine: PatchEngine = engine_for(self.engine_spec)  # chosen once, after the refusal above
         self.cache = None if cache_dir is False else S1Cache(cache_dir if cache_dir is not True else None)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._batches = self._make_batches()
@@ -261,47 +261,22 @@ class UDSAuditor:
         return plan_batches(self.encoded, self.config.patch_scope, size, engine=self.config.engine)
 
     def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
-        """``work(number, members)`` for every example batch; an out-of-memory error halves that batch and retries.
+        """``work(number, members)`` for every example batch (``planning.run_batches``): a batch that runs out of
+        memory is halved and retried, the halves kept for later stages and models; the clean runs, keyed by batch
+        number, are dropped then, and less memory is kept for them from then on."""
 
-        The halves replace the batch in the plan, so later stages and models start from the size that fitted. The
-        clean runs are keyed by batch number, which the split shifts, so they are dropped and recomputed. On a CPU
-        with overcommit the kernel may kill the process instead of raising: there the memory-budgeted batch size
-        (``choose_batch_size``) is the protection.
-        """
-        number = 0
-        with tqdm(total=len(self.encoded), desc=desc, unit="example", disable=not self.progress) as bar:
-            while number < len(self._batches):
-                members = self._batches[number]
-                try:
-                    work(number, members)
-                except Exception as err:
-                    if not is_out_of_memory(err) or len(members) == 1:
-                        raise
-                    error_name = type(err).__name__
-                else:
-                    bar.update(len(members))
-                    number += 1
-                    continue
-                # Outside the except block: the failed attempt's frames (and their tensors) are released by now.
-                half = len(members) // 2
-                logger.warning(
-                    "Out of memory on a batch of %d examples (%s); retrying as %d + %d.",
-                    len(members),
-                    error_name,
-                    half,
-                    len(members) - half,
-                )
-                self._batches[number : number + 1] = [members[:half], members[half:]]
-                self._clean.clear()
-                self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
-                release_memory(self.full.cfg.device)
+        def on_split() -> None:
+            self._clean.clear()
+            self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
+
+        run_batches(self._batches, work, self.full.cfg.device, desc, self.progress, on_split)
 
     def _batch(self, members: list[int]) -> PatchBatch:
         return pad_batch(
             [self.encoded[i] for i in members],
             self.pad_id,
             self.config.patch_scope,
-            cut=self.config.engine == "fast",
+            cut=self.engine.cut,
         ).to(self.full.cfg.device)
 
     def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
@@ -310,7 +285,7 @@ class UDSAuditor:
         evicting the oldest would miss every time), computed again for the others."""
         run = self._clean.get(number)
         if run is None:
-            run = clean_run(self.full, batch, self.engine_spec)
+            run = self.engine.clean_run(self.full, batch)
             held = sum(clean_run_bytes(kept) for kept in self._clean.values())
             if held + clean_run_bytes(run) <= self.clean_cache_bytes:
                 self._clean[number] = run
@@ -319,9 +294,7 @@ class UDSAuditor:
     def _source_scores(
         self, source: Any, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
     ) -> Tensor:
-        return source_scores(
-            self.full, source, batch, self.engine_spec, self._clean_run(number, batch), timings
-        )
+        return self.engine.source_scores(self.full, source, batch, self._clean_run(number, batch), timings)
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
@@ -391,7 +364,7 @@ class UDSAuditor:
             clean = self._clean_run(number, batch)
             s0[members] = clean.scores.float().cpu()
             self._require_finite(s0[members], members, self.full, "full", self.full_name, "clean score (S0)")
-            baseline[members] = baseline_scores(self.full, batch, clean, self.engine_spec).float().cpu()
+            baseline[members] = self.engine.baseline_scores(self.full, batch, clean).float().cpu()
             self._require_finite(
                 baseline[members], members, self.full, "full", self.full_name, "baseline score"
             )
@@ -527,8 +500,8 @@ class UDSAuditor:
             if not batch_cells.any():
                 return  # no KE cell in this batch: UDS reads none of its d2
             batch = self._batch(members)
-            s2[members] = cell_scores(
-                self.full, source, batch, self.engine_spec, batch_cells, self._clean_run(number, batch), clock
+            s2[members] = self.engine.cell_scores(
+                self.full, source, batch, batch_cells, self._clean_run(number, batch), clock
             )
             self._require_finite(
                 s2[members].where(batch_cells, 0.0),

@@ -42,15 +42,15 @@ import einops
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import SITES, Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.families import family_of
 from uds_lens.patching.batch import PatchBatch, pad_batch
-from uds_lens.patching.engines import baseline_scores, clean_run, patched_scores, residual_patch_hooks
-from uds_lens.patching.kernels import attention_output_norm, fast_engine_refusal
+from uds_lens.patching.engines import FastEngine, engine_class, residual_patch_hooks
+from uds_lens.patching.kernels import attention_output_norm
+from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
 from uds_lens.resolve import model_name
 from uds_lens.sources import as_source, hook_name
@@ -264,21 +264,28 @@ class _StageScores:
 
 
 class _Runner:
-    """Batches of an auditor's encoded examples and the per-batch runs of one patching experiment."""
+    """Batches of an auditor's encoded examples (in the order asked for) and the per-batch runs of one patching
+    experiment, run by ``planning.run_batches``: a batch that runs out of memory is halved and retried, as the
+    auditor's are, and the halves are kept for the next stage."""
 
     def __init__(self, auditor: PatchContext, idxs: Sequence[int] | None, batch_size: int | None) -> None:
         self.auditor = auditor
         self.full: Any = auditor.full
         self.encoded: list[EncodedExample] = auditor.select(idxs)
         size = batch_size or auditor.config.batch_size or 8
-        self.chunks = [self.encoded[i : i + size] for i in range(0, len(self.encoded), size)]
+        self.batches = consecutive_batches(len(self.encoded), size)
         self.spec = auditor.config.engine_spec(tuple(auditor.layers))
         self.upcast = self.spec.upcast
         self.scope = auditor.config.patch_scope
         self.device = self.full.cfg.device
 
-    def batch(self, chunk: list[EncodedExample], cut: bool = True) -> PatchBatch:
+    def batch(self, members: list[int], cut: bool = True) -> PatchBatch:
+        chunk = [self.encoded[i] for i in members]
         return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
+
+    def run(self, work: Callable[[PatchBatch], None], desc: str, progress: bool) -> None:
+        """``work(batch)`` for every batch, in order (``work`` keeps its results only once a batch is done)."""
+        run_batches(self.batches, lambda _, members: work(self.batch(members)), self.device, desc, progress)
 
 
 def _heads_fast(
@@ -287,6 +294,7 @@ def _heads_fast(
     full = runner.full
     n_heads = full.cfg.n_heads
     spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
+    engine = FastEngine(spec)
     # The head outputs add up to the attention's output (``attn.hook_out``); where the family normalises that
     # before adding it to the residual (Gemma, OLMo 2), the patched ``attn_out`` is the norm of the patched sum.
     family = family_of(hf_model_of(full).config)
@@ -296,13 +304,13 @@ def _heads_fast(
         return f"blocks.{layer}.attn.hook_out" if post_norm else hook_name("attn_out", layer)
 
     s0_parts, base_parts, score_parts = [], [], []
-    for chunk in tqdm(runner.chunks, desc=f"{stage}: heads (fast)", unit="batch", disable=not progress):
-        batch = runner.batch(chunk)
-        clean = clean_run(full, batch, spec)
+
+    def one_batch(batch: PatchBatch) -> None:
+        clean = engine.clean_run(full, batch)
         z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
         full_cache = _source_cache(full, batch.tokens, z_names | {out_name(layer) for layer in layers})
         source_cache = _source_cache(source, batch.tokens, z_names)
-        base = baseline_scores(full, batch, clean, spec)
+        base = engine.baseline_scores(full, batch, clean)
         per_head = []
         for head in range(n_heads):
             acts = []
@@ -318,10 +326,12 @@ def _heads_fast(
                 ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
                 patched = full_cache[out_name(layer)] + change
                 acts.append(attention_output_norm(full, layer, patched) if post_norm else patched)
-            per_head.append(patched_scores(full, batch, torch.stack(acts), spec, clean))
+            per_head.append(engine.patched_scores(full, batch, torch.stack(acts), clean))
         s0_parts.append(clean.scores.float().cpu())
         base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
         score_parts.append(torch.stack(per_head, dim=-1).float().cpu())
+
+    runner.run(one_batch, f"{stage}: heads (fast)", progress)
     valid = torch.ones(len(runner.encoded), n_heads, dtype=torch.bool)
     return _StageScores(
         torch.cat(s0_parts),
@@ -354,50 +364,48 @@ def _components_naive(
     names = {f"blocks.{layer}.{hook}" for layer in layers}
     use_result = hook == HEAD_HOOKS["result"]
     s0_parts, base_parts, score_parts, valid_parts = [], [], [], []
-    with attn_result(full, use_result):
-        for chunk in tqdm(
-            runner.chunks, desc=f"{stage}: {axis}s (naive)", unit="batch", disable=not progress
-        ):
-            batch = runner.batch(chunk)
-            cache = _source_cache(source, batch.tokens, names, use_result)
-            if runner.spec.published_compat:
-                # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
-                compat = as_source(source)
-                cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}
-            mask = _all_positions(batch) if positions == "all" else batch.patch_mask
-            clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
-            s0 = _per_example_mean(clean_tokens, batch)
-            scores = torch.full((batch.size, len(layers), width), math.nan, device=runner.device)
-            for position, layer in enumerate(layers):
-                name = f"blocks.{layer}.{hook}"
-                if axis == "head":
-                    for head in range(width):
-                        logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, head))])
-                        scores[:, position, head] = _per_example_mean(
-                            _token_logprobs(logits, batch, runner.upcast), batch
-                        )
-                elif axis == "token":
-                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, None))])
-                    scores[:, position] = _token_grid(
-                        _token_logprobs(logits, batch, runner.upcast), batch, width
+
+    def one_batch(batch: PatchBatch) -> None:
+        cache = _source_cache(source, batch.tokens, names, use_result)
+        if runner.spec.published_compat:
+            # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
+            compat = as_source(source)
+            cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}
+        mask = _all_positions(batch) if positions == "all" else batch.patch_mask
+        clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
+        s0 = _per_example_mean(clean_tokens, batch)
+        scores = torch.full((batch.size, len(layers), width), math.nan, device=runner.device)
+        for position, layer in enumerate(layers):
+            name = f"blocks.{layer}.{hook}"
+            if axis == "head":
+                for head in range(width):
+                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, head))])
+                    scores[:, position, head] = _per_example_mean(
+                        _token_logprobs(logits, batch, runner.upcast), batch
                     )
-                else:
-                    for offset in range(width):
-                        single = _nth_patched(batch, runner.scope, offset)
-                        if not single.any():
-                            continue
-                        logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], single, None))])
-                        rows = single.any(-1)
-                        means = _per_example_mean(_token_logprobs(logits, batch, runner.upcast), batch)
-                        scores[rows, position, offset] = means[rows]
-            if axis == "token":
-                base = _token_grid(clean_tokens, batch, width)[:, None, :].expand(-1, len(layers), -1)
+            elif axis == "token":
+                logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, None))])
+                scores[:, position] = _token_grid(_token_logprobs(logits, batch, runner.upcast), batch, width)
             else:
-                base = s0[:, None, None].expand(-1, len(layers), width)
-            s0_parts.append(s0.float().cpu())
-            base_parts.append(base.float().cpu())
-            score_parts.append(scores.float().cpu())
-            valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
+                for offset in range(width):
+                    single = _nth_patched(batch, runner.scope, offset)
+                    if not single.any():
+                        continue
+                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], single, None))])
+                    rows = single.any(-1)
+                    means = _per_example_mean(_token_logprobs(logits, batch, runner.upcast), batch)
+                    scores[rows, position, offset] = means[rows]
+        if axis == "token":
+            base = _token_grid(clean_tokens, batch, width)[:, None, :].expand(-1, len(layers), -1)
+        else:
+            base = s0[:, None, None].expand(-1, len(layers), width)
+        s0_parts.append(s0.float().cpu())
+        base_parts.append(base.float().cpu())
+        score_parts.append(scores.float().cpu())
+        valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
+
+    with attn_result(full, use_result):
+        runner.run(one_batch, f"{stage}: {axis}s (naive)", progress)
     return _StageScores(
         torch.cat(s0_parts),
         torch.cat(base_parts),
@@ -551,7 +559,7 @@ def patch_heads(
             "The fast engine recomputes only the patched window; positions='all' needs engine='naive'."
         )
     chosen: Engine = "naive" if engine == "naive" or positions == "all" else "fast"
-    refusal = fast_engine_refusal(auditor.full) if chosen == "fast" else None
+    refusal = engine_class(chosen).refusal(auditor.full)
     if refusal is not None:
         logger.warning("patch_heads runs the naive engine: %s.", refusal)
         chosen = "naive"
@@ -560,10 +568,13 @@ def patch_heads(
     runner = _Runner(auditor, idxs, batch_size)
     point = HEAD_HOOKS[hook]
 
-    def compute(source: Any, stage: str) -> _StageScores:
-        if chosen == "fast":
-            return _heads_fast(runner, source, point, layers, progress, stage)
+    def fast(source: Any, stage: str) -> _StageScores:
+        return _heads_fast(runner, source, point, layers, progress, stage)
+
+    def naive(source: Any, stage: str) -> _StageScores:
         return _components_naive(runner, source, point, layers, "head", positions, progress, stage)
+
+    compute = {"fast": fast, "naive": naive}[chosen]
 
     key = ("head", point, tuple(layers), tuple(e.idx for e in runner.encoded), positions, chosen)
     return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key, tau)

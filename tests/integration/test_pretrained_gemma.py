@@ -16,7 +16,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
-from uds_lens.patching.engines import patched_scores, source_activations
+from uds_lens.patching.engines import engine_for, source_activations
 from uds_lens.patching.kernels import fast_engine_refusal
 from uds_lens.sources import verify_parity
 
@@ -101,8 +101,8 @@ def test_full_is_zero_and_a_noisy_retain_moves_on_gemma(checkpoint, tmp_path):
     spec = auditor.engine_spec
     batch = pad_batch(auditor.encoded, auditor.pad_id, "span")
     acts = source_activations(retain, batch.tokens, spec)
-    naive = patched_scores(full, batch, acts, replace(spec, engine="naive"))
-    fast = patched_scores(full, batch, acts, replace(spec, engine="fast"))
+    naive = engine_for(replace(spec, engine="naive")).patched_scores(full, batch, acts)
+    fast = engine_for(replace(spec, engine="fast")).patched_scores(full, batch, acts)
     assert (naive - fast).abs().max() <= 1e-4, (naive - fast).abs().max()
     as_full = auditor.score(full)
     assert (as_full.layers.loc[as_full.layers["layer"] < 17, "d2"] == 0.0).all()

@@ -21,7 +21,7 @@ from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model
 from uds_lens.patching.batch import pad_batch
-from uds_lens.patching.engines import baseline_scores, clean_run, patched_scores, source_activations
+from uds_lens.patching.engines import engine_for, source_activations
 from uds_lens.sources import verify_parity
 
 pytestmark = pytest.mark.xdist_group("pretrained_llama")
@@ -86,12 +86,12 @@ def test_fast_equals_naive_on_the_real_model(pretrained, encoded, scope):
     layers = [0, 1, 14, 28, 29]
     for site in SITES:
         acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
-        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
-        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
+        naive = engine_for(EngineSpec(site, layers, "naive")).patched_scores(full, batch, acts)
+        fast = engine_for(EngineSpec(site, layers, "fast")).patched_scores(full, batch, acts)
         assert (naive - fast).abs().max() <= 1e-5, site
-        clean = clean_run(full, batch, EngineSpec(site, layers))
+        clean = engine_for(EngineSpec(site, layers)).clean_run(full, batch)
         assert (naive - clean.scores[:, None]).abs().max() > 1e-2, site  # the patch matters
-        base = baseline_scores(full, batch, clean, EngineSpec(site, layers))
+        base = engine_for(EngineSpec(site, layers)).baseline_scores(full, batch, clean)
         assert (base - clean.scores[:, None]).abs().max() <= 1e-5, site
 
 
@@ -108,8 +108,8 @@ def test_fast_equals_naive_in_half_precision_on_the_real_model(pretrained, encod
     worst = {}
     for site in SITES:
         acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
-        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
-        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
+        naive = engine_for(EngineSpec(site, layers, "naive")).patched_scores(full, batch, acts)
+        fast = engine_for(EngineSpec(site, layers, "fast")).patched_scores(full, batch, acts)
         worst[site] = (naive - fast).abs().max().item()
     assert max(worst.values()) <= HALF_TOLERANCE[dtype], worst
 

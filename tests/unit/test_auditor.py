@@ -14,18 +14,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers.numerics import assert_close_reordered
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import uds_lens.auditor as auditor_module
 from uds_lens.auditor import UDSAuditor
+from uds_lens.components import patch_heads
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
 from uds_lens.fingerprints import result_fingerprint
 from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
-from uds_lens.patching import engines
+from uds_lens.patching.engines import FastEngine
 from uds_lens.result_store import OutputConflictError
 from uds_lens.results import LAYER_COLUMNS, UDSResult, load_reusable
 from uds_lens.scoring import score_models
@@ -184,20 +186,22 @@ def test_mismatched_unlearned_model_is_refused(tiny, tmp_path):
 
 
 def test_out_of_memory_halves_the_batch_and_retries(models, monkeypatch, tiny_auditor):
-    """A batch that runs out of memory is split in two and retried; the numbers are those of an unhindered run,
-    and the smaller batches are kept for the next model."""
+    """One runner (``planning.run_batches``): a batch that runs out of memory is split in two and retried, in the
+    auditor's scoring and in component patching alike; the numbers are those of an unhindered run, and the smaller
+    batches are kept for the next model."""
     config = UDSConfig(batch_size=8)
     reference = tiny_auditor(models, config).score(models["unlearned"])
-    real_scores = engines.source_scores  # what the auditor calls (patched there below)
+    heads_reference = patch_heads(tiny_auditor(models, config), models["unlearned"], engine="fast")
+    real_scores = FastEngine.patched_scores
     sizes = []
 
-    def small_memory(full, source, batch, *args):
+    def small_memory(self, full, batch, *args):
         sizes.append(batch.size)
         if batch.size > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_scores(full, source, batch, *args)
+        return real_scores(self, full, batch, *args)
 
-    monkeypatch.setattr(auditor_module, "source_scores", small_memory)
+    monkeypatch.setattr(FastEngine, "patched_scores", small_memory)
     auditor = tiny_auditor(models, config)
     assert max(len(b) for b in auditor.batches) > 2
     result = auditor.score(models["unlearned"])
@@ -207,11 +211,16 @@ def test_out_of_memory_halves_the_batch_and_retries(models, monkeypatch, tiny_au
     sizes.clear()
     auditor.score(models["retain"])
     assert max(sizes) <= 2  # the next model starts from the size that fitted
+    sizes.clear()
+    heads = patch_heads(auditor, models["unlearned"], engine="fast")
+    assert max(sizes) > 2 and heads.idx == heads_reference.idx
+    assert_close_reordered(heads.s1, heads_reference.s1)
+    assert_close_reordered(heads.s2, heads_reference.s2)
 
     def shape_mismatch(*args):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(auditor_module, "source_scores", shape_mismatch)
+    monkeypatch.setattr(FastEngine, "patched_scores", shape_mismatch)
     with pytest.raises(RuntimeError, match="shape mismatch"):  # other errors are not retried
         auditor.score(models["full"])
 

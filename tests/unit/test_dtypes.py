@@ -25,7 +25,7 @@ from uds_lens.data import encode, load_examples
 from uds_lens.memory import available_memory_bytes
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
-from uds_lens.patching.engines import patched_scores, source_activations
+from uds_lens.patching.engines import engine_for, source_activations
 
 TOLERANCE = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1e-5}
 
@@ -52,8 +52,8 @@ def test_fast_equals_naive_within_the_dtype_tolerance(tiny, half_models, dtype, 
     assert models["full"].W_U.dtype == dtype
     for site in SITES:
         acts = source_activations(models["retain"], batch.tokens, EngineSpec(site, layers))
-        naive = patched_scores(models["full"], batch, acts, EngineSpec(site, layers, "naive"))
-        fast = patched_scores(models["full"], batch, acts, EngineSpec(site, layers, "fast"))
+        naive = engine_for(EngineSpec(site, layers, "naive")).patched_scores(models["full"], batch, acts)
+        fast = engine_for(EngineSpec(site, layers, "fast")).patched_scores(models["full"], batch, acts)
         assert naive.dtype == torch.float32  # upcast before the log-softmax
         assert (naive - fast).abs().max() <= TOLERANCE[dtype], site
 
@@ -92,8 +92,8 @@ def test_bf16_on_cuda_fast_equals_naive(tiny, cuda_device, scope):
     layers = list(range(full.cfg.n_layers))
     for site in SITES:
         acts = source_activations(source, batch.tokens, EngineSpec(site, layers))
-        naive = patched_scores(full, batch, acts, EngineSpec(site, layers, "naive"))
-        fast = patched_scores(full, batch, acts, EngineSpec(site, layers, "fast"))
+        naive = engine_for(EngineSpec(site, layers, "naive")).patched_scores(full, batch, acts)
+        fast = engine_for(EngineSpec(site, layers, "fast")).patched_scores(full, batch, acts)
         assert (naive - fast).abs().max().item() <= TOLERANCE[torch.bfloat16], site
 
 

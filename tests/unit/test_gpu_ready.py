@@ -20,6 +20,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.config import UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.patching import planning
+from uds_lens.patching.engines import FastEngine
 from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.readout import segment_mean
 from uds_lens.resolve import resolve_source
@@ -423,7 +424,7 @@ def test_the_batch_size_leaves_room_for_three_models_joined_copies(tiny, monkeyp
     joined = planning.joined_copy_bytes(model)
     seq_len = max(example.read_positions.stop for example in encoded)
     window = max(len(example.window("span")) for example in encoded)
-    per_example = planning.estimate_bytes_per_example(model, seq_len, window, "fast")
+    per_example = FastEngine.bytes_per_example(model, seq_len, window)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 3 * joined + 40 * per_example)
     assert planning.choose_batch_size(model, encoded, "span", "fast") == 10  # a quarter of what is left
     assert planning.choose_batch_size(model, encoded, "span", "fast", joined_models=0) == 10 + int(

@@ -9,12 +9,9 @@ from uds_lens.data import encode, load_examples
 from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import (
-    baseline_scores,
-    clean_run,
-    naive_patched_scores,
-    patched_scores,
+    NaiveEngine,
+    engine_for,
     source_activations,
-    source_scores,
     window_source_activations,
 )
 from uds_lens.patching.planning import plan_batches
@@ -41,17 +38,17 @@ def test_fast_equals_naive(setup, site, scope, compat):
     spec = EngineSpec(site, layers, "fast", published_compat=compat)
     oracle = EngineSpec(site, layers, "naive", published_compat=compat)
     acts = source_activations(setup["source"], batch.tokens, spec)
-    naive = patched_scores(setup["full"], batch, acts, oracle)
-    fast = patched_scores(setup["full"], batch, acts, spec)
+    naive = engine_for(oracle).patched_scores(setup["full"], batch, acts)
+    fast = engine_for(spec).patched_scores(setup["full"], batch, acts)
     assert torch.allclose(naive, fast, atol=1e-5, rtol=0)
-    clean = clean_run(setup["full"], batch, spec)
+    clean = engine_for(spec).clean_run(setup["full"], batch)
     # The patch changes something (the test is not vacuous) ...
     assert (naive - clean.scores[:, None]).abs().max() > 1e-3
     # ... and the fast baseline equals the clean score up to float noise.
-    base = baseline_scores(setup["full"], batch, clean, spec)
+    base = engine_for(spec).baseline_scores(setup["full"], batch, clean)
     assert torch.allclose(base, clean.scores[:, None].expand_as(base), atol=1e-5)
     # The packed source forward the auditor uses gives the same scores as TransformerLens's padded one.
-    packed = source_scores(setup["full"], setup["source"], batch, spec, clean)
+    packed = engine_for(spec).source_scores(setup["full"], setup["source"], batch, clean)
     assert torch.allclose(naive, packed, atol=1e-5, rtol=0)
     # A source identical to the target gives back its clean window activations bit for bit (deltas exactly 0).
     same = window_source_activations(setup["full"], batch, EngineSpec(site, layers))
@@ -63,10 +60,10 @@ def test_subset_of_layers_and_padding_invariance(setup):
     full, src = setup["full"], setup["source"]
     spec = EngineSpec("resid_post", (2, 0))
     together = pad_batch(encoded, setup["tok"].pad_token_id)
-    joint = patched_scores(full, together, source_activations(src, together.tokens, spec), spec)
+    joint = engine_for(spec).patched_scores(full, together, source_activations(src, together.tokens, spec))
     for row, example in enumerate(encoded):
         alone = pad_batch([example], setup["tok"].pad_token_id)
-        single = patched_scores(full, alone, source_activations(src, alone.tokens, spec), spec)
+        single = engine_for(spec).patched_scores(full, alone, source_activations(src, alone.tokens, spec))
         assert torch.allclose(single[0], joint[row], atol=1e-5)
 
 
@@ -75,7 +72,7 @@ def test_naive_hooks_are_removed_after_an_error(setup):
     batch = pad_batch(encoded, setup["tok"].pad_token_id)
     bad_acts = torch.zeros(1, batch.size, batch.tokens.shape[1] + 5, 3)  # wrong d_model
     with pytest.raises((RuntimeError, IndexError)):
-        naive_patched_scores(setup["full"], batch, bad_acts, EngineSpec("resid_post", (0,), "naive"))
+        NaiveEngine(EngineSpec("resid_post", (0,), "naive")).patched_scores(setup["full"], batch, bad_acts)
     assert all(not hp.fwd_hooks for hp in setup["full"].hook_dict.values())
 
 
@@ -133,7 +130,7 @@ def test_component_metric_is_the_naive_engines_read_out(setup, compat):
     encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
     batch = pad_batch(encoded, setup["tok"].pad_token_id, cut=False)
     spec = EngineSpec("resid_post", (0,), "naive", published_compat=compat)
-    clean = clean_run(setup["full"], batch, spec)
+    clean = engine_for(spec).clean_run(setup["full"], batch)
     metric = entity_metric(
         batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example=True, upcast=spec.upcast
     )
@@ -156,7 +153,7 @@ def test_fast_engine_refuses_other_architectures(setup):
     assert "gpt2" in fast_engine_refusal(gpt2)
     assert fast_engine_refusal(setup["full"]) is None
     with pytest.raises(ValueError, match="naive"):
-        clean_run(gpt2, batch, EngineSpec("resid_post", (0,)))
+        engine_for(EngineSpec("resid_post", (0,))).clean_run(gpt2, batch)
 
 
 def test_fast_engine_sees_weights_edited_in_place(tiny, setup):
@@ -166,12 +163,12 @@ def test_fast_engine_sees_weights_edited_in_place(tiny, setup):
     batch = pad_batch(encoded, setup["tok"].pad_token_id, "span")
     spec = EngineSpec("resid_post", tuple(range(full.cfg.n_layers)))
     acts = source_activations(setup["source"], batch.tokens, spec)
-    before = patched_scores(full, batch, acts, spec)
+    before = engine_for(spec).patched_scores(full, batch, acts)
     with torch.no_grad():
         full.blocks[-1].mlp.W_in.mul_(1.5)
         full.blocks[-1].attn.W_Q.mul_(0.5)
-    after = patched_scores(full, batch, acts, spec)
-    naive = patched_scores(full, batch, acts, EngineSpec("resid_post", spec.layers, "naive"))
+    after = engine_for(spec).patched_scores(full, batch, acts)
+    naive = engine_for(EngineSpec("resid_post", spec.layers, "naive")).patched_scores(full, batch, acts)
     assert (after - before).abs().max() > 1e-3
     assert torch.allclose(after, naive, atol=1e-5, rtol=0)
 

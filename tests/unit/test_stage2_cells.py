@@ -12,8 +12,8 @@ from uds_lens.config import SITES, ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.models import load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
-from uds_lens.patching.cells import cell_scores, stage2_work
-from uds_lens.patching.engines import clean_run, source_scores
+from uds_lens.patching.cells import stage2_work
+from uds_lens.patching.engines import engine_for
 from uds_lens.results import CellsNotRunError, UDSResult
 
 UDS_TOLERANCE = 1e-6
@@ -114,11 +114,11 @@ def test_cell_scores_equal_every_cell_engine_on_their_cells(models, tiny, site, 
     cells[0] = False  # an example with no cell runs nothing
     for engine in ("fast", "naive"):
         spec = EngineSpec(site, layers, engine, published_compat=compat)
-        clean = clean_run(models["full"], batch, spec)
-        every = source_scores(models["full"], models["unlearned"], batch, spec, clean).float()
+        clean = engine_for(spec).clean_run(models["full"], batch)
+        every = engine_for(spec).source_scores(models["full"], models["unlearned"], batch, clean).float()
         # the patch is not vacuous
         assert (every - clean.scores[:, None]).abs().max() > 1e-3
-        chosen = cell_scores(models["full"], models["unlearned"], batch, spec, cells, clean)
+        chosen = engine_for(spec).cell_scores(models["full"], models["unlearned"], batch, cells, clean)
         assert torch.isnan(chosen[~cells]).all()
         assert_close_reordered(chosen[cells], every[cells])
 

@@ -6,11 +6,15 @@ source model's activation at the same hook, and its score is the mean over ``R``
 
     score(l) = mean_{p in R} log_softmax(W_U · ln_final(x_L[p]))[label(p)]     with x patched at (l, s, P)
 
-Two engines compute exactly that:
+Two engines compute exactly that, one class each on a shared base (``engines.PatchEngine``), chosen once from an
+``EngineSpec`` by ``engines.engine_for(spec)``; every stage calls the chosen object's ``clean_run``,
+``baseline_scores``, ``source_scores`` / ``patched_scores`` and ``cell_scores``, and planning asks its class how it
+pads and sizes a batch:
 
-* ``naive``: one full forward per (batch, layer) with a TransformerLens hook (``run_with_hooks``). It is the
-  oracle the tests compare against, and what the published implementation does.
-* ``fast`` (the default): three facts make most of that work redundant. Blocks below ``l`` are untouched by the
+* ``NaiveEngine``: one forward per (batch, layer) with TransformerLens hooks (``run_with_hooks``), as the published
+  implementation does, stopped at the last block: the final residual is read at the read positions only, with the
+  fast engine's read-out. It is the oracle the tests compare against, and the fallback for what ``fast`` refuses.
+* ``FastEngine`` (the default): three facts make most of that work redundant. Blocks below ``l`` are untouched by the
   patch, so the run starts at ``l`` from the cached clean activations. Positions before the first patched position
   are untouched at every layer (causal attention), so only the *window* from the first patched position through the
   last read position is recomputed, its attention reading the clean run's keys/values for the prefix. Nothing after
@@ -41,13 +45,14 @@ arguments. The package, one concept per module:
 * ``batch``: ``PatchBatch`` (where to patch and read), ``WindowPacking`` (window tokens packed into flat rows),
   ``CleanRun`` (what the fast engine keeps from the clean forward);
 * ``kernels``: the fast engine's table-driven block kernels and ``packed_forward``; ``fast_engine_refusal``;
-* ``engines``: ``clean_run``, the naive and fast engines, ``patched_scores`` / ``source_scores`` /
-  ``baseline_scores``, the source reads;
-* ``planning``: which examples share a batch and how many fit in memory.
-* ``cells``: Stage 2 on chosen (example, layer) cells only (``cell_scores``; KE-only Stage 2), ragged runs packed
+* ``engines``: ``PatchEngine``, ``NaiveEngine``, ``FastEngine``, ``engine_for``; the source reads;
+* ``planning``: which examples share a batch, how many fit in memory, and ``run_batches``, the one runner that
+  halves a batch that runs out of memory (the auditor and component patching use it);
+* ``cells``: the fast engine's Stage 2 on chosen (example, layer) cells only (KE-only Stage 2), ragged runs packed
   into one row axis, and ``stage2_work``, the floor's window work priced on the cells run.
 
-The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s.
+The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s, applied to final residuals by
+``kernels.read_scores``.
 """
 
 from __future__ import annotations
@@ -55,23 +60,17 @@ from __future__ import annotations
 from uds_lens.config import ENGINES, SCOPES, SITES, EngineSpec
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, pad_batch
 from uds_lens.patching.engines import (
-    baseline_scores,
-    clean_run,
-    fast_patched_scores,
-    naive_patched_scores,
-    patched_scores,
-    read_scores,
+    FastEngine,
+    NaiveEngine,
+    PatchEngine,
+    engine_class,
+    engine_for,
     residual_patch_hooks,
     source_activations,
-    source_scores,
     window_source_activations,
 )
-from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal, packed_forward
-from uds_lens.patching.planning import (
-    choose_batch_size,
-    estimate_bytes_per_example,
-    plan_batches,
-)
+from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal, packed_forward, read_scores
+from uds_lens.patching.planning import choose_batch_size, plan_batches, run_batches
 from uds_lens.readout import mean_entity_logprob, segment_mean
 from uds_lens.sources import hook_name
 
@@ -79,28 +78,27 @@ __all__ = [
     "CleanRun",
     "ENGINES",
     "FAST_MODEL_TYPES",
+    "FastEngine",
+    "NaiveEngine",
     "PatchBatch",
+    "PatchEngine",
     "SCOPES",
     "SITES",
     "EngineSpec",
     "WindowPacking",
-    "baseline_scores",
     "choose_batch_size",
-    "clean_run",
-    "estimate_bytes_per_example",
+    "engine_class",
+    "engine_for",
     "fast_engine_refusal",
-    "fast_patched_scores",
-    "plan_batches",
     "hook_name",
     "mean_entity_logprob",
-    "naive_patched_scores",
     "packed_forward",
     "pad_batch",
-    "patched_scores",
+    "plan_batches",
     "read_scores",
     "residual_patch_hooks",
+    "run_batches",
     "segment_mean",
     "source_activations",
-    "source_scores",
     "window_source_activations",
 ]

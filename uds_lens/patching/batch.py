@@ -43,6 +43,13 @@ class PatchBatch:
     def max_window(self) -> int:
         return int(self.window_len.max())
 
+    @property
+    def input_length(self) -> int:
+        """The longest whole input (prompt + reference) of the batch, cut or not: the length of the model's own
+        forward on the uncut batch, from which a length-dependent rotary embedding (Phi-3's long rope, dynamic
+        NTK) chooses its frequencies."""
+        return max(len(example.input_ids) for example in self.examples)
+
     def select(self, rows: Sequence[int]) -> PatchBatch:
         """The examples at ``rows`` (ascending) as a batch of their own, padded as this one (same width): their
         tokens, patch and read positions are unchanged, so every number of theirs is computed on the same inputs."""

@@ -1,7 +1,8 @@
 """Stage 2 on chosen cells: patched scores of only the (example, layer) cells asked for, NaN elsewhere.
 
 UDS reads ``d2[l]`` only where ``d1[l] > tau`` (the KE cells, known from Stage 1 before any unlearned model is
-loaded), and an example with no KE layer not at all (SPEC 1.6b). ``cell_scores`` runs exactly those cells:
+loaded), and an example with no KE layer not at all (SPEC 1.6b). An engine's ``cell_scores``
+(``engines.PatchEngine``) runs exactly those cells:
 
 * the source forward runs only the examples that have a cell, up to the last layer that has one;
 * ``fast``: every cell is one *run* of its example's window rows, patched at its layer. The runs of all the cells
@@ -12,8 +13,8 @@ loaded), and an example with no KE layer not at all (SPEC 1.6b). ``cell_scores``
   of ``window x blocks after the patch``: the floor of :func:`stage2_work` priced on those cells;
 * ``naive``: one hooked forward per layer over the examples that have a cell at that layer.
 
-A cell is computed from the same inputs and with the same arithmetic as in the every-cell engines
-(``engines.fast_patched_scores``, ``engines.naive_patched_scores``), in matrix products of other shapes: its score
+A cell is computed from the same inputs and with the same arithmetic as in the every-cell runs
+(``engines.fast_patched_scores``, ``engines.NaiveEngine.patched_scores``), in matrix products of other shapes: its score
 agrees with theirs to float noise (a reordered sum), not bit for bit.
 """
 
@@ -29,19 +30,15 @@ from torch import Tensor
 
 from uds_lens.config import EngineSpec
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking
-from uds_lens.patching.engines import (
-    clean_run,
-    naive_patched_scores,
-    read_scores,
-    timed_source_activations,
-)
 from uds_lens.patching.kernels import (
     AttentionLayout,
     attention_layout,
     block_attention,
     layer_weights,
     mlp_half,
+    read_scores,
 )
+from uds_lens.tl_compat import TLModel
 
 # Read-out rows per call: bounds published-compat's [rows, vocab] logits (the fp32 read-out slices the vocabulary).
 _READ_ROWS = 1 << 12
@@ -60,7 +57,7 @@ def _ragged_arange(first: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fast_cell_scores(
-    full: Any,
+    full: TLModel,
     batch: PatchBatch,
     clean: CleanRun,
     acts: Float[Tensor, "layer row d_model"],
@@ -141,7 +138,7 @@ def fast_cell_scores(
             prefix_len=packing.prefix_len,
             start=batch.window_start.to(device)[run_example],
         )
-        layout = attention_layout(full, runs, resid.dtype)
+        layout = attention_layout(full, runs, resid.dtype, batch.input_length)
         tails: dict[int, AttentionLayout] = {}
 
         def tail(first_run: int) -> AttentionLayout:
@@ -205,72 +202,6 @@ def fast_cell_scores(
     return result
 
 
-def naive_cell_scores(
-    full: Any,
-    batch: PatchBatch,
-    acts: Float[Tensor, "layer example pos d_model"],
-    source_rows: list[int],
-    spec: EngineSpec,
-    cells: Bool[Tensor, "batch layer"],
-) -> Float[Tensor, " cell"]:
-    """The naive engine on ``cells``: per layer, one hooked forward of the examples that have a cell there.
-
-    ``acts`` holds the source activations of the examples ``source_rows`` (``source_activations`` of that
-    sub-batch). Scores come back in ``cells.nonzero()`` order.
-    """
-    out = torch.empty(int(cells.sum()), dtype=torch.float32)
-    cell_index = torch.full(cells.shape, -1, dtype=torch.long)
-    cell_index[cells] = torch.arange(int(cells.sum()))
-    source_of = {row: position for position, row in enumerate(source_rows)}
-    for position, layer in enumerate(spec.layers):
-        members = cells[:, position].nonzero()[:, 0].tolist()
-        if not members:
-            continue
-        layer_acts = acts[position][[source_of[row] for row in members]][None]
-        scores = naive_patched_scores(
-            full, batch.select(members), layer_acts, dataclasses.replace(spec, layers=(layer,))
-        )
-        out[cell_index[members, position]] = scores[:, 0].float().cpu()
-    return out
-
-
-def cell_scores(
-    full: Any,
-    source: Any,
-    batch: PatchBatch,
-    spec: EngineSpec,
-    cells: Bool[Tensor, "batch layer"],
-    clean: CleanRun | None = None,
-    timings: dict[str, float] | None = None,
-) -> Float[Tensor, "batch layer"]:
-    """``engines.source_scores`` on the ``cells`` only (``[batch, layer of spec.layers]``), NaN elsewhere.
-
-    The source runs on the examples that have a cell, through the last layer that has one; a batch without any
-    cell runs nothing. ``timings`` as for ``source_scores``.
-    """
-    cells = cells.to(torch.bool).cpu()
-    result = torch.full(cells.shape, float("nan"))
-    rows = cells.any(1).nonzero()[:, 0].tolist()
-    if not rows:
-        return result
-    used = cells.any(0).nonzero()[:, 0].tolist()
-    spec_used = dataclasses.replace(spec, layers=tuple(spec.layers[j] for j in used))
-    cells_used = cells[:, used]
-    sources = batch if len(rows) == batch.size else batch.select(rows)
-    acts = timed_source_activations(source, sources, spec_used, timings).to(full.cfg.device)
-    if spec.engine == "fast":
-        if clean is None:
-            clean = clean_run(full, batch, spec)
-        scores = fast_cell_scores(
-            full, batch, clean, acts, rows, spec_used, cells_used.to(batch.tokens.device)
-        )
-    else:
-        scores = naive_cell_scores(full, batch, acts, rows, spec_used, cells_used)
-    full_index = torch.tensor(used)[cells_used.nonzero()[:, 1]]
-    result[cells_used.nonzero()[:, 0], full_index] = scores.float().cpu()
-    return result
-
-
 def stage2_work(
     window_len: Sequence[int], layers: Sequence[int], n_layers: int, site: str, cells: Any = None
 ) -> int:
@@ -321,4 +252,4 @@ def stage2_record(
     }
 
 
-__all__ = ["cell_scores", "fast_cell_scores", "naive_cell_scores", "stage2_record", "stage2_work"]
+__all__ = ["fast_cell_scores", "stage2_record", "stage2_work"]

@@ -1,46 +1,220 @@
-"""The two patching engines and the entry points both stages call (see the package docstring for the method).
+"""The two patching engines, one class each on a shared base, and the source reads (see the package docstring for
+the method).
 
-``source_scores`` runs a source once and scores every patched layer; ``baseline_scores`` is each engine's
-unpatched score; ``patched_scores`` dispatches to ``naive_patched_scores`` (one hooked forward per layer, the
-oracle) or ``fast_patched_scores`` (windows only, from the ``clean_run``'s keys and values)."""
+``engine_for(spec)`` chooses the engine once, from ``spec.engine``; every stage then calls the chosen object:
+``clean_run`` (S0 and what the engine reuses), ``baseline_scores`` (its unpatched score per layer),
+``source_scores`` / ``patched_scores`` (one source forward, then a patched run per layer), ``cell_scores`` (Stage 2
+on chosen cells only). Planning asks the engine's class how it lays out and sizes a batch (``cut``,
+``padded_length``, ``bytes_per_example``, ``joins_weights``) and whether it runs a model at all (``refusal``).
+
+* :class:`NaiveEngine` (the oracle and the fallback): one hooked forward of the full model per (batch, layer),
+  stopped at the last block's output; the final residual is read at the read positions only (``read_scores``, the
+  fast engine's read-out), so no run makes logits for positions nobody reads.
+* :class:`FastEngine` (the default): only each example's window is recomputed, from the clean run's keys and
+  values (``fast_patched_scores``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from collections.abc import Callable
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
-import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from uds_lens.config import ENGINES, EngineSpec
+from uds_lens.config import ENGINES, Engine, EngineSpec, Scope
+from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, window_sites
+from uds_lens.patching.cells import fast_cell_scores
 from uds_lens.patching.kernels import (
     attention_layout,
     block_attention,
     fast_engine_refusal,
-    final_softcap,
     layer_weights,
     mlp_half,
     packed_forward,
+    read_scores,
 )
-from uds_lens.readout import mean_entity_logprob, segment_mean, soft_cap, unembedded_label_logprobs
 from uds_lens.sources import as_source, hook_name
-from uds_lens.tl_compat import HookPoint, is_bridge
+from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, is_bridge
+
+Hooks = list[tuple[str, Callable[..., Tensor]]]
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shared base
+
+
+class PatchEngine(ABC):
+    """One patching engine bound to one ``EngineSpec`` (site, layers, published-compat): see the module docstring.
+
+    Class attributes say how planning treats the engine's batches: ``cut`` (sequences end at the last read
+    position, ``pad_batch``'s ``cut``) and ``joins_weights`` (the engine keeps joined copies of a model's matrices,
+    ``planning.joined_copy_bytes``).
+    """
+
+    name: ClassVar[Engine]
+    cut: ClassVar[bool]
+    joins_weights: ClassVar[bool]
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if spec.engine != self.name:
+            raise ValueError(f"{type(self).__name__} runs engine {self.name!r}, not {spec.engine!r}.")
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    def with_layers(self, layers: Sequence[int]) -> PatchEngine:
+        """The same engine over other layers (``cell_scores`` runs only the layers that have a cell)."""
+        return type(self)(dataclasses.replace(self.spec, layers=tuple(layers)))
+
+    # -- what planning asks of the engine ---------------------------------------------------------------------
+
+    @staticmethod
+    @abstractmethod
+    def refusal(model: TLModel) -> str | None:
+        """Why this engine cannot run ``model`` (one line), or ``None``."""
+
+    @staticmethod
+    @abstractmethod
+    def padded_length(example: EncodedExample, scope: Scope) -> int:
+        """The length along the axis this engine pads a batch on (what ``plan_batches`` groups by)."""
+
+    @staticmethod
+    @abstractmethod
+    def bytes_per_example(model: TLModel, seq_len: int, window: int) -> int:
+        """Rough peak memory of one example in a batch (``choose_batch_size`` divides a budget by it)."""
+
+    # -- the runs -------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def clean_run(self, full: TLModel, batch: PatchBatch) -> CleanRun:
+        """One clean forward of the target: S0 and what this engine's patched runs reuse. Only ``spec.site`` and
+        ``spec.upcast`` matter here: one clean run serves every layer."""
+
+    @abstractmethod
+    def source_activations(self, source: ModelLike, batch: PatchBatch) -> Tensor:
+        """The source's activations at ``spec.site`` of every layer of ``spec.layers``, as ``patched_scores``
+        reads them."""
+
+    @abstractmethod
+    def patched_scores(
+        self, full: TLModel, batch: PatchBatch, acts: Tensor, clean: CleanRun | None = None
+    ) -> Float[Tensor, "batch layer"]:
+        """Score of the full model patched at each layer of ``spec.layers`` with ``acts`` (one per layer).
+
+        Swapping the engine changes no number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5
+        in fp32)."""
+
+    @abstractmethod
+    def baseline_scores(
+        self, full: TLModel, batch: PatchBatch, clean: CleanRun
+    ) -> Float[Tensor, "batch layer"]:
+        """The unpatched score as this engine computes it, per layer: what patched scores are compared with, so a
+        source identical to the full model gives deltas of exactly 0."""
+
+    @abstractmethod
+    def scores_of_cells(
+        self,
+        full: TLModel,
+        batch: PatchBatch,
+        clean: CleanRun | None,
+        acts: Tensor,
+        source_rows: list[int],
+        cells: Bool[Tensor, "batch layer"],
+    ) -> Float[Tensor, " cell"]:
+        """Scores of ``cells`` (``[batch, layer of spec.layers]``) in ``cells.nonzero()`` order, from the source
+        activations of the examples ``source_rows`` (this engine's ``source_activations`` of that sub-batch)."""
+
+    # -- shared ---------------------------------------------------------------------------------------------------
+
+    def timed_source_activations(
+        self, source: ModelLike, batch: PatchBatch, timings: dict[str, float] | None = None
+    ) -> Tensor:
+        """``source_activations``; with ``timings``, the forward's seconds are added to
+        ``timings["source_forward_seconds"]`` (on a GPU after a synchronisation, so the figure is the forward's,
+        not its launch's)."""
+        started = time.perf_counter()
+        acts = self.source_activations(source, batch)
+        if timings is not None:
+            if acts.is_cuda:
+                torch.cuda.synchronize(acts.device)
+            timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
+                time.perf_counter() - started
+            )
+        return acts
+
+    def source_scores(
+        self,
+        full: TLModel,
+        source: ModelLike,
+        batch: PatchBatch,
+        clean: CleanRun | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> Float[Tensor, "batch layer"]:
+        """One source forward and the patched scores of every layer: what a stage costs per batch (``timings`` as
+        for :meth:`timed_source_activations`)."""
+        acts = self.timed_source_activations(source, batch, timings)
+        return self.patched_scores(full, batch, acts.to(full.cfg.device), clean)
+
+    def cell_scores(
+        self,
+        full: TLModel,
+        source: ModelLike,
+        batch: PatchBatch,
+        cells: Bool[Tensor, "batch layer"],
+        clean: CleanRun | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> Float[Tensor, "batch layer"]:
+        """:meth:`source_scores` on the ``cells`` only (``[batch, layer of spec.layers]``), NaN elsewhere.
+
+        The source runs on the examples that have a cell, through the last layer that has one; a batch without any
+        cell runs nothing (``patching.cells`` describes the fast engine's packing of the cells)."""
+        cells = cells.to(torch.bool).cpu()
+        result = torch.full(cells.shape, float("nan"))
+        rows = cells.any(1).nonzero()[:, 0].tolist()
+        if not rows:
+            return result
+        used = cells.any(0).nonzero()[:, 0].tolist()
+        narrowed = self.with_layers([self.spec.layers[j] for j in used])
+        cells_used = cells[:, used]
+        sources = batch if len(rows) == batch.size else batch.select(rows)
+        acts = narrowed.timed_source_activations(source, sources, timings).to(full.cfg.device)
+        scores = narrowed.scores_of_cells(full, batch, clean, acts, rows, cells_used)
+        full_index = torch.tensor(used)[cells_used.nonzero()[:, 1]]
+        result[cells_used.nonzero()[:, 0], full_index] = scores.float().cpu()
+        return result
+
+
+def engine_class(name: str) -> type[PatchEngine]:
+    """The engine class named ``name`` (``fast`` or ``naive``)."""
+    classes: dict[str, type[PatchEngine]] = {"fast": FastEngine, "naive": NaiveEngine}
+    if name not in classes:
+        raise ValueError(f"Unknown engine {name!r}; use one of {ENGINES}.")
+    return classes[name]
+
+
+def engine_for(spec: EngineSpec) -> PatchEngine:
+    """The engine ``spec.engine`` names, bound to ``spec``: the one place the choice is made."""
+    return engine_class(spec.engine)(spec)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sources
 
 
 def source_activations(
-    source: Any, tokens: Int[Tensor, "batch pos"], spec: EngineSpec
+    source: ModelLike, tokens: Int[Tensor, "batch pos"], spec: EngineSpec
 ) -> Float[Tensor, "layer batch pos d_model"]:
-    """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` for every ``l`` in ``spec.layers``, one forward.
+    """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` for every ``l`` in ``spec.layers``, one forward
+    over the padded batch (what the naive engine patches from; the fast engine accepts it too).
 
-    ``source`` is a HookedTransformer or a Hugging Face Llama (hooks on its modules; for ``resid_post`` the last
+    ``source`` is a TransformerLens model or a Hugging Face model (hooks on its modules; for ``resid_post`` the last
     block's output is the raw pre-final-norm residual, as TransformerLens has it). With ``spec.published_compat``
     and site ``resid_post``, the last layer's value is the source's own final-norm output, which is what the
     published implementation patches there (Hugging Face's ``hidden_states[L]``).
@@ -50,96 +224,13 @@ def source_activations(
     )
 
 
-def read_scores(
-    model: Any,
-    resid: Float[Tensor, "run entity d_model"],
-    labels: Int[Tensor, " entity"],
-    segment: Int[Tensor, " entity"],
-    n_segments: int,
-    upcast: bool = True,
-) -> Float[Tensor, "run segment"]:
-    """Mean entity log-prob of each run and segment from final residuals at the read positions only.
-
-    The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
-    they are made for the read rows alone, all runs together, a slice of the vocabulary at a time
-    (``readout.unembedded_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole
-    rows, a slice of runs at a time to bound the ``[rows, vocab]`` buffer.
-    """
-    n_runs, n_read, _ = resid.shape
-    run_segment = (
-        torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]
-    ).flatten()
-    cap = final_softcap(model)
-    if upcast:
-        rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
-        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs), cap)
-        return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
-    chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
-    scores = []
-    for first in range(0, n_runs, chunk):
-        logits = soft_cap(model.unembed(model.ln_final(resid[first : first + chunk])), cap)
-        runs = logits.shape[0]
-        scores.append(
-            mean_entity_logprob(
-                einops.rearrange(logits, "run entity vocab -> (run entity) vocab"),
-                labels.repeat(runs),
-                run_segment[: runs * n_read],
-                runs * n_segments,
-                upcast=False,
-            ).reshape(runs, n_segments)
-        )
-    return torch.cat(scores)
-
-
-def clean_run(full: Any, batch: PatchBatch, spec: EngineSpec) -> CleanRun:
-    """One clean forward of the target: S0 scores and (fast engine) prefix keys/values and window activations.
-
-    The naive engine's clean run is the model's forward on the padded batch (its logits read as the naive patched
-    runs read theirs); the fast engine's is ``packed_forward`` (no padding), whose arithmetic its patched runs
-    share, with logits at the read positions only. Only ``spec.site``, ``spec.engine`` and ``spec.upcast`` matter
-    here: one clean run serves every layer.
-    """
-    n_layers = full.cfg.n_layers
-    site, upcast = spec.site, spec.upcast
-    with torch.no_grad():
-        if spec.engine == "naive":
-            # The model's own forward and logits, as each naive patched run computes them (a family's final
-            # soft-capping included), so a source equal to the full model gives deltas of exactly 0.
-            logits = full(batch.tokens, return_type="logits")
-            scores = mean_entity_logprob(
-                logits[batch.read_batch, batch.read_pos],
-                batch.read_label,
-                batch.read_batch,
-                batch.size,
-                upcast,
-            )
-            return CleanRun(site=site, scores=scores)
-        sequences = WindowPacking.sequences(batch)
-        window = WindowPacking.of(batch)
-        final, captured, kv = packed_forward(
-            full, batch, window_sites(site), n_layers, window.rows_in(sequences), keep_kv=True
-        )
-        scores = read_scores(
-            full, final[sequences.read_row][None], batch.read_label, batch.read_batch, batch.size, upcast
-        )[0]
-        prefix = window.prefix_len
-        run = CleanRun(
-            site=site,
-            scores=scores,
-            keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
-            values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
-            window_acts={name: torch.stack(values) for name, values in captured.items()},
-        )
-    return run
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Naive engine (the oracle)
 
 _RESID_MID = re.compile(r"blocks\.(\d+)\.hook_resid_mid")
 
 
-def residual_patch_hooks(model: Any, name: str, hook_fn: Callable[..., Tensor]) -> list[tuple[str, Callable]]:
+def residual_patch_hooks(model: TLModel, name: str, hook_fn: Callable[..., Tensor]) -> Hooks:
     """The forward hooks that write ``hook_fn``'s result at hook point ``name`` into the model's residual stream.
 
     On a ``TransformerBridge`` ``blocks.{l}.hook_resid_mid`` is the input of the block's second norm: writing it
@@ -172,41 +263,142 @@ def residual_patch_hooks(model: Any, name: str, hook_fn: Callable[..., Tensor]) 
     ]
 
 
-def naive_patched_scores(
-    full: Any, batch: PatchBatch, acts: Float[Tensor, "layer batch pos d_model"], spec: EngineSpec
-) -> Float[Tensor, "batch layer"]:
-    """One full patched forward per layer, hooks via ``run_with_hooks`` (always removed, even on error)."""
-    columns = []
-    mask = batch.patch_mask
-    for position, layer in enumerate(spec.layers):
-        source = acts[position]
+class _FinalResidual(Exception):
+    """Raised by the last block's hook to end a naive run there, carrying the residual at the read positions."""
 
-        def overwrite(
-            activation: Float[Tensor, "batch pos d_model"], hook: HookPoint, source: Tensor = source
-        ) -> Float[Tensor, "batch pos d_model"]:
-            patched = activation.clone()
-            patched[mask] = source[mask].to(activation.dtype)
-            return patched
+    def __init__(self, resid: Tensor) -> None:
+        super().__init__("final residual captured")
+        self.resid = resid
 
+
+def final_residual_at_reads(
+    full: TLModel, batch: PatchBatch, hooks: Hooks
+) -> Float[Tensor, "entity d_model"]:
+    """The full model's forward on the padded batch with ``hooks``, stopped at the last block's output: the
+    pre-final-norm residual at the read positions (``batch.read_batch``, ``batch.read_pos``).
+
+    The forward ends there (the hook raises, and ``run_with_hooks`` removes every hook on the way out), so no
+    logits are made for the positions nobody reads; the final norm and the unembedding are ``read_scores``'s, on
+    the read rows alone. The capture is the last hook of its hook point, so it sees what the patch hooks wrote."""
+    last = f"blocks.{full.cfg.n_layers - 1}.hook_resid_post"
+    rows, positions = batch.read_batch, batch.read_pos
+
+    def stop(activation: Tensor, hook: HookPoint) -> Tensor:
+        raise _FinalResidual(activation[rows, positions])
+
+    try:
+        full.run_with_hooks(batch.tokens, fwd_hooks=[*hooks, (last, stop)])
+    except _FinalResidual as done:
+        return done.resid
+    raise RuntimeError(f"The forward never reached {last}: the model's blocks do not end there.")
+
+
+class NaiveEngine(PatchEngine):
+    """One hooked forward of the full model per (batch, layer) on the padded batch: the oracle the tests compare
+    against and the fallback for what the fast engine refuses (quantised weights, a family it does not compute).
+
+    Each run, the clean one included, stops at the last block and reads the final residual at the read positions
+    (:func:`final_residual_at_reads`, then ``read_scores``), so a source equal to the full model gives deltas of
+    exactly 0 and the read-out is the fast engine's. Its baseline is S0 repeated per layer."""
+
+    name: ClassVar[Engine] = "naive"
+    cut: ClassVar[bool] = False  # the whole prompt + reference, as the published implementation runs it
+    joins_weights: ClassVar[bool] = False
+
+    @staticmethod
+    def refusal(model: TLModel) -> str | None:
+        return None  # the model's own forward: right for every family
+
+    @staticmethod
+    def padded_length(example: EncodedExample, scope: Scope) -> int:
+        return len(
+            example.window(scope)
+        )  # the grouping the oracle has always had, so its float noise is unchanged
+
+    @staticmethod
+    def bytes_per_example(model: TLModel, seq_len: int, window: int) -> int:
+        cfg = model.cfg
+        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+        d_mlp = cfg.d_mlp or 4 * cfg.d_model
+        activations = seq_len * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * seq_len) * itemsize
+        logits = window * cfg.d_vocab * 4  # read rows only (read_scores)
+        return int(2 * (activations + logits) + cfg.n_layers * seq_len * cfg.d_model * itemsize)
+
+    def read(self, full: TLModel, batch: PatchBatch, hooks: Hooks) -> Float[Tensor, " batch"]:
+        """The score of one run: the forward with ``hooks``, read at the read positions."""
         with torch.no_grad():
-            logits = full.run_with_hooks(
-                batch.tokens, fwd_hooks=residual_patch_hooks(full, hook_name(spec.site, layer), overwrite)
+            resid = final_residual_at_reads(full, batch, hooks)
+            return read_scores(
+                full, resid[None], batch.read_label, batch.read_batch, batch.size, self.spec.upcast
+            )[0]
+
+    def clean_run(self, full: TLModel, batch: PatchBatch) -> CleanRun:
+        return CleanRun(site=self.spec.site, scores=self.read(full, batch, []))
+
+    def source_activations(self, source: ModelLike, batch: PatchBatch) -> Tensor:
+        return source_activations(source, batch.tokens, self.spec)
+
+    def patched_scores(
+        self, full: TLModel, batch: PatchBatch, acts: Tensor, clean: CleanRun | None = None
+    ) -> Float[Tensor, "batch layer"]:
+        """One patched forward per layer (``run_with_hooks``: its hooks are removed even on error), from
+        ``[layer, batch, pos, d_model]`` activations (``source_activations``)."""
+        if acts.ndim != 4:
+            raise ValueError(
+                "The naive engine patches from [layer, batch, pos, d_model] activations "
+                "(source_activations), not packed window rows."
             )
-        columns.append(
-            mean_entity_logprob(
-                logits[batch.read_batch, batch.read_pos],
-                batch.read_label,
-                batch.read_batch,
-                batch.size,
-                spec.upcast,
-            )
-        )
-        del logits
-    return torch.stack(columns, dim=1)
+        columns = []
+        mask = batch.patch_mask
+        for position, layer in enumerate(self.spec.layers):
+            source = acts[position]
+
+            def overwrite(
+                activation: Float[Tensor, "batch pos d_model"], hook: HookPoint, source: Tensor = source
+            ) -> Float[Tensor, "batch pos d_model"]:
+                patched = activation.clone()
+                patched[mask] = source[mask].to(activation.dtype)
+                return patched
+
+            hooks = residual_patch_hooks(full, hook_name(self.spec.site, layer), overwrite)
+            columns.append(self.read(full, batch, hooks))
+        return torch.stack(columns, dim=1)
+
+    def baseline_scores(
+        self, full: TLModel, batch: PatchBatch, clean: CleanRun
+    ) -> Float[Tensor, "batch layer"]:
+        return clean.scores[:, None].expand(-1, len(self.spec.layers)).clone()
+
+    def scores_of_cells(
+        self,
+        full: TLModel,
+        batch: PatchBatch,
+        clean: CleanRun | None,
+        acts: Tensor,
+        source_rows: list[int],
+        cells: Bool[Tensor, "batch layer"],
+    ) -> Float[Tensor, " cell"]:
+        """Per layer, one hooked forward of the examples that have a cell there."""
+        out = torch.empty(int(cells.sum()), dtype=torch.float32)
+        cell_index = torch.full(cells.shape, -1, dtype=torch.long)
+        cell_index[cells] = torch.arange(int(cells.sum()))
+        source_of = {row: position for position, row in enumerate(source_rows)}
+        for position, layer in enumerate(self.spec.layers):
+            members = cells[:, position].nonzero()[:, 0].tolist()
+            if not members:
+                continue
+            layer_acts = acts[position][[source_of[row] for row in members]][None]
+            scores = self.with_layers([layer]).patched_scores(full, batch.select(members), layer_acts)
+            out[cell_index[members, position]] = scores[:, 0].float().cpu()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fast engine (the default)
 
 
 def window_source_activations(
-    source: Any, batch: PatchBatch, spec: EngineSpec
+    source: ModelLike, batch: PatchBatch, spec: EngineSpec
 ) -> Float[Tensor, "layer row d_model"]:
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
     (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
@@ -236,7 +428,7 @@ def window_source_activations(
 
 
 def fast_patched_scores(
-    full: Any,
+    full: TLModel,
     batch: PatchBatch,
     clean: CleanRun,
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
@@ -294,7 +486,7 @@ def fast_patched_scores(
                 [mlp_half(layer_weights(full, layer), resid_mid[r]) for r, layer in enumerate(run_layers)]
             )
 
-        layout = attention_layout(full, packing, resid.dtype)
+        layout = attention_layout(full, packing, resid.dtype, batch.input_length)
         starts = [first_block(layer) for layer in run_layers]
         for block_index in range(min(starts), n_layers):
             first_active = next(r for r, start in enumerate(starts) if start <= block_index)
@@ -313,103 +505,104 @@ def fast_patched_scores(
     return result
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The one entry point both stages use
+class FastEngine(PatchEngine):
+    """Only the window of each run is recomputed, from the clean run's prefix keys and values, all the runs of a
+    batch through each block together (the package docstring has the method): the default."""
 
+    name: ClassVar[Engine] = "fast"
+    cut: ClassVar[bool] = True  # nothing after the last read position can change a read logit
+    joins_weights: ClassVar[bool] = True
 
-def patched_scores(
-    full: Any,
-    batch: PatchBatch,
-    acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"],
-    spec: EngineSpec,
-    clean: CleanRun | None = None,
-) -> Float[Tensor, "batch layer"]:
-    """Score of the full model patched at each layer of ``spec.layers`` with ``acts`` (one per layer).
+    @staticmethod
+    def refusal(model: TLModel) -> str | None:
+        return fast_engine_refusal(model)
 
-    ``acts[i]`` is the source activation at ``blocks.{spec.layers[i]}.hook_{spec.site}``, over the padded batch,
-    or (fast engine only) at the packed window rows as ``window_source_activations`` gives it. Swapping the engine
-    changes no number beyond float noise (the tests hold ``fast`` to ``naive`` within 1e-5 in fp32).
-    """
-    if spec.engine == "naive":
-        if acts.ndim != 4:
-            raise ValueError(
-                "The naive engine patches from [layer, batch, pos, d_model] activations "
-                "(source_activations), not packed window rows."
+    @staticmethod
+    def padded_length(example: EncodedExample, scope: Scope) -> int:
+        return example.read_positions.stop  # windows are packed; the keys/values' sequence axis is padded
+
+    @staticmethod
+    def bytes_per_example(model: TLModel, seq_len: int, window: int) -> int:
+        cfg = model.cfg
+        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+        n_kv = cfg.n_key_value_heads or cfg.n_heads
+        layers = cfg.n_layers
+        d_mlp = cfg.d_mlp or 4 * cfg.d_model
+        kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
+        sources = 2 * layers * seq_len * cfg.d_model * itemsize
+        runs = layers * window * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
+        # an upper bound: read_scores holds a slice of the vocabulary (or, published-compat, of the runs) at a time
+        logits = layers * window * cfg.d_vocab * 4 * 2
+        return int(kv + sources + 2 * runs + logits)
+
+    def clean_run(self, full: TLModel, batch: PatchBatch) -> CleanRun:
+        """``packed_forward`` (no padding), whose arithmetic the patched runs share, with logits at the read
+        positions only, keeping each block's prefix keys/values and the window activations."""
+        site = self.spec.site
+        with torch.no_grad():
+            sequences = WindowPacking.sequences(batch)
+            window = WindowPacking.of(batch)
+            final, captured, kv = packed_forward(
+                full, batch, window_sites(site), full.cfg.n_layers, window.rows_in(sequences), keep_kv=True
             )
-        return naive_patched_scores(full, batch, acts, spec)
-    if spec.engine == "fast":
-        if clean is None:
-            clean = clean_run(full, batch, spec)
-        return fast_patched_scores(full, batch, clean, acts, spec)
-    raise ValueError(f"Unknown engine {spec.engine!r}; use one of {ENGINES}.")
+            scores = read_scores(
+                full,
+                final[sequences.read_row][None],
+                batch.read_label,
+                batch.read_batch,
+                batch.size,
+                self.spec.upcast,
+            )[0]
+            prefix = window.prefix_len
+            return CleanRun(
+                site=site,
+                scores=scores,
+                keys=[k[:, :, :prefix].contiguous() for k in kv[0::2]],
+                values=[v[:, :, :prefix].contiguous() for v in kv[1::2]],
+                window_acts={name: torch.stack(values) for name, values in captured.items()},
+            )
 
+    def source_activations(self, source: ModelLike, batch: PatchBatch) -> Tensor:
+        return window_source_activations(source, batch, self.spec)
 
-def source_scores(
-    full: Any,
-    source: Any,
-    batch: PatchBatch,
-    spec: EngineSpec,
-    clean: CleanRun | None = None,
-    timings: dict[str, float] | None = None,
-) -> Float[Tensor, "batch layer"]:
-    """One source forward and the patched scores of every layer: what a stage costs per batch.
+    def patched_scores(
+        self, full: TLModel, batch: PatchBatch, acts: Tensor, clean: CleanRun | None = None
+    ) -> Float[Tensor, "batch layer"]:
+        """From ``[layer, batch, pos, d_model]`` activations (``source_activations``) or the packed window rows
+        (``window_source_activations``); the clean run is made when not given."""
+        return fast_patched_scores(full, batch, clean or self.clean_run(full, batch), acts, self.spec)
 
-    The naive engine reads the source over the padded batch (``source_activations``), the fast one only at the
-    window rows from a packed forward (``window_source_activations``). With ``timings``, the source forward's
-    seconds are added to ``timings["source_forward_seconds"]`` (a sweep reports it as a phase of its own; on a GPU
-    the device is synchronised first, so the figure is the forward's, not its launch's).
-    """
-    acts = timed_source_activations(source, batch, spec, timings)
-    return patched_scores(full, batch, acts.to(full.cfg.device), spec, clean)
+    def baseline_scores(
+        self, full: TLModel, batch: PatchBatch, clean: CleanRun
+    ) -> Float[Tensor, "batch layer"]:
+        """The runs' arithmetic is in other shapes than the clean forward's, so the baseline is the same
+        computation with the clean activation written back (deltas of exactly 0 for a source equal to full)."""
+        return fast_patched_scores(full, batch, clean, None, self.spec)
 
-
-def timed_source_activations(
-    source: Any, batch: PatchBatch, spec: EngineSpec, timings: dict[str, float] | None = None
-) -> Tensor:
-    """The source's activations as ``spec.engine`` reads them: the packed window rows (fast) or the padded batch
-    (naive). With ``timings``, the forward's seconds are added to ``timings["source_forward_seconds"]`` (on a GPU
-    after a synchronisation, so the figure is the forward's, not its launch's)."""
-    started = time.perf_counter()
-    if spec.engine == "fast":
-        acts = window_source_activations(source, batch, spec)
-    else:
-        acts = source_activations(source, batch.tokens, spec)
-    if timings is not None:
-        if acts.is_cuda:
-            torch.cuda.synchronize(acts.device)
-        timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
-            time.perf_counter() - started
+    def scores_of_cells(
+        self,
+        full: TLModel,
+        batch: PatchBatch,
+        clean: CleanRun | None,
+        acts: Tensor,
+        source_rows: list[int],
+        cells: Bool[Tensor, "batch layer"],
+    ) -> Float[Tensor, " cell"]:
+        clean = clean or self.clean_run(full, batch)
+        return fast_cell_scores(
+            full, batch, clean, acts, source_rows, self.spec, cells.to(batch.tokens.device)
         )
-    return acts
-
-
-def baseline_scores(
-    full: Any,
-    batch: PatchBatch,
-    clean: CleanRun,
-    spec: EngineSpec,
-) -> Float[Tensor, "batch layer"]:
-    """The unpatched score as each engine computes it, per layer (S0 repeated for ``naive``).
-
-    The fast engine's runs do the window's arithmetic in other shapes than the clean forward, so its baseline is
-    the same computation with the clean activation written back: a source equal to the full model then gives
-    deltas of exactly 0 rather than float noise.
-    """
-    if spec.engine == "naive":
-        return clean.scores[:, None].expand(-1, len(spec.layers)).clone()
-    return fast_patched_scores(full, batch, clean, None, spec)
 
 
 __all__ = [
-    "baseline_scores",
-    "clean_run",
+    "FastEngine",
+    "NaiveEngine",
+    "PatchEngine",
+    "engine_class",
+    "engine_for",
     "fast_patched_scores",
-    "naive_patched_scores",
-    "patched_scores",
-    "read_scores",
+    "final_residual_at_reads",
     "residual_patch_hooks",
     "source_activations",
-    "source_scores",
-    "timed_source_activations",
     "window_source_activations",
 ]

@@ -20,18 +20,20 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from uds_lens.families import SUPPORTED_MODEL_TYPES, Family, NormRounding, QKNorm, family_of
 from uds_lens.patching.batch import PatchBatch, WindowPacking
+from uds_lens.readout import mean_entity_logprob, segment_mean, soft_cap, unembedded_label_logprobs
 from uds_lens.resolve import describe
-from uds_lens.tl_compat import hf_model_of
+from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of
 
 # Hugging Face model types whose decoder layers the fast engine computes: every family of the family table.
 FAST_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 
-def fast_engine_refusal(model: Any) -> str | None:
+def fast_engine_refusal(model: ModelLike) -> str | None:
     """Why the fast engine cannot run ``model`` (a one-line reason), or ``None`` when it can.
 
     The fast engine computes a family's decoder layers itself from the Hugging Face tensors, as the family table
@@ -58,13 +60,23 @@ def fast_engine_refusal(model: Any) -> str | None:
     return None if reason is None else f"{family.model_type!r} with {reason}"
 
 
-def _hf_decoder(model: Any) -> Any:
+def wrapped_model(model: TLModel) -> PreTrainedModel:
+    """The Hugging Face model the fast engine reads the weights of (a bridge's; ``fast_engine_refusal`` names
+    anything else before a kernel runs)."""
     hf = hf_model_of(model)
-    return hf.model
+    if hf is None:
+        raise TypeError(
+            f"The fast engine reads a TransformerBridge's Hugging Face weights; {describe(model)} has none."
+        )
+    return hf
 
 
-def _family(model: Any) -> Family:
-    family = family_of(hf_model_of(model).config)
+def _hf_decoder(model: TLModel) -> Any:
+    return wrapped_model(model).model
+
+
+def _family(model: TLModel) -> Family:
+    family = family_of(wrapped_model(model).config)
     assert family is not None  # _require_fast ran first
     return family
 
@@ -234,21 +246,70 @@ _JOINED: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], list[int], _BlockWei
 )
 
 
-def _require_fast(model: Any) -> None:
+def _require_fast(model: ModelLike) -> None:
     reason = fast_engine_refusal(model)
     if reason is not None:
         raise ValueError(f"The fast engine cannot run {describe(model)}: {reason}. Use engine='naive'.")
 
 
-def layer_weights(model: Any, index: int) -> _BlockWeights:
-    return _BlockWeights.of(model.blocks[index], hf_model_of(model).config, index)
+def layer_weights(model: TLModel, index: int) -> _BlockWeights:
+    return _BlockWeights.of(model.blocks[index], wrapped_model(model).config, index)
 
 
-def final_softcap(model: Any) -> float | None:
-    """The final logit soft-cap of a bridge's family (Gemma's ``final_logit_softcapping``), or ``None``."""
+def final_softcap(model: TLModel) -> float | None:
+    """The final logit soft-cap of a bridge's model (Gemma's ``final_logit_softcapping``), or ``None``: the
+    family table's key, else (a family the table lacks, run by the naive engine) the config's attribute of that
+    name."""
     hf = hf_model_of(model)
-    family = None if hf is None else family_of(hf.config)
-    return None if family is None else family.final_softcap(hf.config)
+    if hf is None:
+        return None
+    family = family_of(hf.config)
+    if family is not None:
+        return family.final_softcap(hf.config)
+    value = getattr(hf.config, "final_logit_softcapping", None)
+    return None if value is None else float(value)
+
+
+def read_scores(
+    model: TLModel,
+    resid: Float[Tensor, "run entity d_model"],
+    labels: Int[Tensor, " entity"],
+    segment: Int[Tensor, " entity"],
+    n_segments: int,
+    upcast: bool = True,
+) -> Float[Tensor, "run segment"]:
+    """Mean entity log-prob of each run and segment from final residuals at the read positions only: the one
+    read-out of both engines.
+
+    The logits of a read-out row cost ``d_model * d_vocab`` (on SmolLM2 about eight token-block evaluations), so
+    they are made for the read rows alone, all runs together, a slice of the vocabulary at a time
+    (``readout.unembedded_label_logprobs``). Published-compat keeps the log-softmax in the model dtype over whole
+    rows, a slice of runs at a time to bound the ``[rows, vocab]`` buffer.
+    """
+    n_runs, n_read, _ = resid.shape
+    run_segment = (
+        torch.arange(n_runs, device=resid.device)[:, None] * n_segments + segment[None, :]
+    ).flatten()
+    cap = final_softcap(model)
+    if upcast:
+        rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
+        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs), cap)
+        return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
+    chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
+    scores = []
+    for first in range(0, n_runs, chunk):
+        logits = soft_cap(model.unembed(model.ln_final(resid[first : first + chunk])), cap)
+        runs = logits.shape[0]
+        scores.append(
+            mean_entity_logprob(
+                einops.rearrange(logits, "run entity vocab -> (run entity) vocab"),
+                labels.repeat(runs),
+                run_segment[: runs * n_read],
+                runs * n_segments,
+                upcast=False,
+            ).reshape(runs, n_segments)
+        )
+    return torch.cat(scores)
 
 
 def _affine(
@@ -311,14 +372,27 @@ class AttentionLayout:
     dtype: torch.dtype
     tables: dict[str | None, tuple[Tensor, Tensor]]
     masks: dict[int, Tensor]
+    input_length: int = 0
 
     def rotary(self, layer_type: str | None) -> tuple[Tensor, Tensor]:
         """``cos, sin`` of every slot, ``[slot, 1, rot]``, from the model's own rotary module (its rope scaling
-        included, cast to the model dtype as its attention casts them; Gemma 3's table per layer type)."""
+        included, cast to the model dtype as its attention casts them; Gemma 3's table per layer type).
+
+        A rotary module whose frequencies depend on the length (Phi-3's long rope switches to its long factors past
+        ``original_max_position_embeddings``; dynamic NTK rescales) decides from the largest position it is given.
+        Hugging Face's forward gives it the whole input, so the slots are passed with one more position,
+        ``input_length - 1``, whose row is dropped: the module then decides from the length it decides from in the
+        model's own forward, although the kernel sees only the sequences up to the last read position."""
         if layer_type not in self.tables:
             probe = torch.zeros(1, dtype=self.dtype, device=self.slot_position.device)
             extra = () if layer_type is None else (layer_type,)
-            cos, sin = self.rotary_module(probe, self.slot_position[None], *extra)
+            positions = self.slot_position
+            longer = self.input_length > int(positions.max()) + 1 and _length_dependent(self.rotary_module)
+            if longer:
+                positions = torch.cat([positions, positions.new_tensor([self.input_length - 1])])
+            cos, sin = self.rotary_module(probe, positions[None], *extra)
+            if longer:
+                cos, sin = cos[:, :-1], sin[:, :-1]
             self.tables[layer_type] = (cos[0][:, None, :], sin[0][:, None, :])
         return self.tables[layer_type]
 
@@ -334,7 +408,19 @@ class AttentionLayout:
         return self.masks[window]
 
 
-def attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> AttentionLayout:
+def _length_dependent(rotary_module: Any) -> bool:
+    """Whether a Hugging Face rotary module chooses its frequencies from the sequence length (``longrope``, and the
+    ``dynamic`` types: what ``modeling_rope_utils.dynamic_rope_update`` acts on), for any layer type."""
+    rope_type = getattr(rotary_module, "rope_type", "default")
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return any(kind == "longrope" or "dynamic" in str(kind) for kind in types)
+
+
+def attention_layout(
+    model: TLModel, packing: WindowPacking, dtype: torch.dtype, input_length: int = 0
+) -> AttentionLayout:
+    """The attention layout of ``packing``; ``input_length`` is the length of the whole input the model's own
+    forward would see (``PatchBatch.input_length``: a length-dependent rotary embedding decides from it)."""
     device = packing.start.device
     n_batch = int(packing.start.shape[0])
     prefix = torch.arange(packing.prefix_len, device=device)
@@ -356,6 +442,7 @@ def attention_layout(model: Any, packing: WindowPacking, dtype: torch.dtype) -> 
         dtype=dtype,
         tables={},
         masks={},
+        input_length=input_length,
     )
 
 
@@ -440,7 +527,7 @@ def block_attention(
 
 
 def attention_output_norm(
-    model: Any, layer: int, output: Float[Tensor, "*rows d_model"]
+    model: TLModel, layer: int, output: Float[Tensor, "*rows d_model"]
 ) -> Float[Tensor, "*rows d_model"]:
     """``hook_attn_out`` of block ``layer`` from its attention's output (``attn.hook_out``, after ``o_proj``): the
     post-attention norm where the family has one (Gemma, OLMo 2), ``output`` itself elsewhere."""
@@ -463,7 +550,7 @@ def mlp_half(
 
 
 def packed_forward(
-    model: Any,
+    model: TLModel,
     batch: PatchBatch,
     sites: Sequence[str],
     n_blocks: int,
@@ -481,7 +568,7 @@ def packed_forward(
     _require_fast(model)
     packing = WindowPacking.sequences(batch)
     dtype = next(model.parameters()).dtype
-    layout = attention_layout(model, packing, dtype)
+    layout = attention_layout(model, packing, dtype, batch.input_length)
     first = layer_weights(model, 0)
     empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
@@ -512,4 +599,5 @@ __all__ = [
     "fast_engine_refusal",
     "final_softcap",
     "packed_forward",
+    "read_scores",
 ]

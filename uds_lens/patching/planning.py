@@ -1,18 +1,25 @@
-"""Batch planning: which examples share a batch, and how many fit in memory."""
+"""Batch planning and running: which examples share a batch, how many fit in memory, and the one runner that
+walks the batches and halves a batch that runs out of memory (``run_batches``: the auditor's stages and component
+patching both run through it)."""
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from uds_lens import memory
-from uds_lens.config import ENGINES, Engine, Scope
+from uds_lens.config import Engine, Scope
 from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import CleanRun
+from uds_lens.patching.engines import engine_class
 from uds_lens.sources import as_source
+from uds_lens.tl_compat import TLModel
+
+logger = logging.getLogger(__name__)
 
 # The share of the memory free after loading that the auditor's kept clean runs may take (a quarter is budgeted for
 # one batch's activations, choose_batch_size).
@@ -35,7 +42,7 @@ def plan_batches(
 ) -> list[list[int]]:
     """Group example indices into batches of similar lengths (deterministic).
 
-    The fast engine packs the windows (its linear layers see only real rows, and the more rows a product has, the
+    Batches are grouped by the engine's ``padded_length``. The fast engine packs the windows (its linear layers see only real rows, and the more rows a product has, the
     better it uses the cores); what it still pads is the sequence axis of the clean keys/values and of the attention
     over them, so it sorts by sequence length and counts padding there. The naive engine (the oracle) keeps the
     grouping it has always had, by window length with padding counted in window tokens, so its batches, and with
@@ -43,12 +50,10 @@ def plan_batches(
     padding would waste more than ``max_waste`` of its tokens (smaller batches would cost more in per-batch
     overhead than they save).
     """
-    if engine not in ENGINES:
-        raise ValueError(f"Unknown engine {engine!r}; use one of {ENGINES}.")
+    padded = engine_class(engine).padded_length
 
     def padded_length(index: int) -> int:
-        example = examples[index]
-        return len(example.window(scope)) if engine == "naive" else example.read_positions.stop
+        return padded(examples[index], scope)
 
     order = sorted(
         range(len(examples)),
@@ -78,26 +83,7 @@ def plan_batches(
     return batches
 
 
-def estimate_bytes_per_example(model: Any, seq_len: int, window: int, engine: Engine) -> int:
-    """Rough peak memory of one example in a batch, used to choose batch sizes from a memory budget."""
-    cfg = model.cfg
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    n_kv = cfg.n_key_value_heads or cfg.n_heads
-    layers = cfg.n_layers
-    d_mlp = cfg.d_mlp or 4 * cfg.d_model
-    if engine == "naive":
-        activations = seq_len * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * seq_len) * itemsize
-        logits = seq_len * cfg.d_vocab * 4
-        return int(2 * (activations + logits) + layers * seq_len * cfg.d_model * itemsize)
-    kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
-    sources = 2 * layers * seq_len * cfg.d_model * itemsize
-    runs = layers * window * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-    # an upper bound: read_scores holds a slice of the vocabulary (or, published-compat, of the runs) at a time
-    logits = layers * window * cfg.d_vocab * 4 * 2
-    return int(kv + sources + 2 * runs + logits)
-
-
-def joined_copy_bytes(model: Any) -> int:
+def joined_copy_bytes(model: TLModel) -> int:
     """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
     Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
     zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
@@ -112,7 +98,7 @@ def joined_copy_bytes(model: Any) -> int:
 
 
 def choose_batch_size(
-    model: Any,
+    model: TLModel,
     examples: Sequence[EncodedExample],
     scope: Scope,
     engine: Engine,
@@ -120,7 +106,8 @@ def choose_batch_size(
     cap: int = 64,
     joined_models: int = 3,
 ) -> int:
-    """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1).
+    """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1): the engine's
+    ``bytes_per_example`` at the longest sequence and window.
 
     The fast engine's joined matrices (:func:`joined_copy_bytes`) are made when a model first runs, after the batch
     size is chosen, and are kept while it lives: ``joined_models`` of them (full, retain and the source being
@@ -128,19 +115,74 @@ def choose_batch_size(
     """
     if not examples:
         return 1
+    chosen = engine_class(engine)
     seq_len = max(ex.read_positions.stop for ex in examples)
     window = max(len(ex.window(scope)) for ex in examples)
-    per_example = max(1, estimate_bytes_per_example(model, seq_len, window, engine))
-    joined = joined_copy_bytes(model) * joined_models if engine == "fast" else 0
+    per_example = max(1, chosen.bytes_per_example(model, seq_len, window))
+    joined = joined_copy_bytes(model) * joined_models if chosen.joins_weights else 0
     free = max(0, memory.available_memory_bytes(as_source(model).device) - joined)
     return int(max(1, min(cap, math.floor(free * budget_fraction / per_example))))
+
+
+def consecutive_batches(n: int, size: int) -> list[list[int]]:
+    """``range(n)`` in order, ``size`` at a time (component patching keeps its examples in the order asked for)."""
+    return [list(range(first, min(n, first + size))) for first in range(0, n, max(1, size))]
+
+
+def run_batches(
+    batches: list[list[int]],
+    work: Callable[[int, list[int]], None],
+    device: str | torch.device,
+    desc: str = "",
+    progress: bool = False,
+    on_split: Callable[[], None] | None = None,
+) -> None:
+    """``work(number, members)`` for every batch of ``batches``, in order; a batch that runs out of memory
+    (``memory.is_out_of_memory``) is halved and retried.
+
+    The halves replace the batch in ``batches`` (in place), so a caller that keeps the list starts its next stage
+    from the size that fitted; ``on_split`` is called after each split (the auditor drops its clean runs, keyed by
+    batch number, which the split shifts). ``work`` must leave nothing behind when it fails: it writes its results
+    only once the batch is done. A batch of one example that runs out of memory, and any other error, propagate.
+    On a CPU with overcommit the kernel may kill the process instead of raising: there the memory-budgeted batch
+    size (``choose_batch_size``) is the protection.
+    """
+    number = 0
+    total = sum(len(members) for members in batches)
+    with tqdm(total=total, desc=desc, unit="example", disable=not progress) as bar:
+        while number < len(batches):
+            members = batches[number]
+            try:
+                work(number, members)
+            except Exception as err:
+                if not memory.is_out_of_memory(err) or len(members) == 1:
+                    raise
+                error_name = type(err).__name__
+            else:
+                bar.update(len(members))
+                number += 1
+                continue
+            # Outside the except block: the failed attempt's frames (and their tensors) are released by now.
+            half = len(members) // 2
+            logger.warning(
+                "Out of memory on a batch of %d examples (%s); retrying as %d + %d.",
+                len(members),
+                error_name,
+                half,
+                len(members) - half,
+            )
+            batches[number : number + 1] = [members[:half], members[half:]]
+            if on_split is not None:
+                on_split()
+            memory.release_memory(device)
 
 
 __all__ = [
     "CLEAN_CACHE_FRACTION",
     "choose_batch_size",
     "clean_run_bytes",
-    "estimate_bytes_per_example",
+    "consecutive_batches",
     "joined_copy_bytes",
     "plan_batches",
+    "run_batches",
 ]
