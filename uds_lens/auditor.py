@@ -31,6 +31,7 @@ from uds_lens.checkpoint import model_fingerprint
 from uds_lens.compatibility import check_loaded, identity_of_model
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
+from uds_lens.components import ModelArg as ComponentModelArg
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
 from uds_lens.failures import nonfinite_error
@@ -59,7 +60,7 @@ from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ActivationCache
+from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, is_tl_model
 from uds_lens.uds import deltas, ke_mask
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class UDSAuditor:
         }
         self._base_fingerprint: dict[str, Any] | None = None
         self.device = self.config.device or models.default_device()
-        self.full = self._load(full, "full")
+        self.full = self._load_target(full, "full")
         self.full_name = describe(full)
         refusal = engine_class(self.config.engine).refusal(self.full)
         if refusal is not None:
@@ -145,7 +146,7 @@ class UDSAuditor:
                 f"The tokenizer has {tokenizer.vocab_size} tokens but the full model's vocabulary is "
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
-        self.retain = self._load(retain, "retain") if retain is not None else None
+        self.retain = self._load_target(retain, "retain") if retain is not None else None
         if retain_name is None and retain is not None:
             retain_name = describe(retain)
         self.retain_name = retain_name
@@ -187,8 +188,8 @@ class UDSAuditor:
         # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
         self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
         self._stage1: StageOne | None = None
-        self.sources: dict[str, Any] = {}
-        self.last_source: Any = None
+        self.sources: dict[str, ModelLike] = {}
+        self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
 
     def drop_retain(self) -> None:
@@ -201,12 +202,12 @@ class UDSAuditor:
         _ = self.stage1
         self.retain = None
 
-    def load(self, model: object, role: str = "unlearned") -> Any:
+    def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a path or hub id loaded in its dtype and device, a loaded model as is
         (anything else is refused by ``models.load``'s ``TypeError``, which names the forms a model may take)."""
         return self._load(model, role)
 
-    def load_source(self, model: object, role: str = "unlearned") -> Any:
+    def load_source(self, model: object, role: str = "unlearned") -> ModelLike:
         """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
 
         Args:
@@ -215,7 +216,7 @@ class UDSAuditor:
             role: how error messages name it.
 
         Returns:
-            The HookedTransformer (also in ``auditor.sources[path]``).
+            The loaded model (also in ``auditor.sources[path]``).
         """
         if not isinstance(model, (str, os.PathLike)):
             return self._load(model, role)
@@ -224,7 +225,13 @@ class UDSAuditor:
             self.sources[key] = self._load(model, role)
         return self.sources[key]
 
-    def _load(self, model: object, role: str) -> Any:
+    def _load_target(self, model: object, role: str) -> TLModel:
+        """The full or retain model as the engines patch into it and read it: a TransformerLens model (a Hugging
+        Face model given in memory is wrapped as a bridge once, ``sources.as_source``)."""
+        loaded = self._load(model, role)
+        return loaded if is_tl_model(loaded) else as_source(loaded).model
+
+    def _load(self, model: object, role: str) -> ModelLike:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
             return self.sources[str(model)]
         return retry_out_of_memory(
@@ -269,7 +276,7 @@ class UDSAuditor:
             self._clean.clear()
             self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
 
-        run_batches(self._batches, work, self.full.cfg.device, desc, self.progress, on_split)
+        run_batches(self._batches, work, self.target_device, desc, self.progress, on_split)
 
     def _batch(self, members: list[int]) -> PatchBatch:
         return pad_batch(
@@ -277,7 +284,12 @@ class UDSAuditor:
             self.pad_id,
             self.config.patch_scope,
             cut=self.engine.cut,
-        ).to(self.full.cfg.device)
+        ).to(self.target_device)
+
+    @property
+    def target_device(self) -> str:
+        """Where the full model computes (the auditor's device unless the model was given on another one)."""
+        return self.full.cfg.device or self.device
 
     def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
         """The clean run of batch ``number``: kept for the next stage while the kept ones stay within
@@ -292,7 +304,7 @@ class UDSAuditor:
         return run
 
     def _source_scores(
-        self, source: Any, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
+        self, source: ModelLike, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
     ) -> Tensor:
         return self.engine.source_scores(self.full, source, batch, self._clean_run(number, batch), timings)
 
@@ -368,7 +380,7 @@ class UDSAuditor:
             self._require_finite(
                 baseline[members], members, self.full, "full", self.full_name, "baseline score"
             )
-            if s1 is not None:
+            if s1 is not None and self.retain is not None:
                 s1[members] = self._source_scores(self.retain, batch, number).float().cpu()
                 self._require_finite(
                     s1[members], members, self.retain, "retain", self.retain_name, "patched score (S1)"
@@ -432,7 +444,7 @@ class UDSAuditor:
         self,
         values: Tensor,
         members: Sequence[int],
-        model: Any,
+        model: ModelLike,
         role: str,
         label: str | None,
         what: str,
@@ -632,19 +644,22 @@ class UDSAuditor:
         names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
     ) -> tuple[Tensor, ActivationCache]:
         """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full if model is None else self.load_source(model)
+        target = self.full
+        if model is not None:
+            loaded = self.load_source(model)
+            target = loaded if is_tl_model(loaded) else as_source(loaded).model
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
-    def patch_heads(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
+    def patch_heads(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
         return patch_heads(self, unlearned, **kwargs)
 
-    def patch_tokens(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
+    def patch_tokens(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
         """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
         return patch_tokens(self, unlearned, **kwargs)
 
-    def patch_positions(self, unlearned: Any, **kwargs: Any) -> ComponentResult:
+    def patch_positions(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
         """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
         return patch_positions(self, unlearned, **kwargs)
 

@@ -36,12 +36,13 @@ import logging
 import math
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import SITES, Engine, EngineSpec, Scope, UDSConfig
@@ -49,19 +50,29 @@ from uds_lens.data import EncodedExample
 from uds_lens.families import family_of
 from uds_lens.patching.batch import PatchBatch, pad_batch
 from uds_lens.patching.engines import FastEngine, engine_class, residual_patch_hooks
-from uds_lens.patching.kernels import attention_output_norm
+from uds_lens.patching.kernels import attention_output_norm, wrapped_model
 from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
-from uds_lens.resolve import model_name
+from uds_lens.resolve import CheckpointRef, model_name
 from uds_lens.sources import as_source, hook_name
-from uds_lens.tl_compat import HookPoint, attn_result, hf_model_of
+from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result
 
 logger = logging.getLogger(__name__)
 
 HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
 """Per-head hook points (TransformerLens names inside ``blocks.{l}``): ``[batch, pos, head, d]``."""
 
-AXES = ("head", "token", "position")
+Axis: TypeAlias = Literal["head", "token", "position"]
+"""What a component result indexes after ``[example, layer]``: one attention head, one entity token, one patched
+position."""
+Positions: TypeAlias = Literal["patched", "all"]
+"""Where head patching writes: the example's patched positions (the UDS window) or every position."""
+EngineChoice: TypeAlias = Literal["auto", "fast", "naive"]
+"""The engine asked of head patching: ``auto`` runs the fast one where it applies."""
+ModelArg: TypeAlias = CheckpointRef | ModelLike
+"""An unlearned model as the calls take it: a path, hub id or ``zoo:NAME``, or a loaded model."""
+
+AXES: tuple[Axis, ...] = ("head", "token", "position")
 
 
 @runtime_checkable
@@ -74,15 +85,15 @@ class PatchContext(Protocol):
     """
 
     @property
-    def full(self) -> Any:
+    def full(self) -> TLModel:
         """The full model, a TransformerLens model: the patch target."""
 
     @property
-    def retain(self) -> Any:
+    def retain(self) -> TLModel | None:
         """The retain model (S1's source), or None in retain-free mode (component patching then refuses)."""
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         """The full model's tokenizer: decodes the labels of entity tokens and patched positions."""
 
     @property
@@ -109,7 +120,7 @@ class PatchContext(Protocol):
         """The encoded examples with these dataset ``idx`` (default all scored ones), in that order."""
         ...
 
-    def load_source(self, model: Any, role: str = "unlearned") -> Any:
+    def load_source(self, model: ModelArg, role: str = "unlearned") -> ModelLike:
         """A source model (path, zoo name or loaded model), loaded once and kept."""
         ...
 
@@ -174,7 +185,7 @@ def entity_metric(
 
 
 def _source_cache(
-    source: Any,
+    source: TLModel,
     tokens: Tensor,
     names: set[str],
     use_attn_result: bool = False,
@@ -209,7 +220,7 @@ def _token_grid(
     return grid
 
 
-def _run(full: Any, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
+def _run(full: TLModel, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
     expanded = [pair for name, fn in hooks for pair in residual_patch_hooks(full, name, fn)]
     with torch.no_grad():
         return full.run_with_hooks(tokens, fwd_hooks=expanded)
@@ -242,7 +253,7 @@ def _resolve_hook(hook: str) -> str:
     return hook.split(".", 2)[-1] if hook.startswith("blocks.") else hook
 
 
-def _check_hook(full: Any, point: str, layers: Sequence[int]) -> None:
+def _check_hook(full: TLModel, point: str, layers: Sequence[int]) -> None:
     missing = [
         f"blocks.{layer}.{point}" for layer in layers if f"blocks.{layer}.{point}" not in full.hook_dict
     ]
@@ -270,14 +281,14 @@ class _Runner:
 
     def __init__(self, auditor: PatchContext, idxs: Sequence[int] | None, batch_size: int | None) -> None:
         self.auditor = auditor
-        self.full: Any = auditor.full
+        self.full: TLModel = auditor.full
         self.encoded: list[EncodedExample] = auditor.select(idxs)
         size = batch_size or auditor.config.batch_size or 8
         self.batches = consecutive_batches(len(self.encoded), size)
         self.spec = auditor.config.engine_spec(tuple(auditor.layers))
         self.upcast = self.spec.upcast
         self.scope = auditor.config.patch_scope
-        self.device = self.full.cfg.device
+        self.device = self.full.cfg.device or "cpu"  # where the full model computes (a model sets it)
 
     def batch(self, members: list[int], cut: bool = True) -> PatchBatch:
         chunk = [self.encoded[i] for i in members]
@@ -289,7 +300,7 @@ class _Runner:
 
 
 def _heads_fast(
-    runner: _Runner, source: Any, hook: str, layers: list[int], progress: bool, stage: str
+    runner: _Runner, source: TLModel, hook: str, layers: list[int], progress: bool, stage: str
 ) -> _StageScores:
     full = runner.full
     n_heads = full.cfg.n_heads
@@ -297,7 +308,7 @@ def _heads_fast(
     engine = FastEngine(spec)
     # The head outputs add up to the attention's output (``attn.hook_out``); where the family normalises that
     # before adding it to the residual (Gemma, OLMo 2), the patched ``attn_out`` is the norm of the patched sum.
-    family = family_of(hf_model_of(full).config)
+    family = family_of(wrapped_model(full).config)
     post_norm = family is not None and family.norm != "pre"
 
     def out_name(layer: int) -> str:
@@ -344,7 +355,7 @@ def _heads_fast(
 
 def _components_naive(
     runner: _Runner,
-    source: Any,
+    source: TLModel,
     hook: str,
     layers: list[int],
     axis: str,
@@ -435,7 +446,7 @@ def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
             ids = list(example.labels)
         else:
             ids = [example.input_ids[p] for p in example.patch_positions(runner.scope)]
-        names = [tokenizer.decode([token]) for token in ids]
+        names = [str(tokenizer.decode([token])) for token in ids]
         out.append(names + [""] * (width - len(names)))
     return out
 
@@ -444,8 +455,8 @@ def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
 # The public calls
 
 
-def _hooked_source(auditor: PatchContext, source: Any) -> Any:
-    """The source as a Any: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
+def _hooked_source(auditor: PatchContext, source: ModelLike) -> TLModel:
+    """The source as a TransformerLens model: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
     is converted (an NF4 one from a dequantised copy) into the full model's dtype and device."""
     full = auditor.full.cfg
     return as_source(source).hooked(dtype=full.dtype, device=str(full.device))
@@ -453,10 +464,10 @@ def _hooked_source(auditor: PatchContext, source: Any) -> Any:
 
 def _stage_scores(
     auditor: PatchContext,
-    source: Any,
+    source: ModelLike,
     role: str,
     key: tuple,
-    compute: Callable[[Any, str], _StageScores],
+    compute: Callable[[TLModel, str], _StageScores],
     stage: str,
 ) -> _StageScores:
     """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``. ``stage`` labels
@@ -472,13 +483,13 @@ def _stage_scores(
 
 def _result(
     auditor: PatchContext,
-    unlearned: Any,
+    unlearned: ModelArg,
     name: str | None,
     hook: str,
-    axis: str,
+    axis: Axis,
     layers: Sequence[int],
     idxs: Sequence[int] | None,
-    compute: Callable[[Any, str], _StageScores],
+    compute: Callable[[TLModel, str], _StageScores],
     engine: Engine,
     key: tuple,
     tau: float,
@@ -508,12 +519,12 @@ def _result(
 
 def patch_heads(
     auditor: PatchContext,
-    unlearned: Any,
+    unlearned: ModelArg,
     hook: str = "z",
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,
-    positions: str = "patched",
-    engine: str = "auto",
+    positions: Positions = "patched",
+    engine: EngineChoice = "auto",
     name: str | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
@@ -530,7 +541,7 @@ def patch_heads(
     Args:
         auditor: a ``UDSAuditor`` (full, retain, forget set and settings), or anything that is a
             :class:`PatchContext`.
-        unlearned: the S2 source (path, zoo name, or Any).
+        unlearned: the S2 source (path, zoo name, or a loaded model).
         hook: ``"z"`` (``attn.hook_z``: the head's value-weighted mix, through full's ``W_O``) or ``"result"``
             (``attn.hook_result``: the head's output through the source's own ``W_O``).
         layers: layers to patch (default the auditor's).
@@ -568,10 +579,10 @@ def patch_heads(
     runner = _Runner(auditor, idxs, batch_size)
     point = HEAD_HOOKS[hook]
 
-    def fast(source: Any, stage: str) -> _StageScores:
+    def fast(source: TLModel, stage: str) -> _StageScores:
         return _heads_fast(runner, source, point, layers, progress, stage)
 
-    def naive(source: Any, stage: str) -> _StageScores:
+    def naive(source: TLModel, stage: str) -> _StageScores:
         return _components_naive(runner, source, point, layers, "head", positions, progress, stage)
 
     compute = {"fast": fast, "naive": naive}[chosen]
@@ -582,8 +593,8 @@ def patch_heads(
 
 def _patch_each(
     auditor: PatchContext,
-    unlearned: Any,
-    axis: str,
+    unlearned: ModelArg,
+    axis: Axis,
     site: str | None,
     layers: Sequence[int] | None,
     idxs: Sequence[int] | None,
@@ -599,7 +610,7 @@ def _patch_each(
     point = _resolve_hook(site)
     _check_hook(auditor.full, point, layers)
 
-    def compute(source: Any, stage: str) -> _StageScores:
+    def compute(source: TLModel, stage: str) -> _StageScores:
         return _components_naive(runner, source, point, layers, axis, "patched", progress, stage)
 
     key = (axis, point, tuple(layers), tuple(e.idx for e in runner.encoded))
@@ -611,7 +622,7 @@ def _patch_each(
 
 def patch_tokens(
     auditor: PatchContext,
-    unlearned: Any,
+    unlearned: ModelArg,
     site: str | None = None,
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,
@@ -637,7 +648,7 @@ def patch_tokens(
 
 def patch_positions(
     auditor: PatchContext,
-    unlearned: Any,
+    unlearned: ModelArg,
     site: str | None = None,
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from huggingface_hub.constants import HF_HUB_CACHE
-from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens import checkpoint, models
@@ -24,10 +23,11 @@ from uds_lens.checkpoint import model_fingerprint
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, load_examples
 from uds_lens.files import json_digest
-from uds_lens.resolve import ModelLoadError, resolve_zoo_name
+from uds_lens.resolve import CheckpointRef, ModelLoadError, resolve_zoo_name
 from uds_lens.sources import as_source
+from uds_lens.tl_compat import ModelLike
 
-ModelArg: TypeAlias = str | os.PathLike | nn.Module
+ModelArg: TypeAlias = CheckpointRef | ModelLike
 """A model as the auditor takes it: a checkpoint directory, ``.gguf`` file, hub id or ``zoo:NAME``, or a model in
 memory (a TransformerBridge, a HookedTransformer or a Hugging Face causal LM)."""
 DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None

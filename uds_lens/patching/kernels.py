@@ -71,7 +71,7 @@ def wrapped_model(model: TLModel) -> PreTrainedModel:
     return hf
 
 
-def _hf_decoder(model: TLModel) -> Any:
+def _hf_decoder(model: TLModel) -> torch.nn.Module:
     return wrapped_model(model).model
 
 
