@@ -31,7 +31,6 @@ from uds_lens.checkpoint import model_fingerprint
 from uds_lens.compatibility import check_loaded, identity_of_model
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
-from uds_lens.components import ModelArg as ComponentModelArg
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
 from uds_lens.failures import nonfinite_error
@@ -651,15 +650,15 @@ class UDSAuditor:
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
-    def patch_heads(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
+    def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
         return patch_heads(self, unlearned, **kwargs)
 
-    def patch_tokens(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
+    def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
         return patch_tokens(self, unlearned, **kwargs)
 
-    def patch_positions(self, unlearned: ComponentModelArg, **kwargs: Any) -> ComponentResult:
+    def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
         return patch_positions(self, unlearned, **kwargs)
 

@@ -53,7 +53,7 @@ from uds_lens.patching.engines import FastEngine, engine_class, residual_patch_h
 from uds_lens.patching.kernels import attention_output_norm, wrapped_model
 from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
-from uds_lens.resolve import CheckpointRef, model_name
+from uds_lens.resolve import model_name
 from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result
 
@@ -69,8 +69,6 @@ Positions: TypeAlias = Literal["patched", "all"]
 """Where head patching writes: the example's patched positions (the UDS window) or every position."""
 EngineChoice: TypeAlias = Literal["auto", "fast", "naive"]
 """The engine asked of head patching: ``auto`` runs the fast one where it applies."""
-ModelArg: TypeAlias = CheckpointRef | ModelLike
-"""An unlearned model as the calls take it: a path, hub id or ``zoo:NAME``, or a loaded model."""
 
 AXES: tuple[Axis, ...] = ("head", "token", "position")
 
@@ -120,7 +118,7 @@ class PatchContext(Protocol):
         """The encoded examples with these dataset ``idx`` (default all scored ones), in that order."""
         ...
 
-    def load_source(self, model: ModelArg, role: str = "unlearned") -> ModelLike:
+    def load_source(self, model: object, role: str = "unlearned") -> ModelLike:
         """A source model (path, zoo name or loaded model), loaded once and kept."""
         ...
 
@@ -483,7 +481,7 @@ def _stage_scores(
 
 def _result(
     auditor: PatchContext,
-    unlearned: ModelArg,
+    unlearned: object,
     name: str | None,
     hook: str,
     axis: Axis,
@@ -519,7 +517,7 @@ def _result(
 
 def patch_heads(
     auditor: PatchContext,
-    unlearned: ModelArg,
+    unlearned: object,
     hook: str = "z",
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,
@@ -593,7 +591,7 @@ def patch_heads(
 
 def _patch_each(
     auditor: PatchContext,
-    unlearned: ModelArg,
+    unlearned: object,
     axis: Axis,
     site: str | None,
     layers: Sequence[int] | None,
@@ -622,7 +620,7 @@ def _patch_each(
 
 def patch_tokens(
     auditor: PatchContext,
-    unlearned: ModelArg,
+    unlearned: object,
     site: str | None = None,
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,
@@ -648,7 +646,7 @@ def patch_tokens(
 
 def patch_positions(
     auditor: PatchContext,
-    unlearned: ModelArg,
+    unlearned: object,
     site: str | None = None,
     layers: Sequence[int] | None = None,
     idxs: Sequence[int] | None = None,

@@ -252,6 +252,9 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
     other_data.write_text(json.dumps(json.loads(tiny.data.read_text())[1:]))
     out, cache = tmp_path / "out", tmp_path / "cache"
 
+    fresh_scores: dict[tuple, UDSResult] = {}  # one fresh run per set of inputs (weights changed: a new key)
+    weights_version = [0]
+
     def run(full=tiny.full, retain=tiny.retain, data=tiny.data, limit=None, force=False):
         forcing = {"force": True} if force else {}
         result = score_models(
@@ -265,7 +268,11 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
             progress=False,
             **forcing,
         )["m"]
-        fresh = UDSAuditor(full, retain, data, cache_dir=False, progress=False, limit=limit).score(unlearned)
+        key = (str(full), str(retain), str(data), limit, weights_version[0])
+        if key not in fresh_scores:
+            auditor = UDSAuditor(full, retain, data, cache_dir=False, progress=False, limit=limit)
+            fresh_scores[key] = auditor.score(unlearned)
+        fresh = fresh_scores[key]
         assert np.allclose(result.layers["d2"], fresh.layers["d2"], atol=1e-6)
         assert np.allclose(result.layers["d1"].fillna(0), fresh.layers["d1"].fillna(0), atol=1e-6)
         return result
@@ -288,6 +295,7 @@ def test_stale_results_are_never_reused(tiny, tmp_path):
         assert "reused" not in run(**changed, force=True).meta, changed
     assert run().meta.get("reused") == "identical inputs"
     _copy_model(tiny.unlearned, unlearned, noise=0.05, seed=3)  # retrained in place: same path, new weights
+    weights_version[0] += 1
     with pytest.raises(OutputConflictError, match="unlearned differs"):
         run()
     assert "reused" not in run(force=True).meta

@@ -98,13 +98,13 @@ def test_load_model_collects_garbage_before_the_weights_arrive(tiny, monkeypatch
     garbage = _Cycle()
     gone = weakref.ref(garbage)
     seen: list[bool] = []
-    real = models.load_hf_model
+    real = models.read_hf_model
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(gone() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(models, "load_hf_model", spy)
+    monkeypatch.setattr(models, "read_hf_model", spy)
     gc.disable()
     try:
         del garbage
@@ -298,13 +298,13 @@ def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_aud
     auditor.score(tiny.unlearned)
     previous = weakref.ref(auditor.last_source)
     seen: list[bool] = []
-    real = models.load_hf_model
+    real = models.read_hf_model
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(previous() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(models, "load_hf_model", spy)
+    monkeypatch.setattr(models, "read_hf_model", spy)
     auditor.score(tiny.retain)
     assert seen == [True]
 
