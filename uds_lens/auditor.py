@@ -59,7 +59,7 @@ from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, is_tl_model
+from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel
 from uds_lens.uds import deltas, ke_mask
 
 logger = logging.getLogger(__name__)
@@ -227,8 +227,7 @@ class UDSAuditor:
     def _load_target(self, model: object, role: str) -> TLModel:
         """The full or retain model as the engines patch into it and read it: a TransformerLens model (a Hugging
         Face model given in memory is wrapped as a bridge once, ``sources.as_source``)."""
-        loaded = self._load(model, role)
-        return loaded if is_tl_model(loaded) else as_source(loaded).model
+        return as_source(self._load(model, role)).model
 
     def _load(self, model: object, role: str) -> ModelLike:
         if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
@@ -643,10 +642,7 @@ class UDSAuditor:
         names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
     ) -> tuple[Tensor, ActivationCache]:
         """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full
-        if model is not None:
-            loaded = self.load_source(model)
-            target = loaded if is_tl_model(loaded) else as_source(loaded).model
+        target = self.full if model is None else as_source(self.load_source(model)).model
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 

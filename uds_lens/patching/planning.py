@@ -42,9 +42,10 @@ def plan_batches(
 ) -> list[list[int]]:
     """Group example indices into batches of similar lengths (deterministic).
 
-    Batches are grouped by the engine's ``padded_length``. The fast engine packs the windows (its linear layers see only real rows, and the more rows a product has, the
-    better it uses the cores); what it still pads is the sequence axis of the clean keys/values and of the attention
-    over them, so it sorts by sequence length and counts padding there. The naive engine (the oracle) keeps the
+    Batches are grouped by the engine's ``padded_length``. The fast engine packs the windows (its linear layers see
+    only real rows, and the more rows a product has, the better it uses the cores); what it still pads is the
+    sequence axis of the clean keys/values and of the attention over them, so it sorts by sequence length and counts
+    padding there. The naive engine (the oracle) keeps the
     grouping it has always had, by window length with padding counted in window tokens, so its batches, and with
     them its float noise, are unchanged. A batch of at least ``min_batch`` examples is closed early when
     padding would waste more than ``max_waste`` of its tokens (smaller batches would cost more in per-batch
