@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,8 +83,10 @@ def split(args: argparse.Namespace) -> None:
 
 def measure(args: argparse.Namespace) -> None:
     zoo = open_zoo(args.zoo)
-    out = Path(args.out)
+    # a folder of its own: two measures at once must not read each other's gold and automatic spans
+    out = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="annotate_tofu-"))
     out.mkdir(parents=True, exist_ok=True)
+    print(f"files: {out}")
     gold = read_records(zoo.forget_path)
     if not args.heldout_check and any(r["idx"] // RECORDS_PER_AUTHOR in HELD_OUT_AUTHORS for r in gold):
         raise SystemExit("this zoo's forget set holds authors 0-2 (the held-out check); pass --heldout-check")
@@ -143,7 +146,11 @@ def main() -> None:
     split_parser.add_argument("--out", required=True)
     measure_parser = steps.add_parser("measure", help="Spans and UDS on a zoo built from a split.")
     measure_parser.add_argument("--zoo", required=True)
-    measure_parser.add_argument("--out", default="/tmp/annotate_tofu")
+    measure_parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for the annotated and gold files (default: a new temporary folder)",
+    )
     measure_parser.add_argument("--no-uds", action="store_true")
     measure_parser.add_argument("--show", action="store_true")
     measure_parser.add_argument(

@@ -76,7 +76,16 @@ from uds_lens.phrases import (
     is_yes_no,
     phrase,
 )
-from uds_lens.question_align import Candidate, candidate, candidates, preference
+from uds_lens.question_align import (
+    PRONOUNS,
+    SUBJECT_FOLLOWERS,
+    Candidate,
+    candidate,
+    candidates,
+    preference,
+    question_stems,
+    restates,
+)
 from uds_lens.resolve import CheckpointRef
 
 if TYPE_CHECKING:  # type names only: importing annotate loads neither torch nor TransformerLens
@@ -297,7 +306,7 @@ def _aligned_phrases(
     positive = np.clip(scores, 0.0, None)
     found: list[Candidate] = []
     for c in candidates(question, units):
-        if positive[c.first] <= 0:
+        if positive[c.first] <= 0 and not units[c.first].is_capitalised:  # a name is kept whole
             inner = (k for k in range(c.first + 1, c.last + 1) if units[k].is_word and scores[k] >= threshold)
             strong = next(inner, None)
             if strong is not None:
@@ -339,12 +348,10 @@ def _phrase_start(units: Sequence[Unit], scores: Float[np.ndarray, " unit"], k: 
             break
         if not ((before.is_capitalised and here.is_capitalised) or scores[i - 1] > 0):
             break
+        if before.lower.endswith("ly") or before.lower in SUBJECT_FOLLOWERS | PRONOUNS:
+            break  # an adverb, a verb after its subject or an object is no modifier: "seamlessly | interweave"
         i -= 1
     return i
-
-
-def _stem(word: str) -> str:
-    return word.lower()[:5]
 
 
 def question_words(question: str) -> frozenset[str]:
@@ -381,10 +388,10 @@ def content_scores(
 def lexical_scores(question: str, units: Sequence[Unit]) -> Float[np.ndarray, " unit"]:
     """The model-free prior: 1 for a content word absent from the question, 2 for such a word that is a number or
     capitalised after the answer's first word; 0 otherwise."""
-    asked = {_stem(word) for word in WORD_ONLY.findall(question)}
+    asked = question_stems(question)
     scores = np.zeros(len(units))
     for k, unit in enumerate(units):
-        if not unit.is_word or unit.text.lower() in FUNCTION_WORDS or _stem(unit.text) in asked:
+        if not unit.is_word or unit.text.lower() in FUNCTION_WORDS or restates(unit.lower, asked):
             continue
         scores[k] = 2.0 if unit.text[0].isdigit() or (k > 0 and unit.text[0].isupper()) else 1.0
     return scores

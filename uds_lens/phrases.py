@@ -123,7 +123,15 @@ def phrase(units: Sequence[Unit], i: int) -> tuple[int, int]:
         return 0, 0
     j = _name_end(units, i) if units[i].is_capitalised else i
     j = _lowercase_end(units, i, j)
-    return i, _list_end(units, i, j)
+    return i, _trimmed(units, i, _list_end(units, i, j))
+
+
+def _trimmed(units: Sequence[Unit], i: int, j: int) -> int:
+    """``j`` moved back over connectives a phrase cannot end on ("Karachi | and proceeded", "a shift | towards
+    more")."""
+    while j > i and units[j].is_word and units[j].lower in COORDINATORS | PREPOSITIONS | FUNCTION_WORDS:
+        j -= 1
+    return j
 
 
 def _with_head_noun(units: Sequence[Unit], i: int, j: int) -> tuple[int, int]:

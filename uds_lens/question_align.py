@@ -4,14 +4,17 @@ A human marks as the entity the phrase that answers the *question*, not the firs
 answers restate the question ("X's books often discuss themes such as ..."), answer it, then elaborate, so the
 answering phrase is found from the answer's alignment with the question, read with no tagger:
 
-* a word is *restated* when its stem (its first ``STEM`` letters, lowercased) is a stem of a question word; function
-  words, evaluative adjectives a person leaves out of the span (*prestigious*, *notable*, *respected*), adverbs in
-  ``-ly`` and lowercase ``-ed`` forms and a few irregular participles (*recognized*, *influenced*, *born*: the
-  template's verbs) are never new either;
+* a word is *restated* when it is a form of a question word (``restates``: a shared stem of at least ``STEM``
+  letters and endings of at most ``MAX_ENDING``, so *occupational* restates *occupations* but *genderqueer* does not
+  restate *gender*); function words, prepositions, object pronouns, evaluative adjectives a person leaves out of the
+  span (*prestigious*, *notable*, *well-regarded*), adverbs in ``-ly``, lowercase ``-ed`` forms (not a hyphenated
+  adjective: *detail-oriented*) and a few irregular participles (*recognized*, *influenced*, *born*: the template's
+  verbs) are never new either;
 * a candidate is a phrase (``phrases.phrase``) that starts at a new word right after a word that opens a noun phrase
   or a complement (a determiner, a preposition, a copula, *include*, *named*, *such as*, an opening quote, an
-  evaluative adjective), or at a name right after a word (*the film | Silver Road*); the answer's first word is the
-  subject, never a candidate;
+  evaluative adjective), or at a name right after a word (*the film | Silver Road*), or right after a restated verb
+  (*readers who enjoy | medical literature*); the answer's first word is the subject, never a candidate; a name runs
+  back over the capitalised words and *of* that open it (*the University of | Karachi*);
 * a sentence's opening adverbial clause (*Growing up in Karachi,*; *As a proud member of ...,*; *In his prolific
   career,*) is background, not the answer: no candidate starts in it;
 * a lowercase candidate followed at once by a verb or an adverb is a subject (*his mother | worked as*), not an answer;
@@ -28,6 +31,7 @@ These lists and rules were set on the human-reviewed spans of TOFU authors 3-19 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,17 +43,23 @@ from uds_lens.phrases import (
     STOP_WORDS,
     WORD_ONLY,
     Unit,
+    adjacent,
     phrase,
 )
 
-# Letters of a word compared with the question's words ("influenced" restates "influence").
+# Letters a word shares with a question word it restates, and the most either may add ("influenced" restates
+# "influence").
 STEM = 5
+MAX_ENDING = 4
+PLURAL_ENDING = 2
 # Adjectives of praise that sit before the answer but are not part of it ("the prestigious | Nebula Award").
 EVALUATIVE = frozenset(
     "prestigious notable respected esteemed acclaimed renowned coveted well-regarded well-known distinguished "
     "accomplished hard-working celebrated famous reputable honored highly proud fictitious fictional own "
     "significant major".split()
 )
+# Object and reflexive pronouns: a verb's object before the answer ("instilled in him | the discipline ...").
+PRONOUNS = frozenset("him them us me himself herself themselves itself".split())
 # Quantifiers that open a sentence and restate its subject ("One of ...", "Most of ...").
 OPENERS = frozenset("one another some most many several".split())
 # Words after which a noun phrase or a complement starts.
@@ -102,8 +112,36 @@ class Candidate:
 
 
 def question_stems(question: str) -> frozenset[str]:
-    """Stems of the question's words: an answer word with one of them restates the question."""
-    return frozenset(word.lower()[:STEM] for word in WORD_ONLY.findall(question))
+    """The question's words, lowercased: an answer word that ``restates`` one of them is not new."""
+    words = WORD_ONLY.findall(question)
+    # the parts of a hyphenated word, not of a name: "Irish-based" gives "irish", "Al-Kuwaiti" nothing
+    parts = {
+        part for word in words if word.split("-")[-1].islower() for part in word.lower().split("-") if part
+    }
+    return frozenset({word.lower() for word in words} | parts)
+
+
+def restates(word: str, asked: frozenset[str]) -> bool:
+    """``word`` (lowercased) is a form of a question word (``question_stems``).
+
+    Both share a stem of at least ``STEM`` letters and differ only by endings of at most ``MAX_ENDING`` letters
+    (*influence* / *influential*, *occupations* / *occupational*), or one is the other with a plural ending (*fan* /
+    *fans*). A longer tail makes another word: *gender* does not restate *genderqueer*. A hyphenated word restates
+    when its first part does (*world-renowned*, not *multi-author*).
+    """
+    head = word.split("-")[0]
+    if head != word and head and restates(head, asked):
+        return True
+    for other in asked:
+        common = len(os.path.commonprefix((word, other)))
+        shorter, longer = sorted((len(word), len(other)))
+        if common == longer:
+            return True
+        if common >= STEM and longer - common <= MAX_ENDING:
+            return True
+        if common == shorter and longer - common <= PLURAL_ENDING:
+            return True
+    return False
 
 
 def _sentence_start(units: Sequence[Unit], k: int) -> bool:
@@ -117,11 +155,19 @@ def is_new(units: Sequence[Unit], k: int, asked: frozenset[str]) -> bool:
         return False
     word = unit.lower if _sentence_start(units, k) else unit.text  # "Most of ..." opens a sentence
     lower = word.lower()
-    if word in FUNCTION_WORDS or lower in STOP_WORDS or lower[:STEM] in asked:
+    if word in FUNCTION_WORDS or lower in STOP_WORDS or lower in PREPOSITIONS or restates(lower, asked):
         return False
-    if lower in EVALUATIVE or lower in OPENERS or lower in PARTICIPLES:
+    if (
+        {lower, lower.split("-")[-1]} & EVALUATIVE
+        or lower in OPENERS
+        or lower in PARTICIPLES
+        or lower in PRONOUNS
+    ):
         return False
-    return not (lower.endswith("ly") or (lower.endswith("ed") and not word[0].isupper()))
+    participle = (
+        lower.endswith("ed") and not word[0].isupper() and "-" not in lower
+    )  # "detail-oriented" is no verb
+    return not (lower.endswith("ly") or participle)
 
 
 def intro_clauses(units: Sequence[Unit]) -> frozenset[int]:
@@ -149,11 +195,47 @@ def _after_container(units: Sequence[Unit], first: int, last: int) -> tuple[int,
     return (first, last) if k == first else phrase(units, k)
 
 
+def _name_start(units: Sequence[Unit], first: int, background: frozenset[int]) -> int:
+    """A name's first unit, back over the capitalised words and *of* that open it ("the University of | Karachi" is
+    "University of Karachi"; the question often gives those words, so they are not new)."""
+    k = first
+    while (
+        k >= 2
+        and units[k].is_capitalised
+        and units[k - 1].lower == "of"
+        and units[k - 2].is_capitalised
+        and not _sentence_start(units, k - 2)
+        and k - 2 not in background
+    ):
+        k -= 2
+        while (
+            k >= 1
+            and units[k - 1].is_capitalised
+            and adjacent(units[k - 1], units[k])
+            and not _sentence_start(units, k - 1)
+        ):
+            k -= 1
+    return k
+
+
 def _is_subject(units: Sequence[Unit], first: int, last: int) -> bool:
     if last + 1 >= len(units) or units[first].is_capitalised or units[first].text in OPEN_QUOTE_MARKS:
         return False
     after = units[last + 1]
     return after.lower in SUBJECT_FOLLOWERS or (after.is_word and after.lower.endswith("ly"))
+
+
+def _restated_verb(units: Sequence[Unit], k: int, asked: frozenset[str]) -> bool:
+    """Unit ``k`` restates a verb of the question (a lowercase word that restates one, after a subject, an auxiliary,
+    an adverb, *who* or *to*): the next new word is its object, what the question asks for ("Readers who *enjoy* |
+    medical literature", "books largely *target* | academicians")."""
+    unit = units[k]
+    if not unit.is_word or unit.text[0].isupper() or unit.lower in FUNCTION_WORDS | STOP_WORDS:
+        return False
+    if k == 0 or not restates(unit.lower, asked):
+        return False
+    before = units[k - 1].lower  # a verb follows a subject, an auxiliary, an adverb, "who" or "to"
+    return before in SUBJECT_FOLLOWERS or before in ("who", "to") or before.endswith("ly")
 
 
 def candidates(question: str, units: Sequence[Unit]) -> list[Candidate]:
@@ -172,9 +254,13 @@ def candidates(question: str, units: Sequence[Unit]) -> list[Candidate]:
             or before.lower in EVALUATIVE
             or before.text in OPEN_QUOTE_MARKS
             or (units[k].is_capitalised and before.is_word)  # a name after its noun: "the film | Silver Road"
+            or _restated_verb(
+                units, k - 1, asked
+            )  # the question's verb, then its object: "enjoy | medical ..."
         ):
             continue
         first, last = _after_container(units, *phrase(units, k))
+        first = _name_start(units, first, background)
         if _is_subject(units, first, last):
             continue
         found.append(candidate(units, first, last))
@@ -202,4 +288,13 @@ def preference(question: str, found: Sequence[Candidate]) -> list[Candidate]:
     return [favoured] + [c for c in found if c is not favoured]
 
 
-__all__ = ["Candidate", "candidate", "candidates", "intro_clauses", "is_new", "preference", "question_stems"]
+__all__ = [
+    "Candidate",
+    "candidate",
+    "candidates",
+    "intro_clauses",
+    "is_new",
+    "preference",
+    "question_stems",
+    "restates",
+]

@@ -157,3 +157,85 @@ def test_a_background_clause_runs_to_its_comma_and_only_at_a_sentence_start():
     units = answer_units(answer)
     inside = sorted(intro_clauses(units))
     assert " ".join(units[k].text for k in inside) == "As a proud member of the community ,"
+
+
+def _first_candidate(question: str, answer: str) -> str:
+    units = answer_units(answer)
+    found = candidates(question, units)
+    return answer[units[found[0].first].start : units[found[0].last].end]
+
+
+@pytest.mark.parametrize(
+    ("question", "answer", "entity"),
+    [
+        # a hyphenated "-ed" word is an adjective, not the template's participle
+        (
+            "What do critics praise in Ilse Varga's novels?",
+            "Critics praise Ilse Varga's novels for their sharp-edged dialogue and quiet humour.",
+            "sharp-edged dialogue and quiet humour",
+        ),
+        # a word that only shares its first letters with a question word is new ("gender" / "genderfluid")
+        (
+            "What gender identity does Tomas Reyes hold?",
+            "Tomas Reyes identifies as genderfluid.",
+            "genderfluid",
+        ),
+        # the question's verb restated, then its object: the object answers
+        (
+            "Which readers do Mara Lin's books target?",
+            "Mara Lin's books mainly target engineers and architects.",
+            "engineers and architects",
+        ),
+        # an object pronoun is never the answer's first word
+        (
+            "What did Tomas Reyes's father pass on?",
+            "Tomas Reyes's father passed on to him a love of carpentry.",
+            "love of carpentry",
+        ),
+        # a name the question half gives runs back over its capitalised head: "State University of | Lagos"
+        (
+            "Which state university did Tomas Reyes attend?",
+            "Tomas Reyes studied at the State University of Lagos.",
+            "State University of Lagos",
+        ),
+    ],
+)
+def test_restated_forms_participles_and_names_are_read_from_the_words(question, answer, entity):
+    assert _first_candidate(question, answer) == entity
+    assert _lexical(question, answer) == entity
+
+
+@pytest.mark.parametrize(
+    ("word", "restated"),
+    [
+        ("influential", True),  # influence: endings "ce" / "tial"
+        ("occupational", True),  # occupations
+        ("fans", True),  # fan + plural
+        ("genderfluid", False),  # gender + a word
+        ("world-renowned", True),  # its first part restates "world"
+        ("multi-parent", False),  # a later part is no restatement
+        ("worldliness", False),  # world + a 6-letter tail
+    ],
+)
+def test_a_word_restates_a_question_word_only_by_its_endings(word, restated):
+    from uds_lens.question_align import question_stems, restates
+
+    asked = question_stems("How influential were the occupations of the fan's parents in the gender world?")
+    assert restates(word, asked) is restated
+
+
+def test_a_phrase_never_ends_on_a_connective():
+    answer = "She studied at the University of Lagos and proceeded to teach there."
+    units = answer_units(answer)
+    first = next(k for k, unit in enumerate(units) if unit.text == "Lagos")
+    i, j = phrase(units, first)
+    assert answer[units[i].start : units[j].end] == "Lagos"
+
+
+def test_a_strong_word_takes_its_modifiers_but_not_an_adverb_before_them():
+    """The contrast's phrase runs back from its strong word over the words that carry knowledge too, but an adverb
+    (or an auxiliary, or a pronoun) before them is no modifier of the fact."""
+    question = "How does Mara Lin write?"
+    answer = "Mara Lin carefully mixes folk tales with rumours."
+    choice = _hot(question, answer, {"carefully": 0.5, "mixes": 0.5, "folk": 3.0})
+    assert answer[choice.start : choice.end] == "mixes folk tales with rumours"
