@@ -142,7 +142,7 @@ def run_demo(
             )
             table, _, _ = score_zoo(preview, out / "preview", config, progress)
             (out / "preview").mkdir(parents=True, exist_ok=True)
-            table.to_csv(out / "preview" / "uds_table.csv", index=False)
+            write_atomic(out / "preview" / "uds_table.csv", table.to_csv(index=False))
             logger.info("preview on the test-size zoo after %.1f s", time.perf_counter() - started)
             on_preview(table, preview_root)
         # the package's own cache is rebuilt when this version generates another world; a user's directory is not
@@ -159,7 +159,7 @@ def run_demo(
     finally:
         torch.set_num_threads(previous_threads)
     write_atomic(out / "roles.json", json.dumps({m["name"]: m["role"] for m in entries}, indent=2))
-    table.to_csv(out / "uds_table.csv", index=False)
+    write_atomic(out / "uds_table.csv", table.to_csv(index=False))
     write_report(out, out / "report.html", title=f"UDS on the embedded zoo ({size})")
     logger.info("demo finished in %.1f s", time.perf_counter() - started)
     return table

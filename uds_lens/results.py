@@ -44,7 +44,7 @@ from uds_lens import display
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
-from uds_lens.files import bytes_digest
+from uds_lens.files import bytes_digest, write_atomic
 from uds_lens.result_store import (
     INPUT_KEYS,
     RESULT_FILES,
@@ -380,8 +380,8 @@ class UDSResult:
 
     def _write_files(self, out: Path) -> None:
         (out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=json_default))
-        self.examples.to_csv(out / "examples.csv", index=False)
-        self.layers.to_csv(out / "layers.csv", index=False)
+        write_atomic(out / "examples.csv", self.examples.to_csv(index=False))
+        write_atomic(out / "layers.csv", self.layers.to_csv(index=False))
         try:
             self.layers.to_parquet(out / "layers.parquet", index=False)
         except (ImportError, ValueError):

@@ -38,6 +38,7 @@ from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
 from uds_lens.config import DEFAULT_TAU, UDSConfig
+from uds_lens.files import write_atomic
 from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.metrics import registry
 from uds_lens.result_store import atomic_result_dir
@@ -87,12 +88,12 @@ class DiagnoseResult:
             with atomic_result_dir(out / name, owns=DIAGNOSE_FILES) as staging:
                 scores = {str(method): json_score(value) for method, value in row.items()}
                 (staging / "scores.json").write_text(json.dumps(scores, indent=2))
-                self.layerwise[name].to_csv(staging / "layerwise.csv", index=False)
-                self.components[name].to_csv(staging / "components.csv", index=False)
+                write_atomic(staging / "layerwise.csv", self.layerwise[name].to_csv(index=False))
+                write_atomic(staging / "components.csv", self.components[name].to_csv(index=False))
         if self.prompt_types is not None:
-            self.prompt_types.to_csv(out / "prompt_types.csv", index=False)
+            write_atomic(out / "prompt_types.csv", self.prompt_types.to_csv(index=False))
         if self.tau_sensitivity is not None:
-            self.tau_sensitivity.to_csv(out / "tau_sensitivity.csv", index=False)
+            write_atomic(out / "tau_sensitivity.csv", self.tau_sensitivity.to_csv(index=False))
         return out
 
 

@@ -130,8 +130,8 @@ def _score_model(
             "settings": settings,
         }
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        report.examples.to_csv(cache_file.parent / "examples.csv", index=False)
-        report.mia_examples.to_csv(cache_file.parent / "mia_examples.csv", index=False)
+        write_atomic(cache_file.parent / "examples.csv", report.examples.to_csv(index=False))
+        write_atomic(cache_file.parent / "mia_examples.csv", report.mia_examples.to_csv(index=False))
         _write_json(cache_file, cached)
     for key in missing:
         cached["values"][key] = float(score_fns[key](loaded))
@@ -246,7 +246,7 @@ def evaluate_zoo(
     table = _finish_table(table, retain_aucs, float(table.at["full", UTILITY_COLUMN]))
     table.index.name = "model"
     out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "metrics.csv")
+    write_atomic(out / "metrics.csv", table.to_csv())
     return table
 
 
@@ -303,7 +303,7 @@ def _attacked_table(
         )
     table = _finish_table(pd.DataFrame.from_dict(rows, orient="index"), retain_aucs, None)
     table.index.name = "model"
-    table.to_csv(out / f"metrics_{stem}.csv")
+    write_atomic(out / f"metrics_{stem}.csv", table.to_csv())
     return table
 
 
@@ -383,8 +383,8 @@ def run_meta_eval(
         apply_faithfulness_filter=apply_faithfulness_filter,
         metrics=rows,
     )
-    robustness.to_csv(out / "robustness.csv", index=False)
+    write_atomic(out / "robustness.csv", robustness.to_csv(index=False))
     table = meta_evaluate(metrics_df, pools, robustness, rows)
-    table.to_csv(out / "meta_eval.csv", index=False)
-    compare_with_paper(table).to_csv(out / "meta_eval_vs_paper.csv")
+    write_atomic(out / "meta_eval.csv", table.to_csv(index=False))
+    write_atomic(out / "meta_eval_vs_paper.csv", compare_with_paper(table).to_csv())
     return table
