@@ -124,14 +124,15 @@ def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp
     the directory ends with B's summary and A's meta; written atomically under the lock, it is one run's."""
     target = tmp_path / "out" / "model"
     b_done = threading.Event()
-    original = pd.DataFrame.to_csv
+    original = Path.write_text
 
-    def stalling_to_csv(self, path=None, *args, **kwargs):
-        if threading.current_thread().name == "writer-a" and Path(str(path)).name == "layers.csv":
+    def stalling_write_text(self, *args, **kwargs):  # layers.csv, or write_atomic's hidden sibling of it
+        layers = self.name == "layers.csv" or self.name.startswith(".layers.csv.tmp-")
+        if threading.current_thread().name == "writer-a" and layers:
             b_done.wait(timeout=3.0)
-        return original(self, path, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pd.DataFrame, "to_csv", stalling_to_csv)
+    monkeypatch.setattr(Path, "write_text", stalling_write_text)
     errors: list[BaseException] = []
 
     def write(result: UDSResult, done: threading.Event | None) -> None:
@@ -173,8 +174,10 @@ KILL_SCRIPT = textwrap.dedent("""
     full, retain, unlearned, data, out, cache, victim = sys.argv[1:8]
 
     def die_at(name):
-        # SIGKILL the moment the victim file is opened for writing: no cleanup, no finally blocks
-        if pathlib.Path(str(name)).name == victim:
+        # SIGKILL the moment the victim file (or write_atomic's hidden sibling of it) is opened for writing: no
+        # cleanup, no finally blocks
+        file_name = pathlib.Path(str(name)).name
+        if file_name == victim or file_name.startswith(f".{victim}.tmp-"):
             open(name, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
