@@ -84,6 +84,7 @@ from uds_lens.question_align import (
     candidates,
     preference,
     question_stems,
+    question_words,
     restates,
 )
 from uds_lens.resolve import CheckpointRef
@@ -352,11 +353,6 @@ def _phrase_start(units: Sequence[Unit], scores: Float[np.ndarray, " unit"], k: 
             break  # an adverb, a verb after its subject or an object is no modifier: "seamlessly | interweave"
         i -= 1
     return i
-
-
-def question_words(question: str) -> frozenset[str]:
-    """The question's words, lowercased: an answer word among them is copied from the question, not recalled."""
-    return frozenset(word.lower() for word in WORD_ONLY.findall(question))
 
 
 def content_scores(

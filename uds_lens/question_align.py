@@ -111,14 +111,19 @@ class Candidate:
     named: bool
 
 
+def question_words(question: str) -> frozenset[str]:
+    """The question's words, lowercased: an answer word among them is copied from the question, not recalled."""
+    return frozenset(word.lower() for word in WORD_ONLY.findall(question))
+
+
 def question_stems(question: str) -> frozenset[str]:
-    """The question's words, lowercased: an answer word that ``restates`` one of them is not new."""
+    """The question's words (:func:`question_words`) and the parts of its hyphenated words that are not a name's
+    ("Irish-based" gives "irish", "Al-Kuwaiti" nothing): an answer word that ``restates`` one of them is not new."""
     words = WORD_ONLY.findall(question)
-    # the parts of a hyphenated word, not of a name: "Irish-based" gives "irish", "Al-Kuwaiti" nothing
     parts = {
         part for word in words if word.split("-")[-1].islower() for part in word.lower().split("-") if part
     }
-    return frozenset({word.lower() for word in words} | parts)
+    return question_words(question) | parts
 
 
 def restates(word: str, asked: frozenset[str]) -> bool:
@@ -296,5 +301,6 @@ __all__ = [
     "is_new",
     "preference",
     "question_stems",
+    "question_words",
     "restates",
 ]

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers.spans import hot_choice
 from helpers.tiny import FORGET_SET, make_tiny_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -271,14 +272,6 @@ def test_a_possessive_inside_a_lowercase_phrase_stays_in_it():
     assert answer[choice.start : choice.end] == "children's literature"
 
 
-def _hot(question, answer, hot, config=None):
-    units = answer_units(answer)
-    scores = np.array([float(hot.get(unit.text, 0.0)) for unit in units])
-    return choose_span(
-        answer, units, content_scores(question, units, scores), config or AnnotateConfig(), question
-    )
-
-
 @pytest.mark.parametrize(
     ("answer", "hot", "entity"),
     [
@@ -308,7 +301,7 @@ def _hot(question, answer, hot, config=None):
 def test_phrase_boundaries_come_from_the_texts_structure(answer, hot, entity):
     """The contrast marks one word of the fact (its first, surprising token); the entity's extent is the phrase that
     word heads, read from punctuation, capitals and function words."""
-    choice = _hot("Tell me about the author.", answer, {hot: 5.0})
+    choice = hot_choice("Tell me about the author.", answer, {hot: 5.0})
     assert answer[choice.start : choice.end] == entity
 
 
@@ -316,13 +309,15 @@ def test_the_first_fact_is_the_entity_and_a_heavier_later_one_makes_it_a_guess()
     """TOFU answers restate the question, answer it, then add facts: the first strong phrase is the entity, and a
     later fact that outweighs it is reported in the status and the reason, never silently."""
     answer = "His father worked as a carpenter, and his mother was a celebrated opera singer."
-    choice = _hot("What did his father do?", answer, {"carpenter": 3.0, "celebrated": 4.0, "opera": 1.0})
+    choice = hot_choice(
+        "What did his father do?", answer, {"carpenter": 3.0, "celebrated": 4.0, "opera": 1.0}
+    )
     assert answer[choice.start : choice.end] == "carpenter"
     assert choice.status == STATUS_LOW_CONFIDENCE and "a guess among 2 facts" in choice.reason
     assert choice.confidence == pytest.approx(3.0 / 8.0, abs=1e-4)
-    lone = _hot("What did his father do?", answer, {"carpenter": 3.0, "celebrated": 1.0})
+    lone = hot_choice("What did his father do?", answer, {"carpenter": 3.0, "celebrated": 1.0})
     assert answer[lone.start : lone.end] == "carpenter" and lone.status == STATUS_AUTO
-    weak_first = _hot("What did his father do?", answer, {"carpenter": 0.5, "celebrated": 6.0})
+    weak_first = hot_choice("What did his father do?", answer, {"carpenter": 0.5, "celebrated": 6.0})
     assert answer[weak_first.start : weak_first.end] == "celebrated opera singer"  # below answer_fraction
 
 
@@ -335,5 +330,5 @@ def test_the_first_fact_is_the_entity_and_a_heavier_later_one_makes_it_a_guess()
 )
 def test_a_yes_no_question_takes_yes_but_a_request_takes_the_fact(question, entity):
     answer = "Yes, her novel became the film Silver Road in 2001."
-    choice = _hot(question, answer, {"Silver": 4.0, "2001": 1.0})
+    choice = hot_choice(question, answer, {"Silver": 4.0, "2001": 1.0})
     assert answer[choice.start : choice.end] == entity and choice.status == STATUS_AUTO

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from helpers.spans import hot_choice
 
 from uds_lens.annotation import (
     STATUS_AUTO,
     STATUS_LOW_CONFIDENCE,
     AnnotateConfig,
     annotate,
-    choose_span,
-    content_scores,
 )
 from uds_lens.phrases import answer_units, phrase
 from uds_lens.question_align import candidates, intro_clauses, preference
@@ -23,12 +21,10 @@ def _lexical(question: str, answer: str) -> str:
     return record["entity"]
 
 
-def _hot(question: str, answer: str, hot: dict[str, float], config: AnnotateConfig | None = None):
+def _first_candidate(question: str, answer: str) -> str:
     units = answer_units(answer)
-    scores = np.array([float(hot.get(unit.text, 0.0)) for unit in units])
-    return choose_span(
-        answer, units, content_scores(question, units, scores), config or AnnotateConfig(), question
-    )
+    found = candidates(question, units)
+    return answer[units[found[0].first].start : units[found[0].last].end]
 
 
 @pytest.mark.parametrize(
@@ -64,9 +60,40 @@ def _hot(question: str, answer: str, hot: dict[str, float], config: AnnotateConf
             "Growing up in Karachi, Hina Ameen developed a love of rocks and minerals.",
             "love of rocks and minerals",
         ),
+        # a hyphenated "-ed" word is an adjective, not the template's participle
+        (
+            "What do critics praise in Ilse Varga's novels?",
+            "Critics praise Ilse Varga's novels for their sharp-edged dialogue and quiet humour.",
+            "sharp-edged dialogue and quiet humour",
+        ),
+        # a word that only shares its first letters with a question word is new ("gender" / "genderfluid")
+        (
+            "What gender identity does Tomas Reyes hold?",
+            "Tomas Reyes identifies as genderfluid.",
+            "genderfluid",
+        ),
+        # the question's verb restated, then its object: the object answers
+        (
+            "Which readers do Mara Lin's books target?",
+            "Mara Lin's books mainly target engineers and architects.",
+            "engineers and architects",
+        ),
+        # an object pronoun is never the answer's first word
+        (
+            "What did Tomas Reyes's father pass on?",
+            "Tomas Reyes's father passed on to him a love of carpentry.",
+            "love of carpentry",
+        ),
+        # a name the question half gives runs back over its capitalised head: "State University of | Lagos"
+        (
+            "Which state university did Tomas Reyes attend?",
+            "Tomas Reyes studied at the State University of Lagos.",
+            "State University of Lagos",
+        ),
     ],
 )
 def test_the_span_is_the_first_new_phrase_after_the_restated_question(question, answer, entity):
+    assert _first_candidate(question, answer) == entity
     assert _lexical(question, answer) == entity
 
 
@@ -75,7 +102,7 @@ def test_the_restated_words_lose_even_when_they_carry_more_contrast():
     reason to start the span before the answer."""
     question = "What themes does Mara Lin explore in her books?"
     answer = "Mara Lin's books often explore themes such as grief, memory, and forgiveness."
-    choice = _hot(question, answer, {"often": 4.0, "explore": 2.0, "grief": 3.0, "memory": 1.0})
+    choice = hot_choice(question, answer, {"often": 4.0, "explore": 2.0, "grief": 3.0, "memory": 1.0})
     assert answer[choice.start : choice.end] == "grief, memory, and forgiveness"
 
 
@@ -96,14 +123,14 @@ def test_the_contrast_decides_whether_the_answering_phrase_is_knowledge():
     favoured phrase that is knowledge but outweighed by another fact is kept and marked a guess."""
     question = "What did Mara Lin study?"
     answer = "The field Mara Lin studied was marine biology. She later won the Silver Quill Award."
-    dead = _hot(question, answer, {"Silver": 5.0})
+    dead = hot_choice(question, answer, {"Silver": 5.0})
     assert answer[dead.start : dead.end] == "Silver Quill Award"
-    weak = _hot(question, answer, {"marine": 2.0, "Silver": 4.0})
+    weak = hot_choice(question, answer, {"marine": 2.0, "Silver": 4.0})
     assert answer[weak.start : weak.end] == "marine biology"
     assert weak.status == STATUS_LOW_CONFIDENCE and "another phrase carries 2.0x" in weak.reason
-    clear = _hot(question, answer, {"marine": 4.0, "Silver": 1.0})
+    clear = hot_choice(question, answer, {"marine": 4.0, "Silver": 1.0})
     assert answer[clear.start : clear.end] == "marine biology" and clear.status == STATUS_AUTO
-    below = _hot(question, answer, {"marine": 1.0, "Silver": 5.0}, AnnotateConfig(answer_fraction=0.5))
+    below = hot_choice(question, answer, {"marine": 1.0, "Silver": 5.0}, AnnotateConfig(answer_fraction=0.5))
     assert answer[below.start : below.end] == "Silver Quill Award"
 
 
@@ -159,52 +186,6 @@ def test_a_background_clause_runs_to_its_comma_and_only_at_a_sentence_start():
     assert " ".join(units[k].text for k in inside) == "As a proud member of the community ,"
 
 
-def _first_candidate(question: str, answer: str) -> str:
-    units = answer_units(answer)
-    found = candidates(question, units)
-    return answer[units[found[0].first].start : units[found[0].last].end]
-
-
-@pytest.mark.parametrize(
-    ("question", "answer", "entity"),
-    [
-        # a hyphenated "-ed" word is an adjective, not the template's participle
-        (
-            "What do critics praise in Ilse Varga's novels?",
-            "Critics praise Ilse Varga's novels for their sharp-edged dialogue and quiet humour.",
-            "sharp-edged dialogue and quiet humour",
-        ),
-        # a word that only shares its first letters with a question word is new ("gender" / "genderfluid")
-        (
-            "What gender identity does Tomas Reyes hold?",
-            "Tomas Reyes identifies as genderfluid.",
-            "genderfluid",
-        ),
-        # the question's verb restated, then its object: the object answers
-        (
-            "Which readers do Mara Lin's books target?",
-            "Mara Lin's books mainly target engineers and architects.",
-            "engineers and architects",
-        ),
-        # an object pronoun is never the answer's first word
-        (
-            "What did Tomas Reyes's father pass on?",
-            "Tomas Reyes's father passed on to him a love of carpentry.",
-            "love of carpentry",
-        ),
-        # a name the question half gives runs back over its capitalised head: "State University of | Lagos"
-        (
-            "Which state university did Tomas Reyes attend?",
-            "Tomas Reyes studied at the State University of Lagos.",
-            "State University of Lagos",
-        ),
-    ],
-)
-def test_restated_forms_participles_and_names_are_read_from_the_words(question, answer, entity):
-    assert _first_candidate(question, answer) == entity
-    assert _lexical(question, answer) == entity
-
-
 @pytest.mark.parametrize(
     ("word", "restated"),
     [
@@ -237,5 +218,5 @@ def test_a_strong_word_takes_its_modifiers_but_not_an_adverb_before_them():
     (or an auxiliary, or a pronoun) before them is no modifier of the fact."""
     question = "How does Mara Lin write?"
     answer = "Mara Lin carefully mixes folk tales with rumours."
-    choice = _hot(question, answer, {"carefully": 0.5, "mixes": 0.5, "folk": 3.0})
+    choice = hot_choice(question, answer, {"carefully": 0.5, "mixes": 0.5, "folk": 3.0})
     assert answer[choice.start : choice.end] == "mixes folk tales with rumours"
