@@ -69,7 +69,6 @@ from uds_lens.outputs import check_annotation_output
 from uds_lens.phrases import (
     FUNCTION_WORDS,
     STOP_WORDS,
-    WORD_ONLY,
     Unit,
     adjacent,
     answer_units,
