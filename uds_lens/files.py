@@ -60,7 +60,32 @@ def staging_path(path: str | os.PathLike) -> Path:
     """A hidden sibling of ``path`` for writers that produce the file themselves (``safetensors.save_file``); rename
     it over ``path`` with ``os.replace`` when done."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return path.with_name(f"{_staging_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _staging_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-"
+
+
+def _aside_prefix(path: Path) -> str:
+    return f".{path.name}.old-"
+
+
+def staged_siblings(path: str | os.PathLike) -> list[Path]:
+    """The :func:`staging_path` siblings of ``path`` that exist (a writer's unfinished or abandoned output), by name."""
+    return _siblings(Path(path), _staging_prefix(Path(path)))
+
+
+def set_aside(target: str | os.PathLike) -> list[Path]:
+    """The old directories :func:`replace_directory` renamed aside for ``target`` and did not delete (a kill
+    between its renames, or after them before the delete), by name."""
+    return _siblings(Path(target), _aside_prefix(Path(target)))
+
+
+def _siblings(path: Path, prefix: str) -> list[Path]:
+    if not path.parent.is_dir():
+        return []
+    return sorted(entry for entry in path.parent.iterdir() if entry.name.startswith(prefix))
 
 
 def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> Path:
@@ -78,7 +103,7 @@ def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> 
     if not os.path.lexists(target):
         os.rename(staging, target)
         return target
-    aside = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
+    aside = target.with_name(f"{_aside_prefix(target)}{uuid.uuid4().hex[:12]}")
     os.rename(target, aside)
     try:
         os.rename(staging, target)
@@ -119,6 +144,8 @@ __all__ = [
     "files_digest",
     "json_digest",
     "replace_directory",
+    "set_aside",
+    "staged_siblings",
     "staging_path",
     "write_atomic",
     "zoo_root",

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from uds_lens.files import bytes_digest, replace_directory, staging_path
+from uds_lens.files import bytes_digest, replace_directory, set_aside, staged_siblings, staging_path
 
 # The files of one saved result; meta.json (written last) holds their digests.
 RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
@@ -229,13 +229,13 @@ def atomic_result_dir(
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with result_lock(target, timeout):
-        for leftover in sorted(target.parent.iterdir()):
-            if leftover.name.startswith(f".{target.name}.old-") and not target.exists():
-                os.rename(
-                    leftover, target
-                )  # a writer killed between replace_directory's renames: the old one back
-            elif leftover.name.startswith((f".{target.name}.tmp-", f".{target.name}.old-")):
-                shutil.rmtree(leftover, ignore_errors=True)
+        for aside in set_aside(target):
+            if not target.exists():  # a writer killed between replace_directory's renames: the old one back
+                os.rename(aside, target)
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
+        for leftover in staged_siblings(target):
+            shutil.rmtree(leftover, ignore_errors=True)
         if check is not None:
             check(target)
         staging = staging_path(target)  # OUT/.NAME.tmp-*: the one spelling of a writer's hidden sibling

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from uds_lens.checkpoint import checkpoint_stamp
-from uds_lens.files import replace_directory, write_atomic
+from uds_lens.files import replace_directory, set_aside, write_atomic
 from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
 from uds_lens.models import default_device, load_hf_model
 from uds_lens.resolve import ModelLoadError
@@ -193,7 +193,6 @@ def _put_in_place(tmp_dir: Path, out_dir: Path) -> Path:
     """Replace ``out_dir`` with the finished run in ``tmp_dir`` (the old one renamed aside, the new one in, the old
     one deleted), and delete what a killed replacement left aside."""
     replace_directory(tmp_dir, out_dir)
-    for leftover in out_dir.parent.iterdir():
-        if leftover.name.startswith(f".{out_dir.name}.old-"):
-            shutil.rmtree(leftover, ignore_errors=True)
+    for aside in set_aside(out_dir):
+        shutil.rmtree(aside, ignore_errors=True)
     return out_dir
