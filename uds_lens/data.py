@@ -135,7 +135,7 @@ class Example:
 
 
 def record_field(record: Any, name: str, default: Any = None) -> Any:
-    """Read ``name`` from a dict record or an :class:`Example` (the metrics take either)."""
+    """Read ``name`` from a dict record or an [`Example`][uds_lens.data.Example] (the metrics take either)."""
     if isinstance(record, Mapping):
         return record.get(name, default)
     return getattr(record, name, default)
@@ -156,7 +156,7 @@ IDX_RANGE = (-(2**63), 2**63 - 1)
 
 def _record_idx(record: dict[str, Any], position: int) -> int:
     """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one, within
-    int64 (:data:`IDX_RANGE`)."""
+    int64 (`IDX_RANGE`)."""
     value = record.get("idx", position)
     idx: int | None = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -445,7 +445,7 @@ def _at_word_boundary(text: str, start: int, end: int) -> bool:
 
 
 def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> tuple[int, int] | None:
-    """Character span of the entity's first occurrence in the reference (SPEC §1.2 step 4): the first whole-word
+    """Character span of the entity's first occurrence in the reference: the first whole-word
     occurrence, or with ``whole_word=False`` the first substring match (the published implementation)."""
     for candidate in (entity, entity.strip(), " " + entity):
         if not candidate:
@@ -459,7 +459,7 @@ def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> t
 
 
 def encode_one(example: Example, tokenizer: Any, published_compat: bool = False) -> EncodedExample | Skip:
-    """Encode one example (SPEC §1.2), or say why it cannot be scored."""
+    """Encode one example, or say why it cannot be scored."""
     if not getattr(tokenizer, "is_fast", False):
         raise TokenizerError(
             f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; UDS locates entity tokens "

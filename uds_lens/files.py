@@ -1,9 +1,9 @@
 """Files on the ground floor: where caches live, how a file is replaced in one step, how contents are digested.
 
-Every module that writes a file a reader may see half-written goes through :func:`write_atomic` (a directory
-through :func:`replace_directory`); every digest of a JSON-able value is :func:`json_digest`, of bytes
-:func:`bytes_digest`, of a few small files :func:`files_digest`; every default location under the cache is
-:func:`cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
+Every module that writes a file a reader may see half-written goes through `write_atomic` (a directory
+through `replace_directory`); every digest of a JSON-able value is `json_digest`, of bytes
+`bytes_digest`, of a few small files `files_digest`; every default location under the cache is
+`cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
 
 Two digests of file contents, each for its files. Weights are identified by ``checkpoint.file_digest``: XXH3-128,
 because checkpoints are gigabytes and a sweep's pace is set by reading and hashing them (XXH3 hashes several GB/s
@@ -72,12 +72,12 @@ def _aside_prefix(path: Path) -> str:
 
 
 def staged_siblings(path: str | os.PathLike) -> list[Path]:
-    """The :func:`staging_path` siblings of ``path`` that exist (a writer's unfinished or abandoned output), by name."""
+    """The `staging_path` siblings of ``path`` that exist (a writer's unfinished or abandoned output), by name."""
     return _siblings(Path(path), _staging_prefix(Path(path)))
 
 
 def set_aside(target: str | os.PathLike) -> list[Path]:
-    """The old directories :func:`replace_directory` renamed aside for ``target`` and did not delete (a kill
+    """The old directories `replace_directory` renamed aside for ``target`` and did not delete (a kill
     between its renames, or after them before the delete), by name."""
     return _siblings(Path(target), _aside_prefix(Path(target)))
 

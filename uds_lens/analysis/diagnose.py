@@ -3,7 +3,7 @@
 One call scores each unlearned model with UDS (through ``UDSAuditor``, S1 computed once per site) and with the
 observational baselines (logit and tuned lens, CKA, RSA, SVCCA/PWCCA, masked Fisher, linear probe), reusing the full
 and retain models' statistics across models (``baselines.references.References``: one forward per model for the
-representation methods, one backward per example for Fisher). It returns a :class:`DiagnoseResult`, whose
+representation methods, one backward per example for Fisher). It returns a `DiagnoseResult`, whose
 ``save(out_dir)`` writes (each model directory atomically)::
 
     OUT/NAME/scores.json       one key per method: uds, logit_lens, tuned_lens, cka, rsa, svcca, pwcca,
