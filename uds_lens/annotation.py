@@ -398,7 +398,7 @@ def _answer_token_logprobs(
     """Log-prob of every answer token under ``model``: one forward per batch of records, no per-token calls.
 
     Args:
-        model: A HookedTransformer (or any causal LM whose call returns logits or an object with ``.logits``).
+        model: A loaded ``TransformerBridge`` (or any causal LM whose call returns logits or an object with ``.logits``).
         sequences: ``(input_ids, prompt_len)`` per record; the answer tokens are ``input_ids[prompt_len:]``.
         pad_id: Right padding (causal attention: it cannot change earlier positions).
         batch_size: Records per forward.

@@ -74,7 +74,8 @@ class UDSAuditor:
         >>> result.uds, result.examples.head(), result.layers.head()
 
     Args:
-        full: the patch target and baseline: a local checkpoint dir, hub id, or a loaded HookedTransformer.
+        full: the patch target and baseline: a local checkpoint dir, ``.gguf`` file, hub id or ``zoo:NAME``, or a
+            loaded TransformerLens model (a ``TransformerBridge``).
         retain: the Stage-1 source (same forms), or None for retain-free mode.
         data: forget-set path / hub id / records / Examples.
         config: ``UDSConfig``.
@@ -88,7 +89,7 @@ class UDSAuditor:
             records); a sweep worker names the data file its examples were read from.
 
     Attributes:
-        full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
+        full / retain: the loaded models, ``TransformerBridge``s (``retain`` is None in retain-free mode).
         tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
         config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
         examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
@@ -484,7 +485,8 @@ class UDSAuditor:
         )
 
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
-        """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
+        """Score one unlearned model (path, hub id, ``zoo:NAME``, a loaded ``TransformerBridge``, or a
+        Hugging Face model as a source)."""
         source_label = describe(unlearned)
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None

@@ -135,7 +135,7 @@ def diagnose(
     """Score unlearned models with UDS, component patching and the white-box baselines.
 
     Args:
-        full: Full model (checkpoint dir, hub id or loaded ``HookedTransformer``).
+        full: Full model (checkpoint dir, hub id, ``zoo:NAME`` or a loaded ``TransformerBridge``).
         retain: Retain model (same forms); required, every method here is retain-normalised.
         unlearned: Name -> unlearned model (same forms); the name is the output subdirectory.
         data: Forget set (path, hub id, records or ``Example`` list).

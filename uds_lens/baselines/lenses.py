@@ -53,8 +53,8 @@ def final_decoder(full: SourceLike) -> Decoder:
     """The full model's final norm followed by its unembedding, as a function ``h -> logits`` (fp32 out).
 
     Args:
-        full: Anything ``sources.as_source`` takes (``ActivationSource.decode`` of a HookedTransformer or a
-            Hugging Face Llama).
+        full: Anything ``sources.as_source`` takes (``ActivationSource.decode`` of a ``TransformerBridge`` or a
+            Hugging Face model).
     """
     return as_source(full).decode
 

@@ -92,7 +92,7 @@ class ModelScorers:
                     fisher_fractions=(FISHER_FRACTION,),
                 )
             # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the white-box
-            # scores of a Hugging Face model are taken on its HookedTransformer conversion (an NF4 model's from its
+            # scores of a Hugging Face model are taken on its TransformerLens conversion (an NF4 model's from its
             # dequantised, 4-bit-rounded weights).
             full_cfg = self.auditor.full.cfg
             loaded = as_source(self.auditor.load(model)).hooked(

@@ -403,7 +403,7 @@ def window_source_activations(
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
     (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
 
-    A HookedTransformer runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
+    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
     run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """

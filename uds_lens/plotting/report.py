@@ -1,7 +1,7 @@
 """One self-contained HTML page from saved results: the figures of `uds_lens.plotting` and the tables behind them.
 
-``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/`` (``UDSResult.save``: the tables of
-SPEC §1.8 and ``meta.json`` with the digest of every file); ``uds-lens diagnose`` adds
+``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/`` (``UDSResult.save``: ``summary.json``,
+the ``examples.csv`` and ``layers.csv`` tables, and ``meta.json`` with the digest of every file); ``uds-lens diagnose`` adds
 ``RESULTS_DIR/NAME/{scores.json, layerwise.csv, components.csv}`` and ``RESULTS_DIR/{prompt_types.csv,
 tau_sensitivity.csv}``. [`write_report`][uds_lens.plotting.report.write_report] reads whatever of these exists (results through ``UDSResult.load``, so
 the page shows exactly what ``load`` gives back) and writes one HTML file with plotly.js inlined once in the page

@@ -42,7 +42,7 @@ class NotebookSetup:
         unlearned: the unlearned model's directory or hub id (a zoo name resolved to its directory).
         name: the unlearned model's name in results and figures (its directory's name).
         auditor: ``UDSAuditor(full, retain, data)`` with the notebook's device and example limit.
-        unlearned_model: the loaded unlearned model (a ``HookedTransformer``), when the setup scored it.
+        unlearned_model: the loaded unlearned model (a ``TransformerBridge``), when the setup scored it.
         result: its ``UDSResult``, when the setup scored it.
     """
 
