@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from uds_lens.config import Scope
+from uds_lens.files import ZOO_PREFIX, zoo_search_roots
+from uds_lens.zoo.manifest import data_file, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -346,15 +348,47 @@ def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
         ) from err
 
 
+# The QA files of a built zoo, addressable as "zoo:forget" wherever a forget set is expected.
+ZOO_DATA_SPLITS = ("forget", "retain", "holdout")
+
+
+def zoo_data_path(name: str) -> Path:
+    """``"zoo:forget"`` -> the forget set of a built zoo (``zoo:retain``, ``zoo:holdout`` likewise).
+
+    Looked up where ``zoo:NAME`` models are (``$UDS_LENS_ZOO``, then the cached default and test zoos);
+    ``zoo:test/forget`` names the size.
+
+    Raises:
+        DataError: the name is not one of the zoo's data files, or no built zoo has it.
+    """
+    size, _, split = name[len(ZOO_PREFIX) :].rpartition("/")
+    if split not in ZOO_DATA_SPLITS:
+        raise DataError(
+            f"{name!r} names no zoo data file: use one of {[ZOO_PREFIX + s for s in ZOO_DATA_SPLITS]} "
+            "(or zoo:SIZE/forget), or pass a data file."
+        )
+    roots = zoo_search_roots(size or None)
+    for root in roots:
+        manifest = read_manifest(root)
+        path = data_file(manifest, root, split) if manifest is not None else None
+        if path is not None:
+            return path
+    raise DataError(
+        f"{name!r}: no built zoo in {[str(r) for r in roots]}. Build one with `uds-lens zoo build --out DIR "
+        "--size test` (and set UDS_LENS_ZOO=DIR), or pass a data file."
+    )
+
+
 def load_examples(
     source: str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None = None,
     split: str = "train",
     limit: int | None = None,
 ) -> list[Example]:
-    """Load a forget set: a JSON list / JSONL file, a list of records, or a hub dataset id.
+    """Load a forget set: a JSON list / JSONL file, a list of records, a zoo's ``zoo:forget``, or a hub dataset id.
 
     Args:
-        source: path, records, Examples, or hub id; None means the published annotated set on the hub.
+        source: path, records, Examples, ``zoo:forget`` (`zoo_data_path`), or hub id; None means the
+            published annotated set on the hub.
         split: dataset split for hub ids.
         limit: keep only the first ``limit`` examples.
 
@@ -363,6 +397,8 @@ def load_examples(
     """
     if source is None:
         source = DEFAULT_HUB_DATASET
+    if isinstance(source, str) and source.startswith(ZOO_PREFIX):
+        source = zoo_data_path(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if path.is_file():
@@ -550,6 +586,7 @@ def encode(
 
 __all__ = [
     "DEFAULT_HUB_DATASET",
+    "ZOO_DATA_SPLITS",
     "DataError",
     "EncodedExample",
     "Example",
@@ -561,4 +598,5 @@ __all__ = [
     "fit_context",
     "load_examples",
     "looks_like_local_path",
+    "zoo_data_path",
 ]

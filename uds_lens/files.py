@@ -36,6 +36,20 @@ def zoo_root(size: str) -> Path:
     return Path(named).expanduser() if named else cache_root() / f"zoo-{size}"
 
 
+# How a built zoo's model or data file is named wherever a checkpoint or a forget set is expected: "zoo:npo",
+# "zoo:forget", "zoo:test/npo".
+ZOO_PREFIX = "zoo:"
+
+
+def zoo_search_roots(size: str | None = None) -> list[Path]:
+    """Where a ``zoo:NAME`` is looked up, in order: ``$UDS_LENS_ZOO``, then the cached ``zoo-default`` and
+    ``zoo-test`` under `cache_root`; with a ``size`` (``zoo:SIZE/NAME``), ``<cache_root>/zoo-<size>`` alone."""
+    if size:
+        return [cache_root() / f"zoo-{size}"]
+    named = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+    return named + [cache_root() / "zoo-default", cache_root() / "zoo-test"]
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     """Replace ``path`` with ``data`` in one step: a reader sees the old file or the new one, never a part.
 
@@ -139,6 +153,7 @@ def files_digest(paths: Iterable[str | os.PathLike], length: int | None = None) 
 
 
 __all__ = [
+    "ZOO_PREFIX",
     "bytes_digest",
     "cache_root",
     "files_digest",
@@ -149,4 +164,5 @@ __all__ = [
     "staging_path",
     "write_atomic",
     "zoo_root",
+    "zoo_search_roots",
 ]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from uds_lens.data import looks_like_local_path
-from uds_lens.files import cache_root
+from uds_lens.files import ZOO_PREFIX, zoo_search_roots
 from uds_lens.zoo.manifest import model_paths
 
 logger = logging.getLogger(__name__)
@@ -273,9 +273,6 @@ def hub_error(model_id: str, err: Exception) -> ModelLoadError:
     )
 
 
-ZOO_PREFIX = "zoo:"
-
-
 def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
 
@@ -284,9 +281,7 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     or ``load_zoo(dir).model("npo")``.
     """
     text = str(path_or_id)
-    cache = cache_root()
-    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
-    default_roots += [cache / "zoo-default", cache / "zoo-test"]
+    default_roots = zoo_search_roots()
     if not text.startswith(ZOO_PREFIX):
         if "/" not in text and not Path(text).expanduser().exists():
             # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
@@ -300,7 +295,7 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     name = text[len(ZOO_PREFIX) :]
     if "/" in name:
         size, name = name.split("/", 1)
-        roots = [cache / f"zoo-{size}"]
+        roots = zoo_search_roots(size)
     else:
         roots = default_roots
     seen = []
@@ -382,7 +377,6 @@ __all__ = [
     "split_named",
     "HUB_TIMEOUT_S",
     "SAFE_LOAD_KWARGS",
-    "ZOO_PREFIX",
     "CheckpointRef",
     "CheckpointSource",
     "ModelLoadError",

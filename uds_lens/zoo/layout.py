@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
+from uds_lens.zoo.manifest import MANIFEST_FILE, data_file, read_manifest
 from uds_lens.zoo.manifest import model_paths as model_paths  # re-exported: the reader lives in manifest.py
 
 if TYPE_CHECKING:
@@ -92,13 +92,13 @@ class Zoo:
 
     def data_path(self, split: str) -> Path:
         """The QA file of ``split`` (``forget``, ``holdout`` or ``retain``)."""
-        data = self.manifest.get("data", {})
-        for key in (split, f"{split}_path", f"{split}_file"):
-            if key in data:
-                return self.root / data[key]  # an absolute entry stays absolute
-        raise ValueError(
-            f"the zoo manifest in {self.root} names no {split!r} data file (keys: {sorted(data)})"
-        )
+        path = data_file(self.manifest, self.root, split)
+        if path is None:
+            raise ValueError(
+                f"the zoo manifest in {self.root} names no {split!r} data file "
+                f"(keys: {sorted(self.manifest.get('data', {}))})"
+            )
+        return path
 
     @property
     def forget_path(self) -> Path:
