@@ -126,8 +126,13 @@ def shareable(
 ) -> Any:
     """``notebook`` with the build machine's paths taken out of its outputs (in place): the directory it ran in
     (its files are then named relative to it), the zoo's directory when it is not under the home directory
-    (written ``$UDS_LENS_ZOO``), and the home directory (written ``~``)."""
+    (written ``$UDS_LENS_ZOO``), any other temporary directory a cell made (written ``<temporary directory>``)
+    and the home directory (written ``~``)."""
     import nbformat
+
+    temporary = re.compile(
+        "(?:" + "|".join(sorted({re.escape(tempfile.gettempdir().rstrip("/")), "/tmp"})) + r")/[^/\s\"'<>]+/"
+    )
 
     home = str(Path.home()).rstrip("/")
     replacements = []
@@ -146,6 +151,7 @@ def shareable(
         text = json.dumps(cell.outputs)
         for old, new in replacements:
             text = text.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+        text = temporary.sub("<temporary directory>/", text)
         cell.outputs = [nbformat.from_dict(output) for output in json.loads(text)]
     return notebook
 

@@ -99,7 +99,8 @@ def test_shareable_takes_the_build_machines_paths_out(tmp_path, monkeypatch):
     notebook.cells = [nbformat.v4.new_code_cell("print(...)")]
     notebook.cells[0].outputs = [
         nbformat.v4.new_output(
-            "stream", text=f"report: {workdir}/runs/report.html\nforget: {zoo}/data/f.json\n"
+            "stream",
+            text=f"report: {workdir}/runs/report.html\nforget: {zoo}/data/f.json\nother: /tmp/uds_q_1x/r.html\n",
         ),
         nbformat.v4.new_output(
             "display_data", data={"text/html": f"<a href='{home}/.cache/uds_lens/x'>x</a>"}
@@ -107,5 +108,7 @@ def test_shareable_takes_the_build_machines_paths_out(tmp_path, monkeypatch):
     ]
     shareable(notebook, workdir=workdir, zoo_dir=zoo)
     stream, html = notebook.cells[0].outputs
-    assert stream["text"] == "report: runs/report.html\nforget: $UDS_LENS_ZOO/data/f.json\n"
+    assert stream["text"] == (
+        "report: runs/report.html\nforget: $UDS_LENS_ZOO/data/f.json\nother: <temporary directory>/r.html\n"
+    )
     assert html["data"]["text/html"] == "<a href='~/.cache/uds_lens/x'>x</a>"
