@@ -47,7 +47,7 @@ INPUTS_SUFFIX = ".inputs.json"
 LIBRARIES = ("torch", "transformer-lens", "transformers", "plotly")
 # The zoos `--zoo` names, and how each is built when missing.
 ZOO_SIZES: dict[str, dict[str, Any]] = {
-    "test": {"size": "test"},
+    "test": {"size": "test", "pools": False},
     "notebook": {"size": "notebook", "pools": False},
 }
 
@@ -218,17 +218,19 @@ def zoo_directory(zoo: str) -> Path:
 
 
 def ensure_zoo(zoo: str) -> Path:
-    """The zoo `--zoo` names, built (or reused, when its fingerprints match) first."""
-    from uds_lens.zoo.build import build_zoo
-
+    """The zoo `--zoo` names, built first when it is missing (``test`` and ``notebook`` only; without the
+    meta-evaluation pools, which no notebook reads). A zoo that exists is used as it is."""
     directory = zoo_directory(zoo)
-    if zoo in ZOO_SIZES:
-        # the package's own cache, as the test suite keeps it: rebuilt when the package makes another world
-        build_zoo(directory, progress=False, overwrite=True, **ZOO_SIZES[zoo])
-    elif read_manifest(directory) is None:
+    if read_manifest(directory) is not None:
+        return directory
+    if zoo not in ZOO_SIZES:
         raise SystemExit(
             f"{directory} holds no built zoo (no manifest.json): build one with `uds-lens zoo build`"
         )
+    from uds_lens.zoo.build import build_zoo
+
+    logger.warning("building the %s zoo in %s for the notebooks", zoo, directory)
+    build_zoo(directory, progress=False, **ZOO_SIZES[zoo])
     return directory
 
 
