@@ -244,9 +244,13 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     user's data for a zoo build. An object whose ``data`` or ``examples`` key is a list stands for that list; an
     object with ``question`` and ``answer`` is one record.
 
+    A zoo's data file may be named as ``zoo:forget`` (`zoo_data_path`).
+
     Raises:
         DataError: the file does not exist, is not JSON / JSON lines, or holds something other than records.
     """
+    if str(path).startswith(ZOO_PREFIX):
+        path = zoo_data_path(str(path))
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
