@@ -10,13 +10,14 @@ The check fails, naming file and line, on:
 - a cross-reference the build left unresolved (``[name][uds_lens.a.b]`` shown as text: ``mkdocs build --strict``
   catches the ones it sees as links, not one inside a role, a code span or a page written by a hook);
 - an ``Example:`` docstring section holding ``>>>`` lines (it renders as nested quotes; ``Examples:`` as code);
-- a built page naming this machine's home directory or a temporary directory, or citing the project's internal
-  ``SPEC`` (readers have neither).
+- a built page naming this machine's home directory or a temporary directory, citing the project's internal
+  ``SPEC`` (readers have neither), or loading a script or stylesheet from the network (the site reads offline).
 
 ``--convert`` rewrites every role into an mkdocstrings cross-reference when the site renders its target
 (``:class:`~uds_lens.results.UDSResult` `` -> ``[`UDSResult`][uds_lens.results.UDSResult]``), else into plain
 backticks; re-points a cross-reference whose target moved (a module renamed) to the one rendered object of the same
-module and name; and renames ``Example:`` sections of ``>>>`` lines to ``Examples:``. What the site renders is read
+module and name; renames ``Example:`` sections of ``>>>`` lines to ``Examples:``; and drops the docstrings'
+citations of ``SPEC`` and ``PUBLISHED_IMPL`` in the forms `SPEC_FORMS` knows. What the site renders is read
 from its ``objects.inv`` (``--inventory``; by default a fresh build into a temporary directory). Running it again
 changes nothing.
 """
@@ -47,8 +48,14 @@ ROLE_IN_HTML = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|obj|exc|co
 CROSS_REF = re.compile(r"\[(?P<text>[^\]\n]+)\]\[(?P<target>uds_lens(?:\.\w+)+)\]")
 # What autorefs leaves when it could not resolve a reference: the brackets as text, or its placeholder tag.
 DEAD_REF_IN_HTML = re.compile(r"\]\[uds_lens(?:\.\w+)+\]|<autoref\b")
+CODE_SPAN = re.compile(r"<code\b.*?</code>", re.DOTALL)
 # A Google-style "Example:" section whose body is doctest lines: griffe renders it as an admonition of quotes.
 EXAMPLE_SECTION = re.compile(r"^(?P<indent>[ \t]*)Example:[ \t]*\n(?=(?P=indent)[ \t]+>>>)", re.MULTILINE)
+# A script or stylesheet a page would fetch from the network (the site must read offline).
+REMOTE_RESOURCE = re.compile(
+    r"<script\b[^>]*\bsrc=[\"']https?://[^\"']*|<link\b[^>]*\bhref=[\"']https?://[^\"']*\.css[^\"']*",
+    re.IGNORECASE,
+)
 # The project's internal specification, which readers do not have.
 SPEC_CITATION = re.compile(r"\b(?:SPEC|PUBLISHED_IMPL)\b")
 # Its citations (and the published implementation's notes, PUBLISHED_IMPL) in the forms docstrings use, each with
@@ -132,12 +139,15 @@ def site_problems(site: Path) -> list[Problem]:
     for page in sorted(site.rglob("*.html")):
         text = page.read_text(encoding="utf-8", errors="replace")
         where = str(page.relative_to(site))
-        for pattern, what in (
-            (ROLE_IN_HTML, "literal Sphinx role"),
-            (DEAD_REF_IN_HTML, "unresolved cross-reference"),
-            (SPEC_CITATION, "cites SPEC, which readers do not have"),
+        # code spans show references as text on purpose (a page that explains the syntax): blanked, lines kept
+        prose = CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+        for pattern, what, searched in (
+            (ROLE_IN_HTML, "literal Sphinx role", text),
+            (DEAD_REF_IN_HTML, "unresolved cross-reference", prose),
+            (SPEC_CITATION, "cites SPEC, which readers do not have", text),
+            (REMOTE_RESOURCE, "fetches from the network", text),
         ):
-            for match in pattern.finditer(text):
+            for match in pattern.finditer(searched):
                 context = text[max(0, match.start() - 40) : match.end() + 40].replace("\n", " ")
                 problems.append(Problem(where, line_of(text, match.start()), f"{what}: ...{context}..."))
         for prefix in prefixes:

@@ -54,10 +54,12 @@ def test_site_check_finds_literal_roles_dead_references_and_machine_paths(tmp_pa
         "<p>See [deltas][uds_lens.nowhere.deltas].</p>\n"
         f"<pre>zoo in {home}/.cache/uds_lens/zoo-test</pre>\n"
         "<p>report at /tmp/uds_lens_nb_x1/report.html, as SPEC 1.6c says</p>\n"
+        '<script src="https://cdn.plot.ly/plotly-3.0.0.min.js"></script>\n'
     )
     (tmp_path / "good.html").write_text(
         '<p>Returns a <a class="autorefs" href="api/results.html#uds_lens.results.UDSResult">UDSResult</a>; '
-        "zoo in <code>~/.cache/uds_lens/zoo-test</code>.</p>"
+        'zoo in <code>~/.cache/uds_lens/zoo-test</code>; <a href="https://arxiv.org/abs/2605.24614">paper</a>.</p>'
+        '<script src="../assets/javascripts/plotly.min.js"></script>'
     )
     found = check.site_problems(tmp_path)
     assert {p.where for p in found} == {"api/bad.html"}
@@ -68,6 +70,7 @@ def test_site_check_finds_literal_roles_dead_references_and_machine_paths(tmp_pa
     line_four = [p.what for p in found if p.line == 4]
     assert any(w.startswith("a path of the build machine: /tmp/uds_lens_nb_x1") for w in line_four)
     assert any(w.startswith("cites SPEC") for w in line_four)
+    assert [p.what.split(":")[0] for p in found if p.line == 5] == ["fetches from the network"]
 
 
 SOURCE = '''"""Module: :func:`deltas`, :class:`~uds_lens.results.UDSResult`, :func:`helper` (SPEC 1.6c).
