@@ -89,15 +89,21 @@ class UDSAuditor:
             records); a sweep worker names the data file its examples were read from.
 
     Attributes:
-        full / retain: the loaded models, ``TransformerBridge``s (``retain`` is None in retain-free mode).
-        tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
-        config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
-        examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
-            (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
-            ``Skip``s with their reasons.
+        full: the loaded full model, a ``TransformerBridge``: the patch target.
+        retain: the loaded retain model (the Stage-1 source), or None in retain-free mode.
+        tokenizer: the full model's fast tokenizer.
+        pad_id: the id that pads batches.
+        config: the settings (`UDSConfig`).
+        device: where the models run.
+        layers: the patched layers.
+        progress: whether tqdm bars show.
+        examples: the forget set (``Example``).
+        encoded: the scorable examples' token layouts (``EncodedExample``: ``input_ids``, ``read_positions``,
+            ``labels``, ``patch_positions(scope)``).
+        skipped: the ``Skip``s, with their reasons.
         stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
-        sources / last_source: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source] (by path) and the model the last
-            [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
+        sources: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source], by path.
+        last_source: the model the last [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
 

@@ -133,7 +133,10 @@ class ExampleInputs:
 
     Attributes:
         idx: the example's dataset ``idx``.
-        question / entity / prompt / reference: the strings (``prompt + reference`` is what the tokens encode).
+        question: the record's question.
+        entity: the span UDS scores.
+        prompt: the prompt string.
+        reference: the answer string after the prompt (``prompt + reference`` is what the tokens encode).
         tokens: ``[1, pos]`` prompt + reference token ids (BOS included), ready for ``run_with_hooks``.
         str_tokens: the tokens as strings, one per position.
         read_positions: ``[entity]`` positions whose logits predict the entity tokens.

@@ -124,7 +124,8 @@ class UDSConfig:
         published_compat: reproduce the published implementation (trailing space kept in the prompt, the source's
             final-norm output patched at the last layer, log-softmax in the model dtype).
         batch_size: examples per batch; None chooses from a memory budget.
-        dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
+        dtype: of the models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
+        device: where those models run (default `$UDS_LENS_DEVICE` when set, else CUDA when available, else the CPU).
         engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
         stage2_cells: ``all`` (every layer's ``d2``: the layer curves), ``ke`` (only the KE cells ``d1 > tau``,
             the only ones UDS reads: the same UDS for less work; ``d2`` is NaN elsewhere and a rescore may only
