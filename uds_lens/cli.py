@@ -95,7 +95,9 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
 RetainOption = Annotated[
     str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
 ]
-DataOption = Annotated[str, typer.Option(help="Forget set: JSON list / JSONL file, or a hub dataset id.")]
+DataOption = Annotated[
+    str, typer.Option(help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, or a hub dataset id.")
+]
 TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
 ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
 SiteOption = Annotated[str, typer.Option(help=f"Hook site: {' | '.join(SITES)}.")]
