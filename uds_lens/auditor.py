@@ -98,9 +98,9 @@ class UDSAuditor:
         layers: the patched layers.
         progress: whether tqdm bars show.
         examples: the forget set (``Example``).
-        encoded: the scorable examples' token layouts (``EncodedExample``: ``input_ids``, ``read_positions``,
+        encoded (list[EncodedExample]): the scorable examples' token layouts (``input_ids``, ``read_positions``,
             ``labels``, ``patch_positions(scope)``).
-        skipped: the ``Skip``s, with their reasons.
+        skipped (list[Skip]): the examples that cannot be scored, with their reasons.
         stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
         sources: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source], by path.
         last_source: the model the last [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
