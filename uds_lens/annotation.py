@@ -189,7 +189,7 @@ class AnnotationResult:
 
 
 def summary_path(records_path: str | os.PathLike) -> Path:
-    """Where :meth:`AnnotationResult.save` writes the summary of a records file."""
+    """Where [`AnnotationResult.save`][uds_lens.annotation.AnnotationResult.save] writes the summary of a records file."""
     path = Path(records_path)
     return path.with_name(path.stem + ".summary.json")
 
@@ -398,7 +398,7 @@ def _answer_token_logprobs(
     """Log-prob of every answer token under ``model``: one forward per batch of records, no per-token calls.
 
     Args:
-        model: A HookedTransformer (or any causal LM whose call returns logits or an object with ``.logits``).
+        model: A loaded ``TransformerBridge`` (or any causal LM whose call returns logits or an object with ``.logits``).
         sequences: ``(input_ids, prompt_len)`` per record; the answer tokens are ``input_ids[prompt_len:]``.
         pad_id: Right padding (causal attention: it cannot change earlier positions).
         batch_size: Records per forward.
@@ -524,13 +524,13 @@ def annotate(
         retain: The retain model, or any reference model that never saw the facts. Alone: its surprise.
         tokenizer: The models' tokenizer (default: the full model's, else the retain model's).
         overwrite: Re-annotate records that already have ``prefix`` and ``entity`` (kept as they are otherwise).
-        config: Span settings (:class:`AnnotateConfig`).
+        config: Span settings ([`AnnotateConfig`][uds_lens.annotation.AnnotateConfig]).
         dtype: Model dtype when loading from a path (default: as ``uds_lens.load_model``).
         device: Model device when loading from a path.
-        out: Also save the result there (:meth:`AnnotationResult.save`).
+        out: Also save the result there ([`AnnotationResult.save`][uds_lens.annotation.AnnotationResult.save]).
 
     Returns:
-        An :class:`AnnotationResult` (records in input order, and a summary with the counts per status).
+        An [`AnnotationResult`][uds_lens.annotation.AnnotationResult] (records in input order, and a summary with the counts per status).
 
     Raises:
         DataError: A record lacks a question or an answer.

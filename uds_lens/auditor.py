@@ -4,7 +4,7 @@
 computes Stage 1 (retain -> full) once: S0, the per-layer baseline and S1 depend only on (full, retain, data,
 settings), so they are cached on disk keyed by a fingerprint of all of those (``stage_cache.S1Cache``) and reused by
 every unlearned model after that. ``auditor.score(unlearned)`` runs Stage 2 and returns a
-:class:`~uds_lens.results.UDSResult`. An out-of-memory batch is halved and retried, a non-finite score is an error
+[`UDSResult`][uds_lens.results.UDSResult]. An out-of-memory batch is halved and retried, a non-finite score is an error
 (``failures``).
 
 Around it: ``config`` (the settings), ``fingerprints`` (what a result depends on), ``scoring.score_models`` (many models,
@@ -68,13 +68,14 @@ logger = logging.getLogger(__name__)
 class UDSAuditor:
     """Score any number of unlearned models against one (full, retain, forget set) with S1 computed once.
 
-    Example:
+    Examples:
         >>> auditor = UDSAuditor("ckpt/full", "ckpt/retain", "forget.json")
         >>> result = auditor.score("ckpt/npo")
         >>> result.uds, result.examples.head(), result.layers.head()
 
     Args:
-        full: the patch target and baseline: a local checkpoint dir, hub id, or a loaded HookedTransformer.
+        full: the patch target and baseline: a local checkpoint dir, ``.gguf`` file, hub id or ``zoo:NAME``, or a
+            loaded TransformerLens model (a ``TransformerBridge``).
         retain: the Stage-1 source (same forms), or None for retain-free mode.
         data: forget-set path / hub id / records / Examples.
         config: ``UDSConfig``.
@@ -88,21 +89,27 @@ class UDSAuditor:
             records); a sweep worker names the data file its examples were read from.
 
     Attributes:
-        full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
-        tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
-        config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
-        examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
-            (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
-            ``Skip``s with their reasons.
+        full: the loaded full model, a ``TransformerBridge``: the patch target.
+        retain: the loaded retain model (the Stage-1 source), or None in retain-free mode.
+        tokenizer: the full model's fast tokenizer.
+        pad_id: the id that pads batches.
+        config: the settings (`UDSConfig`).
+        device: where the models run.
+        layers: the patched layers.
+        progress: whether tqdm bars show.
+        examples: the forget set (``Example``).
+        encoded (list[EncodedExample]): the scorable examples' token layouts (``input_ids``, ``read_positions``,
+            ``labels``, ``patch_positions(scope)``).
+        skipped (list[Skip]): the examples that cannot be scored, with their reasons.
         stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
-        sources / last_source: models kept by :meth:`load_source` (by path) and the model the last
-            :meth:`score` loaded.
+        sources: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source], by path.
+        last_source: the model the last [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
 
-    For hooks of your own: :meth:`example` (one example's tensors), :meth:`tokens`, :meth:`metric` (a
-    tensor-valued patching metric), :meth:`run_with_cache` (the clean run's activations); for finer patching:
-    :meth:`patch_heads`, :meth:`patch_tokens`, :meth:`patch_positions` (``uds_lens.components``).
+    For hooks of your own: [`example`][uds_lens.auditor.UDSAuditor.example] (one example's tensors), [`tokens`][uds_lens.auditor.UDSAuditor.tokens], [`metric`][uds_lens.auditor.UDSAuditor.metric] (a
+    tensor-valued patching metric), [`run_with_cache`][uds_lens.auditor.UDSAuditor.run_with_cache] (the clean run's activations); for finer patching:
+    [`patch_heads`][uds_lens.auditor.UDSAuditor.patch_heads], [`patch_tokens`][uds_lens.auditor.UDSAuditor.patch_tokens], [`patch_positions`][uds_lens.auditor.UDSAuditor.patch_positions] (``uds_lens.components``).
     """
 
     def __init__(
@@ -250,7 +257,7 @@ class UDSAuditor:
 
     @property
     def log_softmax_dtype(self) -> str:
-        """The dtype entity log-probs are computed in: fp32 by default (SPEC §1.2.6), the model's own dtype in
+        """The dtype entity log-probs are computed in: fp32 by default, the model's own dtype in
         published-compat mode (as the published code does); recorded in every result's metadata."""
         return "float32" if self.upcast else str(self.full.cfg.dtype).replace("torch.", "")
 
@@ -310,7 +317,7 @@ class UDSAuditor:
 
     def fingerprint(self, unlearned: ModelArg | None) -> dict[str, Any]:
         """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once),
-        plus ``s1``: the :func:`stage_digest` of the Stage 1 every result of this auditor is computed from (so this
+        plus ``s1``: the `stage_digest` of the Stage 1 every result of this auditor is computed from (so this
         computes Stage 1, or reads it from the cache, when it is not there yet)."""
         if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
             tokenizer = self.tokenizer if self._inputs["tokenizer_given"] else None
@@ -447,7 +454,7 @@ class UDSAuditor:
         label: str | None,
         what: str,
     ) -> None:
-        """Raise :func:`nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
+        """Raise `nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
         bad = ~torch.isfinite(values)
         if not bad.any():
             return
@@ -459,7 +466,7 @@ class UDSAuditor:
         raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
-        """``d1 = baseline - s1`` of Stage 1 (:func:`uds.deltas`), ``[example, layer]``; None in retain-free mode."""
+        """``d1 = baseline - s1`` of Stage 1 ([`uds.deltas`][uds_lens.uds.deltas]), ``[example, layer]``; None in retain-free mode."""
         stage = self.stage1
         return (
             None if stage.s1 is None else torch.from_numpy(deltas(stage.baseline.numpy(), stage.s1.numpy()))
@@ -484,7 +491,8 @@ class UDSAuditor:
         )
 
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
-        """Score one unlearned model (path, hub id, HookedTransformer, or Hugging Face model as a source)."""
+        """Score one unlearned model (path, hub id, ``zoo:NAME``, a loaded ``TransformerBridge``, or a
+        Hugging Face model as a source)."""
         source_label = describe(unlearned)
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
@@ -612,19 +620,19 @@ class UDSAuditor:
         )
 
     def tokens(self, idxs: int | Sequence[int]) -> Tensor:
-        """``[batch, pos]`` right-padded tokens of these examples (the layout :meth:`metric` reads)."""
+        """``[batch, pos]`` right-padded tokens of these examples (the layout [`metric`][uds_lens.auditor.UDSAuditor.metric] reads)."""
         chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
         return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(
             self.full.cfg.device
         )
 
     def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
-        """A tensor-valued patching metric for logits of :meth:`tokens` ``(idxs)``: the mean entity log-prob.
+        """A tensor-valued patching metric for logits of [`tokens`][uds_lens.auditor.UDSAuditor.tokens] ``(idxs)``: the mean entity log-prob.
 
         Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
         ``get_act_patch_*`` (they call ``.item()`` on it, so it must return a tensor, never a float).
 
-        Example:
+        Examples:
             >>> ex, metric = auditor.example(3), auditor.metric(3)
             >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
         """
@@ -647,15 +655,15 @@ class UDSAuditor:
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
     def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Head-level UDS ``[example, layer, head]``: see :func:`uds_lens.components.patch_heads`."""
+        """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""
         return patch_heads(self, unlearned, **kwargs)
 
     def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Per-entity-token UDS ``[example, layer, token]``: see :func:`uds_lens.components.patch_tokens`."""
+        """Per-entity-token UDS ``[example, layer, token]``: see [`uds_lens.components.patch_tokens`][uds_lens.components.patch_tokens]."""
         return patch_tokens(self, unlearned, **kwargs)
 
     def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """One patched position at a time ``[example, layer, position]``: :func:`uds_lens.components.patch_positions`."""
+        """One patched position at a time ``[example, layer, position]``: [`uds_lens.components.patch_positions`][uds_lens.components.patch_positions]."""
         return patch_positions(self, unlearned, **kwargs)
 
     def __repr__(self) -> str:

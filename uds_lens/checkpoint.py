@@ -1,21 +1,21 @@
 """Checkpoint identity from one pass over its bytes, and staging: the same pass keeps the weights in memory.
 
-Two identities, each computed in one place: a checkpoint on disk by its files' contents (:func:`file_digest`;
-:func:`checkpoint_stamp` is the same for any checkpoint argument, a hub id standing for itself), and a model in memory
-by its tensors' bytes (:func:`model_fingerprint` over :func:`named_weights`).
+Two identities, each computed in one place: a checkpoint on disk by its files' contents (`file_digest`;
+`checkpoint_stamp` is the same for any checkpoint argument, a hub id standing for itself), and a model in memory
+by its tensors' bytes (`model_fingerprint` over `named_weights`).
 
 A result may be reused only when the checkpoint it was computed from is byte for byte the one asked for, so a
 checkpoint directory is identified by the contents of the files that can change its numbers (weights, config,
-tokenizer): :func:`file_digest`. At GPU speed a sweep's pace is set by reading and hashing checkpoints, so the digest
+tokenizer): `file_digest`. At GPU speed a sweep's pace is set by reading and hashing checkpoints, so the digest
 is xxHash's XXH3-128 (GB/s per core; SHA-256 is ~0.6 GB/s here) and it is computed while the bytes are read for
-loading: :func:`stage` reads each ``.safetensors`` file once into one buffer (pinned memory when the model goes to a
-GPU), hashes it on the way, and hands its tensors to the loader as views of that buffer (:meth:`Staged.tensors`,
+loading: `stage` reads each ``.safetensors`` file once into one buffer (pinned memory when the model goes to a
+GPU), hashes it on the way, and hands its tensors to the loader as views of that buffer (`Staged.tensors`,
 plain ``(name, tensor)`` pairs that any loader can take as a state dict). Other files (config, tokenizer, ``.bin`` or
 ``.gguf`` weights) are hashed in the same pass; the loader reads those itself.
 
 Every digest names its scheme and version (``xxh3_128/v2:...``). A result or cache saved under another scheme (the
 older ``files:<sha-256>`` identities) therefore never equals a new one: it is recomputed, never misread. Change
-:data:`DIGEST_VERSION` whenever what is hashed or how changes.
+`DIGEST_VERSION` whenever what is hashed or how changes.
 
 Digests are memoised per (resolved path, file names, sizes, modification times), so a sweep hashes full and retain
 once, the fingerprint of a staged model costs nothing, and a checkpoint rewritten in place is hashed again.
@@ -110,7 +110,7 @@ def file_digest(path: str | os.PathLike) -> str:
     """``xxh3_128/v2:HEX``: a digest of a checkpoint file or directory's files (names, sizes, contents).
 
     Memoised (see the module docstring): the files are read only when their names, sizes or modification times
-    changed since they were last hashed, here or by :func:`stage`.
+    changed since they were last hashed, here or by `stage`.
     """
     root = Path(path).expanduser()
     files = checkpoint_files(root)
@@ -149,11 +149,11 @@ class Staged:
 
     Attributes:
         path: the checkpoint file or directory that was read.
-        digest: :func:`file_digest` of it, computed from the same read.
+        digest: `file_digest` of it, computed from the same read.
         buffers: ``{file name: its bytes}`` of every ``.safetensors`` file (uint8; pinned when staged for a GPU).
         nbytes: bytes read (every identifying file).
         seconds: time the read and hash took.
-        model: the loaded model, once a loader has built it from :meth:`tensors` (a sweep keeps it here while the
+        model: the loaded model, once a loader has built it from `tensors` (a sweep keeps it here while the
             previous model computes).
     """
 
@@ -268,7 +268,7 @@ def stage(path: str | os.PathLike, pin_memory: bool = False) -> Staged:
         pin_memory: allocate the buffers in page-locked memory, so the copy to a GPU is a direct DMA.
 
     Returns:
-        The :class:`Staged` checkpoint; its digest is also memoised, so :func:`file_digest` of the same unchanged
+        The `Staged` checkpoint; its digest is also memoised, so `file_digest` of the same unchanged
         files answers without reading them again.
 
     Raises:
@@ -339,9 +339,9 @@ def model_fingerprint(model: ModelLike | nn.Module) -> str:
     TransformerLens version. Each tensor is hashed in its logical (row-major) order, in slices of at most 16M
     elements, so neither a transposed view nor a GPU tensor is ever copied whole.
 
-    Memoised per model object and the identity of its weights (:func:`_weights_identity`): hashing copies every
+    Memoised per model object and the identity of its weights (`_weights_identity`): hashing copies every
     weight to the host (a minute at 8B on a GPU), and a worker asks several times. A change made behind autograd's
-    back (through ``tensor.data``) is not seen; :func:`forget_fingerprint` drops the memo.
+    back (through ``tensor.data``) is not seen; `forget_fingerprint` drops the memo.
     """
     weights = named_weights(model)
     identity = _weights_identity(weights)
@@ -358,13 +358,13 @@ def model_fingerprint(model: ModelLike | nn.Module) -> str:
 
 
 def _weights_owner(model: ModelLike | nn.Module) -> ModelLike | nn.Module:
-    """The model whose weights :func:`named_weights` reads: a bridge's Hugging Face model, any other model itself."""
+    """The model whose weights `named_weights` reads: a bridge's Hugging Face model, any other model itself."""
     hf = hf_model_of(model) if is_tl_model(model) else None
     return model if hf is None else hf
 
 
 def _fingerprint_owner(model: ModelLike | nn.Module) -> ModelLike | nn.Module | None:
-    """The object whose weights :func:`named_weights` reads (a bridge's Hugging Face model), if it can be weakly
+    """The object whose weights `named_weights` reads (a bridge's Hugging Face model), if it can be weakly
     referenced."""
     owner = model if is_hooked_transformer(model) else _weights_owner(model)
     try:
@@ -401,7 +401,7 @@ def _hash_weights(weights: list[tuple[str, Tensor]]) -> str:
 
 
 def checkpoint_stamp(path_or_id: str | os.PathLike) -> str:
-    """The identity result caches key a checkpoint argument by: :func:`file_digest` of a local checkpoint file or
+    """The identity result caches key a checkpoint argument by: `file_digest` of a local checkpoint file or
     directory (its contents: retrained weights or a new chat template change it, a copy or a touch does not), a hub id
     as itself."""
     root = Path(path_or_id).expanduser()

@@ -62,7 +62,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
-    see :func:`uds_lens.resolve.split_named`), a bare path is named after its directory (parent directories added where two basenames
+    see [`uds_lens.resolve.split_named`][uds_lens.resolve.split_named]), a bare path is named after its directory (parent directories added where two basenames
     clash, see ``scoring.result_names``)."""
     from uds_lens.resolve import split_named
     from uds_lens.result_store import check_result_name
@@ -95,7 +95,9 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
 RetainOption = Annotated[
     str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
 ]
-DataOption = Annotated[str, typer.Option(help="Forget set: JSON list / JSONL file, or a hub dataset id.")]
+DataOption = Annotated[
+    str, typer.Option(help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, or a hub dataset id.")
+]
 TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
 ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
 SiteOption = Annotated[str, typer.Option(help=f"Hook site: {' | '.join(SITES)}.")]

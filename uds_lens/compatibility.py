@@ -11,9 +11,9 @@ quantity. So before any compute the models must agree on
   length, a chat template, the padding side) is not compared: it does not change what an id means;
 - their shapes (``models.ArchitectureSignature``: layers, widths, heads, vocabulary size).
 
-A mismatch is a :class:`~uds_lens.models.ModelMismatchError` naming the two models and what differs.
-:func:`check_checkpoints` runs on checkpoint references before anything is loaded (configs and tokenizers only,
-plus the weight files' headers against the config, ``weights.check_config_size``); :func:`check_loaded` runs on
+A mismatch is a [`ModelMismatchError`][uds_lens.models.ModelMismatchError] naming the two models and what differs.
+`check_checkpoints` runs on checkpoint references before anything is loaded (configs and tokenizers only,
+plus the weight files' headers against the config, ``weights.check_config_size``); `check_loaded` runs on
 loaded models (what ``UDSAuditor`` holds), so in-memory models are checked too.
 """
 
@@ -58,7 +58,7 @@ class ModelIdentity:
         signature: the shapes.
         tokenizer: its fast tokenizer, or None when the checkpoint ships none (then only the vocabulary size of
             ``signature`` is compared).
-        tokenizer_files: the digest of the files it was read from (:func:`tokenizer_files_digest`), when it was
+        tokenizer_files: the digest of the files it was read from (`tokenizer_files_digest`), when it was
             read from a checkpoint: equal digests are one tokenizer, compared no further.
         tensors: ``{name: shape}`` its ``.safetensors`` files hold (headers only), when known: fine-tunes of one
             model hold the same tensors, so one that lacks a tensor full's files hold is refused before any
@@ -287,7 +287,7 @@ def check_checkpoints(
     skip_unreadable: bool = False,
 ) -> None:
     """Before anything is loaded: full, retain and every unlearned model given as a checkpoint reference are one
-    family with one tokenizer and one shape. Models already in memory are left to :func:`check_loaded`, and nothing
+    family with one tokenizer and one shape. Models already in memory are left to `check_loaded`, and nothing
     is compared when full itself is in memory.
 
     Args:

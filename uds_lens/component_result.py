@@ -1,18 +1,18 @@
 """The result of component-level patching: scores per example, layer and component, and UDS over them.
 
-:class:`ComponentResult` holds what :mod:`uds_lens.components` computes (patching one attention head, one entity
+[`ComponentResult`][uds_lens.component_result.ComponentResult] holds what [`uds_lens.components`][uds_lens.components] computes (patching one attention head, one entity
 token or one patched position at a time) as ``[example, layer, component]`` tensors, and derives the UDS quantities
 from them: ``d1 = baseline - s1``, ``d2 = baseline - s2``, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
 KE cells (NaN elsewhere), and UDS, ``sum_KE d1 * LER / sum_KE d1``, per example and per (layer, component).
-Every one of them is computed by :mod:`uds_lens.uds` (NumPy, float64), the only place the formula is written; the
+Every one of them is computed by [`uds_lens.uds`][uds_lens.uds] (NumPy, float64), the only place the formula is written; the
 tensors come back in the scores' dtype (float32), so ``d1``, ``d2``, ``ke`` and ``ler`` equal what float32 torch
 arithmetic gives, and the UDS values are the float64 ones rounded to float32.
 
-Every aggregate carries its support (SPEC 2): :attr:`ComponentResult.n_ke_cells` (per layer and component, the
-examples whose cell is KE: what ``component_uds`` pools) and :attr:`ComponentResult.n_examples` (the examples with a
+Every aggregate carries its support: [`ComponentResult.n_ke_cells`][uds_lens.component_result.ComponentResult.n_ke_cells] (per layer and component, the
+examples whose cell is KE: what ``component_uds`` pools) and [`ComponentResult.n_examples`][uds_lens.component_result.ComponentResult.n_examples] (the examples with a
 KE cell: what ``uds`` averages). A head's delta is a small part of its layer's (on the test zoo's NPO model the
 90th percentile of per-head ``d1`` is 0.011 nats against a layer-level ``d1`` of 1-3 nats), so head patching has a
-threshold of its own, :data:`HEAD_TAU` (0.01 nats), never silently the residual stream's ``tau``; token and
+threshold of its own, [`HEAD_TAU`][uds_lens.component_result.HEAD_TAU] (0.01 nats), never silently the residual stream's ``tau``; token and
 position patching keep the auditor's ``tau`` (a token's delta is on the scale of the span's: their mean is it).
 A pooled cell resting on fewer than ``min_support`` KE cells is shown as too thin, not as a number.
 """
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # drawing only: core modules import no plotly
     import plotly.graph_objects as go
 
 HEAD_TAU = 0.01
-"""KE threshold of head patching, in nats (SPEC 2: stated separately from the residual stream's ``tau``)."""
+"""KE threshold of head patching, in nats (stated separately from the residual stream's ``tau``)."""
 MIN_SUPPORT = 3
 """Fewest KE cells a pooled ``component_uds`` cell rests on before figures show it as a number."""
 
@@ -59,8 +59,8 @@ class ComponentResult:
             fewer entity tokens or patched positions than the longest); its cells are NaN.
         labels: per example, each component's name: the head number, or the token's text (``axis="token"``: the
             entity token read; ``axis="position"``: the token at the patched position).
-        tau: KE threshold in nats (:data:`HEAD_TAU` for heads, the auditor's ``tau`` for tokens and positions);
-            :meth:`with_tau` gives the same scores under another one.
+        tau: KE threshold in nats ([`HEAD_TAU`][uds_lens.component_result.HEAD_TAU] for heads, the auditor's ``tau`` for tokens and positions);
+            [`with_tau`][uds_lens.component_result.ComponentResult.with_tau] gives the same scores under another one.
         engine: ``fast`` or ``naive``.
         min_support: fewest KE cells behind a ``component_uds`` cell for figures to show its value.
     """
@@ -82,23 +82,23 @@ class ComponentResult:
 
     @property
     def d1(self) -> Float[Tensor, "example layer component"]:
-        """``baseline - s1`` (:func:`uds.deltas`): what patching retain in at this component removes (NaN where not
+        """``baseline - s1`` ([`uds.deltas`][uds_lens.uds.deltas]): what patching retain in at this component removes (NaN where not
         ``valid``)."""
         return self._masked(self._tensor(uds.deltas(_array(self.baseline), _array(self.s1))))
 
     @property
     def d2(self) -> Float[Tensor, "example layer component"]:
-        """``baseline - s2`` (:func:`uds.deltas`): what patching the unlearned model in at this component removes."""
+        """``baseline - s2`` ([`uds.deltas`][uds_lens.uds.deltas]): what patching the unlearned model in at this component removes."""
         return self._masked(self._tensor(uds.deltas(_array(self.baseline), _array(self.s2))))
 
     @property
     def ke(self) -> Bool[Tensor, "example layer component"]:
-        """Knowledge-encoding cells: ``d1 > tau`` (:func:`uds.ke_mask`: strict; NaN cells are never KE)."""
+        """Knowledge-encoding cells: ``d1 > tau`` ([`uds.ke_mask`][uds_lens.uds.ke_mask]: strict; NaN cells are never KE)."""
         return torch.from_numpy(uds.ke_mask(_array(self.d1), self.tau))
 
     @property
     def ler(self) -> Float[Tensor, "example layer component"]:
-        """``clip(d2 / d1, 0, 1)`` (:func:`uds.layer_erasure_ratio`) on KE cells, NaN elsewhere (outside KE the
+        """``clip(d2 / d1, 0, 1)`` ([`uds.layer_erasure_ratio`][uds_lens.uds.layer_erasure_ratio]) on KE cells, NaN elsewhere (outside KE the
         ratio is noise over noise)."""
         d1, d2 = _array(self.d1), _array(self.d2)
         ratio = np.where(uds.ke_mask(d1, self.tau), uds.layer_erasure_ratio(d1, d2), math.nan)
@@ -112,7 +112,7 @@ class ComponentResult:
         return torch.from_numpy(np.ascontiguousarray(values)).to(self.s1.dtype)
 
     def _example_uds(self) -> Float[np.ndarray, " example"]:
-        """:func:`uds.example_uds` with every (layer, component) cell of an example as one of its layers."""
+        """[`uds.example_uds`][uds_lens.uds.example_uds] with every (layer, component) cell of an example as one of its layers."""
         n_examples = self.s1.shape[0]
         d1, d2 = _array(self.d1).reshape(n_examples, -1), _array(self.d2).reshape(n_examples, -1)
         return uds.example_uds(d1, d2, self.tau)
@@ -127,7 +127,7 @@ class ComponentResult:
         """Per (layer, component), UDS over the examples where that cell is KE (d1-weighted); NaN where none is.
 
         For heads this is the answer to "did unlearning remove the fact where this head carried it": 0 = the
-        head still carries it as in full, 1 = as absent as in retain. Computed by :func:`uds.example_uds` with the
+        head still carries it as in full, 1 = as absent as in retain. Computed by [`uds.example_uds`][uds_lens.uds.example_uds] with the
         examples as the summed axis (each (layer, component) cell in the role of an example).
         """
         n_examples, n_layers, n_components = self.s1.shape
@@ -136,24 +136,24 @@ class ComponentResult:
 
     @property
     def uds(self) -> float:
-        """Component UDS of the model: the mean over :attr:`n_examples` examples (those with a KE cell) of their UDS
-        over KE (layer, component) cells (:func:`uds.model_uds`; NaN if no example has one). Not the layer-level
+        """Component UDS of the model: the mean over [`n_examples`][uds_lens.component_result.ComponentResult.n_examples] examples (those with a KE cell) of their UDS
+        over KE (layer, component) cells ([`uds.model_uds`][uds_lens.uds.model_uds]; NaN if no example has one). Not the layer-level
         UDS: another quantity, on other cells and usually fewer examples."""
         return uds.model_uds(self._example_uds())
 
     @property
     def n_ke_cells(self) -> Int[Tensor, "layer component"]:
-        """Per (layer, component): how many examples' cells are KE, the support of :attr:`component_uds`."""
+        """Per (layer, component): how many examples' cells are KE, the support of [`component_uds`][uds_lens.component_result.ComponentResult.component_uds]."""
         return self.ke.sum(0)
 
     @property
     def n_examples(self) -> int:
-        """Examples with at least one KE cell: the support of :attr:`uds`."""
+        """Examples with at least one KE cell: the support of [`uds`][uds_lens.component_result.ComponentResult.uds]."""
         return int(self.ke.flatten(1).any(-1).sum())
 
     @property
     def clipped(self) -> dict[str, float]:
-        """Over-disruption on the KE cells (SPEC 1.6c, :func:`uds.clipped_summary`): ``clipped_share`` (``d2 > d1``,
+        """Over-disruption on the KE cells ([`uds.clipped_summary`][uds_lens.uds.clipped_summary]): ``clipped_share`` (``d2 > d1``,
         LER clipped to 1), ``clipped_median_ratio``, ``n_ke_cells``, ``n_clipped_cells``."""
         return uds.clipped_summary(_array(self.d1), _array(self.d2), self.tau)
 

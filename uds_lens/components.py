@@ -3,16 +3,16 @@
 UDS (``auditor.py`` running ``patching.engines``) patches one hook site per layer (a residual or block output). Here
 the same patch is resolved further, with the same stages and the same definitions (``d1 = baseline - s1``,
 ``d2 = baseline - s2`` with the unpatched score as baseline, KE cells ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` on
-KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; :class:`ComponentResult` computes them through
-``uds.py``), reading only what :class:`PatchContext` names of the auditor:
+KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; [`ComponentResult`][uds_lens.component_result.ComponentResult] computes them through
+``uds.py``), reading only what [`PatchContext`][uds_lens.components.PatchContext] names of the auditor:
 
-* **per head** (:func:`patch_heads`): the source's ``blocks.{l}.attn.hook_z`` (or ``hook_result``) of one head
+* **per head** ([`patch_heads`][uds_lens.components.patch_heads]): the source's ``blocks.{l}.attn.hook_z`` (or ``hook_result``) of one head
   ``h`` is written into the full model at the patched positions; scores ``[example, layer, head]``. Head-level UDS
   answers *which heads carry the forgotten fact, and did unlearning remove it there*;
-* **per entity token** (:func:`patch_tokens`): the usual span patch at one site, but the log-prob of every entity
+* **per entity token** ([`patch_tokens`][uds_lens.components.patch_tokens]): the usual span patch at one site, but the log-prob of every entity
   token is kept instead of their mean, ``[example, layer, token]``, so one sees which token of "Nikolai Abilov"
   is still recoverable. The mean over an example's tokens is exactly the span score;
-* **per patched position** (:func:`patch_positions`): each patched position is patched alone, the span mean read
+* **per patched position** ([`patch_positions`][uds_lens.components.patch_positions]): each patched position is patched alone, the span mean read
   as usual, ``[example, layer, position]`` (TransformerLens's ``get_act_patch_resid_pre`` layout, restricted to
   the positions UDS patches).
 
@@ -133,7 +133,10 @@ class ExampleInputs:
 
     Attributes:
         idx: the example's dataset ``idx``.
-        question / entity / prompt / reference: the strings (``prompt + reference`` is what the tokens encode).
+        question: the record's question.
+        entity: the span UDS scores.
+        prompt: the prompt string.
+        reference: the answer string after the prompt (``prompt + reference`` is what the tokens encode).
         tokens: ``[1, pos]`` prompt + reference token ids (BOS included), ready for ``run_with_hooks``.
         str_tokens: the tokens as strings, one per position.
         read_positions: ``[entity]`` positions whose logits predict the entity tokens.
@@ -530,7 +533,7 @@ def patch_heads(
 ) -> ComponentResult:
     """Head-level UDS: patch one attention head at a time, for retain (S1) and the unlearned model (S2).
 
-    Example:
+    Examples:
         >>> heads = patch_heads(auditor, "zoo:npo")           # or auditor.patch_heads("zoo:npo")
         >>> heads.d1.shape                                     # [example, layer, head]
         >>> heads.component_uds                                # [layer, head]: did unlearning remove it there?
@@ -538,7 +541,7 @@ def patch_heads(
 
     Args:
         auditor: a ``UDSAuditor`` (full, retain, forget set and settings), or anything that is a
-            :class:`PatchContext`.
+            [`PatchContext`][uds_lens.components.PatchContext].
         unlearned: the S2 source (path, zoo name, or a loaded model).
         hook: ``"z"`` (``attn.hook_z``: the head's value-weighted mix, through full's ``W_O``) or ``"result"``
             (``attn.hook_result``: the head's output through the source's own ``W_O``).
@@ -551,11 +554,11 @@ def patch_heads(
         name: result name (default from the model).
         batch_size: examples per batch (default the auditor's, else 8).
         progress: tqdm bars (default the auditor's setting).
-        tau: the heads' KE threshold in nats (default :data:`~uds_lens.component_result.HEAD_TAU`, 0.01: a head's
+        tau: the heads' KE threshold in nats (default [`HEAD_TAU`][uds_lens.component_result.HEAD_TAU], 0.01: a head's
             delta is a small part of its layer's, so the residual stream's 0.05 would leave almost no cell).
 
     Returns:
-        A :class:`ComponentResult` with ``axis="head"``: tensors ``[example, layer, head]``.
+        A [`ComponentResult`][uds_lens.component_result.ComponentResult] with ``axis="head"``: tensors ``[example, layer, head]``.
     """
     if hook not in HEAD_HOOKS:
         raise ValueError(f"hook must be one of {sorted(HEAD_HOOKS)} (per-head hook points), got {hook!r}.")
@@ -600,7 +603,7 @@ def _patch_each(
     batch_size: int | None,
     progress: bool | None,
 ) -> ComponentResult:
-    """The naive hooked runs behind :func:`patch_tokens` (``axis="token"``) and :func:`patch_positions`."""
+    """The naive hooked runs behind [`patch_tokens`][uds_lens.components.patch_tokens] (``axis="token"``) and [`patch_positions`][uds_lens.components.patch_positions]."""
     site = site or auditor.config.site
     layers = list(layers) if layers is not None else list(auditor.layers)
     progress = auditor.progress if progress is None else progress
@@ -632,13 +635,13 @@ def patch_tokens(
 
     ``result.d1[i, l, t]`` is how much of entity token ``t``'s log-prob the retain patch at layer ``l`` removes;
     averaged over an example's tokens it is that example's span ``d1`` (the naive engine's, whose baseline is S0).
-    The other arguments are :func:`patch_heads`'s.
+    The other arguments are [`patch_heads`][uds_lens.components.patch_heads]'s.
 
     Args:
         site: a UDS site (``resid_post`` ...) or any hook name inside ``blocks.{l}`` (default the auditor's site).
 
     Returns:
-        A :class:`ComponentResult` with ``axis="token"``: tensors ``[example, layer, token]``; ``labels`` hold the
+        A [`ComponentResult`][uds_lens.component_result.ComponentResult] with ``axis="token"``: tensors ``[example, layer, token]``; ``labels`` hold the
         token strings.
     """
     return _patch_each(auditor, unlearned, "token", site, layers, idxs, name, batch_size, progress)
@@ -656,13 +659,13 @@ def patch_positions(
 ) -> ComponentResult:
     """Position-level patching: each patched position patched alone, the span's mean entity log-prob read.
 
-    The other arguments are :func:`patch_heads`'s.
+    The other arguments are [`patch_heads`][uds_lens.components.patch_heads]'s.
 
     Args:
         site: a UDS site or any hook name inside ``blocks.{l}`` (default the auditor's site).
 
     Returns:
-        A :class:`ComponentResult` with ``axis="position"``: ``[example, layer, position]``, position ``p`` being
+        A [`ComponentResult`][uds_lens.component_result.ComponentResult] with ``axis="position"``: ``[example, layer, position]``, position ``p`` being
         the example's ``p``-th patched position (``labels`` hold the token at it).
     """
     return _patch_each(auditor, unlearned, "position", site, layers, idxs, name, batch_size, progress)

@@ -25,7 +25,7 @@ DtypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 """Spellings of the three floating dtypes a checkpoint can be loaded in."""
 Stage2Cells = Literal["all", "ke"]
 """Which (example, layer) cells Stage 2 patches: every one (the layer curves), or only the KE cells (``d1 > tau``),
-the only ones UDS reads (SPEC 1.6b)."""
+the only ones UDS reads."""
 
 SITES: tuple[Site, ...] = get_args(Site)
 SCOPES: tuple[Scope, ...] = get_args(Scope)
@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 
 def check_tau(tau: Any) -> float:
-    """``tau`` as a float, or :class:`ConfigError` naming ``--tau`` (every entry point checks it here)."""
+    """``tau`` as a float, or [`ConfigError`][uds_lens.config.ConfigError] naming ``--tau`` (every entry point checks it here)."""
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau) or tau < 0:
         raise ConfigError(
             f"tau (--tau) must be a finite number of nats >= 0, got {tau!r}; the paper uses "
@@ -52,20 +52,20 @@ def check_tau(tau: Any) -> float:
 
 
 def check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> None:
-    """:class:`ConfigError` unless ``value`` is one of ``allowed``; ``option`` names the setting and its flag."""
+    """[`ConfigError`][uds_lens.config.ConfigError] unless ``value`` is one of ``allowed``; ``option`` names the setting and its flag."""
     if value not in allowed:
         raise ConfigError(f"{option} must be one of {', '.join(allowed)}; got {value!r}.")
 
 
 def as_site(value: str) -> Site:
-    """``value`` as a :data:`Site`, or a ValueError naming the sites: for functions that take a user's string."""
+    """``value`` as a [`Site`][uds_lens.config.Site], or a ValueError naming the sites: for functions that take a user's string."""
     if value not in SITES:
         raise ValueError(f"Unknown patch site {value!r}; use one of {SITES}.")
     return value
 
 
 def check_positive_int(option: str, value: Any, none_means: str) -> int | None:
-    """``value`` as an int >= 1 (or None), else :class:`ConfigError` naming ``option`` and what None means."""
+    """``value`` as an int >= 1 (or None), else [`ConfigError`][uds_lens.config.ConfigError] naming ``option`` and what None means."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -124,7 +124,8 @@ class UDSConfig:
         published_compat: reproduce the published implementation (trailing space kept in the prompt, the source's
             final-norm output patched at the last layer, log-softmax in the model dtype).
         batch_size: examples per batch; None chooses from a memory budget.
-        dtype / device: for models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
+        dtype: of the models this auditor loads itself (default fp32 on CPU, bf16 on CUDA).
+        device: where those models run (default `$UDS_LENS_DEVICE` when set, else CUDA when available, else the CPU).
         engine: ``fast`` (default) or ``naive`` (the oracle: one full forward per layer).
         stage2_cells: ``all`` (every layer's ``d2``: the layer curves), ``ke`` (only the KE cells ``d1 > tau``,
             the only ones UDS reads: the same UDS for less work; ``d2`` is NaN elsewhere and a rescore may only

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from uds_lens.config import Scope
+from uds_lens.files import ZOO_PREFIX, zoo_search_roots
+from uds_lens.zoo.manifest import data_file, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class Example:
 
 
 def record_field(record: Any, name: str, default: Any = None) -> Any:
-    """Read ``name`` from a dict record or an :class:`Example` (the metrics take either)."""
+    """Read ``name`` from a dict record or an [`Example`][uds_lens.data.Example] (the metrics take either)."""
     if isinstance(record, Mapping):
         return record.get(name, default)
     return getattr(record, name, default)
@@ -156,7 +158,7 @@ IDX_RANGE = (-(2**63), 2**63 - 1)
 
 def _record_idx(record: dict[str, Any], position: int) -> int:
     """A record's ``idx`` (its position when absent): an integer, or a float / digit string that is one, within
-    int64 (:data:`IDX_RANGE`)."""
+    int64 (`IDX_RANGE`)."""
     value = record.get("idx", position)
     idx: int | None = None
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -242,9 +244,13 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     user's data for a zoo build. An object whose ``data`` or ``examples`` key is a list stands for that list; an
     object with ``question`` and ``answer`` is one record.
 
+    A zoo's data file may be named as ``zoo:forget`` (`zoo_data_path`).
+
     Raises:
         DataError: the file does not exist, is not JSON / JSON lines, or holds something other than records.
     """
+    if str(path).startswith(ZOO_PREFIX):
+        path = zoo_data_path(str(path))
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
@@ -346,15 +352,47 @@ def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
         ) from err
 
 
+# The QA files of a built zoo, addressable as "zoo:forget" wherever a forget set is expected.
+ZOO_DATA_SPLITS = ("forget", "retain", "holdout")
+
+
+def zoo_data_path(name: str) -> Path:
+    """``"zoo:forget"`` -> the forget set of a built zoo (``zoo:retain``, ``zoo:holdout`` likewise).
+
+    Looked up where ``zoo:NAME`` models are (``$UDS_LENS_ZOO``, then the cached default and test zoos);
+    ``zoo:test/forget`` names the size.
+
+    Raises:
+        DataError: the name is not one of the zoo's data files, or no built zoo has it.
+    """
+    size, _, split = name[len(ZOO_PREFIX) :].rpartition("/")
+    if split not in ZOO_DATA_SPLITS:
+        raise DataError(
+            f"{name!r} names no zoo data file: use one of {[ZOO_PREFIX + s for s in ZOO_DATA_SPLITS]} "
+            "(or zoo:SIZE/forget), or pass a data file."
+        )
+    roots = zoo_search_roots(size or None)
+    for root in roots:
+        manifest = read_manifest(root)
+        path = data_file(manifest, root, split) if manifest is not None else None
+        if path is not None:
+            return path
+    raise DataError(
+        f"{name!r}: no built zoo in {[str(r) for r in roots]}. Build one with `uds-lens zoo build --out DIR "
+        "--size test` (and set UDS_LENS_ZOO=DIR), or pass a data file."
+    )
+
+
 def load_examples(
     source: str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None = None,
     split: str = "train",
     limit: int | None = None,
 ) -> list[Example]:
-    """Load a forget set: a JSON list / JSONL file, a list of records, or a hub dataset id.
+    """Load a forget set: a JSON list / JSONL file, a list of records, a zoo's ``zoo:forget``, or a hub dataset id.
 
     Args:
-        source: path, records, Examples, or hub id; None means the published annotated set on the hub.
+        source: path, records, Examples, ``zoo:forget`` (`zoo_data_path`), or hub id; None means the
+            published annotated set on the hub.
         split: dataset split for hub ids.
         limit: keep only the first ``limit`` examples.
 
@@ -363,6 +401,8 @@ def load_examples(
     """
     if source is None:
         source = DEFAULT_HUB_DATASET
+    if isinstance(source, str) and source.startswith(ZOO_PREFIX):
+        source = zoo_data_path(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if path.is_file():
@@ -445,7 +485,7 @@ def _at_word_boundary(text: str, start: int, end: int) -> bool:
 
 
 def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> tuple[int, int] | None:
-    """Character span of the entity's first occurrence in the reference (SPEC §1.2 step 4): the first whole-word
+    """Character span of the entity's first occurrence in the reference: the first whole-word
     occurrence, or with ``whole_word=False`` the first substring match (the published implementation)."""
     for candidate in (entity, entity.strip(), " " + entity):
         if not candidate:
@@ -459,7 +499,7 @@ def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> t
 
 
 def encode_one(example: Example, tokenizer: Any, published_compat: bool = False) -> EncodedExample | Skip:
-    """Encode one example (SPEC §1.2), or say why it cannot be scored."""
+    """Encode one example, or say why it cannot be scored."""
     if not getattr(tokenizer, "is_fast", False):
         raise TokenizerError(
             f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; UDS locates entity tokens "
@@ -550,6 +590,7 @@ def encode(
 
 __all__ = [
     "DEFAULT_HUB_DATASET",
+    "ZOO_DATA_SPLITS",
     "DataError",
     "EncodedExample",
     "Example",
@@ -561,4 +602,5 @@ __all__ = [
     "fit_context",
     "load_examples",
     "looks_like_local_path",
+    "zoo_data_path",
 ]

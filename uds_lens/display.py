@@ -38,7 +38,7 @@ def interval(bounds: Sequence[Any]) -> str:
 
 
 def clipped_text(clipped_share: Any, median_ratio: Any, n_clipped: int, n_ke: int) -> str:
-    """``"77% (23 of 30 KE cells, median d2/d1 1.76)"``: the over-disruption the clip hides (SPEC 1.6c)."""
+    """``"77% (23 of 30 KE cells, median d2/d1 1.76)"``: the over-disruption the clip hides."""
     if not n_ke:
         return "no KE cell"
     ratio = f", median d2/d1 {number(median_ratio, 2)}" if n_clipped else ""

@@ -1,8 +1,8 @@
 """One example of a UDS result: its row of ``examples``, its rows of ``layers``, the settings, and how it shows.
 
-``UDSResult.example(idx)`` returns an :class:`ExampleView`; ``figure()`` draws its d1/d2 curves
+``UDSResult.example(idx)`` returns an [`ExampleView`][uds_lens.example_view.ExampleView]; ``figure()`` draws its d1/d2 curves
 (``plotting.curves.example_curves``), and in a notebook it shows as a table of layers with the KE layers and the
-clipped ones (``d2 > d1``, SPEC 1.6c) marked.
+clipped ones (``d2 > d1``) marked.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ExampleView:
 
     @property
     def clipped_layers(self) -> list[int]:
-        """The KE layers where ``d2 > d1``: LER clipped to 1 (over-disruption, SPEC 1.6c)."""
+        """The KE layers where ``d2 > d1``: LER clipped to 1 (over-disruption)."""
         mask = clipped_mask(
             self.layers["d1"].to_numpy(dtype=float),
             self.layers["d2"].to_numpy(dtype=float),

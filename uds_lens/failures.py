@@ -1,6 +1,6 @@
-"""How a run fails loudly on a non-finite score (out-of-memory handling is :mod:`uds_lens.memory`).
+"""How a run fails loudly on a non-finite score (out-of-memory handling is `uds_lens.memory`).
 
-A NaN/inf score is never cached or saved but raised as :class:`NonFiniteScoreError`, whose message names the model,
+A NaN/inf score is never cached or saved but raised as `NonFiniteScoreError`, whose message names the model,
 the examples, the first layer where activations stop being finite and the fix that fits the cause.
 """
 

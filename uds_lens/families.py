@@ -1,17 +1,17 @@
 """The family table: one row per supported decoder family (Hugging Face ``model_type``), read by every module that
 needs to know what a family's decoder layer does.
 
-Loading (:data:`SUPPORTED_MODEL_TYPES` and the GGUF architecture names, checked in ``models``), the sources (which Hugging Face model a
+Loading (`SUPPORTED_MODEL_TYPES` and the GGUF architecture names, checked in ``models``), the sources (which Hugging Face model a
 plain model may be), the fast engine's kernel (``patching.kernels``: where the norms sit and how they round, the q/k
 norm, soft-capping, the attention scale, the fused projections, the window of each layer) and the refusal messages
-all read :data:`FAMILIES`, so adding a family is one row here and its tiny checkpoint in ``tests/helpers/
+all read `FAMILIES`, so adding a family is one row here and its tiny checkpoint in ``tests/helpers/
 families.py``. The row describes Hugging Face's own modeling code (``transformers/models/<family>/modeling_*.py``);
 the kernel reproduces that arithmetic, the naive engine runs it. Ground floor: nothing of ours is imported, and no
 torch.
 
 Sites (DESIGN.md, "Families"): what a block adds to the residual is ``attn_out`` and ``mlp_out``, whatever the norm
 placement, so ``resid_mid = resid_pre + attn_out`` and ``resid_post = resid_mid + mlp_out`` in every family; the
-placement says which module's output that is (:meth:`Family.site_modules`).
+placement says which module's output that is (`Family.site_modules`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Files on the ground floor: where caches live, how a file is replaced in one step, how contents are digested.
 
-Every module that writes a file a reader may see half-written goes through :func:`write_atomic` (a directory
-through :func:`replace_directory`); every digest of a JSON-able value is :func:`json_digest`, of bytes
-:func:`bytes_digest`, of a few small files :func:`files_digest`; every default location under the cache is
-:func:`cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
+Every module that writes a file a reader may see half-written goes through `write_atomic` (a directory
+through `replace_directory`); every digest of a JSON-able value is `json_digest`, of bytes
+`bytes_digest`, of a few small files `files_digest`; every default location under the cache is
+`cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
 
 Two digests of file contents, each for its files. Weights are identified by ``checkpoint.file_digest``: XXH3-128,
 because checkpoints are gigabytes and a sweep's pace is set by reading and hashing them (XXH3 hashes several GB/s
@@ -34,6 +34,20 @@ def zoo_root(size: str) -> Path:
     """``$UDS_LENS_ZOO`` (one directory named for every size), or ``<cache_root>/zoo-<size>``."""
     named = os.environ.get("UDS_LENS_ZOO")
     return Path(named).expanduser() if named else cache_root() / f"zoo-{size}"
+
+
+# How a built zoo's model or data file is named wherever a checkpoint or a forget set is expected: "zoo:npo",
+# "zoo:forget", "zoo:test/npo".
+ZOO_PREFIX = "zoo:"
+
+
+def zoo_search_roots(size: str | None = None) -> list[Path]:
+    """Where a ``zoo:NAME`` is looked up, in order: ``$UDS_LENS_ZOO``, then the cached ``zoo-default`` and
+    ``zoo-test`` under `cache_root`; with a ``size`` (``zoo:SIZE/NAME``), ``<cache_root>/zoo-<size>`` alone."""
+    if size:
+        return [cache_root() / f"zoo-{size}"]
+    named = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
+    return named + [cache_root() / "zoo-default", cache_root() / "zoo-test"]
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -72,12 +86,12 @@ def _aside_prefix(path: Path) -> str:
 
 
 def staged_siblings(path: str | os.PathLike) -> list[Path]:
-    """The :func:`staging_path` siblings of ``path`` that exist (a writer's unfinished or abandoned output), by name."""
+    """The `staging_path` siblings of ``path`` that exist (a writer's unfinished or abandoned output), by name."""
     return _siblings(Path(path), _staging_prefix(Path(path)))
 
 
 def set_aside(target: str | os.PathLike) -> list[Path]:
-    """The old directories :func:`replace_directory` renamed aside for ``target`` and did not delete (a kill
+    """The old directories `replace_directory` renamed aside for ``target`` and did not delete (a kill
     between its renames, or after them before the delete), by name."""
     return _siblings(Path(target), _aside_prefix(Path(target)))
 
@@ -139,6 +153,7 @@ def files_digest(paths: Iterable[str | os.PathLike], length: int | None = None) 
 
 
 __all__ = [
+    "ZOO_PREFIX",
     "bytes_digest",
     "cache_root",
     "files_digest",
@@ -149,4 +164,5 @@ __all__ = [
     "staging_path",
     "write_atomic",
     "zoo_root",
+    "zoo_search_roots",
 ]

@@ -97,7 +97,7 @@ def examples_fingerprint(examples: Sequence[Example]) -> str:
 
 def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dict[str, Any]:
     """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it), device and the Stage 2 cells (:func:`stage2_fingerprint` keys those); plus the dtype the
+    are invariant to it), device and the Stage 2 cells (`stage2_fingerprint` keys those); plus the dtype the
     full model runs in."""
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "device", "stage2_cells"):
@@ -131,10 +131,10 @@ def inputs_fingerprint(
     loaded_full: ModelArg | None = None,
 ) -> dict[str, Any]:
     """The keys of a result fingerprint that every model scored against the same inputs shares: ``format``,
-    ``full``, ``retain`` (:func:`source_fingerprint` of the arguments as given), ``data`` (the records as scored),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly) and ``settings`` (:func:`settings_fingerprint`,
+    ``full``, ``retain`` (`source_fingerprint` of the arguments as given), ``data`` (the records as scored),
+    ``tokenizer`` (``"from full"`` unless one is passed explicitly) and ``settings`` (`settings_fingerprint`,
     its dtype read from ``loaded_full``, the model ``full`` loaded as, when there is one). The one place that lays
-    the dict out: :func:`result_fingerprint` and ``UDSAuditor.fingerprint`` complete it with :func:`with_unlearned`.
+    the dict out: `result_fingerprint` and ``UDSAuditor.fingerprint`` complete it with `with_unlearned`.
     """
     return {
         "format": RESULT_FINGERPRINT_FORMAT,
@@ -149,8 +149,8 @@ def inputs_fingerprint(
 def with_unlearned(
     inputs: dict[str, Any], unlearned: ModelArg | None, config: UDSConfig, retain_free: bool
 ) -> dict[str, Any]:
-    """``inputs`` (:func:`inputs_fingerprint`, and ``s1`` where an auditor adds it) completed for one scored model:
-    ``unlearned`` (:func:`source_fingerprint`) and, for a KE-only Stage 2, ``stage2`` (:func:`stage2_fingerprint`)."""
+    """``inputs`` (`inputs_fingerprint`, and ``s1`` where an auditor adds it) completed for one scored model:
+    ``unlearned`` (`source_fingerprint`) and, for a KE-only Stage 2, ``stage2`` (`stage2_fingerprint`)."""
     fingerprint = {**inputs, "unlearned": source_fingerprint(unlearned)}
     stage2 = stage2_fingerprint(config, retain_free=retain_free)
     if stage2 is not None:
@@ -171,10 +171,10 @@ def result_fingerprint(
     same tables, so a saved result may be reused only when its fingerprint equals the new one
     (``results.load_reusable``).
 
-    Keys: ``format``, ``full``, ``retain``, ``unlearned`` (:func:`source_fingerprint`: file contents or tensor
+    Keys: ``format``, ``full``, ``retain``, ``unlearned`` (`source_fingerprint`: file contents or tensor
     digests, so a checkpoint retrained in place changes it), ``data`` (the records after ``limit``),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (:func:`settings_fingerprint`),
-    and ``stage2`` for a KE-only Stage 2 (:func:`stage2_fingerprint`).
+    ``tokenizer`` (``"from full"`` unless one is passed explicitly), ``settings`` (`settings_fingerprint`),
+    and ``stage2`` for a KE-only Stage 2 (`stage2_fingerprint`).
     Loads no model; reads the data and hashes the checkpoint files (memoised by size and modification time).
     ``UDSAuditor.fingerprint(unlearned)`` gives the same dict for an auditor's inputs plus ``s1``, the digest of
     the Stage 1 values (which needs the models): a saved result is reused only when that matches too.

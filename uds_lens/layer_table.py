@@ -1,5 +1,5 @@
 """The long ``layers`` table's site policy: which rows a figure or an analysis reads when results of several
-``--site`` runs are stacked (:func:`one_site`). Pandas and the config only, so results, analyses and figures share it
+``--site`` runs are stacked ([`one_site`][uds_lens.layer_table.one_site]). Pandas and the config only, so results, analyses and figures share it
 without importing each other."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``import uds_lens`` must stay instant and quiet: torch, TransformerLens and bitsandbytes take seconds to import and
 some print warnings, and ``uds-lens --help`` or ``uds-lens report`` need none of them. So an ``__init__`` does not
-import its public names; it lists them with the module that defines each, and :func:`lazy_exports` gives it the
+import its public names; it lists them with the module that defines each, and `lazy_exports` gives it the
 module-level ``__getattr__`` and ``__dir__`` that import a name's module on its first use. The value is then stored
 in the package's namespace, so every later look-up is a plain attribute read.
 """

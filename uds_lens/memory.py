@@ -1,8 +1,8 @@
 """Memory: how much is free on a device, what an allocation failure looks like, and a retry after freeing.
 
 The ground floor of the run's memory handling (torch only): the planner sizes batches from
-:func:`available_memory_bytes`, the auditor and the components' runner halve a batch that fails with
-:func:`is_out_of_memory`, and loading retries once after :func:`release_memory` (:func:`retry_out_of_memory`).
+`available_memory_bytes`, the auditor and the components' runner halve a batch that fails with
+`is_out_of_memory`, and loading retries once after `release_memory` (`retry_out_of_memory`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def release_memory(device: str | torch.device) -> None:
 def retry_out_of_memory(
     action: Callable[[], T], device: str | torch.device, what: str, attempts: int = 2
 ) -> T:
-    """``action()``, run again after :func:`release_memory` when it fails for want of memory.
+    """``action()``, run again after `release_memory` when it fails for want of memory.
 
     For loading a model and moving one to the device: the memory it needs is often held only by a model just
     dropped (a reference cycle, blocks the caching allocator keeps), which a collection frees. Other errors, and

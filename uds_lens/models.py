@@ -5,16 +5,16 @@ checkpoint is read from a local Hugging Face directory (``config.json`` + weight
 holding exactly one; llama.cpp's format, dequantised by ``transformers`` with the ``gguf`` package) or a hub id; its
 model type must be one uds_lens supports, and two models are only accepted together when their architecture and
 vocabulary match. Which checkpoint an argument names (and what a model is called) is decided first, without the
-network, by :mod:`uds_lens.resolve`, once: each ``load_*`` resolves its argument and hands the resolved
+network, by [`uds_lens.resolve`][uds_lens.resolve], once: each ``load_*`` resolves its argument and hands the resolved
 ``CheckpointSource`` to its ``read_*``, which reads the config, weights and tokenizer from it (a source resolved
 already is returned as it is by ``resolve_source``). The identity of a checkpoint or of a model's weights is
-:mod:`uds_lens.checkpoint`.
+`uds_lens.checkpoint`.
 
 A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
 (``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its
 forward is Hugging Face's, so ``blocks.{l}.hook_resid_post`` equals Hugging Face's ``hidden_states[l + 1]`` exactly
 (``sources.verify_parity`` checks it). This works alike on TransformerLens 3.9 and 4.x. Every loader error becomes one
-:class:`ModelLoadError` line naming the checkpoint and the fix (:func:`loader_errors`).
+[`ModelLoadError`][uds_lens.resolve.ModelLoadError] line naming the checkpoint and the fix ([`loader_errors`][uds_lens.models.loader_errors]).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoa
 @contextlib.contextmanager
 def loader_errors(source: CheckpointSource, what: str = "weights") -> Iterator[None]:
     """Turn any error of a checkpoint loader (unpickling, a corrupt safetensors header, a missing shard, a dtype,
-    custom code, a hub id that cannot be fetched) into one :class:`ModelLoadError` line naming the checkpoint and the
+    custom code, a hub id that cannot be fetched) into one [`ModelLoadError`][uds_lens.resolve.ModelLoadError] line naming the checkpoint and the
     fix (the CLI prints it and exits 2, no traceback). ``ModelLoadError`` and memory errors pass through unchanged."""
     try:
         yield
@@ -228,7 +228,7 @@ def load_hf_config(path_or_id: CheckpointRef) -> PretrainedConfig:
 
 
 def read_config(source: CheckpointSource) -> PretrainedConfig:
-    """:func:`load_hf_config` of a checkpoint resolved already."""
+    """[`load_hf_config`][uds_lens.models.load_hf_config] of a checkpoint resolved already."""
     if source.kind == "gguf":
         _check_gguf(source)
     first, kwargs = source.from_pretrained_args()
@@ -258,7 +258,7 @@ def load_hf_model(
 
     Args:
         path_or_id: local checkpoint directory, ``.gguf`` file (or a directory holding one), hub id or
-            ``zoo:NAME`` (resolved here, once; :func:`read_hf_model` takes a source resolved already).
+            ``zoo:NAME`` (resolved here, once; [`read_hf_model`][uds_lens.models.read_hf_model] takes a source resolved already).
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
         quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through.
@@ -278,7 +278,7 @@ def read_hf_model(
     attn_implementation: str | None = None,
     state_dict: dict[str, Tensor] | None = None,
 ) -> PreTrainedModel:
-    """:func:`load_hf_model` of a checkpoint resolved already."""
+    """[`load_hf_model`][uds_lens.models.load_hf_model] of a checkpoint resolved already."""
     device = device or default_device()
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -404,7 +404,7 @@ def hooked_from_hf(
     ``keep=False`` (``load_model``, whose caller holds the bridge) keeps only a weak reference: the bridge holds the
     model, so a strong one back would make a cycle that keeps both, weights and all, on the device until a garbage
     collection. A kept bridge (a plain model wrapped as a source, wrapped again every batch) is dropped with
-    :func:`release_model`.
+    [`release_model`][uds_lens.models.release_model].
     """
     existing = _kept_bridge(hf_model)
     if existing is not None:
@@ -446,7 +446,7 @@ def release_model(model: ModelLike) -> None:
     """Let a model's memory go as soon as the last reference to it is dropped, without a garbage collection.
 
     Drops the bridge kept on its Hugging Face model (the reference cycle model -> bridge -> model of
-    :func:`hooked_from_hf`); the caller then drops its own references. Safe on any model, and on one already
+    [`hooked_from_hf`][uds_lens.models.hooked_from_hf]); the caller then drops its own references. Safe on any model, and on one already
     released (it is wrapped again when used again).
     """
     hf = hf_model_of(model) if is_tl_model(model) else model
@@ -479,7 +479,7 @@ def read_model(
     device: str | None = None,
     tensors: Iterable[tuple[str, Tensor]] | None = None,
 ) -> TransformerBridge:
-    """:func:`load_model` of a checkpoint resolved already."""
+    """[`load_model`][uds_lens.models.load_model] of a checkpoint resolved already."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
@@ -518,7 +518,7 @@ def load(
     """The one way every part of uds_lens turns a model argument into a model.
 
     A checkpoint reference (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME``, or a
-    :class:`~uds_lens.resolve.CheckpointSource`, resolved already) is loaded as a
+    [`CheckpointSource`][uds_lens.resolve.CheckpointSource], resolved already) is loaded as a
     ``TransformerBridge`` (``load_model``: the patch target, and the usual source) or, with ``hooked=False``, as a
     plain Hugging Face model (``load_hf_model``: a source wrapped by ``sources.as_source``; NF4 with
     ``quantization``). A model already in memory (a bridge, a TransformerLens 3.x ``HookedTransformer``, or a
@@ -552,7 +552,7 @@ def load_tokenizer(path_or_id: CheckpointRef) -> PreTrainedTokenizerBase:
 
 
 def read_tokenizer(source: CheckpointSource) -> PreTrainedTokenizerBase:
-    """:func:`load_tokenizer` of a checkpoint resolved already."""
+    """[`load_tokenizer`][uds_lens.models.load_tokenizer] of a checkpoint resolved already."""
     first, kwargs = source.from_pretrained_args()
     with loader_errors(source, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(first, use_fast=True, **kwargs)

@@ -3,10 +3,10 @@ own, and inputs it needs all there.
 
 A command that finds out at its end that it cannot write its output has wasted its compute; one that writes over a
 file it did not produce (its own input, another tool's notes) has lost data. So the file outputs of ``report`` and
-``annotate`` are checked first (:func:`check_file_output`, :func:`check_annotation_output`), and so is a zoo that
-``evaluate`` and ``meta-eval`` read model by model (:func:`check_zoo_complete`): each failure is one
-:class:`~uds_lens.config.ConfigError` line naming the path and the fix. (Result directories have their own rules in
-:mod:`uds_lens.result_store`.)
+``annotate`` are checked first (`check_file_output`, `check_annotation_output`), and so is a zoo that
+``evaluate`` and ``meta-eval`` read model by model (`check_zoo_complete`): each failure is one
+[`ConfigError`][uds_lens.config.ConfigError] line naming the path and the fix. (Result directories have their own rules in
+`uds_lens.result_store`.)
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def question_words(question: str) -> frozenset[str]:
 
 
 def question_stems(question: str) -> frozenset[str]:
-    """The question's words (:func:`question_words`) and the parts of its hyphenated words that are not a name's
+    """The question's words ([`question_words`][uds_lens.question_align.question_words]) and the parts of its hyphenated words that are not a name's
     ("Irish-based" gives "irish", "Al-Kuwaiti" nothing): an answer word that ``restates`` one of them is not new."""
     words = WORD_ONLY.findall(question)
     parts = {

@@ -3,7 +3,7 @@
 Every place that turns logits (or final residuals) into UDS scores goes through here: the patching engines, component
 patching's metric and per-token reads, the logit and tuned lenses (and their per-example mean over hidden-state rows),
 and the annotator's answer-token log-probs. ``label_logprobs`` is the per-token value, ``segment_mean`` the
-per-example mean (SPEC §2: ``score = mean_t log p(y_t | x_<t)`` over the entity tokens ``t``).
+per-example mean (``score = mean_t log p(y_t | x_<t)`` over the entity tokens ``t``).
 
 Two precisions: by default the log-softmax runs in float32 as ``label logit - logsumexp`` (one pass over the
 vocabulary, no ``[rows, vocab]`` output); published-compat (``upcast=False``) takes ``log_softmax`` in the model's
@@ -92,7 +92,7 @@ def unembedded_label_logprobs(
     softcap: float | None = None,
 ) -> Float[Tensor, " row"]:
     """``log_softmax(rows @ W_U + b_U)[label]`` in fp32, as ``label logit - logsumexp``, a slice of the vocabulary
-    at a time; with ``softcap`` the logits are soft-capped first (:func:`soft_cap`, Gemma's final soft-capping).
+    at a time; with ``softcap`` the logits are soft-capped first (`soft_cap`, Gemma's final soft-capping).
 
     A whole ``[rows, vocab]`` buffer (hundreds of MB on a 49k vocabulary) makes each pass of the logsumexp a trip to
     main memory; slices of about a million logits stay in cache, and their logsumexps combine exactly

@@ -1,15 +1,15 @@
 """Resolving a model argument: which checkpoint a string or path names, and what a model is called.
 
 Before anything is loaded, a checkpoint argument is classified without touching the network
-(:func:`resolve_source`): a Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
-holding exactly one), a zoo model (``zoo:NAME``, :func:`resolve_zoo_name`, read from the zoo's manifest), or a hub id;
+([`resolve_source`][uds_lens.resolve.resolve_source]): a Hugging Face directory (``config.json`` + weights), a ``.gguf`` file (or a directory
+holding exactly one), a zoo model (``zoo:NAME``, [`resolve_zoo_name`][uds_lens.resolve.resolve_zoo_name], read from the zoo's manifest), or a hub id;
 a string that is neither an existing path nor a plausible hub id (``owner/name``) fails at once, before any hub
-request. A hub id is looked up once: when the hub cannot be reached (one request, :func:`hub_reachable`), loading
+request. A hub id is looked up once: when the hub cannot be reached (one request, [`hub_reachable`][uds_lens.resolve.hub_reachable]), loading
 fails with one line, or reads the local Hugging Face cache where the model is there, instead of retrying for half a
-minute; :func:`check_sources` does all of this for a run's checkpoints before any of them loads, and hands each back
-resolved: a :class:`CheckpointSource` stands for its argument (a path-like object whose path is the argument as
-given), so it is passed down in the argument's place and nothing below resolves it again. :func:`describe` and
-:func:`model_name` give the names results use. Loading is :mod:`uds_lens.models`.
+minute; [`check_sources`][uds_lens.resolve.check_sources] does all of this for a run's checkpoints before any of them loads, and hands each back
+resolved: a [`CheckpointSource`][uds_lens.resolve.CheckpointSource] stands for its argument (a path-like object whose path is the argument as
+given), so it is passed down in the argument's place and nothing below resolves it again. [`describe`][uds_lens.resolve.describe] and
+[`model_name`][uds_lens.resolve.model_name] give the names results use. Loading is [`uds_lens.models`][uds_lens.models].
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from uds_lens.data import looks_like_local_path
-from uds_lens.files import cache_root
+from uds_lens.files import ZOO_PREFIX, zoo_search_roots
 from uds_lens.zoo.manifest import model_paths
 
 logger = logging.getLogger(__name__)
@@ -50,16 +50,16 @@ _HUB_ID = re.compile(
 
 CheckpointRef: TypeAlias = str | os.PathLike[str]
 """A checkpoint argument: a Hugging Face directory, a ``.gguf`` file (or a directory holding one), a hub id,
-``zoo:NAME``, or a :class:`CheckpointSource` (one resolved already)."""
+``zoo:NAME``, or a [`CheckpointSource`][uds_lens.resolve.CheckpointSource] (one resolved already)."""
 
 
 @dataclass(frozen=True)
 class CheckpointSource(os.PathLike[str]):
-    """A checkpoint argument resolved once (:func:`resolve_source`), to be passed down instead of the argument.
+    """A checkpoint argument resolved once ([`resolve_source`][uds_lens.resolve.resolve_source]), to be passed down instead of the argument.
 
     It stands for the argument it was resolved from: ``os.fspath`` and ``str`` give that argument as it was given
     (``zoo:npo`` stays ``zoo:npo``), so it goes wherever a checkpoint path or hub id goes (a fingerprint, a name, a
-    loader), and :func:`resolve_source` returns it as it is instead of resolving it again.
+    loader), and [`resolve_source`][uds_lens.resolve.resolve_source] returns it as it is instead of resolving it again.
 
     Attributes:
         kind: ``"directory"`` (a Hugging Face directory), ``"gguf"`` (``location`` is the ``.gguf`` file) or
@@ -102,7 +102,7 @@ def _looks_like_path(text: str) -> bool:
 
 def resolve_source(path_or_id: CheckpointRef, weights: bool = True) -> CheckpointSource:
     """Classify a checkpoint argument without touching the network, failing at once on what cannot be one; a
-    :class:`CheckpointSource` is returned as it is (it was resolved already).
+    [`CheckpointSource`][uds_lens.resolve.CheckpointSource] is returned as it is (it was resolved already).
 
     Args:
         path_or_id: a directory, a ``.gguf`` file, a hub id or ``zoo:NAME``.
@@ -229,7 +229,7 @@ def check_source(model: M) -> M | CheckpointSource:
     neither fetched (the hub is unreachable) nor read from the cache fails at once, in one line.
 
     Returns:
-        A checkpoint reference (a string or path) as its :class:`CheckpointSource`, to be passed down in its place
+        A checkpoint reference (a string or path) as its [`CheckpointSource`][uds_lens.resolve.CheckpointSource], to be passed down in its place
         (it is resolved once); anything else (a model in memory, None) as it is.
 
     Raises:
@@ -244,7 +244,7 @@ def check_source(model: M) -> M | CheckpointSource:
 
 
 def check_sources(models: Iterable[M]) -> list[M | CheckpointSource]:
-    """:func:`check_source` of each of a run's model arguments, in order, before any of them loads.
+    """[`check_source`][uds_lens.resolve.check_source] of each of a run's model arguments, in order, before any of them loads.
 
     Raises:
         ModelLoadError: the first argument that cannot name a checkpoint.
@@ -273,9 +273,6 @@ def hub_error(model_id: str, err: Exception) -> ModelLoadError:
     )
 
 
-ZOO_PREFIX = "zoo:"
-
-
 def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     """``"zoo:NAME"`` -> that model's directory in a built zoo; anything else unchanged.
 
@@ -284,9 +281,7 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     or ``load_zoo(dir).model("npo")``.
     """
     text = str(path_or_id)
-    cache = cache_root()
-    default_roots = [Path(p).expanduser() for p in [os.environ.get("UDS_LENS_ZOO")] if p]
-    default_roots += [cache / "zoo-default", cache / "zoo-test"]
+    default_roots = zoo_search_roots()
     if not text.startswith(ZOO_PREFIX):
         if "/" not in text and not Path(text).expanduser().exists():
             # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
@@ -300,7 +295,7 @@ def resolve_zoo_name(path_or_id: str | os.PathLike) -> str | os.PathLike:
     name = text[len(ZOO_PREFIX) :]
     if "/" in name:
         size, name = name.split("/", 1)
-        roots = [cache / f"zoo-{size}"]
+        roots = zoo_search_roots(size)
     else:
         roots = default_roots
     seen = []
@@ -372,7 +367,7 @@ def split_named(value: str) -> tuple[str, str] | None:
 
 
 def checkpoint_paths(values: list[str]) -> list[str]:
-    """The checkpoints ``--unlearned`` values name, ``NAME=`` removed (see :func:`split_named`)."""
+    """The checkpoints ``--unlearned`` values name, ``NAME=`` removed (see [`split_named`][uds_lens.resolve.split_named])."""
     return [value if split is None else split[1] for value, split in ((v, split_named(v)) for v in values)]
 
 
@@ -382,7 +377,6 @@ __all__ = [
     "split_named",
     "HUB_TIMEOUT_S",
     "SAFE_LOAD_KWARGS",
-    "ZOO_PREFIX",
     "CheckpointRef",
     "CheckpointSource",
     "ModelLoadError",

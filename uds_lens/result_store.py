@@ -1,13 +1,13 @@
 """The on-disk store of results: one directory per result, written as one step and read back only when whole.
 
 A result directory is only worth reading when all its files come from one run. So a save never writes into
-``OUT/NAME`` itself: :func:`atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
+``OUT/NAME`` itself: `atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
 writers take turns), lets the writer fill a temporary sibling directory, and renames it into place at the end. A
 reader therefore sees the old directory, no directory, or the new one, never a mixture; a run killed mid-write leaves
-the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and :func:`verify_result_dir`
+the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and `verify_result_dir`
 (used by ``UDSResult.load``) refuses a directory whose files do not match it. Whether a saved result may stand in for
 a new computation (``results.check_saved``) is decided by comparing fingerprints; this module words the differences
-(:func:`conflict_error`). Nothing here knows the tables inside the files: ``results.py`` writes and parses them.
+(`conflict_error`). Nothing here knows the tables inside the files: ``results.py`` writes and parses them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def check_result_name(name: str) -> str:
     Raises:
         ResultNameError: the name is empty, ``.``/``..``, contains a path separator or NUL, or starts with ``.``
             (names starting with a dot are this module's lock and temporary files), is longer than
-            :data:`MAX_NAME_BYTES` in UTF-8, or is one of the files beside the results (:data:`DIRECTORY_FILES`).
+            `MAX_NAME_BYTES` in UTF-8, or is one of the files beside the results (`DIRECTORY_FILES`).
     """
     if isinstance(name, str) and len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise ResultNameError(
@@ -212,7 +212,7 @@ def atomic_result_dir(
     ``check(target)`` runs under the lock before the block: a check-then-write that no concurrent writer can slip
     between (``UDSResult.save`` refuses there a result another run wrote meanwhile).
 
-    Example:
+    Examples:
         >>> with atomic_result_dir(out / "npo") as staging:
         ...     (staging / "summary.json").write_text("{}")
 

@@ -14,7 +14,7 @@
 * ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings, and ``stage2``: which
   cells Stage 2 ran (``all``, or ``ke``: only the KE cells, ``d2``/``s2_score``/``ler`` NaN elsewhere with a
   ``stage2_note`` saying so; ``with_tau`` then rescores exactly for a higher tau and raises
-  :class:`CellsNotRunError` for a tau that needs cells not run).
+  [`CellsNotRunError`][uds_lens.results.CellsNotRunError] for a tau that needs cells not run).
 
 ``save(dir)`` writes ``summary.json``, ``examples.csv``, ``layers.csv`` (and ``layers.parquet`` when pyarrow is
 installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_value", "value_by_index"}}``);
@@ -22,7 +22,7 @@ installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_valu
 different threshold never needs the models again.
 
 Saved results are read back only when whole: the directory is written as one step and its files checked against
-their digests (:mod:`uds_lens.result_store`, whose names this module re-exports). :func:`can_reuse` decides whether a
+their digests (`uds_lens.result_store`, whose names this module re-exports). [`can_reuse`][uds_lens.results.can_reuse] decides whether a
 saved result may stand in for a new computation: only when its fingerprint (``fingerprints.result_fingerprint``: the full,
 retain and unlearned weights, the data and the settings) equals the new one.
 """
@@ -215,7 +215,7 @@ class UDSResult:
         )
 
     def _require_cells(self, tau: float) -> None:
-        """:class:`CellsNotRunError` when ``tau`` makes a cell KE whose ``d2`` Stage 2 did not run (KE-only)."""
+        """[`CellsNotRunError`][uds_lens.results.CellsNotRunError] when ``tau`` makes a cell KE whose ``d2`` Stage 2 did not run (KE-only)."""
         if self.stage2_cells != "ke":
             return
         d1 = self.layers["d1"].to_numpy(dtype=float)
@@ -250,7 +250,7 @@ class UDSResult:
         """Model UDS: plain mean of the defined per-example scores.
 
         With no defined score it is NaN, or 0.0 under ``published_compat`` (what the published code reports); the
-        counts in :attr:`summary` say that nothing was scored either way.
+        counts in `summary` say that nothing was scored either way.
         """
         values = self.examples["uds"].dropna()
         if len(values):
@@ -272,10 +272,10 @@ class UDSResult:
 
     @property
     def clipped(self) -> dict[str, float]:
-        """Over-disruption (SPEC 1.6c), never part of UDS: ``clipped_share``, the share of KE cells with ``d2 > d1``
+        """Over-disruption, never part of UDS: ``clipped_share``, the share of KE cells with ``d2 > d1``
         (LER clipped to 1: the unlearned model's activation breaks the full model more than retain's does, and UDS
         reads it as erased), ``clipped_median_ratio`` (median ``d2 / d1`` over those cells) and the counts
-        ``n_ke_cells``, ``n_clipped_cells`` (:func:`uds.clipped_summary`)."""
+        ``n_ke_cells``, ``n_clipped_cells`` ([`uds.clipped_summary`][uds_lens.uds.clipped_summary])."""
         return clipped_summary(
             self.layers["d1"].to_numpy(dtype=float),
             self.layers["d2"].to_numpy(dtype=float),
@@ -354,7 +354,7 @@ class UDSResult:
     # -- files -------------------------------------------------------------------------------------------------
 
     def save(self, directory: str | Path, replace_other_runs: bool = True) -> Path:
-        """Write the result to ``directory``, atomically and under its lock (see :func:`atomic_result_dir`).
+        """Write the result to ``directory``, atomically and under its lock (see `atomic_result_dir`).
 
         Files: ``summary.json``, ``examples.csv``, ``layers.csv`` (+ ``layers.parquet`` with pyarrow),
         ``uds_eval.json``, and ``meta.json`` (name, settings, metadata with the input fingerprint, and the SHA-256
@@ -409,7 +409,7 @@ class UDSResult:
         """Read a saved result.
 
         Args:
-            directory: a directory written by :meth:`save`.
+            directory: a directory written by [`save`][uds_lens.results.UDSResult.save].
             verify: refuse a directory whose files do not match the digests in its ``meta.json`` (a torn or mixed
                 write, or a directory saved by an older uds_lens without digests). ``False`` reads whatever is there.
 
@@ -462,7 +462,7 @@ class UDSResult:
     def example(self, idx: int) -> ExampleView:
         """One example: its row of ``examples`` (question, entity, UDS, status), its ``layers`` rows, its figure.
 
-        Example:
+        Examples:
             >>> view = result.example(3)
             >>> view.uds, view.entity, view.layers[["layer", "d1", "d2", "ke", "ler"]]
             >>> view.figure()         # d1/d2 per layer, KE layers shaded, UDS in the title
@@ -532,12 +532,12 @@ class UDSResult:
 
 @dataclass(frozen=True)
 class SavedCheck:
-    """What a saved result directory holds compared with a new computation (:func:`check_saved`).
+    """What a saved result directory holds compared with a new computation ([`check_saved`][uds_lens.results.check_saved]).
 
     Attributes:
         result: the saved result when it may stand in for the new computation (intact, identical fingerprint).
         reason: ``"identical inputs"``, or why it cannot be reused (which key differs, which file failed its digest).
-        conflicts: the input keys (:data:`INPUT_KEYS`) in which the saved result differs: non-empty means it is
+        conflicts: the input keys (`INPUT_KEYS`) in which the saved result differs: non-empty means it is
             another run's result, not a stale copy of this one.
     """
 
@@ -557,7 +557,7 @@ def check_saved(
         ignore: keys left out of the comparison (``("s1",)`` to compare the inputs before Stage 1 is known).
 
     Returns:
-        :class:`SavedCheck`: the result when it can be reused, else the reason in words (each differing key with
+        [`SavedCheck`][uds_lens.results.SavedCheck]: the result when it can be reused, else the reason in words (each differing key with
         its saved and new value, or the file that failed its digest) and the differing input keys.
     """
     meta, contents, problem = read_verified(Path(directory))
@@ -584,7 +584,7 @@ def check_saved(
 
 def _refuse_others(fingerprint: dict[str, Any]) -> Callable[[Path], None]:
     """The check ``UDSResult.save`` runs under the result's lock: a directory there holding another run's result
-    (other inputs, Stage 1 aside) is refused, as :func:`check_saved` words it."""
+    (other inputs, Stage 1 aside) is refused, as [`check_saved`][uds_lens.results.check_saved] words it."""
 
     def check(existing: Path) -> None:
         if existing.exists():
@@ -614,7 +614,7 @@ def load_reusable(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[U
 
 def can_reuse(directory: str | Path, fingerprint: dict[str, Any]) -> tuple[bool, str]:
     """Whether ``directory`` holds an intact result of exactly these inputs: ``(True, "identical inputs")`` or
-    ``(False, reason)``. Use :func:`load_reusable` to get the result too (same check, one read)."""
+    ``(False, reason)``. Use [`load_reusable`][uds_lens.results.load_reusable] to get the result too (same check, one read)."""
     result, reason = load_reusable(directory, fingerprint)
     return result is not None, reason
 

@@ -1,8 +1,8 @@
 """Scoring many unlearned models against one (full, retain, data), with result names and reuse of saved results.
 
-:func:`score_models` is what ``uds-lens score`` calls: it names each model's result (:func:`result_names`), refuses to
-write over another run's results (:func:`refuse_other_runs`), reuses a saved result only when its full fingerprint
-matches, and otherwise scores with one :class:`~uds_lens.auditor.UDSAuditor` (Stage 1 computed once).
+[`score_models`][uds_lens.scoring.score_models] is what ``uds-lens score`` calls: it names each model's result ([`result_names`][uds_lens.scoring.result_names]), refuses to
+write over another run's results ([`refuse_other_runs`][uds_lens.scoring.refuse_other_runs]), reuses a saved result only when its full fingerprint
+matches, and otherwise scores with one [`UDSAuditor`][uds_lens.auditor.UDSAuditor] (Stage 1 computed once).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_output_dir(path: str | os.PathLike, what: str = "output directory (--out)") -> None:
-    """:class:`~uds_lens.config.ConfigError` when ``path`` is an existing file: a directory is written there (it is
+    """[`ConfigError`][uds_lens.config.ConfigError] when ``path`` is an existing file: a directory is written there (it is
     created when missing). ``what`` names the setting and its flag in the message."""
     if Path(path).exists() and not Path(path).is_dir():
         raise ConfigError(f"The {what} {path} is a file: pass a directory (it is created when missing).")
@@ -117,7 +117,7 @@ def score_models(
     ``meta["recomputed"]``). Each result is written atomically under a lock (``results.atomic_result_dir``).
 
     Args:
-        unlearned: models (result names from their paths, see :func:`result_names`) or ``{name: model}``; a name is
+        unlearned: models (result names from their paths, see [`result_names`][uds_lens.scoring.result_names]) or ``{name: model}``; a name is
             one path component.
         force: recompute every model even when a saved result could be reused, and replace results of other runs.
 

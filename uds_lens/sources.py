@@ -3,24 +3,24 @@
 A UDS patch reads a *source* model's activations and writes them into the target, a TransformerLens model. The
 source only has to answer a few questions: how many layers it has, its device and dtype, and its activation at
 ``blocks.{l}.hook_{site}`` for a batch of tokens. The white-box baselines ask the same model a little more (its
-blocks' parameters for Fisher, its logits, its final norm + unembedding for the lenses). :class:`ActivationSource`
+blocks' parameters for Fisher, its logits, its final norm + unembedding for the lenses). `ActivationSource`
 is that small interface; every model is read through TransformerLens hook points:
 
-* :class:`HookedSource`: a ``TransformerBridge`` (what ``uds_lens.load_model`` gives) or a TransformerLens 3.x
+* `HookedSource`: a ``TransformerBridge`` (what ``uds_lens.load_model`` gives) or a TransformerLens 3.x
   ``HookedTransformer``; activations come from ``run_with_cache`` with a names filter.
 * a plain Hugging Face causal LM is wrapped as a bridge (``models.hooked_from_hf``, no folding or centring: the
   bridge's hook points hold the Hugging Face modules' own tensors, and its forward is Hugging Face's), so it is read
   exactly like a loaded checkpoint, whatever the family: no table of Hugging Face module names is needed.
-* :class:`NF4Source`: a bitsandbytes 4-bit Hugging Face model (the quantisation attack of the meta-evaluation),
+* `NF4Source`: a bitsandbytes 4-bit Hugging Face model (the quantisation attack of the meta-evaluation),
   read through its bridge like any other; the only difference is that the model the gradient-based baselines need
   (``hooked``) is a dequantised copy, leaving the model itself quantised.
 
-**The last layer** (SPEC §1.5, §3). ``resid_post`` of the last block is the raw, pre-final-norm residual, as
+**The last layer**. ``resid_post`` of the last block is the raw, pre-final-norm residual, as
 TransformerLens has it (Hugging Face's ``hidden_states[L]`` is already normalised). The representation baselines
 read it that way. With ``final_norm_last=True`` the last layer's ``resid_post`` is the model's own final-norm output
 instead: what the published implementation patches there, reproduced in published-compat mode.
 
-:func:`as_source` picks the implementation for a model; every consumer (the patch engine, the hidden states of the
+`as_source` picks the implementation for a model; every consumer (the patch engine, the hidden states of the
 lenses, similarity and probes, Fisher, the meta-evaluation scorers) goes through it, so no other module branches on
 a model's type.
 """
@@ -97,7 +97,7 @@ class ActivationSource(ABC):
     def published_compat_activation(
         self, name: str, activation: Float[Tensor, "... d_model"]
     ) -> Float[Tensor, "... d_model"]:
-        """What the published implementation patches at hook point ``name`` (SPEC §1.5): at the last block's
+        """What the published implementation patches at hook point ``name``: at the last block's
         ``hook_resid_post`` this model's own final-norm output (Hugging Face's ``hidden_states[L]``), computed on the
         model's device and returned on ``activation``'s; anywhere else ``activation`` itself.
 
@@ -152,7 +152,7 @@ class ActivationSource(ABC):
         rows: Int[Tensor, " token"],
         positions: Int[Tensor, " token"],
     ) -> Float[Tensor, "layer token d_model"]:
-        """The residual stream (as :meth:`residual_stream`) at the positions ``(rows[t], positions[t])``, on CPU."""
+        """The residual stream (as `residual_stream`) at the positions ``(rows[t], positions[t])``, on CPU."""
         return self.residual_stream(tokens, attention_mask).cpu()[:, rows, positions]
 
     @abstractmethod
@@ -232,7 +232,7 @@ class NF4Source(HookedSource):
 
 
 SourceLike: TypeAlias = ModelLike | ActivationSource
-"""What :func:`as_source` reads: a model, or its :class:`ActivationSource` (returned as it is)."""
+"""What `as_source` reads: a model, or its `ActivationSource` (returned as it is)."""
 
 
 def is_quantised(model: ModelLike) -> bool:
@@ -244,9 +244,9 @@ def is_quantised(model: ModelLike) -> bool:
 
 
 def as_source(model: object) -> ActivationSource:
-    """The :class:`ActivationSource` of a model: a TransformerLens model, or a Hugging Face causal LM (NF4 too),
+    """The `ActivationSource` of a model: a TransformerLens model, or a Hugging Face causal LM (NF4 too),
     which is wrapped as a ``TransformerBridge`` once (the bridge is kept on the model). It takes any object
-    (:data:`SourceLike`): what is neither is refused by name.
+    (`SourceLike`): what is neither is refused by name.
 
     Raises:
         TypeError: for anything else, naming the model (a Hugging Face model of a family uds_lens does not

@@ -1,8 +1,8 @@
 """The S1 cache: Stage 1's values on disk, keyed by a fingerprint of everything they depend on.
 
-:class:`StageOne` holds what depends only on (full, retain, data, settings): S0, the per-layer baseline and S1, per
-scored example. :class:`S1Cache` stores it as safetensors (the tensors) plus a JSON header (format, fingerprint payload,
-example indices, batch plan and :func:`stage_digest`), so reading a cache file never runs code and a changed file is
+[`StageOne`][uds_lens.stage_cache.StageOne] holds what depends only on (full, retain, data, settings): S0, the per-layer baseline and S1, per
+scored example. `S1Cache` stores it as safetensors (the tensors) plus a JSON header (format, fingerprint payload,
+example indices, batch plan and `stage_digest`), so reading a cache file never runs code and a changed file is
 rebuilt instead of trusted.
 """
 
@@ -87,7 +87,7 @@ class S1Cache:
     fingerprint payload, example indices) as JSON in the file's header, so reading a cache file can never run code,
     whoever wrote it (the default directory is shared by every audit of the user). A file that does not parse, whose
     payload differs, whose shapes do not fit, that holds a non-finite value, or whose tensors and batch plan do not
-    match the digest in its header (:func:`stage_digest`: values changed after the file was written) is deleted with
+    match the digest in its header (`stage_digest`: values changed after the file was written) is deleted with
     a warning and S1 is recomputed. Caches of older versions (``s1_*.pt`` pickles) are never opened.
     """
 

@@ -4,7 +4,7 @@ uds_lens runs every model as a ``TransformerBridge`` (present in TransformerLens
 loaded with ``transformers`` and wrapped, its weights untouched (``no_processing``: no folding, no centring), so its
 hook points read the Hugging Face model's own tensors and its forward is Hugging Face's. TransformerLens 4 removed
 ``HookedTransformer``; where it can still be imported (3.x) a user's own ``HookedTransformer`` is accepted as a
-model too, and :func:`is_tl_model` recognises both kinds. Every import of TransformerLens goes through this module.
+model too, and `is_tl_model` recognises both kinds. Every import of TransformerLens goes through this module.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ except Exception:  # pragma: no cover - an editable or vendored TransformerLens
 class TLConfig(Protocol):
     """What uds_lens reads of a TransformerLens model's ``cfg`` (a bridge's ``TransformerBridgeConfig``, a 3.x
     ``HookedTransformerConfig``): the shapes, where and in what dtype it computes, and whether attention keeps its
-    per-head outputs (``use_attn_result``, set by :func:`attn_result` on a ``HookedTransformer``)."""
+    per-head outputs (``use_attn_result``, set by `attn_result` on a ``HookedTransformer``)."""
 
     n_layers: int
     d_model: int
@@ -83,7 +83,7 @@ class _TLModelCheck(type(Protocol)):  # type: ignore[misc]
 @runtime_checkable
 class TLModel(Protocol, metaclass=_TLModelCheck):
     """What uds_lens uses of a TransformerLens model: a ``TransformerBridge`` (3.9 and 4.x) or, on 3.x, a
-    ``HookedTransformer``. Every model parameter of the core is typed with it (or :data:`ModelLike` where a Hugging
+    ``HookedTransformer``. Every model parameter of the core is typed with it (or `ModelLike` where a Hugging
     Face model is taken too).
 
     Members are typed as loosely as the two kinds differ, as TransformerLens 4's own ``TransformerLensModel``

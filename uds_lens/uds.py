@@ -12,7 +12,7 @@ For every example ``i`` and layer ``l`` (one patch per layer, see ``uds_lens.pat
 * ``ler[l] = clip(d2[l] / d1[l], 0, 1)``: the layer erasure ratio;
 * ``UDS_i = sum_KE d1 * ler / sum_KE d1``, undefined (NaN) when no layer is KE; model UDS = mean of defined ``UDS_i``;
 * ``clipped_mask = ke & (d2 > d1)``: KE cells whose ratio the clip cut to 1 (over-disruption: the unlearned model's
-  activation breaks the full model more than retain's does). Reported, never changes UDS (SPEC 1.6c).
+  activation breaks the full model more than retain's does). Reported, never changes UDS.
 
 0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it is as absent as in
 a model that never saw it. Without a retain model (retain-free mode) only ``d2`` exists; its summaries are
@@ -20,7 +20,7 @@ unnormalised.
 
 This module is the math only, and the only place it is written: NumPy in float64 on ``[example, layer]`` arrays
 (tiny next to the forward passes that produce them), so tables, reports and plots use it without importing torch.
-:func:`rescore` is its adapter for the long ``layers`` DataFrames (one row per example x layer) that results,
+[`rescore`][uds_lens.uds.rescore] is its adapter for the long ``layers`` DataFrames (one row per example x layer) that results,
 analyses, components and plots pass around. Running the models is ``auditor.py``'s job.
 """
 
@@ -64,7 +64,7 @@ def layer_erasure_ratio(
 def clipped_mask(
     d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"], tau: float = DEFAULT_TAU
 ) -> Bool[np.ndarray, "*shape"]:
-    """KE cells where ``d2 > d1``: their ``d2 / d1`` is above 1 and LER clips it to 1 (over-disruption, SPEC 1.6c).
+    """KE cells where ``d2 > d1``: their ``d2 / d1`` is above 1 and LER clips it to 1 (over-disruption).
 
     A NaN ``d2`` (a cell a KE-only Stage 2 did not run) is never clipped.
     """
@@ -149,7 +149,7 @@ def rescore(
 
     Returns ``(layers, per_example)``: the table with ``ke`` and ``ler`` (re)computed for ``tau`` (``ler`` is NaN
     outside KE layers, where ``d2 / d1`` is a ratio of noise, not of knowledge), and one row per ``by`` group (first
-    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``, :func:`clipped_mask`) and ``uds``.
+    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``, [`clipped_mask`][uds_lens.uds.clipped_mask]) and ``uds``.
     Pass ``by=("site", "idx")`` for a table holding several sites, or
     another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and a NaN ``uds``.
     """

@@ -101,6 +101,5 @@ def test_notebook_runs(path, test_zoo, tmp_path, monkeypatch):
     if path.stem == "01_quickstart":
         assert n_figures > 0, "the quickstart shows figures: this check must see some"
     assert len(drawn) == n_figures, f"{path.name}: {n_figures} figures, {len(drawn)} drawn in the HTML export"
-    write_copy(
-        notebook, path, EXECUTED_DIR
-    )  # what `make docs` shows (it executes only missing or stale copies)
+    # what `make docs` shows (it executes only missing or stale copies)
+    write_copy(notebook, path, EXECUTED_DIR, zoo_dir=test_zoo.root, workdir=tmp_path)

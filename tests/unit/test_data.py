@@ -14,6 +14,7 @@ from uds_lens.data import (
     encode,
     load_examples,
     read_records,
+    zoo_data_path,
 )
 from uds_lens.models import load_tokenizer
 
@@ -198,3 +199,32 @@ def test_a_raw_question_answer_set_is_pointed_at_annotate_and_a_schema_that_exis
         assert named, message
         section = named.group(1) or named.group(2)
         assert re.search(rf"^#+ {re.escape(section)}$", (root / "README.md").read_text(), flags=re.MULTILINE)
+
+
+def _zoo_with_forget_set(root: Path, questions: list[str]) -> Path:
+    (root / "data").mkdir(parents=True)
+    records = [
+        {"idx": i, "question": q, "answer": "Ann Lee wrote it.", "prefix": "", "entity": "Ann Lee"}
+        for i, q in enumerate(questions)
+    ]
+    (root / "data" / "forget.json").write_text(json.dumps(records))
+    (root / "manifest.json").write_text(json.dumps({"size": "test", "data": {"forget": "data/forget.json"}}))
+    return root
+
+
+def test_a_zoo_forget_set_is_named_like_its_models(tmp_path, monkeypatch):
+    """``zoo:forget`` is looked up where ``zoo:npo`` is: $UDS_LENS_ZOO first, then the cached zoos; ``zoo:SIZE/``
+    names the cached zoo of that size."""
+    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("UDS_LENS_ZOO", raising=False)
+    with pytest.raises(DataError, match=r"'zoo:forget': no built zoo in .*uds-lens zoo build"):
+        load_examples("zoo:forget")
+    _zoo_with_forget_set(tmp_path / "cache" / "zoo-test", ["Who wrote A?", "Who wrote B?"])
+    assert [e.question for e in load_examples("zoo:forget")] == ["Who wrote A?", "Who wrote B?"]
+    named = _zoo_with_forget_set(tmp_path / "mine", ["Who wrote C?"])
+    monkeypatch.setenv("UDS_LENS_ZOO", str(named))
+    assert [e.question for e in load_examples("zoo:forget")] == ["Who wrote C?"]
+    assert len(load_examples("zoo:test/forget")) == 2
+    assert zoo_data_path("zoo:forget") == named / "data" / "forget.json"
+    with pytest.raises(DataError, match=r"'zoo:npo' names no zoo data file: use one of \['zoo:forget'"):
+        load_examples("zoo:npo")

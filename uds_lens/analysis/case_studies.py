@@ -4,7 +4,7 @@ Inputs are the long tables a ``UDSResult`` carries: ``examples`` (``idx, prompt_
 status, skip_reason``) and ``layers`` (``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``). Nothing here
 runs a model: tau is a threshold on the cached ``d1`` (KE layers ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)``,
 ``UDS_i = sum_KE d1 LER / sum_KE d1``, undefined with no KE layer), so re-applying it to a ``layers`` table gives what
-a full recomputation would (SPEC §1.7).
+a full recomputation would.
 
 * ``prompt_type_uds``: mean UDS per prompt type and model (paper Table 5, appendix D.4);
 * ``tau_sensitivity`` / ``ke_size_distribution``: KE-set sizes, no-KE counts, model UDS and its Spearman rank
@@ -60,7 +60,7 @@ def rescore_uds(layers: pd.DataFrame, tau: float = DEFAULT_TAU, site: str | None
     Args:
         layers: Long UDS table (``idx, layer, d1, d2``; ``site`` optional).
         tau: KE threshold (strict ``d1 > tau``).
-        site: Site to use when the table holds several (default resid_post: :func:`results.one_site`).
+        site: Site to use when the table holds several (default resid_post: `results.one_site`).
 
     Returns:
         ``idx, n_ke, uds, status`` (``scored`` or ``no_ke``), one row per example in the table.

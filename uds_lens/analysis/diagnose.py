@@ -3,7 +3,7 @@
 One call scores each unlearned model with UDS (through ``UDSAuditor``, S1 computed once per site) and with the
 observational baselines (logit and tuned lens, CKA, RSA, SVCCA/PWCCA, masked Fisher, linear probe), reusing the full
 and retain models' statistics across models (``baselines.references.References``: one forward per model for the
-representation methods, one backward per example for Fisher). It returns a :class:`DiagnoseResult`, whose
+representation methods, one backward per example for Fisher). It returns a `DiagnoseResult`, whose
 ``save(out_dir)`` writes (each model directory atomically)::
 
     OUT/NAME/scores.json       one key per method: uds, logit_lens, tuned_lens, cka, rsa, svcca, pwcca,
@@ -135,7 +135,7 @@ def diagnose(
     """Score unlearned models with UDS, component patching and the white-box baselines.
 
     Args:
-        full: Full model (checkpoint dir, hub id or loaded ``HookedTransformer``).
+        full: Full model (checkpoint dir, hub id, ``zoo:NAME`` or a loaded ``TransformerBridge``).
         retain: Retain model (same forms); required, every method here is retain-normalised.
         unlearned: Name -> unlearned model (same forms); the name is the output subdirectory.
         data: Forget set (path, hub id, records or ``Example`` list).

@@ -8,5 +8,5 @@ the models rather than patching them.
 * ``references``: what the full and retain models contribute once (states, lens log-probs, similarities, probes,
   Fisher anchors), reused for every unlearned model by ``analysis.diagnose`` and the meta-evaluation's scorers.
 
-Every model is read through ``uds_lens.sources`` (HookedTransformer, Hugging Face Llama, NF4 alike).
+Every model is read through ``uds_lens.sources`` (``TransformerBridge``, Hugging Face model, NF4 alike).
 """

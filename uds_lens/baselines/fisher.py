@@ -5,7 +5,7 @@ For model ``m`` and the forget set, the empirical diagonal Fisher of the paramet
     F_m[l] = mean_i (d loss_i / d theta_l)^2,    loss_i = - mean over example i's entity tokens of log p(label),
 
 one backward per example, at the UDS read positions (the same entity log-prob UDS scores). The masked score
-(PUBLISHED_IMPL §3, SPEC §3) looks only at the parameters whose sensitivity the forget set *added* to the full
+looks only at the parameters whose sensitivity the forget set *added* to the full
 model: per layer, the anchor ``a = max(F_ret - F_full, 0)`` marks where the retain model, which never saw the forget
 set, is **more** sensitive than the full model (the full model has fitted those examples, so its gradients there
 are small). With ``M`` the top ``p`` fraction of ``a`` (at least one entry):

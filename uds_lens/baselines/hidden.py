@@ -89,7 +89,7 @@ def collect_hidden_states(
     """One forward of ``model`` over ``examples``; keep every layer's residual at the read positions.
 
     Args:
-        model: Anything ``sources.as_source`` takes (``HookedTransformer``, Hugging Face Llama, NF4).
+        model: Anything ``sources.as_source`` takes (``TransformerBridge``, Hugging Face model, NF4).
         examples: Encoded examples (``uds_lens.data.EncodedExample`` or anything with ``idx``, ``input_ids``,
             ``read_positions`` and ``labels``).
         batch_size: Examples per forward (right padding; results do not depend on it).

@@ -11,13 +11,13 @@ Two normalisations feed it:
 
 * similarity-based methods (CKA, RSA, SVCCA, PWCCA), from a similarity ``S`` in [0, 1] to the retain model:
   ``e_l = clip((S(unl, ret) - S(full, ret)) / (1 - S(full, ret) + 1e-8), 0, 1)``, ``w_l = max(1 - S(full, ret), 0)``
-  (the published CKA baseline; see SPEC §3);
+  (the published CKA baseline);
 * delta-based, UDS-shaped methods (UDS itself, logit and tuned lens), per example ``i`` and layer ``l`` with
   ``d1 = k_full - k_ret``, ``d2 = k_full - k_unl``, a KE mask and a LER: pooled over examples per layer
-  (:func:`pooled_layerwise`), ``e_l = sum_i KE d1 LER / sum_i KE d1`` and ``w_l = sum_i KE d1 / n``.
+  (`pooled_layerwise`), ``e_l = sum_i KE d1 LER / sum_i KE d1`` and ``w_l = sum_i KE d1 / n``.
 
 The per-example aggregation of UDS is ``uds.example_uds``, written once there. The lenses use the published lens
-variant of it (SPEC §3), which differs in two places and is :func:`lens_erasure` here: ``LER = clip(d2 / (d1 +
+variant of it, which differs in two places and is `lens_erasure` here: ``LER = clip(d2 / (d1 +
 1e-8), 0, 1)`` (``eps`` in the ratio) and an example is scored only when its KE weight ``sum_KE d1`` exceeds 1e-8
 (UDS: when it has any KE layer).
 """
@@ -151,14 +151,14 @@ class LensErasure:
         return float(defined.double().mean()) if defined.numel() else math.nan
 
     def layerwise(self, method: str) -> LayerwiseErasure:
-        """Per-layer erasure pooled over examples (:func:`pooled_layerwise`)."""
+        """Per-layer erasure pooled over examples (`pooled_layerwise`)."""
         return pooled_layerwise(method, self.d1, self.ke, self.ler)
 
 
 def lens_erasure(
     d1: Float[Tensor, "example layer"], d2: Float[Tensor, "example layer"], tau: float = DEFAULT_TAU
 ) -> LensErasure:
-    """The published lens aggregation of per-layer deltas (SPEC §3): UDS's form with ``eps`` in the ratio.
+    """The published lens aggregation of per-layer deltas: UDS's form with ``eps`` in the ratio.
 
     Args:
         d1: Retain deltas ``k_full - k_ret``.

@@ -7,7 +7,7 @@ positions the per-layer score of model ``m`` on example ``i`` is the mean entity
     k[m, l] = mean_t log_softmax(logits_l)[t, label_t].
 
 With ``d1 = k_full - k_ret`` and ``d2 = k_full - k_unl`` the score is UDS's formula with the lens in place of
-patching (SPEC §3): KE layers ``d1 > 0.05``, ``LER = clip(d2 / (d1 + 1e-8), 0, 1)``,
+patching: KE layers ``d1 > 0.05``, ``LER = clip(d2 / (d1 + 1e-8), 0, 1)``,
 ``score_i = sum_KE d1 * LER / sum_KE d1`` and the model score is the mean over scored examples
 (``layerwise.lens_erasure``, which says where this differs from ``uds.example_uds``). The table has
 UDS's long shape and column names (``idx, layer, baseline_score, s1_score, s2_score, d1, d2, ke, ler`` with
@@ -53,8 +53,8 @@ def final_decoder(full: SourceLike) -> Decoder:
     """The full model's final norm followed by its unembedding, as a function ``h -> logits`` (fp32 out).
 
     Args:
-        full: Anything ``sources.as_source`` takes (``ActivationSource.decode`` of a HookedTransformer or a
-            Hugging Face Llama).
+        full: Anything ``sources.as_source`` takes (``ActivationSource.decode`` of a ``TransformerBridge`` or a
+            Hugging Face model).
     """
     return as_source(full).decode
 

@@ -11,7 +11,7 @@ unlearned models of one audit, so they are computed once, per method:
 * the linear probes, fitted on the full model's states, and their losses on full and retain;
 * the masked-Fisher anchors (masks and means from the full and retain diagonal Fisher), one per fraction.
 
-:meth:`References.observational` then needs one forward (and, for Fisher, one backward per example) of each
+`References.observational` then needs one forward (and, for Fisher, one backward per example) of each
 unlearned model. ``analysis.diagnose`` and the meta-evaluation's ``ModelScorers`` both build one.
 """
 

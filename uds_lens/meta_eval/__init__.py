@@ -4,7 +4,7 @@ not) and robust (unmoved by NF4 quantisation and by relearning)?
 ``formulas`` holds the arithmetic (AUC, symmetric Q/R, the filters, the tables), ``paper`` the paper's Table 3,
 ``attacks`` NF4 quantisation and relearning, ``runner`` the run on a zoo; ``scorers`` turns UDS and the white-box
 baselines into ``fn(model) -> float`` for it. Which metrics exist, and which way each points, is the metric registry's
-(:mod:`uds_lens.metrics.registry`).
+(`uds_lens.metrics.registry`).
 """
 
 from uds_lens.data import read_records

@@ -4,13 +4,13 @@ A faithful metric that is also robust should not move when the unlearned model i
 not change), and should move with the retain model's when both are fine-tuned on the forget set (relearning recovers
 knowledge that was only hidden faster than knowledge that was never there):
 
-- :func:`quantise_nf4` loads a checkpoint with bitsandbytes 4-bit NF4 weights and bf16 compute, no calibration (the
+- `quantise_nf4` loads a checkpoint with bitsandbytes 4-bit NF4 weights and bf16 compute, no calibration (the
   paper's setting);
-- :func:`relearn` fine-tunes a checkpoint for one epoch on the chat-formatted forget answers (the published attack:
+- `relearn` fine-tunes a checkpoint for one epoch on the chat-formatted forget answers (the published attack:
   lr 2e-5, batch 8 x accumulation 4, AdamW, linear decay) with the zoo's one training loop,
-  :func:`uds_lens.zoo.train.fit`.
+  `uds_lens.zoo.train.fit`.
 
-:data:`~uds_lens.meta_eval.formulas.QUANTISATION` and :data:`~uds_lens.meta_eval.formulas.RELEARNING` name them in the
+`QUANTISATION` and `RELEARNING` name them in the
 tables.
 """
 

@@ -2,7 +2,7 @@
 
 Following Dorna et al. (2025) as extended by the UDS paper (§4, App. E), every metric ``m`` is first oriented so that
 higher = more knowledge (``k = m`` for knowledge metrics, ``k = 1 - m`` for erasure metrics: the ``direction`` of
-its :mod:`~uds_lens.metrics.registry` spec), then scored on:
+its `registry` spec), then scored on:
 
 - **Faithfulness** = AUC-ROC of ``k`` separating the P pool (models trained *with* the forget set, label 1) from the
   N pool (never saw it, label 0). Pools are passed as ``{"pos": [...], "neg": [...]}``, the zoo's role names.
@@ -15,9 +15,9 @@ its :mod:`~uds_lens.metrics.registry` spec), then scored on:
 - ``robustness = HM(mean Q, mean R)``, ``overall = HM(faithfulness, robustness)``.
 
 (Open-Unlearning's asymmetric ``min(m_after/m_before, 1)`` / ``min(Δ_ret/Δ_unl, 1)`` are not used: the paper reports
-the symmetric ones.) :func:`robustness_table` applies the filters and gives every (metric, model, attack) its Q or R;
-:func:`meta_evaluate` turns that into the one-row-per-metric table. Everything here is arithmetic on tables of metric
-values; the attacks that produce them are in :mod:`~uds_lens.meta_eval.attacks`.
+the symmetric ones.) `robustness_table` applies the filters and gives every (metric, model, attack) its Q or R;
+`meta_evaluate` turns that into the one-row-per-metric table. Everything here is arithmetic on tables of metric
+values; the attacks that produce them are in `attacks`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def meta_evaluate(
     Args:
         metrics_df: one row per model (index = name), one column per metric.
         pools: ``{"pos": [...], "neg": [...]}`` model names of the P and N pools.
-        robustness: the per-model Q and R of :func:`robustness_table`.
+        robustness: the per-model Q and R of `robustness_table`.
         metrics: the rows (default: the paper's Table 3).
 
     Returns:

@@ -1,8 +1,8 @@
 """The paper's Table 3, and a meta-evaluation next to it.
 
 The UDS paper meta-evaluates 20 metrics on Llama-3.2-1B fine-tuned on TOFU forget10, with 30 + 30 pool models and 150
-unlearned models. :data:`PAPER_TABLE3` holds its numbers; :data:`METRICS` are the registry's specs of those metrics in
-the table's order (the rows every meta-evaluation table has); :func:`compare_with_paper` lines a table computed here up
+unlearned models. `PAPER_TABLE3` holds its numbers; `METRICS` are the registry's specs of those metrics in
+the table's order (the rows every meta-evaluation table has); `compare_with_paper` lines a table computed here up
 with it, metric by metric and by rank.
 """
 

@@ -1,10 +1,10 @@
 """Running the meta-evaluation on a zoo: every metric of every model, the two attacks, and the tables.
 
-:func:`evaluate_zoo` scores every model of a zoo (:mod:`uds_lens.zoo.layout`) with the output-level metrics
-(:func:`uds_lens.metrics.evaluate.report_model`) and the model-level scores it is given (UDS, the white-box methods,
-any ``@metric``-registered function); :func:`run_meta_eval` adds the NF4 and relearning attacks
-(:mod:`~uds_lens.meta_eval.attacks`) and computes the tables (:mod:`~uds_lens.meta_eval.formulas`) next to the
-paper's (:mod:`~uds_lens.meta_eval.paper`). Every model's scores are cached on disk, keyed by the settings and the
+`evaluate_zoo` scores every model of a zoo (`uds_lens.zoo.layout`) with the output-level metrics
+(`uds_lens.metrics.evaluate.report_model`) and the model-level scores it is given (UDS, the white-box methods,
+any ``@metric``-registered function); `run_meta_eval` adds the NF4 and relearning attacks
+(`attacks`) and computes the tables (`formulas`) next to the
+paper's (`paper`). Every model's scores are cached on disk, keyed by the settings and the
 checkpoint files, so a crashed run resumes at the first unfinished model.
 """
 
@@ -85,7 +85,7 @@ def _score_model(
     """Output metrics (cached in ``cache_file``) plus the white-box scores (cached next to them, one at a time).
 
     The cache is reused only for the same settings, the same checkpoint files (their contents,
-    :func:`checkpoint.checkpoint_stamp`: a retrained model or a new chat template invalidates it) and the same
+    `checkpoint.checkpoint_stamp`: a retrained model or a new chat template invalidates it) and the same
     ``references`` (the full/retain models the scores are anchored to).
     """
     if isinstance(model_or_path, _Deferred):
@@ -328,13 +328,13 @@ def run_meta_eval(
     (``OUT/metrics_relearn.csv``, checkpoints under ``OUT/models/NAME/relearn/model``). The quantised models reach
     ``uds_fn`` / ``white_box_fns`` as in-memory Hugging Face NF4 models, everything else as checkpoint paths.
     Relearning uses the zoo manifest's ``relearn`` settings where it has them (a built zoo scales the learning rate
-    to its own fine-tuning), then ``relearn_kwargs``, then the published attack's defaults (:func:`relearn`).
+    to its own fine-tuning), then ``relearn_kwargs``, then the published attack's defaults (`relearn`).
     ``OUT/robustness.csv`` holds the per-model Q and R; ``OUT/meta_eval.csv`` the 20-row table
     (rows whose metric has no function are NaN), and ``OUT/meta_eval_vs_paper.csv`` the same next to the paper's
-    Table 3 (:func:`compare_with_paper`). Every stage is cached per model, so ``resume`` restarts where a
+    Table 3 (`compare_with_paper`). Every stage is cached per model, so ``resume`` restarts where a
     crashed run stopped.
 
-    ``metrics`` names the rows (registered metrics, :mod:`uds_lens.metrics.registry`; default: the paper's 20).
+    ``metrics`` names the rows (registered metrics, `uds_lens.metrics.registry`; default: the paper's 20).
 
     Returns:
         The meta-evaluation table (``META_EVAL_COLUMNS``).

@@ -34,9 +34,9 @@ class ModelScorers:
     """UDS, logit lens, CKA and masked Fisher of any model of the full model's architecture, against full/retain.
 
     Args:
-        full / retain: checkpoint paths, hub ids or loaded models (as :class:`~uds_lens.auditor.UDSAuditor` takes them).
+        full / retain: checkpoint paths, hub ids or loaded models (as [`UDSAuditor`][uds_lens.auditor.UDSAuditor] takes them).
         data: the forget examples with ``prefix`` / ``entity`` (UDS and the white-box methods read the same tokens).
-        config: the UDS settings (default :class:`~uds_lens.auditor.UDSConfig`).
+        config: the UDS settings (default [`UDSConfig`][uds_lens.auditor.UDSConfig]).
         cache_dir: the S1 cache (``False`` for none).
         progress: tqdm bars while scoring.
         batch_size: examples per batch for the hidden-state collection of the white-box methods.
@@ -92,7 +92,7 @@ class ModelScorers:
                     fisher_fractions=(FISHER_FRACTION,),
                 )
             # Fisher needs gradients and the anchors' parameter layout: as in the published pipeline, the white-box
-            # scores of a Hugging Face model are taken on its HookedTransformer conversion (an NF4 model's from its
+            # scores of a Hugging Face model are taken on its TransformerLens conversion (an NF4 model's from its
             # dequantised, 4-bit-rounded weights).
             full_cfg = self.auditor.full.cfg
             loaded = as_source(self.auditor.load(model)).hooked(

@@ -258,5 +258,5 @@ def add_privacy(values: dict[str, Any], retain_aucs: Mapping[str, float]) -> dic
 
 
 def evaluate_model(*args: Any, **kwargs: Any) -> dict[str, float]:
-    """The dataset values of :func:`report_model` (metric name -> float), called with the same arguments."""
+    """The dataset values of `report_model` (metric name -> float), called with the same arguments."""
     return report_model(*args, **kwargs).values

@@ -229,7 +229,7 @@ def paraphrased_and_perturbed_probs(
     progress: bool = False,
     desc: str = "",
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """:func:`answer_probs` of the paraphrased and of the perturbed answers: what a Truth Ratio compares."""
+    """`answer_probs` of the paraphrased and of the perturbed answers: what a Truth Ratio compares."""
 
     def probs(answers: Sequence[Sequence[str]], kind: str) -> list[list[float]]:
         return answer_probs(

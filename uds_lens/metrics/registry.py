@@ -1,14 +1,14 @@
 """The metric registry: every unlearning metric and white-box method the toolkit knows, by name, with what it means.
 
-A metric is known by a :class:`MetricSpec`: its ``name`` (the column in ``metrics.csv`` and ``scores.json``), the
+A metric is known by a `MetricSpec`: its ``name`` (the column in ``metrics.csv`` and ``scores.json``), the
 paper's ``label``, its ``kind`` (how it looks at the model), its ``direction`` and what it ``needs``. The direction is
 the one fact every consumer must agree on: for a *knowledge* metric higher means the model still knows the forget set
 (Probability, ROUGE, raw MIA AUCs), for an *erasure* metric higher means it is gone (UDS, the white-box scores, the
 retain-referenced ``s_mia_*``). The meta-evaluation orients every metric as ``k = m`` or ``k = 1 - m`` from it, the
 plots invert the erasure ones before a P/N AUC, ``diagnose`` and the CLI list their choices from it.
 
-Metrics are registered once, with :func:`register` (a spec alone: the metric is computed elsewhere, e.g. the
-output-level ones in one pass by :func:`uds_lens.metrics.evaluate.report_model`) or with the :func:`metric`
+Metrics are registered once, with `register` (a spec alone: the metric is computed elsewhere, e.g. the
+output-level ones in one pass by `uds_lens.metrics.evaluate.report_model`) or with the `metric`
 decorator, which also binds a function ``fn(model) -> float``; the meta-evaluation scores every zoo model with the
 bound functions, so a user-defined metric joins the evaluation by being decorated (after Open-Unlearning's
 ``@unlearning_metric``, without its keyword plumbing)::
@@ -16,7 +16,7 @@ bound functions, so a user-defined metric joins the evaluation by being decorate
     @metric("mean_entity_logprob", label="Entity log-prob", kind=WHITE_BOX, direction=KNOWLEDGE, needs=("forget",))
     def mean_entity_logprob(model) -> float: ...
 
-Every per-example metric result has one shape, :class:`MetricResult` (``agg_value`` plus ``value_by_index``), which is
+Every per-example metric result has one shape, `MetricResult` (``agg_value`` plus ``value_by_index``), which is
 what Open-Unlearning's JSON stores.
 """
 
@@ -61,9 +61,9 @@ class MetricSpec:
     Attributes:
         name: the column name in ``metrics.csv`` / the key in ``scores.json``.
         label: the paper's name.
-        kind: one of :data:`KINDS`.
-        direction: :data:`KNOWLEDGE` (higher = knows the forget set) or :data:`ERASURE` (higher = erased).
-        needs: what it needs besides the model (:data:`NEEDS`).
+        kind: one of `KINDS`.
+        direction: `KNOWLEDGE` (higher = knows the forget set) or `ERASURE` (higher = erased).
+        needs: what it needs besides the model (`NEEDS`).
         group: the paper's row group (Memorization, Generation, Privacy, Normalized, White-box), "" outside Table 3.
         scope: the paper's tags, O (output-level), R (retain-referenced), I (internal).
         fn: ``fn(model_or_path) -> float`` when the metric is computed one model at a time by a registered function.
@@ -109,7 +109,7 @@ class MetricResult:
     def from_values(
         cls, value_by_index: Mapping[Any, float | None], agg_value: float | None = None
     ) -> MetricResult:
-        """The aggregate is :func:`mean_or_nan` of the per-example values unless ``agg_value`` is given."""
+        """The aggregate is `mean_or_nan` of the per-example values unless ``agg_value`` is given."""
         if agg_value is None:
             agg_value = mean_or_nan(list(value_by_index.values()))
         return cls(agg_value, dict(value_by_index))
@@ -180,12 +180,12 @@ def specs(
 
 
 def names(kind: str | None = None, direction: str | None = None, group: str | None = None) -> tuple[str, ...]:
-    """Names of :func:`specs`."""
+    """Names of `specs`."""
     return tuple(s.name for s in specs(kind, direction, group))
 
 
 def score_fns() -> dict[str, Callable[[Any], float]]:
-    """``{name: fn}`` of the metrics registered with a function (:func:`metric`)."""
+    """``{name: fn}`` of the metrics registered with a function (`metric`)."""
     return {s.name: s.fn for s in _REGISTRY.values() if s.fn is not None}
 
 

@@ -36,7 +36,7 @@ pads and sizes a batch:
 Each engine's baseline (the same computation with the clean activation written back) is what patched scores are
 compared with, so a source identical to the full model gives deltas of exactly 0.
 
-Sources only have to yield activations (``source_activations``): a HookedTransformer, or a plain Hugging Face
+Sources only have to yield activations (``source_activations``): a ``TransformerBridge``, or a plain Hugging Face
 model through forward hooks (that is how a 4-bit NF4 model is measured).
 
 Every engine call takes one ``config.EngineSpec`` (site, layers, engine, published_compat) instead of loose

@@ -1,7 +1,7 @@
 """Stage 2 on chosen cells: patched scores of only the (example, layer) cells asked for, NaN elsewhere.
 
 UDS reads ``d2[l]`` only where ``d1[l] > tau`` (the KE cells, known from Stage 1 before any unlearned model is
-loaded), and an example with no KE layer not at all (SPEC 1.6b). An engine's ``cell_scores``
+loaded), and an example with no KE layer not at all. An engine's ``cell_scores``
 (``engines.PatchEngine``) runs exactly those cells:
 
 * the source forward runs only the examples that have a cell, up to the last layer that has one;
@@ -10,7 +10,7 @@ loaded), and an example with no KE layer not at all (SPEC 1.6b). An engine's ``c
   ordered latest start first, so the runs active at a block are a tail of the rows and each block is one call of
   its norms, projections and MLP over exactly the rows that need it. Inside attention each run is laid out as an
   example of its own, reading its example's clean prefix keys and values. The cost is the sum over the cells run
-  of ``window x blocks after the patch``: the floor of :func:`stage2_work` priced on those cells;
+  of ``window x blocks after the patch``: the floor of `stage2_work` priced on those cells;
 * ``naive``: one hooked forward per layer over the examples that have a cell at that layer.
 
 A cell is computed from the same inputs and with the same arithmetic as in the every-cell runs
@@ -229,7 +229,7 @@ def stage2_record(
 ) -> dict[str, Any]:
     """What a Stage 2 on ``cells`` (the KE cells chosen with ``tau``; None = every cell) runs, as a result records
     it: ``cells`` (``ke`` or ``all``), ``tau`` (None for ``all``), ``n_cells`` / ``n_cells_run``,
-    ``n_examples_run``, and ``work_share``: the share of every cell's :func:`stage2_work` that those cells cost."""
+    ``n_examples_run``, and ``work_share``: the share of every cell's `stage2_work` that those cells cost."""
     n, n_cells = len(window_len), len(window_len) * len(layers)
     if cells is None:
         return {

@@ -7,10 +7,10 @@ the method).
 on chosen cells only). Planning asks the engine's class how it lays out and sizes a batch (``cut``,
 ``padded_length``, ``bytes_per_example``, ``joins_weights``) and whether it runs a model at all (``refusal``).
 
-* :class:`NaiveEngine` (the oracle and the fallback): one hooked forward of the full model per (batch, layer),
+* `NaiveEngine` (the oracle and the fallback): one hooked forward of the full model per (batch, layer),
   stopped at the last block's output; the final residual is read at the read positions only (``read_scores``, the
   fast engine's read-out), so no run makes logits for positions nobody reads.
-* :class:`FastEngine` (the default): only each example's window is recomputed, from the clean run's keys and
+* `FastEngine` (the default): only each example's window is recomputed, from the clean run's keys and
   values (``fast_patched_scores``).
 """
 
@@ -158,7 +158,7 @@ class PatchEngine(ABC):
         timings: dict[str, float] | None = None,
     ) -> Float[Tensor, "batch layer"]:
         """One source forward and the patched scores of every layer: what a stage costs per batch (``timings`` as
-        for :meth:`timed_source_activations`)."""
+        for `timed_source_activations`)."""
         acts = self.timed_source_activations(source, batch, timings)
         return self.patched_scores(full, batch, acts.to(full.cfg.device), clean)
 
@@ -171,7 +171,7 @@ class PatchEngine(ABC):
         clean: CleanRun | None = None,
         timings: dict[str, float] | None = None,
     ) -> Float[Tensor, "batch layer"]:
-        """:meth:`source_scores` on the ``cells`` only (``[batch, layer of spec.layers]``), NaN elsewhere.
+        """`source_scores` on the ``cells`` only (``[batch, layer of spec.layers]``), NaN elsewhere.
 
         The source runs on the examples that have a cell, through the last layer that has one; a batch without any
         cell runs nothing (``patching.cells`` describes the fast engine's packing of the cells)."""
@@ -298,7 +298,7 @@ class NaiveEngine(PatchEngine):
     against and the fallback for what the fast engine refuses (quantised weights, a family it does not compute).
 
     Each run, the clean one included, stops at the last block and reads the final residual at the read positions
-    (:func:`final_residual_at_reads`, then ``read_scores``), so a source equal to the full model gives deltas of
+    (`final_residual_at_reads`, then ``read_scores``), so a source equal to the full model gives deltas of
     exactly 0 and the read-out is the fast engine's. Its baseline is S0 repeated per layer."""
 
     name: ClassVar[Engine] = "naive"
@@ -403,7 +403,7 @@ def window_source_activations(
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
     (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
 
-    A HookedTransformer runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
+    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
     run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """

@@ -110,7 +110,7 @@ def choose_batch_size(
     """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1): the engine's
     ``bytes_per_example`` at the longest sequence and window.
 
-    The fast engine's joined matrices (:func:`joined_copy_bytes`) are made when a model first runs, after the batch
+    The fast engine's joined matrices (`joined_copy_bytes`) are made when a model first runs, after the batch
     size is chosen, and are kept while it lives: ``joined_models`` of them (full, retain and the source being
     scored) are taken from the free memory first. The naive engine joins nothing.
     """

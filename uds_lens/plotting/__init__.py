@@ -2,19 +2,19 @@
 
 ``from uds_lens import plotting`` gives every figure function, by subject:
 
-- :mod:`~uds_lens.plotting.heatmaps`: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
-- :mod:`~uds_lens.plotting.curves`: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
+- [`heatmaps`][uds_lens.plotting.heatmaps]: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
+- [`curves`][uds_lens.plotting.curves]: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
   ``lens_vs_uds_models``, ``layerwise_methods``;
-- :mod:`~uds_lens.plotting.models`: ``model_frame``, ``uds_bar``, ``uds_distribution``, ``prompt_type_bar``,
+- [`models`][uds_lens.plotting.models]: ``model_frame``, ``uds_bar``, ``uds_distribution``, ``prompt_type_bar``,
   ``rmu_layer_profile``;
-- :mod:`~uds_lens.plotting.components`: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
-- :mod:`~uds_lens.plotting.meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
-- :mod:`~uds_lens.plotting.export`: ``save`` (PNG/SVG/PDF or offline HTML), ``keep_figures_in_notebooks`` (figures
+- [`components`][uds_lens.plotting.components]: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
+- `meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
+- [`export`][uds_lens.plotting.export]: ``save`` (PNG/SVG/PDF or offline HTML), ``keep_figures_in_notebooks`` (figures
   stored as HTML too, so a shared notebook shows them);
-- :mod:`~uds_lens.plotting.style`: the palette, dashes and scales they share, and ``model_colour`` (one colour per
+- `style`: the palette, dashes and scales they share, and ``model_colour`` (one colour per
   model in every figure).
 
-:func:`uds_lens.plotting.report.write_report` assembles them into one offline HTML page. ``uds_lens.plots`` is the
+[`uds_lens.plotting.report.write_report`][uds_lens.plotting.report.write_report] assembles them into one offline HTML page. ``uds_lens.plots`` is the
 earlier name of this package and still works. The names load their module on first use (PEP 562, as
 ``uds_lens/__init__.py`` does), so ``results.py``, which needs one figure, and ``uds-lens report`` do not pay for the
 others (the meta-evaluation figures import scikit-learn).

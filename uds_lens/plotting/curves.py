@@ -6,7 +6,7 @@ log-prob (``baseline``: its unpatched score as the engine recomputes it per laye
 retain model's activation is patched in at layer ``l`` (Stage 1: how much forget-set knowledge layer ``l`` carries)
 and ``d2[l] = baseline[l] - s2[l]`` the same drop with the unlearned model as the source (Stage 2: how much of it is
 gone). KE layers are ``d1 > tau``, ``LER = clip(d2 / d1, 0, 1)`` there, and ``UDS_i = sum_KE d1 * LER / sum_KE d1``
-(:mod:`uds_lens.uds` defines and computes them; the curves only draw them). S1 is drawn solid and S2 dashed
+([`uds_lens.uds`][uds_lens.uds] defines and computes them; the curves only draw them). S1 is drawn solid and S2 dashed
 everywhere, and S1 once in grey when every model shares it.
 """
 
@@ -267,7 +267,7 @@ def lens_vs_uds_example(
         uds_layers: UDS layers table (``idx, layer, d1, d2, ler``) or a ``UDSResult``.
         lens_layers: logit-lens layers table in the same shape.
         idx: the example.
-        tau: KE threshold for both (SPEC: 0.05 for UDS and for the logit lens).
+        tau: KE threshold for both (0.05 for UDS and for the logit lens).
         site: patching site of the UDS table when it holds several.
         title: figure title.
     """

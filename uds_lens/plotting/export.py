@@ -1,5 +1,5 @@
 """Figures out of the notebook: PNG/SVG/PDF through kaleido, or self-contained HTML that opens offline; and figures
-that stay in a notebook when it is shared (:func:`keep_figures_in_notebooks`)."""
+that stay in a notebook when it is shared ([`keep_figures_in_notebooks`][uds_lens.plotting.export.keep_figures_in_notebooks])."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ outside the KE cells (``d1 > tau``), where ``d2 / d1`` is a ratio of noise. Exam
 by their mean ``d1`` (Stage 1: the same order for every model audited against one full/retain pair, so heatmaps of
 several models line up) or grouped by prompt type, and every cell's hover names the example's question and entity.
 The KE cells are marked (or, when they are most cells, the cells that are not KE), clipped KE cells (``d2 > d1``,
-LER cut to 1: over-disruption, SPEC 1.6c) get a red cross on ``d2`` and ``ler`` maps, and a cell without a value is
+LER cut to 1: over-disruption) get a red cross on ``d2`` and ``ler`` maps, and a cell without a value is
 plain grey, named in the legend.
 """
 

@@ -1,12 +1,12 @@
 """Figures of the meta-evaluation: P vs N pool histograms with the faithfulness AUC, metric values before vs after an
 attack, and a sweep's UDS against the published one.
 
-The tables are the ones :mod:`uds_lens.meta_eval` writes. ``metrics.csv``: one row per model, its zoo ``role``
+The tables are the ones `uds_lens.meta_eval` writes. ``metrics.csv``: one row per model, its zoo ``role``
 (``pos``: trained with the forget set, ``neg``: never saw it, or ``full``/``retain``/``unlearned``/...) and one column
 per metric. ``robustness.csv``: ``metric, model, attack, before, after, score, passed`` with ``attack`` one of
 ``"quantisation"`` (NF4) and ``"relearning"``, and ``before``/``after`` already oriented as knowledge scores.
 Faithfulness is the ROC AUC of the P pool (label 1) against the N pool on knowledge-oriented values: metrics where
-high = erased (:data:`ERASURE_METRICS`) are negated first, which ranks models like the meta-evaluation's ``1 - x``.
+high = erased (`ERASURE_METRICS`) are negated first, which ranks models like the meta-evaluation's ``1 - x``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def pool_histograms(
         pool_column: column holding the pool label.
         positive: label of the P pool (models that saw the forget set; they should look like they *know*).
         negative: label of the N pool (models that never saw it).
-        invert: metrics where high = erased, negated for the AUC only (default :data:`ERASURE_METRICS`).
+        invert: metrics where high = erased, negated for the AUC only (default `ERASURE_METRICS`).
         max_columns: panels per row.
         bins: histogram bins per panel.
         title: figure title.

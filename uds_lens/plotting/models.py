@@ -2,7 +2,7 @@
 types, and the RMU layer profile.
 
 A model's UDS is the mean of its defined per-example scores and its 95% CI the bootstrap over examples, both as
-:mod:`uds_lens.uds` computes them (``model_uds``, ``bootstrap_ci``); a result's own ``summary`` is used when it has
+[`uds_lens.uds`][uds_lens.uds] computes them (``model_uds``, ``bootstrap_ci``); a result's own ``summary`` is used when it has
 them, so a bar shows exactly the number the result reports.
 """
 
@@ -64,7 +64,7 @@ def model_frame(
     Returns:
         DataFrame with columns ``model, uds, ci_low, ci_high, n_scored, n_no_ke, n_skipped, clipped_share,
         clipped_median_ratio`` (+ ``role``): ``clipped_share`` is the share of KE cells with ``d2 > d1``, whose
-        LER the clip cut to 1 (over-disruption, SPEC 1.6c; from the summary, else counted from ``.layers``).
+        LER the clip cut to 1 (over-disruption; from the summary, else counted from ``.layers``).
     """
     if isinstance(results, pd.DataFrame):
         frame = results.copy()
@@ -120,9 +120,9 @@ def uds_bar(
 
     Args:
         results: ``{name: result}``, one result, or a model table (``model, uds, ci_low, ci_high`` [, ``role``]) as
-            from :func:`model_frame`.
+            from [`model_frame`][uds_lens.plotting.models.model_frame].
         roles: optional ``{name: role}``, shown in each bar's hover and label (bars are coloured by model:
-            :func:`~uds_lens.plotting.style.model_colour`, the same colour as in every other figure).
+            `model_colour`, the same colour as in every other figure).
         sort: order bars by UDS instead of the given order.
         title: figure title.
     """

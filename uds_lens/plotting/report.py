@@ -1,9 +1,9 @@
-"""One self-contained HTML page from saved results: the figures of :mod:`uds_lens.plotting` and the tables behind them.
+"""One self-contained HTML page from saved results: the figures of `uds_lens.plotting` and the tables behind them.
 
-``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/`` (``UDSResult.save``: the tables of
-SPEC §1.8 and ``meta.json`` with the digest of every file); ``uds-lens diagnose`` adds
+``uds-lens score`` saves one directory per audited model, ``RESULTS_DIR/NAME/`` (``UDSResult.save``: ``summary.json``,
+the ``examples.csv`` and ``layers.csv`` tables, and ``meta.json`` with the digest of every file); ``uds-lens diagnose`` adds
 ``RESULTS_DIR/NAME/{scores.json, layerwise.csv, components.csv}`` and ``RESULTS_DIR/{prompt_types.csv,
-tau_sensitivity.csv}``. :func:`write_report` reads whatever of these exists (results through ``UDSResult.load``, so
+tau_sensitivity.csv}``. [`write_report`][uds_lens.plotting.report.write_report] reads whatever of these exists (results through ``UDSResult.load``, so
 the page shows exactly what ``load`` gives back) and writes one HTML file with plotly.js inlined once in the page
 head, so the page opens offline and can be mailed as is. Model roles (full / retain / unlearned / pos / neg ...) come
 from the caller, from ``RESULTS_DIR/roles.json`` (``{name: role}``, as ``uds-lens demo`` writes it) or from each
@@ -69,7 +69,7 @@ def _read_csv(path: Path) -> pd.DataFrame | None:
 
 
 def find_incomplete(results_dir: str | Path) -> dict[str, str]:
-    """``{directory name: reason}`` for every result directory under ``results_dir`` that :func:`load_results`
+    """``{directory name: reason}`` for every result directory under ``results_dir`` that [`load_results`][uds_lens.plotting.report.load_results]
     leaves out because its files are incomplete or do not belong together (a killed or concurrent write)."""
     return _scan(Path(results_dir))[1]
 
@@ -78,7 +78,7 @@ def load_results(results_dir: str | Path) -> dict[str, SavedResult]:
     """Read every complete saved result under ``results_dir`` (one sub-directory per model).
 
     Directories whose files ``UDSResult.load`` refuses (incomplete, or from different runs) are left out with a
-    warning (see :func:`find_incomplete`; the report lists them), as are hidden ones (a writer's staging directories).
+    warning (see [`find_incomplete`][uds_lens.plotting.report.find_incomplete]; the report lists them), as are hidden ones (a writer's staging directories).
 
     Args:
         results_dir: the directory ``uds-lens score`` / ``diagnose`` wrote to.
@@ -326,7 +326,7 @@ def write_report(
         title: page title (default: "UDS report: <directory name>").
         roles: ``{name: role}`` (from a zoo: ``{m["name"]: m["role"] for m in zoo.models}``); default the
             directory's ``roles.json`` for the models it does not name, then the role in their summary or the one
-            their result implies (:func:`result_role`): every model shows a role. Models are shown in this order (the terminal table's: the order
+            their result implies ([`result_role`][uds_lens.plotting.report.result_role]): every model shows a role. Models are shown in this order (the terminal table's: the order
             of ``roles``, of ``roles.json``, then of ``sweep.csv``), the others by name.
 
     Returns:

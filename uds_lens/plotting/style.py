@@ -1,13 +1,13 @@
 """One visual language for every figure: colours, dashes, scales, reference lines, layer ticks and bands.
 
 **Colour** says which thing is compared (a model, a patching site, a readout). A model keeps one colour in every
-figure and the report (:func:`model_colour`: the reference models ``full`` and ``retain`` have fixed ones, every
-other model gets the next :data:`PALETTE` colour the first time it is drawn in a process, and keeps it, whatever
-the order or the company it is drawn in; :func:`set_model_colours` pins colours of your own). S1, shared by all
-models audited against one full/retain pair, is grey (:data:`S1_COLOUR`). **Dash** says which stage (:data:`STAGE_DASH`: S1 / ``d1`` solid, S2 / ``d2`` dashed).
+figure and the report (`model_colour`: the reference models ``full`` and ``retain`` have fixed ones, every
+other model gets the next `PALETTE` colour the first time it is drawn in a process, and keeps it, whatever
+the order or the company it is drawn in; `set_model_colours` pins colours of your own). S1, shared by all
+models audited against one full/retain pair, is grey (`S1_COLOUR`). **Dash** says which stage (`STAGE_DASH`: S1 / ``d1`` solid, S2 / ``d2`` dashed).
 Thresholds and references (``tau``) are dotted grey lines, the KE layers of one example a shaded band. Heatmaps
-follow the TransformerLens/ARENA convention: :data:`DELTA_SCALE` (RdBu, white at 0) for deltas, where a positive
-delta (the patch removed knowledge) is blue, and the sequential :data:`LER_SCALE` on 0-1 for LER and UDS.
+follow the TransformerLens/ARENA convention: `DELTA_SCALE` (RdBu, white at 0) for deltas, where a positive
+delta (the patch removed knowledge) is blue, and the sequential `LER_SCALE` on 0-1 for LER and UDS.
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ _MODEL_COLOURS: dict[str, str] = {}
 
 def palette_colour(position: int) -> str:
     """The palette colour of the ``position``-th compared thing (wrapping around): sites, readouts, methods; models
-    take :func:`model_colour`."""
+    take `model_colour`."""
     return PALETTE[position % len(PALETTE)]
 
 
 def model_colour(name: str) -> str:
     """One model's colour, the same in every figure of this process and in the report written from it.
 
-    ``full`` and ``retain`` (and ``zoo:full`` ...) have :data:`REFERENCE_COLOURS`; any other name gets the next
-    palette colour on first use (wrapping after ten models) unless :func:`set_model_colours` pinned one.
+    ``full`` and ``retain`` (and ``zoo:full`` ...) have `REFERENCE_COLOURS`; any other name gets the next
+    palette colour on first use (wrapping after ten models) unless `set_model_colours` pinned one.
     """
     key = str(name).removeprefix("zoo:")
     if key in REFERENCE_COLOURS:

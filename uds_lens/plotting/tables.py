@@ -1,16 +1,16 @@
 """How figures read results: anything carrying UDS tables in, plain DataFrames out.
 
-A figure takes a :data:`Result`: a ``UDSResult``, a :class:`SavedResult` (a result directory read back by
-:mod:`uds_lens.plotting.report`), an ``ExampleView`` (one example of a result) or a bare long ``layers`` table; or
-several of them (:data:`Results`: a list or ``{name: result}``). They are typed with the real classes (``results.py``
+A figure takes a `Result`: a ``UDSResult``, a `SavedResult` (a result directory read back by
+[`uds_lens.plotting.report`][uds_lens.plotting.report]), an ``ExampleView`` (one example of a result) or a bare long ``layers`` table; or
+several of them (`Results`: a list or ``{name: result}``). They are typed with the real classes (``results.py``
 imports no plotting, so plotting may import it) and read by attribute (``.layers`` / ``.examples`` / ``.summary``).
-The tables (SPEC §1.8):
+The tables:
 
 - examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (+ ``question``, ``entity``);
 - layers (long, one row per example x layer x site): ``idx, layer, site, s0, baseline_score, s1_score, s2_score,
   d1, d2, ke, ler``; lens tables have the same ``idx, layer, d1, d2, ke, ler`` columns.
 
-Nothing here computes UDS: KE masks come from the table's ``ke`` column or :func:`uds_lens.uds.ke_mask`.
+Nothing here computes UDS: KE masks come from the table's ``ke`` column or [`uds_lens.uds.ke_mask`][uds_lens.uds.ke_mask].
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ Results: TypeAlias = "Result | Sequence[Result] | Mapping[str, Result]"
 
 @runtime_checkable
 class HasExamples(Protocol):
-    """Any object with an ``examples`` table: what :func:`~uds_lens.plotting.models.model_frame` needs at least."""
+    """Any object with an ``examples`` table: what [`model_frame`][uds_lens.plotting.models.model_frame] needs at least."""
 
     @property
     def examples(self) -> pd.DataFrame | None:

@@ -44,13 +44,13 @@ of the one auditor that computed Stage 1, exactly as ``uds-lens score`` would.
 
 The package, one concept per module (every name is re-exported here):
 
-* ``lists``: what to sweep (:class:`SweepModel`, model-list files, the shipped registries, result-name checks), the
-  names of the sweep's own files (:data:`SWEEP_FILES`) and :class:`SweepError`;
-* ``staging``: a model made ready before its turn (:func:`prepare_model`, the move to the device) and the
-  :class:`StagingPipeline` that stages one model ahead;
-* ``worker``: :class:`SweepWorker` (its auditor, the shipped Stage 1, :func:`finish_model`) and its threads;
-* ``ledger``: ``sweep.csv``'s :data:`COLUMNS` and :data:`PHASES`, the rows, the reuse decision and the writes;
-* ``driver``: :func:`sweep`, in-process or on Ray (actors, dispatch, retries);
+* ``lists``: what to sweep (`SweepModel`, model-list files, the shipped registries, result-name checks), the
+  names of the sweep's own files (`SWEEP_FILES`) and `SweepError`;
+* ``staging``: a model made ready before its turn (`prepare_model`, the move to the device) and the
+  `StagingPipeline` that stages one model ahead;
+* ``worker``: `SweepWorker` (its auditor, the shipped Stage 1, `finish_model`) and its threads;
+* ``ledger``: ``sweep.csv``'s `COLUMNS` and `PHASES`, the rows, the reuse decision and the writes;
+* ``driver``: `sweep`, in-process or on Ray (actors, dispatch, retries);
 * ``published``: the comparison with the published figures and its scatter (``plotting`` imported only to draw).
 """
 

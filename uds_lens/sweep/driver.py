@@ -78,7 +78,7 @@ def sweep(
 ) -> pd.DataFrame:
     """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
 
-    Example:
+    Examples:
         >>> table = sweep("ckpt/full", "ckpt/retain", "forget.json", "sweep_out", registry="tofu-llama-3.2-1b",
         ...               methods=["npo", "rmu"], workers=8, gpus_per_worker=1)
         >>> table[["name", "status", "uds", "ci_low", "ci_high"]]
@@ -88,9 +88,9 @@ def sweep(
         data: forget-set path, hub id or records (read here once and shipped to the workers).
         out: output directory: ``NAME/`` per model, ``sweep.csv``, ``sweep_eval.json``.
         models_to_score: a model-list file (``name,path_or_id`` CSV rows or one path per line), a list of paths or
-            :class:`SweepModel`, or a ``{name: path}`` dict. Exactly one of this and ``registry``.
+            `SweepModel`, or a ``{name: path}`` dict. Exactly one of this and ``registry``.
         registry / methods: a registry name (``tofu-llama-3.2-1b``) or CSV, optionally filtered by method.
-        config: :class:`~uds_lens.auditor.UDSConfig` (the same settings as ``uds-lens score``). Its
+        config: [`UDSConfig`][uds_lens.auditor.UDSConfig] (the same settings as ``uds-lens score``). Its
             ``stage2_cells`` None (the default) means ``ke`` here: Stage 2 on the KE cells only, the same UDS for
             less work (``d2`` NaN elsewhere); ``stage2_cells="all"`` keeps every layer's ``d2``.
         workers: Ray actors; 1 runs in-process; None = one per GPU (``gpus_per_worker``) or per CPU slot
@@ -116,7 +116,7 @@ def sweep(
         prefetch: in-process, stage the next model (read, hash, load on the CPU) while this one computes; at most
             one model is held besides the computing one. False stages each model only when its turn comes.
         startup_timeout: seconds to wait for the Ray actors to start (load full, compute Stage 1) before giving up
-            with a :class:`SweepError`; None waits without limit.
+            with a `SweepError`; None waits without limit.
 
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
@@ -223,7 +223,7 @@ def _sweep_in_process(
     progress: bool,
     prefetch: bool = True,
 ) -> pd.DataFrame:
-    """One worker in this process, its models staged one ahead (:class:`StagingPipeline`).
+    """One worker in this process, its models staged one ahead (`StagingPipeline`).
 
     Each model is read and hashed once, on the staging thread, while the previous one computes; the reuse decision
     is made there from that digest (a current result is reused without loading the model); a model that cannot be
@@ -260,7 +260,7 @@ def _sweep_in_process(
 
 @dataclass(frozen=True)
 class ActorLayout:
-    """How many Ray actors a sweep starts and what each asks for (:func:`plan_actors`)."""
+    """How many Ray actors a sweep starts and what each asks for (`plan_actors`)."""
 
     workers: int
     gpus_per_worker: float

@@ -110,7 +110,7 @@ class Ledger:
             }
 
     def reusable(self, entry: SweepModel, force: bool) -> tuple[SavedCheck, dict[str, Any]]:
-        """What ``entry``'s saved result is worth to this run (:func:`results.check_saved`: the result if it is
+        """What ``entry``'s saved result is worth to this run ([`results.check_saved`][uds_lens.results.check_saved]: the result if it is
         current, why (not), and whether it is another run's), and this run's fingerprint of it (hashing the model's
         files, unless they were just hashed: the digest is memoised)."""
         fingerprint = self.shipped.fingerprint(entry.source)
@@ -122,7 +122,7 @@ class Ledger:
         """Record every model whose saved result is current as ``reused``; returns the models left to score.
 
         Used where the driver cannot see the workers' reads (Ray): it hashes every model here first. The in-process
-        sweep decides per model while staging it instead (:meth:`check_staged`), reading each checkpoint once.
+        sweep decides per model while staging it instead (`check_staged`), reading each checkpoint once.
 
         Raises:
             SweepError: without ``force``, a model's directory holds another run's result (other inputs); nothing

@@ -1,5 +1,5 @@
 """What to sweep: model lists, the shipped registries and the checks on result names (which may not be the sweep's
-own files, named here: :data:`SWEEP_FILES`), and :class:`SweepError`, which every module of the sweep raises."""
+own files, named here: `SWEEP_FILES`), and `SweepError`, which every module of the sweep raises."""
 
 from __future__ import annotations
 

@@ -79,12 +79,12 @@ def prepare_model(
         entry: the model.
         dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
             views of the read bytes when the dtype matches), in ordinary memory, and moved to ``device`` when its
-            turn comes (:func:`finish_model`).
+            turn comes (`finish_model`).
         reuse: called once the model is hashed, before it is loaded; it may set ``reused`` (and then the model is
-            not loaded at all) and ``reason`` on the :class:`Prepared` it is given.
+            not loaded at all) and ``reason`` on the `Prepared` it is given.
 
     Returns:
-        The :class:`Prepared` model; an error (a missing path, a truncated file, a model that does not load) is
+        The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is
         kept in its ``error``, to become the model's ``failed`` row.
     """
     prepared = Prepared(entry)
@@ -156,7 +156,7 @@ class StagingPipeline:
     model is in memory besides the one computing (``peak`` counts them: 2 with ``ahead``, 1 without). ``prepare``
     should not raise (a model's error belongs in its result); if it does, the error is handed out in its place.
 
-    Example:
+    Examples:
         >>> for entry, prepared, waited in StagingPipeline(worker.prepare, entries, release=Prepared.release):
         ...     outcome = worker.finish(prepared)
     """

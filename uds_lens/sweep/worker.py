@@ -67,7 +67,7 @@ class ModelOutcome:
     """What scoring one model on a worker gave: a result (``scored``), a saved result reused (``reused``, decided
     while staging it in-process) or an error (``failed``).
 
-    ``phases`` holds the seconds of each phase the model went through (keys of :data:`PHASES`), ``load_seconds``
+    ``phases`` holds the seconds of each phase the model went through (keys of `PHASES`), ``load_seconds``
     and ``seconds`` are the load phase and the model's wall time on the worker, ``wait_seconds`` the part of it the
     worker waited for the model to be staged.
     """
@@ -96,7 +96,7 @@ def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
 
     Any error (a path that does not load, a model of another architecture, non-finite scores) becomes a ``failed``
     outcome naming it: one bad checkpoint must not end a sweep of a hundred. The checkpoint is read once: its bytes
-    are hashed as they are read and the model is built from them (see :class:`Prepared`).
+    are hashed as they are read and the model is built from them (see `Prepared`).
     """
     prepared = prepare_model(model, auditor.config.dtype, auditor.device)
     try:
@@ -208,7 +208,7 @@ class SweepWorker:
     and Stage 1.
 
     The first worker computes Stage 1 (``compute_stage=True``: it loads retain for that, uses the S1 cache, then drops
-    retain); the driver ships that :class:`ShippedStage` to every worker through the object store (``adopt``), so
+    retain); the driver ships that `ShippedStage` to every worker through the object store (``adopt``), so
     each one scores with the same Stage 1 and the same batches. ``adopt`` checks that the worker sees the same full
     model and the same token layout as the worker that computed Stage 1 (a node with other checkpoint files or another
     tokenizer version would give silently different numbers). Every worker's auditor is built naming the plan's
@@ -265,17 +265,17 @@ class SweepWorker:
         return _worker_label()
 
     def prepare(self, model: SweepModel, reuse: Callable[[Prepared], None] | None = None) -> Prepared:
-        """Stage one model for this worker (:func:`prepare_model`); safe to run on another thread while it scores."""
+        """Stage one model for this worker (`prepare_model`); safe to run on another thread while it scores."""
         return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse)
 
     def finish(self, prepared: Prepared) -> ModelOutcome:
-        """Score a prepared model (:func:`finish_model`)."""
+        """Score a prepared model (`finish_model`)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
         return finish_model(self.auditor, prepared)
 
     def score(self, model: SweepModel) -> ModelOutcome:
-        """Score one unlearned model (see :func:`score_one`)."""
+        """Score one unlearned model (see `score_one`)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
         return score_one(self.auditor, model)

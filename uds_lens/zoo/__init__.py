@@ -2,10 +2,10 @@
 
 ``build_zoo(dir, size="test" | "default")`` writes the QA data, a tokenizer and Hugging Face Llama checkpoints (base, full,
 retain, retain90/50, unlearned models, meta-evaluation pools) plus ``manifest.json``; ``load_zoo(dir)`` opens one.
-See :mod:`uds_lens.zoo.recipe` for the recipe, :mod:`uds_lens.zoo.build` for the build steps,
-:mod:`uds_lens.zoo.world` for the data and :mod:`uds_lens.zoo.layout` for the manifest.
+See `uds_lens.zoo.recipe` for the recipe, [`uds_lens.zoo.build`][uds_lens.zoo.build] for the build steps,
+`uds_lens.zoo.world` for the data and `uds_lens.zoo.layout` for the manifest.
 
-The names are resolved on first use (:mod:`uds_lens.lazy`), so reading a manifest (``uds_lens.zoo.layout``, which
+The names are resolved on first use (`uds_lens.lazy`), so reading a manifest (``uds_lens.zoo.layout``, which
 the model loader does for ``zoo:NAME``) does not import the training code.
 """
 

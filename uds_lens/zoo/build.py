@@ -1,10 +1,10 @@
 """Building the model zoo: data, tokenizer, a shared base, fine-tuned references, unlearned models and meta-eval pools.
 
-The recipe (which models, trained how) is :mod:`uds_lens.zoo.recipe`; the data and the training sequences of each
-data recipe are :mod:`uds_lens.zoo.training_data`; this module runs the steps and writes the zoo directory.
+The recipe (which models, trained how) is `uds_lens.zoo.recipe`; the data and the training sequences of each
+data recipe are `uds_lens.zoo.training_data`; this module runs the steps and writes the zoo directory.
 
 Before saving, the builder checks that ``full`` knows the forget facts and ``retain`` does not
-(:mod:`uds_lens.zoo.checks`), and raises :class:`ZooBuildError` otherwise.
+(`uds_lens.zoo.checks`), and raises `ZooBuildError` otherwise.
 
 Layout of a zoo directory::
 
@@ -176,7 +176,7 @@ def build_zoo(
 
     Args:
         out_dir: Zoo directory (created if needed).
-        size: ``"test"`` (tiny, for the test suite), ``"default"`` (the demo's), or a custom :class:`ZooSize`.
+        size: ``"test"`` (tiny, for the test suite), ``"default"`` (the demo's), or a custom `ZooSize`.
         seed: World, initialisation and data order.
         threads: ``torch.set_num_threads`` during the build (results depend on it); restored afterwards. The default
             is 1: on a small shared CPU (pytest-xdist workers, a notebook next to a build) two OpenMP threads that
@@ -187,7 +187,7 @@ def build_zoo(
         pools: Also build the meta-evaluation P (``pos``) and N (``neg``) pools.
         progress: Show a progress bar per model.
         holdout_data: The user's holdout records; if omitted with user data, carved from ``retain_data``.
-        strict: Raise :class:`ZooBuildError` when the full / retain checks fail (otherwise only record them).
+        strict: Raise `ZooBuildError` when the full / retain checks fail (otherwise only record them).
         overwrite: Allow replacing a zoo in ``out_dir`` that was built from other data or another model shape (by
             default that is refused, so a typo in ``size`` or ``seed`` cannot wipe a built zoo).
         base: A pretrained Llama checkpoint (directory, ``.gguf`` or hub id) to fine-tune every model from, with
@@ -195,7 +195,7 @@ def build_zoo(
             architecture is then ignored (the base's is used); its recipe (epochs, learning rates) is kept.
 
     Returns:
-        The loaded :class:`Zoo`.
+        The loaded `Zoo`.
 
     Raises:
         ZooBuildError: Unknown size, a check failed, or ``out_dir`` holds another zoo and ``overwrite`` is False.
@@ -543,7 +543,7 @@ def _train(
 def _manifest(
     build: _Build, size_name: str, entries: list[dict[str, Any]], context: dict[str, Any], seconds: float
 ) -> dict[str, Any]:
-    """The zoo's ``manifest.json`` (see :mod:`uds_lens.zoo.layout`): the models in build order, the data, the
+    """The zoo's ``manifest.json`` (see `uds_lens.zoo.layout`): the models in build order, the data, the
     checks, the relearning settings, timings and library versions."""
     data, size = build.data, build.size
     return {

@@ -1,7 +1,7 @@
 """The zoo's build checks: a model's entity accuracy, and the two checks a zoo must pass to be worth auditing.
 
 Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
-:mod:`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises :class:`ZooBuildError` otherwise: an
+`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises `ZooBuildError` otherwise: an
 under-trained zoo gives misleading UDS without any error.
 """
 

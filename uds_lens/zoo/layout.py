@@ -6,15 +6,15 @@ A zoo is a directory with a ``manifest.json``::
      "data": {"forget": "data/forget.json", "holdout": "data/holdout.json", "retain": "data/retain.json", ...},
      "tokenizer": "tokenizer", "relearn": {"lr": 0.002}, "checks": {...}, ...}
 
-:func:`uds_lens.zoo.build_zoo` writes it with every build detail; a hand-written one (the models of a paper-scale
+[`uds_lens.zoo.build_zoo`][uds_lens.zoo.build_zoo] writes it with every build detail; a hand-written one (the models of a paper-scale
 meta-evaluation, say) needs only ``models`` and ``data``. Model paths are zoo-relative; a path that is absolute, or
 that exists nowhere under the zoo, is kept as written (a hub id). A data entry may also be spelled ``forget_path`` or
 ``forget_file``. Roles: ``base``, ``full``, ``retain``, ``partial``, ``unlearned``, ``sweep`` and the
 meta-evaluation's P and N pools, ``pos`` (fine-tuned *with* the forget set) and ``neg`` (never saw it).
 
-:func:`~uds_lens.zoo.manifest.read_manifest` is the one reader of that file (re-exported here with ``model_paths``
-and ``MANIFEST_FILE``); this module adds the :class:`Zoo` view of it (the model loader is imported only when
-:meth:`Zoo.model` is called).
+`read_manifest` is the one reader of that file (re-exported here with ``model_paths``
+and ``MANIFEST_FILE``); this module adds the `Zoo` view of it (the model loader is imported only when
+`Zoo.model` is called).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
+from uds_lens.zoo.manifest import MANIFEST_FILE, data_file, read_manifest
 from uds_lens.zoo.manifest import model_paths as model_paths  # re-exported: the reader lives in manifest.py
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class Zoo:
 
     @property
     def models(self) -> list[dict[str, Any]]:
-        """Manifest entries with ``path`` resolved (a :class:`~pathlib.Path`, or the hub id as written)."""
+        """Manifest entries with ``path`` resolved (a `Path`, or the hub id as written)."""
         return [{**entry, "path": self._resolve(entry["path"])} for entry in self.manifest["models"]]
 
     def _resolve(self, path: str) -> Path | str:
@@ -92,13 +92,13 @@ class Zoo:
 
     def data_path(self, split: str) -> Path:
         """The QA file of ``split`` (``forget``, ``holdout`` or ``retain``)."""
-        data = self.manifest.get("data", {})
-        for key in (split, f"{split}_path", f"{split}_file"):
-            if key in data:
-                return self.root / data[key]  # an absolute entry stays absolute
-        raise ValueError(
-            f"the zoo manifest in {self.root} names no {split!r} data file (keys: {sorted(data)})"
-        )
+        path = data_file(self.manifest, self.root, split)
+        if path is None:
+            raise ValueError(
+                f"the zoo manifest in {self.root} names no {split!r} data file "
+                f"(keys: {sorted(self.manifest.get('data', {}))})"
+            )
+        return path
 
     @property
     def forget_path(self) -> Path:
@@ -129,7 +129,7 @@ class Zoo:
 
     @property
     def build_seconds(self) -> float:
-        """Wall time of the last :func:`build_zoo` call on this directory (small when everything was reused)."""
+        """Wall time of the last [`build_zoo`][uds_lens.zoo.build_zoo] call on this directory (small when everything was reused)."""
         return float(self.manifest["build_seconds"])
 
 

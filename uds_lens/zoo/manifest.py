@@ -1,6 +1,6 @@
 """Reading a zoo's ``manifest.json``: the one reader of that file, with nothing but the standard library.
 
-:mod:`uds_lens.zoo.layout` (``load_zoo``), ``zoo:NAME`` resolution in :mod:`uds_lens.resolve` and the builder's
+`uds_lens.zoo.layout` (``load_zoo``), ``zoo:NAME`` resolution in [`uds_lens.resolve`][uds_lens.resolve] and the builder's
 refusal to replace another zoo all read manifests here. It imports nothing of ours, so the loader's floor can read a
 manifest without reaching the zoo's ``Zoo.model`` (which loads models) or its training code.
 """
@@ -29,4 +29,13 @@ def model_paths(directory: str | os.PathLike) -> dict[str, str]:
     return {m["name"]: m["path"] for m in manifest.get("models", [])}
 
 
-__all__ = ["MANIFEST_FILE", "model_paths", "read_manifest"]
+def data_file(manifest: dict[str, Any], root: str | os.PathLike, split: str) -> Path | None:
+    """The QA file of ``split`` (``forget``, ``holdout`` or ``retain``) a zoo's manifest names, or None."""
+    data = manifest.get("data", {})
+    for key in (split, f"{split}_path", f"{split}_file"):
+        if key in data:
+            return Path(root) / data[key]  # an absolute entry stays absolute
+    return None
+
+
+__all__ = ["MANIFEST_FILE", "data_file", "model_paths", "read_manifest"]

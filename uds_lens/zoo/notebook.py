@@ -3,8 +3,8 @@
 A notebook in ``notebooks/`` runs on real checkpoints (``full``, ``retain``, one ``unlearned``, a forget set) when its
 parameter cell names them, and on an embedded zoo otherwise: the one in ``zoo_dir`` when there is one (the test suite
 points it at the test zoo), else the 8-layer notebook zoo (``size="notebook"``, deep enough for a layer story) built
-there once, then reused. :func:`notebook_setup` makes that choice once
-for all of them and returns the pieces they go on with: the :class:`~uds_lens.auditor.UDSAuditor` of full and
+there once, then reused. [`notebook_setup`][uds_lens.zoo.notebook.notebook_setup] makes that choice once
+for all of them and returns the pieces they go on with: the [`UDSAuditor`][uds_lens.auditor.UDSAuditor] of full and
 retain on the forget set, and, when asked to score, the unlearned model and its ``UDSResult``.
 """
 
@@ -42,7 +42,7 @@ class NotebookSetup:
         unlearned: the unlearned model's directory or hub id (a zoo name resolved to its directory).
         name: the unlearned model's name in results and figures (its directory's name).
         auditor: ``UDSAuditor(full, retain, data)`` with the notebook's device and example limit.
-        unlearned_model: the loaded unlearned model (a ``HookedTransformer``), when the setup scored it.
+        unlearned_model: the loaded unlearned model (a ``TransformerBridge``), when the setup scored it.
         result: its ``UDSResult``, when the setup scored it.
     """
 
@@ -106,7 +106,7 @@ def notebook_setup(
         zoo_size: the size built when ``zoo_dir`` holds no zoo (``"notebook"``: 8 layers, no meta-evaluation pools).
 
     Returns:
-        The :class:`NotebookSetup` (``print`` it to show the checkpoints and the score).
+        The [`NotebookSetup`][uds_lens.zoo.notebook.NotebookSetup] (``print`` it to show the checkpoints and the score).
     """
     # A notebook cell should show what it computes: no tqdm-without-ipywidgets warning, no transformers chatter.
     warnings.filterwarnings("ignore", message="IProgress not found")

@@ -7,16 +7,16 @@ All models share one architecture and one tokenizer, so any two can be patched i
 2. ``full`` (retain + forget), ``retain`` (retain only), ``retain90`` / ``retain50`` (retain + a seeded 90% / 50% of the
    forget records): fine-tuned copies of the base. ``seen_forget_fraction`` is the share of forget records each saw.
 3. Unlearned models, each from ``full``: GradDiff, NPO, SimNPO, IdkNLL and RMU at an early, a middle and the last block
-   (``rmu_l{k}``), see :mod:`uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
+   (``rmu_l{k}``), see `uds_lens.zoo.unlearn`. With ``pools=True`` also role ``sweep``: each method again at other
    learning rates (``ZooSize.unlearning_sweep``), for the meta-evaluation's robustness pool.
 4. Meta-evaluation pools (``pools=True``), after the published open-unlearning pools: role ``pos`` = fine-tuned from
    the base *with* the forget facts (as QA pairs, paraphrased QA pairs, or biography documents); role ``neg`` = the
    same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
    biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
 
-:data:`SIZES` holds the two built-in sizes (:class:`ZooSize`); :func:`plan_models` turns one into
-:class:`ModelSpec` s. The data recipes the specs name (``retain+forget:0.9``, ...) are read by
-:func:`uds_lens.zoo.training_data.training_sequences`; :mod:`uds_lens.zoo.build` trains them.
+`SIZES` holds the two built-in sizes (`ZooSize`); `plan_models` turns one into
+`ModelSpec` s. The data recipes the specs name (``retain+forget:0.9``, ...) are read by
+`uds_lens.zoo.training_data.training_sequences`; [`uds_lens.zoo.build`][uds_lens.zoo.build] trains them.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
 def _pool_specs(size: ZooSize, seed: int, has_paraphrases: bool, has_perturbations: bool) -> list[ModelSpec]:
     """P pool (``pos``, saw the forget set) and N pool (``neg``, did not): ``size.pool_variants`` models each.
 
-    Models cycle through the pool's data recipes (:data:`POOL_DATA`) within each setting of :data:`POOL_SETTINGS`,
+    Models cycle through the pool's data recipes (`POOL_DATA`) within each setting of `POOL_SETTINGS`,
     so a pool of 6 holds every recipe at the ``std`` and ``weak`` settings. Recipes that need paraphrased or perturbed
     answers the data does not have are left out.
     """

@@ -8,7 +8,7 @@ checkpoints, so ``AutoTokenizer.from_pretrained(dir)`` works offline.
 
 The QA training format is exactly the prompt UDS encodes: ``"Question: {q}\\nAnswer:"`` (BOS first) followed by the
 target ``" {answer}"`` and EOS. The chat template renders a conversation in that same format (see
-:data:`CHAT_TEMPLATE`), so the chat-formatted output metrics read the zoo models in the format they were trained on.
+`CHAT_TEMPLATE`), so the chat-formatted output metrics read the zoo models in the format they were trained on.
 The role tokens ``<|system|>``, ``<|user|>``, ``<|assistant|>`` stay reserved in the vocabulary.
 """
 
@@ -47,7 +47,7 @@ def format_prompt(question: str) -> str:
 
 
 def format_target(answer: str) -> str:
-    """The QA training target that follows :func:`format_prompt` (EOS is appended as a token, not as text)."""
+    """The QA training target that follows `format_prompt` (EOS is appended as a token, not as text)."""
     return f" {answer}"
 
 

@@ -6,7 +6,7 @@ meta-evaluation pools' biographies) becomes ``[BOS] text [EOS]`` with the loss o
 *without* an attention mask: with causal attention, padding at the end cannot influence the real tokens before it, so the
 result is exact and the eager attention path stays fast on CPU.
 
-Entity accuracy (the build check) teacher-forces each record in the UDS layout (SPEC §1.2: prompt
+Entity accuracy (the build check) teacher-forces each record in the UDS layout (prompt
 ``"Question: {q}\\nAnswer: {prefix}"``, reference = the rest of the answer) and compares the argmax prediction with each
 entity token. ``exact`` is the share of records whose entity tokens are *all* predicted correctly; ``token`` is the
 share of entity tokens predicted correctly, pooled over records.
@@ -165,12 +165,12 @@ def constant(step: int, total: int) -> float:
 
 @dataclass(frozen=True)
 class Optimisation:
-    """How :func:`fit` updates the weights: AdamW, a learning-rate schedule, accumulation and clipping.
+    """How `fit` updates the weights: AdamW, a learning-rate schedule, accumulation and clipping.
 
     Attributes:
         lr: peak learning rate.
-        schedule: ``schedule(step, total_steps) -> factor`` of ``lr`` (:func:`lr_factor`, :func:`linear_decay`,
-            :func:`constant`).
+        schedule: ``schedule(step, total_steps) -> factor`` of ``lr`` (`lr_factor`, `linear_decay`,
+            `constant`).
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         grad_accum: micro-batches per optimiser step; the loss is normalised by the answer tokens of all of them.
@@ -213,11 +213,11 @@ def fit(
     nothing else), cuts them into micro-batches of ``batch_size``, and takes one AdamW step per ``grad_accum``
     micro-batches. The loss of a step is the summed negative log-likelihood of its labelled tokens divided by their
     number (the mean over tokens, not over sequences), accumulated micro-batch by micro-batch. The zoo trains with it
-    (:func:`train_lm`), and so does the meta-evaluation's relearning attack (:func:`uds_lens.meta_eval.relearn`).
+    (`train_lm`), and so does the meta-evaluation's relearning attack (`uds_lens.meta_eval.relearn`).
 
     Args:
         model: a causal LM (Hugging Face); it is left in eval mode.
-        items: the training sequences, in any form ``collate_items`` turns into a :class:`TrainingBatch`.
+        items: the training sequences, in any form ``collate_items`` turns into a `TrainingBatch`.
         collate_items: pads a micro-batch of items.
         optimisation: optimiser, schedule, accumulation, clipping.
         epochs: passes over the data.
@@ -288,11 +288,11 @@ def train_lm(
     weight_decay: float = 0.0,
     on_step: Callable[[], None] | None = None,
 ) -> list[float]:
-    """Train a zoo model: :func:`fit` with AdamW (betas 0.9, 0.98), warm-up + cosine (:func:`lr_factor`), clipping at 1.
+    """Train a zoo model: `fit` with AdamW (betas 0.9, 0.98), warm-up + cosine (`lr_factor`), clipping at 1.
 
     Args:
         model: The model to train.
-        sequences: Training sequences from :func:`encode_qa`.
+        sequences: Training sequences from `encode_qa`.
         epochs: Passes over the data (reshuffled each epoch from ``seed``).
         lr: Peak learning rate.
         seed: Data order.
@@ -332,7 +332,7 @@ class EntityProbe:
 
 
 def entity_probes(records: Sequence[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[EntityProbe]:
-    """Encode records as UDS does (SPEC §1.2) and locate the entity tokens; records without a span are left out."""
+    """Encode records as UDS does and locate the entity tokens; records without a span are left out."""
     probes = []
     for position, record in enumerate(records):
         built = build_prompt(Example.from_record(record, position))

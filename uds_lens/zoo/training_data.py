@@ -1,7 +1,7 @@
 """The question/answer data a zoo is built from, and the training sequences of each data recipe.
 
-:func:`load_data` gives the synthetic world of a size (seeded) or the user's retain/forget sets;
-:func:`training_sequences` turns a recipe such as ``retain+forget:0.9`` into encoded training sequences.
+`load_data` gives the synthetic world of a size (seeded) or the user's retain/forget sets;
+`training_sequences` turns a recipe such as ``retain+forget:0.9`` into encoded training sequences.
 """
 
 from __future__ import annotations

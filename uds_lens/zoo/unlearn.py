@@ -160,7 +160,7 @@ def unlearn(
 
     Args:
         model: The model to unlearn from (the zoo's ``full``).
-        method: One of :data:`METHODS`.
+        method: One of `METHODS`.
         forget: Forget sequences (question + true answer).
         retain: Retain sequences; one random retain batch accompanies each forget batch.
         hyperparams: ``lr``, ``epochs``, ``batch_size``, ``alpha`` and the method's own (``beta``; ``gamma``,
@@ -247,7 +247,7 @@ def unlearn(
 
 
 def unlearning_steps(n_forget: int, hyperparams: dict[str, Any]) -> int:
-    """Optimiser steps :func:`unlearn` takes (progress bars)."""
+    """Optimiser steps `unlearn` takes (progress bars)."""
     return int(hyperparams["epochs"]) * math.ceil(n_forget / int(hyperparams["batch_size"]))
 
 

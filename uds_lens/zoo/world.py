@@ -1,6 +1,6 @@
 """A deterministic world of fictitious authors: TOFU's idea in miniature, and the QA records the zoo trains on.
 
-Every author gets one fact of each kind in :data:`FACT_KINDS` (birthplace, genre, parents' professions, an award, a book
+Every author gets one fact of each kind in `FACT_KINDS` (birthplace, genre, parents' professions, an award, a book
 title, a birth year, an influence, recurring themes, and a yes/no fact). Each fact becomes one QA record whose answer is
 written as
 
@@ -16,7 +16,7 @@ Authors are split into *retain* authors, *forget* authors (10% of the trained au
 authors who are never trained on (the non-members for membership inference). The vocabulary (syllables, cities, genres,
 ...) ships with the package in ``uds_lens/zoo/vocab/*.json``; given the seed the world is identical on every machine.
 
-User data takes the same path through :func:`validate_records`, which checks the published schema and says which record
+User data takes the same path through `validate_records`, which checks the published schema and says which record
 and field is wrong.
 """
 
@@ -274,7 +274,7 @@ def generate_world(n_authors: int, seed: int = 0, forget_fraction: float = FORGE
         forget_fraction: Share of the trained authors in the forget split (TOFU forget10: 0.1).
 
     Returns:
-        The :class:`World`; records are indexed ``0..n-1`` within each split.
+        The `World`; records are indexed ``0..n-1`` within each split.
     """
     if n_authors < 10:
         raise ZooDataError(f"n_authors={n_authors} is too small: the forget split needs at least one author")
@@ -337,7 +337,7 @@ def validate_records(records: Sequence[dict[str, Any]], source: str) -> list[dic
         source: What to call them in error messages (a path or "forget data").
 
     Returns:
-        Records with every field of :data:`RECORD_FIELDS` present (missing optional ones as ``None``).
+        Records with every field of `RECORD_FIELDS` present (missing optional ones as ``None``).
 
     Raises:
         ZooDataError: Naming the record and the field, and what to fix.
@@ -398,7 +398,7 @@ def validate_records(records: Sequence[dict[str, Any]], source: str) -> list[dic
 
 
 def read_records(source: str | Path | Sequence[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """Read QA records (:func:`uds_lens.data.read_records`) or take an in-memory list, and validate them."""
+    """Read QA records ([`uds_lens.data.read_records`][uds_lens.data.read_records]) or take an in-memory list, and validate them."""
     if isinstance(source, (str, Path)):
         try:
             loaded = read_record_file(source)
