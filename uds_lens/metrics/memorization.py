@@ -31,8 +31,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from uds_lens.metrics.chat import IGNORE_INDEX, SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
-from uds_lens.readout import label_logprobs
+from uds_lens.metrics.chat import SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
+from uds_lens.readout import IGNORE_INDEX, label_logprobs
 
 TRUTH_RATIO_EPS = 1e-10
 HM_EPS = 1e-12

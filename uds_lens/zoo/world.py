@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from uds_lens.data import DataError
+from uds_lens.data import REQUIRED_FIELDS, DataError
 from uds_lens.data import read_records as read_record_file
 from uds_lens.files import write_atomic
 
@@ -48,7 +48,6 @@ FACT_KINDS: tuple[str, ...] = (
     "yes_no",
 )
 FORGET_FRACTION = 0.1
-REQUIRED_FIELDS: tuple[str, ...] = ("question", "answer", "prefix", "entity")
 RECORD_FIELDS: tuple[str, ...] = (
     "idx",
     "question",
