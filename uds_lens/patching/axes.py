@@ -66,19 +66,30 @@ HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
 # The small pieces a row is made of
 
 
+def entity_token_ids(example: EncodedExample, scope: Scope) -> list[int]:
+    """The entity tokens (the labels read)."""
+    return list(example.labels)
+
+
+def patched_token_ids(example: EncodedExample, scope: Scope) -> list[int]:
+    """The tokens at the patched positions."""
+    return [example.input_ids[position] for position in example.patch_positions(scope)]
+
+
 def head_count(full: TLModel, examples: Sequence[EncodedExample], scope: Scope) -> int:
     """The width of the head axis: the full model's attention heads."""
     return int(full.cfg.n_heads)
 
 
-def entity_token_count(full: TLModel, examples: Sequence[EncodedExample], scope: Scope) -> int:
-    """The width of the token axis: the longest entity of the examples, in tokens."""
-    return max(example.n_entity_tokens for example in examples)
-
-
-def patched_position_count(full: TLModel, examples: Sequence[EncodedExample], scope: Scope) -> int:
-    """The width of the position axis: the most patched positions of one example under ``scope``."""
-    return max(len(example.patch_positions(scope)) for example in examples)
+def most_tokens(
+    full: TLModel,
+    examples: Sequence[EncodedExample],
+    scope: Scope,
+    ids_of: Callable[[EncodedExample, Scope], list[int]],
+) -> int:
+    """The width of a token-valued axis: the most tokens ``ids_of`` names in one example (the longest entity, the
+    most patched positions)."""
+    return max(len(ids_of(example, scope)) for example in examples)
 
 
 def each_component(width: int) -> Sequence[int | None]:
@@ -111,30 +122,33 @@ def nth_patched_position(batch: PatchBatch, component: int | None) -> Bool[Tenso
     return mask
 
 
-def span_setter(
+def whole_vector(activation: Tensor, component: int | None) -> Tensor:
+    """The part of an activation a span patch writes: all of it."""
+    return activation
+
+
+def one_head(activation: Tensor, component: int | None) -> Tensor:
+    """The part of a ``[batch, pos, head, d_head]`` activation a head patch writes: head ``component`` (a view)."""
+    return activation[:, :, component]
+
+
+def overwrite(
     activation: Float[Tensor, "batch pos *rest"],
     hook: HookPoint,
     source: Float[Tensor, "batch pos *rest"],
     mask: Bool[Tensor, "batch pos"],
     component: int | None,
+    part: Callable[[Tensor, int | None], Tensor],
 ) -> Float[Tensor, "batch pos *rest"]:
-    """A hook writing the source's whole activation at ``mask``."""
+    """A TransformerLens hook: ``part`` of the activation (all of it, one head) replaced by the source's at
+    ``mask``; the rest, and every other position, left alone."""
     patched = activation.clone()
-    patched[mask] = source[mask].to(activation.dtype)
+    part(patched, component)[mask] = part(source, component)[mask].to(activation.dtype)
     return patched
 
 
-def head_setter(
-    activation: Float[Tensor, "batch pos head d_head"],
-    hook: HookPoint,
-    source: Float[Tensor, "batch pos head d_head"],
-    mask: Bool[Tensor, "batch pos"],
-    component: int | None,
-) -> Float[Tensor, "batch pos head d_head"]:
-    """A hook writing head ``component`` of the source's activation at ``mask``, the other heads left alone."""
-    patched = activation.clone()
-    patched[:, :, component][mask] = source[:, :, component][mask].to(activation.dtype)
-    return patched
+span_setter = partial(overwrite, part=whole_vector)
+head_setter = partial(overwrite, part=one_head)
 
 
 def example_means(
@@ -162,16 +176,6 @@ def head_labels(
 ) -> list[str]:
     """The heads' numbers."""
     return [str(head) for head in range(width)]
-
-
-def entity_token_ids(example: EncodedExample, scope: Scope) -> list[int]:
-    """The entity tokens (the labels read)."""
-    return list(example.labels)
-
-
-def patched_token_ids(example: EncodedExample, scope: Scope) -> list[int]:
-    """The tokens at the patched positions."""
-    return [example.input_ids[position] for position in example.patch_positions(scope)]
 
 
 def decoded_labels(
@@ -272,7 +276,7 @@ AXIS_PATCHES: dict[Axis, AxisPatch] = {
     "token": AxisPatch(
         axis="token",
         positions="patched",
-        width=entity_token_count,
+        width=partial(most_tokens, ids_of=entity_token_ids),
         runs=whole_span,
         mask=patched_positions,
         setter=span_setter,
@@ -283,7 +287,7 @@ AXIS_PATCHES: dict[Axis, AxisPatch] = {
     "position": AxisPatch(
         axis="position",
         positions="patched",
-        width=patched_position_count,
+        width=partial(most_tokens, ids_of=patched_token_ids),
         runs=each_component,
         mask=nth_patched_position,
         setter=span_setter,
@@ -391,7 +395,6 @@ __all__ = [
     "cached_activations",
     "decoded_labels",
     "each_component",
-    "entity_token_count",
     "entity_token_grid",
     "entity_token_ids",
     "every_position",
@@ -402,9 +405,12 @@ __all__ = [
     "head_setter",
     "hooked_token_logprobs",
     "nth_patched_position",
-    "patched_position_count",
+    "most_tokens",
+    "one_head",
+    "overwrite",
     "patched_positions",
     "patched_token_ids",
     "span_setter",
     "whole_span",
+    "whole_vector",
 ]
