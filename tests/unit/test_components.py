@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.components import PatchContext, patch_heads, patch_positions, patch_tokens
-from uds_lens.config import UDSConfig
+from uds_lens.config import EngineSpec, UDSConfig
 from uds_lens.models import load_model, load_tokenizer
+from uds_lens.patching.axes import AXES, AXIS_PATCHES
+from uds_lens.patching.engines import FastEngine, NaiveEngine, axis_engine
 from uds_lens.tl_compat import tl_patching
 
 
@@ -304,3 +307,23 @@ def test_components_read_only_the_patch_context(auditor, unlearned):
             )
         assert mine.labels == theirs.labels and mine.idx == theirs.idx
     assert context.component_cache  # S1 kept on the context it ran for
+
+
+def test_axis_engine_is_the_one_choice_of_a_rows_engine(auditor, monkeypatch, caplog):
+    """Head patching at the patched positions runs on the engine asked for; a naive-only row (every position, tokens,
+    positions) runs naive, or is refused when the fast engine was asked for by name; a model the fast engine refuses
+    runs naive after a warning."""
+    spec = EngineSpec(site="resid_post", layers=(0, 1), engine="fast")
+    head = AXIS_PATCHES["head"]
+    assert AXES == tuple(AXIS_PATCHES) and all(AXIS_PATCHES[axis].axis == axis for axis in AXES)
+    assert isinstance(axis_engine(spec, head, auditor.full), FastEngine)
+    assert isinstance(axis_engine(dataclasses.replace(spec, engine="naive"), head, auditor.full), NaiveEngine)
+    for row in (head.at_every_position(), AXIS_PATCHES["token"], AXIS_PATCHES["position"]):
+        chosen = axis_engine(spec, row, auditor.full)
+        assert isinstance(chosen, NaiveEngine) and chosen.spec.layers == spec.layers
+        with pytest.raises(ValueError, match="naive"):
+            axis_engine(spec, row, auditor.full, strict=True)
+    monkeypatch.setattr(FastEngine, "refusal", staticmethod(lambda model: "no kernel for this family"))
+    with caplog.at_level("WARNING"):
+        assert isinstance(axis_engine(spec, head, auditor.full, strict=True), NaiveEngine)
+    assert "no kernel for this family" in caplog.text

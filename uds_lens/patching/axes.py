@@ -282,7 +282,8 @@ AXIS_PATCHES: dict[Axis, AxisPatch] = {
         setter=span_setter,
         read=entity_token_grid,
         labels=partial(decoded_labels, ids_of=entity_token_ids),
-        naive_only="The fast engine reads each example's span mean, not each entity token.",
+        naive_only="The fast engine reads each example's span mean, not each entity token: token patching needs "
+        "engine='naive'.",
     ),
     "position": AxisPatch(
         axis="position",
@@ -293,7 +294,8 @@ AXIS_PATCHES: dict[Axis, AxisPatch] = {
         setter=span_setter,
         read=example_means,
         labels=partial(decoded_labels, ids_of=patched_token_ids),
-        naive_only="The fast engine patches the whole window of an example, not one position of it.",
+        naive_only="The fast engine patches the whole window of an example, not one position of it: position "
+        "patching needs engine='naive'.",
     ),
 }
 """One row per component axis: what ``patch_heads``, ``patch_tokens`` and ``patch_positions`` run."""
