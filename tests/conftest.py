@@ -63,6 +63,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     return Tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="module")
+def models(tiny: Tiny) -> dict[str, Any]:
+    """The tiny checkpoints loaded: ``full``, ``retain`` and ``unlearned`` (once per test module, so a module that
+    changes one leaves the others' alone)."""
+    return {name: load_model(getattr(tiny, name)) for name in ("full", "retain", "unlearned")}
+
+
 @pytest.fixture(scope="session")
 def tiny_auditor(tiny: Tiny) -> Callable[..., UDSAuditor]:
     """``tiny_auditor(models, config=None, data=None, retain=True)``: a UDSAuditor of already loaded models

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -128,12 +129,26 @@ ScoreStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_H
 SweepStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "ke.")]
 
 
-def _uds_config(retain: str | None, no_retain: bool, **settings: Any) -> UDSConfig:
-    """The UDSConfig of a `score` or `sweep` run (``settings``: UDSConfig's fields, which it checks), after checking
-    that retain is given or explicitly omitted."""
-    if retain is None and not no_retain:
+# The options of `score` and `sweep` that are UDSConfig fields: option name -> field.
+_SETTING_OPTIONS = {
+    "tau": "tau",
+    "scope": "patch_scope",
+    "site": "site",
+    "published_compat": "published_compat",
+    "batch_size": "batch_size",
+    "dtype": "dtype",
+    "device": "device",
+    "engine": "engine",
+    "stage2_cells": "stage2_cells",
+}
+
+
+def _uds_config(options: Mapping[str, Any]) -> UDSConfig:
+    """The UDSConfig of a `score` or `sweep` run from the command's options (its ``locals()``; UDSConfig checks
+    them), after checking that retain is given or explicitly omitted."""
+    if options["retain"] is None and not options["no_retain"]:
         raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    return UDSConfig(**settings)
+    return UDSConfig(**{field: options[option] for option, field in _SETTING_OPTIONS.items()})
 
 
 @app.command()
@@ -193,19 +208,7 @@ def score(
     under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
     _setup_logging(verbose)
-    config = _uds_config(
-        retain,
-        no_retain,
-        tau=tau,
-        patch_scope=scope,
-        site=site,
-        published_compat=published_compat,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=device,
-        engine=engine,
-        stage2_cells=stage2_cells,
-    )
+    config = _uds_config(locals())
     # Every checkpoint argument names a checkpoint before the model libraries are even imported: a mistyped path
     # fails in a second, in one line (score_models checks it again for Python callers).
     from uds_lens.resolve import check_sources, checkpoint_paths
@@ -324,19 +327,7 @@ def sweep(
     from uds_lens.sweep.driver import sweep as run_sweep
 
     _setup_logging(verbose)
-    config = _uds_config(
-        retain,
-        no_retain,
-        tau=tau,
-        patch_scope=scope,
-        site=site,
-        published_compat=published_compat,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=device,
-        engine=engine,
-        stage2_cells=stage2_cells,
-    )
+    config = _uds_config(locals())
     table = run_sweep(
         full,
         None if no_retain else retain,

@@ -16,15 +16,12 @@ KE cells and NaN elsewhere, ``UDS = sum_KE d1 * LER / sum_KE d1``; [`ComponentRe
   as usual, ``[example, layer, position]`` (TransformerLens's ``get_act_patch_resid_pre`` layout, restricted to
   the positions UDS patches).
 
-Engines. A head's output enters the residual stream only through the attention output,
-``attn_out = sum_h z_h W_O[h] + b_O`` (``result_h = z_h W_O[h]`` is TransformerLens's ``hook_result``), so
-patching head ``h`` is exactly patching ``attn_out`` with ``clean attn_out + (z_src,h - z_full,h) W_O[h]`` (for
-``hook_z``; ``hook_result`` uses the source's own ``W_O``; where the family normalises the attention's output before
-adding it, Gemma's and OLMo 2's post-attention norm, the patched ``attn_out`` is that norm of the patched sum
-``attn.hook_out + change``). That lets the fast engine (``patching.engines`` on ``patching.kernels``) run it:
-one call per head over all layers. Everything else (other hook names, all positions, per-token reads) uses
-``run_with_hooks``, one forward per (layer, component): the naive engine, which is also the tests' oracle. The
-naive engine's baseline is the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
+Each axis is one row of ``patching.axes.AXIS_PATCHES`` (its width, the runs of one layer, where a run writes, the
+setter, the read, the labels), and an engine runs it: ``patching.engines.axis_engine`` chooses the engine of a row
+(the fast one for head patching at the patched positions, where the model allows; the naive one, one
+``run_with_hooks`` per (layer, component), for the rest) and its ``axis_scores`` computes one batch. This module
+batches the examples, keeps S1 for the next unlearned model and builds the result. The naive engine's baseline is
+the clean score S0; the fast engine's is its own unpatched recomputation, as in UDS.
 
 Sources are run as TransformerLens models (bridges) here (a head is a TransformerLens notion): ``auditor.load_source``
 loads a path or zoo name as one, and a Hugging Face source is converted (``sources.ActivationSource.hooked``).
@@ -32,45 +29,30 @@ loads a path or zoo name as one, and a Hugging Face source is converted (``sourc
 
 from __future__ import annotations
 
-import logging
-import math
+import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
-import einops
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens.component_result import HEAD_TAU, ComponentResult
-from uds_lens.config import SITES, Engine, EngineSpec, Scope, UDSConfig
+from uds_lens.config import SITES, Engine, UDSConfig
 from uds_lens.data import EncodedExample
-from uds_lens.families import family_of
+from uds_lens.patching.axes import AXIS_PATCHES, HEAD_HOOKS, Axis, AxisPatch, AxisScores, Positions
 from uds_lens.patching.batch import PatchBatch, pad_batch
-from uds_lens.patching.engines import FastEngine, engine_class, residual_patch_hooks
-from uds_lens.patching.kernels import attention_output_norm, wrapped_model
+from uds_lens.patching.engines import axis_engine
 from uds_lens.patching.planning import consecutive_batches, run_batches
-from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
+from uds_lens.readout import mean_entity_logprob
 from uds_lens.resolve import model_name
-from uds_lens.sources import as_source, hook_name
-from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result
+from uds_lens.sources import as_source
+from uds_lens.tl_compat import ModelLike, TLModel
 
-logger = logging.getLogger(__name__)
-
-HEAD_HOOKS = {"z": "attn.hook_z", "result": "attn.hook_result"}
-"""Per-head hook points (TransformerLens names inside ``blocks.{l}``): ``[batch, pos, head, d]``."""
-
-Axis: TypeAlias = Literal["head", "token", "position"]
-"""What a component result indexes after ``[example, layer]``: one attention head, one entity token, one patched
-position."""
-Positions: TypeAlias = Literal["patched", "all"]
-"""Where head patching writes: the example's patched positions (the UDS window) or every position."""
 EngineChoice: TypeAlias = Literal["auto", "fast", "naive"]
 """The engine asked of head patching: ``auto`` runs the fast one where it applies."""
-
-AXES: tuple[Axis, ...] = ("head", "token", "position")
 
 
 @runtime_checkable
@@ -185,66 +167,6 @@ def entity_metric(
 # Runs
 
 
-def _source_cache(
-    source: TLModel,
-    tokens: Tensor,
-    names: set[str],
-    use_attn_result: bool = False,
-    device: str | torch.device | None = None,
-) -> dict[str, Tensor]:
-    """Activations of ``source`` at ``names`` (one forward, no gradients), on ``device`` (the target's)."""
-    with attn_result(source, use_attn_result), torch.no_grad():
-        _, cache = source.run_with_cache(
-            tokens.to(source.cfg.device), names_filter=lambda name: name in names
-        )
-    return {name: cache[name].to(device or tokens.device) for name in names}
-
-
-def _token_logprobs(logits: Tensor, batch: PatchBatch, upcast: bool) -> Float[Tensor, " entity"]:
-    return label_logprobs(logits[batch.read_batch, batch.read_pos], batch.read_label, upcast)
-
-
-def _per_example_mean(values: Float[Tensor, " entity"], batch: PatchBatch) -> Float[Tensor, " batch"]:
-    return segment_mean(values, batch.read_batch, batch.size)
-
-
-def _token_grid(
-    values: Float[Tensor, " entity"], batch: PatchBatch, width: int
-) -> Float[Tensor, "batch token"]:
-    """Scatter per-token values into ``[batch, token]`` (NaN past an example's last entity token)."""
-    first = torch.full((batch.size,), 1 << 30, device=values.device).scatter_reduce(
-        0, batch.read_batch, batch.read_pos, reduce="amin"
-    )
-    offset = batch.read_pos - first[batch.read_batch]
-    grid = torch.full((batch.size, width), math.nan, device=values.device)
-    grid[batch.read_batch, offset] = values
-    return grid
-
-
-def _run(full: TLModel, tokens: Tensor, hooks: list[tuple[str, Callable]]) -> Tensor:
-    expanded = [pair for name, fn in hooks for pair in residual_patch_hooks(full, name, fn)]
-    with torch.no_grad():
-        return full.run_with_hooks(tokens, fwd_hooks=expanded)
-
-
-def _overwrite(source: Tensor, mask: Bool[Tensor, "batch pos"], head: int | None) -> Callable:
-    """A TransformerLens hook writing ``source`` at ``mask`` positions (one head's slice when ``head`` is given)."""
-
-    def hook(activation: Tensor, hook: HookPoint) -> Tensor:
-        patched = activation.clone()
-        if head is None:
-            patched[mask] = source[mask].to(activation.dtype)
-        else:
-            patched[:, :, head][mask] = source[:, :, head][mask].to(activation.dtype)
-        return patched
-
-    return hook
-
-
-def _all_positions(batch: PatchBatch) -> Bool[Tensor, "batch pos"]:
-    return torch.ones_like(batch.patch_mask)
-
-
 def _resolve_hook(hook: str) -> str:
     """``"z"`` / ``"result"`` -> ``attn.hook_z`` / ``attn.hook_result``; a site name -> ``hook_{site}``."""
     if hook in HEAD_HOOKS:
@@ -276,180 +198,68 @@ class _StageScores:
 
 
 class _Runner:
-    """Batches of an auditor's encoded examples (in the order asked for) and the per-batch runs of one patching
-    experiment, run by ``planning.run_batches``: a batch that runs out of memory is halved and retried, as the
-    auditor's are, and the halves are kept for the next stage."""
+    """One component-patching experiment: an auditor's encoded examples (in the order asked for), the axis row it
+    patches along, at hook point ``point`` of ``layers``, and the engine that runs it. Batches are run by
+    ``planning.run_batches``: a batch that runs out of memory is halved and retried, as the auditor's are, and the
+    halves are kept for the next stage."""
 
-    def __init__(self, auditor: PatchContext, idxs: Sequence[int] | None, batch_size: int | None) -> None:
+    def __init__(
+        self,
+        auditor: PatchContext,
+        idxs: Sequence[int] | None,
+        batch_size: int | None,
+        patch: AxisPatch,
+        point: str,
+        layers: Sequence[int] | None,
+        engine: Engine,
+        strict: bool = False,
+    ) -> None:
         self.auditor = auditor
         self.full: TLModel = auditor.full
         self.encoded: list[EncodedExample] = auditor.select(idxs)
         size = batch_size or auditor.config.batch_size or 8
         self.batches = consecutive_batches(len(self.encoded), size)
-        self.spec = auditor.config.engine_spec(tuple(auditor.layers))
-        self.upcast = self.spec.upcast
         self.scope = auditor.config.patch_scope
         self.device = self.full.cfg.device or "cpu"  # where the full model computes (a model sets it)
+        self.patch = patch
+        self.point = point
+        self.layers = list(layers) if layers is not None else list(auditor.layers)
+        spec = dataclasses.replace(auditor.config.engine_spec(tuple(self.layers)), engine=engine)
+        self.engine = axis_engine(spec, patch, self.full, strict)
+        self.width = patch.width(self.full, self.encoded, self.scope)
 
-    def batch(self, members: list[int], cut: bool = True) -> PatchBatch:
+    @property
+    def key(self) -> tuple:
+        """What S1's scores depend on beyond the auditor (the key of its ``component_cache``)."""
+        idxs = tuple(e.idx for e in self.encoded)
+        return (self.patch.axis, self.point, tuple(self.layers), idxs, self.patch.positions, self.engine.name)
+
+    def batch(self, members: list[int]) -> PatchBatch:
         chunk = [self.encoded[i] for i in members]
-        return pad_batch(chunk, self.auditor.pad_id, self.scope, cut=cut).to(self.device)
+        return pad_batch(chunk, self.auditor.pad_id, self.scope).to(self.device)
 
-    def run(self, work: Callable[[PatchBatch], None], desc: str, progress: bool) -> None:
-        """``work(batch)`` for every batch, in order (``work`` keeps its results only once a batch is done)."""
-        run_batches(self.batches, lambda _, members: work(self.batch(members)), self.device, desc, progress)
+    def stage(self, source: TLModel, stage: str, progress: bool) -> _StageScores:
+        """One stage's scores: ``engine.axis_scores`` on every batch, in order (a batch's scores are kept only once
+        it is done). ``stage`` labels the progress bar (``S1 (retain)``, ``S2 (npo)``)."""
+        parts: list[AxisScores] = []
 
+        def one_batch(_: int, members: list[int]) -> None:
+            batch = self.batch(members)
+            parts.append(
+                self.engine.axis_scores(self.full, source, batch, self.patch, self.point, self.width).cpu()
+            )
 
-def _heads_fast(
-    runner: _Runner, source: TLModel, hook: str, layers: list[int], progress: bool, stage: str
-) -> _StageScores:
-    full = runner.full
-    n_heads = full.cfg.n_heads
-    spec = EngineSpec(site="attn_out", layers=tuple(layers), published_compat=runner.spec.published_compat)
-    engine = FastEngine(spec)
-    # The head outputs add up to the attention's output (``attn.hook_out``); where the family normalises that
-    # before adding it to the residual (Gemma, OLMo 2), the patched ``attn_out`` is the norm of the patched sum.
-    family = family_of(wrapped_model(full).config)
-    post_norm = family is not None and family.norm != "pre"
-
-    def out_name(layer: int) -> str:
-        return f"blocks.{layer}.attn.hook_out" if post_norm else hook_name("attn_out", layer)
-
-    s0_parts, base_parts, score_parts = [], [], []
-
-    def one_batch(batch: PatchBatch) -> None:
-        clean = engine.clean_run(full, batch)
-        z_names = {f"blocks.{layer}.attn.hook_z" for layer in layers}
-        full_cache = _source_cache(full, batch.tokens, z_names | {out_name(layer) for layer in layers})
-        source_cache = _source_cache(source, batch.tokens, z_names)
-        base = engine.baseline_scores(full, batch, clean)
-        per_head = []
-        for head in range(n_heads):
-            acts = []
-            for layer in layers:
-                z_full = full_cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
-                z_source = source_cache[f"blocks.{layer}.attn.hook_z"][:, :, head].to(z_full.dtype)
-                w_full = full.blocks[layer].attn.W_O[head]
-                w_source = (
-                    w_full if hook == HEAD_HOOKS["z"] else source.blocks[layer].attn.W_O[head].to(w_full)
-                )
-                change = einops.einsum(
-                    z_source, w_source, "batch pos d_head, d_head d_model -> batch pos d_model"
-                ) - einops.einsum(z_full, w_full, "batch pos d_head, d_head d_model -> batch pos d_model")
-                patched = full_cache[out_name(layer)] + change
-                acts.append(attention_output_norm(full, layer, patched) if post_norm else patched)
-            per_head.append(engine.patched_scores(full, batch, torch.stack(acts), clean))
-        s0_parts.append(clean.scores.float().cpu())
-        base_parts.append(base.float().cpu()[:, :, None].expand(-1, -1, n_heads))
-        score_parts.append(torch.stack(per_head, dim=-1).float().cpu())
-
-    runner.run(one_batch, f"{stage}: heads (fast)", progress)
-    valid = torch.ones(len(runner.encoded), n_heads, dtype=torch.bool)
-    return _StageScores(
-        torch.cat(s0_parts),
-        torch.cat(base_parts),
-        torch.cat(score_parts),
-        valid,
-        [[str(h) for h in range(n_heads)] for _ in runner.encoded],
-    )
-
-
-def _components_naive(
-    runner: _Runner,
-    source: TLModel,
-    hook: str,
-    layers: list[int],
-    axis: str,
-    positions: str,
-    progress: bool,
-    stage: str,
-) -> _StageScores:
-    """One ``run_with_hooks`` per (batch, layer, component); see the module docstring for the three axes."""
-    full = runner.full
-    n_heads = full.cfg.n_heads
-    if axis == "head":
-        width = n_heads
-    elif axis == "token":
-        width = max(e.n_entity_tokens for e in runner.encoded)
-    else:
-        width = max(len(e.patch_positions(runner.scope)) for e in runner.encoded)
-    names = {f"blocks.{layer}.{hook}" for layer in layers}
-    use_result = hook == HEAD_HOOKS["result"]
-    s0_parts, base_parts, score_parts, valid_parts = [], [], [], []
-
-    def one_batch(batch: PatchBatch) -> None:
-        cache = _source_cache(source, batch.tokens, names, use_result)
-        if runner.spec.published_compat:
-            # as UDS in compat mode (SPEC 1.5): the source's final-norm output is what the last layer receives
-            compat = as_source(source)
-            cache = {name: compat.published_compat_activation(name, acts) for name, acts in cache.items()}
-        mask = _all_positions(batch) if positions == "all" else batch.patch_mask
-        clean_tokens = _token_logprobs(_run(full, batch.tokens, []), batch, runner.upcast)
-        s0 = _per_example_mean(clean_tokens, batch)
-        scores = torch.full((batch.size, len(layers), width), math.nan, device=runner.device)
-        for position, layer in enumerate(layers):
-            name = f"blocks.{layer}.{hook}"
-            if axis == "head":
-                for head in range(width):
-                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, head))])
-                    scores[:, position, head] = _per_example_mean(
-                        _token_logprobs(logits, batch, runner.upcast), batch
-                    )
-            elif axis == "token":
-                logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], mask, None))])
-                scores[:, position] = _token_grid(_token_logprobs(logits, batch, runner.upcast), batch, width)
-            else:
-                for offset in range(width):
-                    single = _nth_patched(batch, runner.scope, offset)
-                    if not single.any():
-                        continue
-                    logits = _run(full, batch.tokens, [(name, _overwrite(cache[name], single, None))])
-                    rows = single.any(-1)
-                    means = _per_example_mean(_token_logprobs(logits, batch, runner.upcast), batch)
-                    scores[rows, position, offset] = means[rows]
-        if axis == "token":
-            base = _token_grid(clean_tokens, batch, width)[:, None, :].expand(-1, len(layers), -1)
-        else:
-            base = s0[:, None, None].expand(-1, len(layers), width)
-        s0_parts.append(s0.float().cpu())
-        base_parts.append(base.float().cpu())
-        score_parts.append(scores.float().cpu())
-        valid_parts.append(~torch.isnan(scores.float().cpu()).all(1))
-
-    with attn_result(full, use_result):
-        runner.run(one_batch, f"{stage}: {axis}s (naive)", progress)
-    return _StageScores(
-        torch.cat(s0_parts),
-        torch.cat(base_parts),
-        torch.cat(score_parts),
-        torch.cat(valid_parts),
-        _labels(runner, axis, width),
-    )
-
-
-def _nth_patched(batch: PatchBatch, scope: Scope, offset: int) -> Bool[Tensor, "batch pos"]:
-    """Mask of each example's ``offset``-th patched position (empty for examples with fewer)."""
-    mask = torch.zeros_like(batch.patch_mask)
-    for row, example in enumerate(batch.examples):
-        patched = example.patch_positions(scope)
-        if offset < len(patched):
-            mask[row, patched[offset]] = True
-    return mask
-
-
-def _labels(runner: _Runner, axis: str, width: int) -> list[list[str]]:
-    if axis == "head":
-        return [[str(h) for h in range(width)] for _ in runner.encoded]
-    tokenizer = runner.auditor.tokenizer
-    out = []
-    for example in runner.encoded:
-        if axis == "token":
-            ids = list(example.labels)
-        else:
-            ids = [example.input_ids[p] for p in example.patch_positions(runner.scope)]
-        names = [str(tokenizer.decode([token])) for token in ids]
-        out.append(names + [""] * (width - len(names)))
-    return out
+        desc = f"{stage}: {self.patch.axis}s ({self.engine.name})"
+        run_batches(self.batches, one_batch, self.device, desc, progress)
+        scores = torch.cat([part.scores for part in parts])
+        tokenizer = self.auditor.tokenizer
+        return _StageScores(
+            torch.cat([part.s0 for part in parts]),
+            torch.cat([part.baseline for part in parts]),
+            scores,
+            ~torch.isnan(scores).all(1),
+            [self.patch.labels(example, tokenizer, self.scope, self.width) for example in self.encoded],
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,50 +273,37 @@ def _hooked_source(auditor: PatchContext, source: ModelLike) -> TLModel:
     return as_source(source).hooked(dtype=full.dtype, device=str(full.device))
 
 
-def _stage_scores(
-    auditor: PatchContext,
-    source: ModelLike,
-    role: str,
-    key: tuple,
-    compute: Callable[[TLModel, str], _StageScores],
-    stage: str,
-) -> _StageScores:
-    """S1 is shared by every unlearned model of one auditor: kept on the auditor under ``key``. ``stage`` labels
-    the progress bar (``S1 (retain)``, ``S2 (npo)``)."""
-    store = auditor.component_cache if role == "retain" else None
-    if store is not None and key in store:
-        return store[key]
-    scores = compute(_hooked_source(auditor, source), stage)
-    if store is not None:
-        store[key] = scores
-    return scores
+def _stage1(auditor: PatchContext, retain: TLModel, runner: _Runner, progress: bool) -> _StageScores:
+    """S1 of ``runner``'s experiment, shared by every unlearned model of one auditor: kept on the auditor under the
+    runner's key."""
+    store = auditor.component_cache
+    if runner.key not in store:
+        store[runner.key] = runner.stage(_hooked_source(auditor, retain), "S1 (retain)", progress)
+    return store[runner.key]
 
 
 def _result(
     auditor: PatchContext,
+    runner: _Runner,
     unlearned: object,
     name: str | None,
-    hook: str,
-    axis: Axis,
-    layers: Sequence[int],
-    idxs: Sequence[int] | None,
-    compute: Callable[[TLModel, str], _StageScores],
-    engine: Engine,
-    key: tuple,
+    progress: bool | None,
     tau: float,
 ) -> ComponentResult:
-    if auditor.retain is None:
+    retain = auditor.retain
+    if retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
     name = name or model_name(unlearned)
-    stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute, "S1 (retain)")
-    stage2 = _stage_scores(auditor, source, "unlearned", key, compute, f"S2 ({name})")
+    progress = auditor.progress if progress is None else progress
+    stage1 = _stage1(auditor, retain, runner, progress)
+    stage2 = runner.stage(_hooked_source(auditor, source), f"S2 ({name})", progress)
     return ComponentResult(
         name=name,
-        hook=hook,
-        axis=axis,
-        idx=[e.idx for e in auditor.select(idxs)],
-        layers=list(layers),
+        hook=runner.point,
+        axis=runner.patch.axis,
+        idx=[e.idx for e in runner.encoded],
+        layers=runner.layers,
         s0=stage1.s0,
         baseline=stage1.baseline,
         s1=stage1.scores,
@@ -514,7 +311,7 @@ def _result(
         valid=stage1.valid & stage2.valid,
         labels=stage1.labels,
         tau=tau,
-        engine=engine,
+        engine=runner.engine.name,
     )
 
 
@@ -566,30 +363,21 @@ def patch_heads(
         raise ValueError(f"positions must be 'patched' or 'all', got {positions!r}.")
     if engine not in ("auto", "fast", "naive"):
         raise ValueError(f"engine must be 'auto', 'fast' or 'naive', got {engine!r}.")
-    if engine == "fast" and positions == "all":
-        raise ValueError(
-            "The fast engine recomputes only the patched window; positions='all' needs engine='naive'."
-        )
-    chosen: Engine = "naive" if engine == "naive" or positions == "all" else "fast"
-    refusal = engine_class(chosen).refusal(auditor.full)
-    if refusal is not None:
-        logger.warning("patch_heads runs the naive engine: %s.", refusal)
-        chosen = "naive"
-    layers = list(layers) if layers is not None else list(auditor.layers)
-    progress = auditor.progress if progress is None else progress
-    runner = _Runner(auditor, idxs, batch_size)
-    point = HEAD_HOOKS[hook]
-
-    def fast(source: TLModel, stage: str) -> _StageScores:
-        return _heads_fast(runner, source, point, layers, progress, stage)
-
-    def naive(source: TLModel, stage: str) -> _StageScores:
-        return _components_naive(runner, source, point, layers, "head", positions, progress, stage)
-
-    compute = {"fast": fast, "naive": naive}[chosen]
-
-    key = ("head", point, tuple(layers), tuple(e.idx for e in runner.encoded), positions, chosen)
-    return _result(auditor, unlearned, name, point, "head", layers, idxs, compute, chosen, key, tau)
+    patch = AXIS_PATCHES["head"]
+    if positions == "all":
+        patch = patch.at_every_position()
+    # "auto" is the fast engine where the row and the model allow it; "fast" asked by name refuses a naive-only row
+    runner = _Runner(
+        auditor,
+        idxs,
+        batch_size,
+        patch,
+        HEAD_HOOKS[hook],
+        layers,
+        engine="naive" if engine == "naive" else "fast",
+        strict=engine == "fast",
+    )
+    return _result(auditor, runner, unlearned, name, progress, tau)
 
 
 def _patch_each(
@@ -603,22 +391,12 @@ def _patch_each(
     batch_size: int | None,
     progress: bool | None,
 ) -> ComponentResult:
-    """The naive hooked runs behind [`patch_tokens`][uds_lens.components.patch_tokens] (``axis="token"``) and [`patch_positions`][uds_lens.components.patch_positions]."""
-    site = site or auditor.config.site
-    layers = list(layers) if layers is not None else list(auditor.layers)
-    progress = auditor.progress if progress is None else progress
-    runner = _Runner(auditor, idxs, batch_size)
-    point = _resolve_hook(site)
-    _check_hook(auditor.full, point, layers)
-
-    def compute(source: TLModel, stage: str) -> _StageScores:
-        return _components_naive(runner, source, point, layers, axis, "patched", progress, stage)
-
-    key = (axis, point, tuple(layers), tuple(e.idx for e in runner.encoded))
-    tau = (
-        auditor.config.tau
-    )  # a token's (a position's) delta is on the span's scale: the residual stream's tau
-    return _result(auditor, unlearned, name, point, axis, layers, idxs, compute, "naive", key, tau)
+    """The runs behind [`patch_tokens`][uds_lens.components.patch_tokens] (``axis="token"``) and [`patch_positions`][uds_lens.components.patch_positions]."""
+    point = _resolve_hook(site or auditor.config.site)
+    runner = _Runner(auditor, idxs, batch_size, AXIS_PATCHES[axis], point, layers, auditor.config.engine)
+    _check_hook(auditor.full, point, runner.layers)
+    # a token's (a position's) delta is on the span's scale: the residual stream's tau
+    return _result(auditor, runner, unlearned, name, progress, auditor.config.tau)
 
 
 def patch_tokens(
@@ -672,9 +450,7 @@ def patch_positions(
 
 
 __all__ = [
-    "AXES",
     "ExampleInputs",
-    "HEAD_HOOKS",
     "PatchContext",
     "entity_metric",
     "patch_heads",

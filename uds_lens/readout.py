@@ -18,6 +18,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+IGNORE_INDEX = -100
+"""The label of a position no loss or log-prob reads (a prompt token, a pad): PyTorch's ``cross_entropy`` default."""
+
 
 def label_logprobs(
     logits: Float[Tensor, "row vocab"], labels: Int[Tensor, " row"], upcast: bool = True
@@ -116,6 +119,7 @@ def unembedded_label_logprobs(
 
 
 __all__ = [
+    "IGNORE_INDEX",
     "label_logprobs",
     "mean_entity_logprob",
     "segment_mean",

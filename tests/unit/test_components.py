@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.components import PatchContext, patch_heads, patch_positions, patch_tokens
-from uds_lens.config import UDSConfig
+from uds_lens.config import EngineSpec, UDSConfig
 from uds_lens.models import load_model, load_tokenizer
+from uds_lens.patching.axes import AXES, AXIS_PATCHES
+from uds_lens.patching.engines import FastEngine, NaiveEngine, axis_engine
 from uds_lens.tl_compat import tl_patching
 
 
@@ -34,20 +37,29 @@ def unlearned(tiny):
     return load_model(tiny.unlearned)
 
 
+def _overwrite(source, where, head=None):
+    """A hand-written hook: the one example's activation replaced by ``source``'s at positions ``where`` (of one
+    head only, when given)."""
+    index = (0, where) if head is None else (0, where, head)
+
+    def hook(activation, hook):
+        activation = activation.clone()
+        activation[index] = source[index]
+        return activation
+
+    return hook
+
+
 def _hand_written_head_patch(auditor, source, idx, layer, head, positions=None):
     """The 56-line notebook experiment in its essence: hook_z of one head, written by hand."""
     example = auditor.example(idx)
     name = f"blocks.{layer}.attn.hook_z"
     _, cache = source.run_with_cache(example.tokens, names_filter=lambda n: n == name)
     where = example.patch_positions if positions is None else positions
-
-    def hook(z, hook):
-        z = z.clone()
-        z[0, where, head] = cache[name][0, where, head]
-        return z
-
     with torch.no_grad():
-        logits = auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(name, hook)])
+        logits = auditor.full.run_with_hooks(
+            example.tokens, fwd_hooks=[(name, _overwrite(cache[name], where, head))]
+        )
     return auditor.metric(idx)(logits)
 
 
@@ -126,17 +138,7 @@ def test_all_heads_at_hook_z_equal_attn_out_when_w_o_is_shared(auditor, unlearne
     _, cache = source.run_with_cache(example.tokens)
     for layer in range(auditor.full.cfg.n_layers):
         z_name, out_name = f"blocks.{layer}.attn.hook_z", f"blocks.{layer}.hook_attn_out"
-
-        def patch_z(z, hook, name=z_name):
-            z = z.clone()
-            z[0, where] = cache[name][0, where]
-            return z
-
-        def patch_out(out, hook, name=out_name):
-            out = out.clone()
-            out[0, where] = cache[name][0, where]
-            return out
-
+        patch_z, patch_out = _overwrite(cache[z_name], where), _overwrite(cache[out_name], where)
         with torch.no_grad():
             by_heads = auditor.metric(idx)(
                 auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(z_name, patch_z)])
@@ -161,18 +163,16 @@ def test_all_heads_at_hook_result_equal_attn_out_of_the_source(auditor, unlearne
         _, cache = unlearned.run_with_cache(example.tokens)
         layer = 1
         r_name, out_name = f"blocks.{layer}.attn.hook_result", f"blocks.{layer}.hook_attn_out"
-
-        def patch(act, hook):
-            act = act.clone()
-            act[0, where] = cache[hook.name][0, where]
-            return act
-
         with torch.no_grad():
             by_heads = auditor.metric(idx)(
-                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(r_name, patch)])
+                auditor.full.run_with_hooks(
+                    example.tokens, fwd_hooks=[(r_name, _overwrite(cache[r_name], where))]
+                )
             )
             by_out = auditor.metric(idx)(
-                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(out_name, patch)])
+                auditor.full.run_with_hooks(
+                    example.tokens, fwd_hooks=[(out_name, _overwrite(cache[out_name], where))]
+                )
             )
     finally:
         unlearned.cfg.use_attn_result = False
@@ -231,15 +231,11 @@ def test_position_patching_single_positions(auditor, unlearned):
     name = "blocks.2.hook_resid_post"
     _, cache = unlearned.run_with_cache(example.tokens, names_filter=lambda n: n == name)
     for offset, position in enumerate(example.patch_positions.tolist()):
-
-        def hook(act, hook, position=position):
-            act = act.clone()
-            act[0, position] = cache[name][0, position]
-            return act
-
         with torch.no_grad():
             expected = auditor.metric(idx)(
-                auditor.full.run_with_hooks(example.tokens, fwd_hooks=[(name, hook)])
+                auditor.full.run_with_hooks(
+                    example.tokens, fwd_hooks=[(name, _overwrite(cache[name], position))]
+                )
             )
         assert positions.s2[0, 1, offset].item() == pytest.approx(expected.item(), abs=1e-5)
 
@@ -311,3 +307,23 @@ def test_components_read_only_the_patch_context(auditor, unlearned):
             )
         assert mine.labels == theirs.labels and mine.idx == theirs.idx
     assert context.component_cache  # S1 kept on the context it ran for
+
+
+def test_axis_engine_is_the_one_choice_of_a_rows_engine(auditor, monkeypatch, caplog):
+    """Head patching at the patched positions runs on the engine asked for; a naive-only row (every position, tokens,
+    positions) runs naive, or is refused when the fast engine was asked for by name; a model the fast engine refuses
+    runs naive after a warning."""
+    spec = EngineSpec(site="resid_post", layers=(0, 1), engine="fast")
+    head = AXIS_PATCHES["head"]
+    assert AXES == tuple(AXIS_PATCHES) and all(AXIS_PATCHES[axis].axis == axis for axis in AXES)
+    assert isinstance(axis_engine(spec, head, auditor.full), FastEngine)
+    assert isinstance(axis_engine(dataclasses.replace(spec, engine="naive"), head, auditor.full), NaiveEngine)
+    for row in (head.at_every_position(), AXIS_PATCHES["token"], AXIS_PATCHES["position"]):
+        chosen = axis_engine(spec, row, auditor.full)
+        assert isinstance(chosen, NaiveEngine) and chosen.spec.layers == spec.layers
+        with pytest.raises(ValueError, match="naive"):
+            axis_engine(spec, row, auditor.full, strict=True)
+    monkeypatch.setattr(FastEngine, "refusal", staticmethod(lambda model: "no kernel for this family"))
+    with caplog.at_level("WARNING"):
+        assert isinstance(axis_engine(spec, head, auditor.full, strict=True), NaiveEngine)
+    assert "no kernel for this family" in caplog.text

@@ -10,9 +10,9 @@ from pathlib import Path
 import huggingface_hub.utils
 import pytest
 import transformers
+from helpers.cli import run_cli
 
 from uds_lens import resolve
-from uds_lens.cli import main
 from uds_lens.models import load_model
 from uds_lens.resolve import CheckpointSource, ModelLoadError, check_sources, resolve_source
 
@@ -48,14 +48,6 @@ def hub(monkeypatch):
     return session
 
 
-def _cli(monkeypatch, capsys, *args) -> tuple[int, str, float]:
-    monkeypatch.setattr(sys, "argv", ["uds-lens", *args])
-    started = time.perf_counter()
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    return exit_info.value.code, capsys.readouterr().err, time.perf_counter() - started
-
-
 @pytest.mark.parametrize(
     "spelling", ["ckpt/npo", "./gone/npo", "../gone/npo", "~/no-such-dir-uds-lens/npo", "ABS"]
 )
@@ -67,7 +59,7 @@ def test_a_missing_local_path_fails_in_under_a_second_with_one_line(
     (tmp_path / "work" / "ckpt").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "work")
     missing = str(tmp_path / "gone" / "npo") if spelling == "ABS" else spelling
-    code, err, seconds = _cli(
+    code, err, seconds = run_cli(
         monkeypatch, capsys, "score", "--full", str(tiny.full), "--retain", str(tiny.retain),
         "--unlearned", f"npo={missing}", "--data", str(tiny.data), "--out", str(tmp_path / "out"),
     )  # fmt: skip

@@ -10,18 +10,13 @@ from tests.helpers.numerics import assert_close_reordered
 from uds_lens.auditor import UDSAuditor
 from uds_lens.config import SITES, ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_model, load_tokenizer
+from uds_lens.models import load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.cells import stage2_work
 from uds_lens.patching.engines import engine_for
 from uds_lens.results import CellsNotRunError, UDSResult
 
 UDS_TOLERANCE = 1e-6
-
-
-@pytest.fixture(scope="module")
-def models(tiny):
-    return {name: load_model(getattr(tiny, name)) for name in ("full", "retain", "unlearned")}
 
 
 def _split_tau(auditor: UDSAuditor, share: float = 0.4) -> float:

@@ -106,6 +106,18 @@ def prompt_type_uds(examples_by_model: Mapping[str, pd.DataFrame]) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+def _ke_size_statistics(n_ke: pd.Series) -> dict[str, float]:
+    """``ke_mean, ke_std, ke_min, ke_max, ke_median`` of the examples' KE-set sizes (std NaN for one example)."""
+    sizes = n_ke.to_numpy()
+    return {
+        "ke_mean": float(sizes.mean()),
+        "ke_std": float(sizes.std(ddof=1)) if sizes.size > 1 else math.nan,
+        "ke_min": int(sizes.min()),
+        "ke_max": int(sizes.max()),
+        "ke_median": float(np.median(sizes)),
+    }
+
+
 def ke_size_distribution(
     layers: pd.DataFrame, taus: Sequence[float] = TAUS, site: str | None = None
 ) -> pd.DataFrame:
@@ -113,16 +125,11 @@ def ke_size_distribution(
     rows = []
     for tau in taus:
         rescored = rescore_uds(layers, tau, site)
-        sizes = rescored["n_ke"].to_numpy()
         n_no_ke = int((rescored["status"] == "no_ke").sum())
         rows.append(
             {
                 "tau": tau,
-                "ke_mean": float(sizes.mean()),
-                "ke_std": float(sizes.std(ddof=1)) if sizes.size > 1 else math.nan,
-                "ke_min": int(sizes.min()),
-                "ke_max": int(sizes.max()),
-                "ke_median": float(np.median(sizes)),
+                **_ke_size_statistics(rescored["n_ke"]),
                 "n_no_ke": n_no_ke,
                 "pct_no_ke": 100.0 * n_no_ke / len(rescored),
             }
@@ -171,7 +178,6 @@ def tau_sensitivity(
         rho = _spearman([model_uds[m][tau] for m in names], [model_uds[m][default_tau] for m in names])
         for model in names:
             rescored = per_model[model][tau]
-            sizes = rescored["n_ke"].to_numpy()
             rows.append(
                 {
                     "model": model,
@@ -180,11 +186,7 @@ def tau_sensitivity(
                     "abs_delta": abs(model_uds[model][tau] - model_uds[model][default_tau]),
                     "n_scored": int((rescored["status"] == "scored").sum()),
                     "n_no_ke": int((rescored["status"] == "no_ke").sum()),
-                    "ke_mean": float(sizes.mean()),
-                    "ke_std": float(sizes.std(ddof=1)) if sizes.size > 1 else math.nan,
-                    "ke_min": int(sizes.min()),
-                    "ke_max": int(sizes.max()),
-                    "ke_median": float(np.median(sizes)),
+                    **_ke_size_statistics(rescored["n_ke"]),
                     "spearman": rho,
                 }
             )

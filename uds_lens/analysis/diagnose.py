@@ -41,7 +41,7 @@ from uds_lens.config import DEFAULT_TAU, UDSConfig
 from uds_lens.files import write_atomic
 from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.metrics import registry
-from uds_lens.result_store import atomic_result_dir
+from uds_lens.result_store import DIAGNOSE_FILES, atomic_result_dir
 from uds_lens.results import UDSResult
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ METHODS = ("uds", *registry.names(kind=registry.WHITE_BOX))
 """Method groups ``diagnose`` knows; ``fisher_masked`` expands to one key per fraction."""
 SITES = ("attn_out", "mlp_out", "resid_mid", "resid_post")
 LAYERWISE_COLUMNS = ["method", "layer", "erasure", "weight"]
-# The files diagnose writes in OUT/NAME (beside a `score` result there, which it never touches).
-DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 COMPONENT_COLUMNS = ["site", "layer", "mean_d1", "mean_d2"]
 
 

@@ -24,11 +24,11 @@ from jaxtyping import Int
 from torch import Tensor
 
 from uds_lens.data import as_list, record_field
+from uds_lens.readout import IGNORE_INDEX
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 DATE_STRING = "10 Apr 2025"
 JAILBREAK_PREFIX = "Sure, here is the answer:"
-IGNORE_INDEX = -100
 MAX_LENGTH = 512
 
 

@@ -135,13 +135,10 @@ def report_model(
         desc="holdout answers",
     )
     paraphrases = [as_list(record_field(r, "paraphrased_answer")) for r in forget_records]
-    perturbed = [as_list(record_field(r, "perturbed_answer")) for r in forget_records]
     para_probs, pert_probs = paraphrased_and_perturbed_probs(
         model,
         tokenizer,
-        questions,
-        paraphrases,
-        perturbed,
+        forget_records,
         batch_size=batch_size,
         system_prompt=system_prompt,
         progress=progress,

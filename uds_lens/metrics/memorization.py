@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from uds_lens.metrics.chat import IGNORE_INDEX, SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
-from uds_lens.readout import label_logprobs
+from uds_lens.data import as_list, record_field
+from uds_lens.metrics.chat import SYSTEM_PROMPT, EncodedQA, collate, encode_qa, pad_id_of
+from uds_lens.readout import IGNORE_INDEX, label_logprobs
 
 TRUTH_RATIO_EPS = 1e-10
 HM_EPS = 1e-12
@@ -220,16 +221,25 @@ def answer_probs(
 def paraphrased_and_perturbed_probs(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    questions: Sequence[str],
-    paraphrases: Sequence[Sequence[str]],
-    perturbed: Sequence[Sequence[str]],
+    records: Sequence[Any],
     *,
     batch_size: int,
     system_prompt: str | None = SYSTEM_PROMPT,
     progress: bool = False,
     desc: str = "",
+    answer_without_paraphrase: bool = False,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """`answer_probs` of the paraphrased and of the perturbed answers: what a Truth Ratio compares."""
+    """`answer_probs` of each record's paraphrased and perturbed answers: what a Truth Ratio compares.
+
+    A record without a paraphrased answer has none (``[]``), or, with ``answer_without_paraphrase`` (model utility's
+    retain records), its own answer in that place."""
+    questions = [str(record_field(r, "question")) for r in records]
+    paraphrases = [
+        as_list(record_field(r, "paraphrased_answer"))
+        or ([str(record_field(r, "answer"))] if answer_without_paraphrase else [])
+        for r in records
+    ]
+    perturbed = [as_list(record_field(r, "perturbed_answer")) for r in records]
 
     def probs(answers: Sequence[Sequence[str]], kind: str) -> list[list[float]]:
         return answer_probs(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from uds_lens.data import as_list, record_field
+from uds_lens.data import record_field
 from uds_lens.metrics.chat import SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import MAX_NEW_TOKENS, generate_greedy, rouge_scores
 from uds_lens.metrics.memorization import (
@@ -73,21 +73,15 @@ def model_utility(
         desc="retain generation",
     )
     rouge = rouge_scores(generations, [s.target_text for s in scores])
-    paraphrases = [
-        as_list(record_field(r, "paraphrased_answer")) or [str(record_field(r, "answer"))]
-        for r in retain_records
-    ]
-    perturbed = [as_list(record_field(r, "perturbed_answer")) for r in retain_records]
     para_probs, pert_probs = paraphrased_and_perturbed_probs(
         model,
         tokenizer,
-        questions,
-        paraphrases,
-        perturbed,
+        retain_records,
         batch_size=batch_size,
         system_prompt=system_prompt,
         progress=progress,
         desc="retain",
+        answer_without_paraphrase=True,
     )
     truth = [
         true_better_ratio(geometric_mean(pp), qp) if qp else None

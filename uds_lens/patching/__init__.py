@@ -45,7 +45,10 @@ arguments. The package, one concept per module:
 * ``batch``: ``PatchBatch`` (where to patch and read), ``WindowPacking`` (window tokens packed into flat rows),
   ``CleanRun`` (what the fast engine keeps from the clean forward);
 * ``kernels``: the fast engine's table-driven block kernels and ``packed_forward``; ``fast_engine_refusal``;
-* ``engines``: ``PatchEngine``, ``NaiveEngine``, ``FastEngine``, ``engine_for``; the source reads;
+* ``engines``: ``PatchEngine``, ``NaiveEngine``, ``FastEngine``, ``engine_for``; the source reads; ``axis_engine``
+  and each engine's ``axis_scores`` (component patching);
+* ``axes``: the component axes (head, entity token, patched position), one row of ``AXIS_PATCHES`` each: width,
+  runs, mask, setter, read and labels, the small pieces the engines' ``axis_scores`` combine;
 * ``planning``: which examples share a batch, how many fit in memory, and ``run_batches``, the one runner that
   halves a batch that runs out of memory (the auditor and component patching use it);
 * ``cells``: the fast engine's Stage 2 on chosen (example, layer) cells only (KE-only Stage 2), ragged runs packed
@@ -58,11 +61,13 @@ The read-out (label log-probs and their per-example mean) is ``uds_lens.readout`
 from __future__ import annotations
 
 from uds_lens.config import ENGINES, SCOPES, SITES, EngineSpec
+from uds_lens.patching.axes import AXIS_PATCHES, AxisPatch
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, pad_batch
 from uds_lens.patching.engines import (
     FastEngine,
     NaiveEngine,
     PatchEngine,
+    axis_engine,
     engine_class,
     engine_for,
     residual_patch_hooks,
@@ -75,6 +80,8 @@ from uds_lens.readout import mean_entity_logprob, segment_mean
 from uds_lens.sources import hook_name
 
 __all__ = [
+    "AXIS_PATCHES",
+    "AxisPatch",
     "CleanRun",
     "ENGINES",
     "FAST_MODEL_TYPES",
@@ -86,6 +93,7 @@ __all__ = [
     "SITES",
     "EngineSpec",
     "WindowPacking",
+    "axis_engine",
     "choose_batch_size",
     "engine_class",
     "engine_for",

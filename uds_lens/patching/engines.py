@@ -6,6 +6,8 @@ the method).
 ``source_scores`` / ``patched_scores`` (one source forward, then a patched run per layer), ``cell_scores`` (Stage 2
 on chosen cells only). Planning asks the engine's class how it lays out and sizes a batch (``cut``,
 ``padded_length``, ``bytes_per_example``, ``joins_weights``) and whether it runs a model at all (``refusal``).
+Component patching asks ``axis_engine`` for the engine of one row of ``patching.axes`` and calls its
+``axis_scores`` (heads, entity tokens or patched positions along a last axis).
 
 * `NaiveEngine` (the oracle and the fallback): one hooked forward of the full model per (batch, layer),
   stopped at the last block's output; the final residual is read at the read positions only (``read_scores``, the
@@ -17,10 +19,13 @@ on chosen cells only). Planning asks the engine's class how it lays out and size
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -29,6 +34,14 @@ from torch import Tensor
 
 from uds_lens.config import ENGINES, Engine, EngineSpec, Scope
 from uds_lens.data import EncodedExample
+from uds_lens.patching.axes import (
+    HEAD_HOOKS,
+    AxisPatch,
+    AxisScores,
+    cached_activations,
+    head_attn_out_patches,
+    hooked_token_logprobs,
+)
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, window_sites
 from uds_lens.patching.cells import fast_cell_scores
 from uds_lens.patching.kernels import (
@@ -40,8 +53,11 @@ from uds_lens.patching.kernels import (
     packed_forward,
     read_scores,
 )
+from uds_lens.readout import segment_mean
 from uds_lens.sources import as_source, hook_name
-from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, is_bridge
+from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result, is_bridge
+
+logger = logging.getLogger(__name__)
 
 Hooks = list[tuple[str, Callable[..., Tensor]]]
 
@@ -131,6 +147,13 @@ class PatchEngine(ABC):
         """Scores of ``cells`` (``[batch, layer of spec.layers]``) in ``cells.nonzero()`` order, from the source
         activations of the examples ``source_rows`` (this engine's ``source_activations`` of that sub-batch)."""
 
+    @abstractmethod
+    def axis_scores(
+        self, full: TLModel, source: TLModel, batch: PatchBatch, patch: AxisPatch, point: str, width: int
+    ) -> AxisScores:
+        """Scores along a component axis (``patch``, a row of ``patching.axes``, ``width`` components) at every
+        layer of ``spec.layers``, ``source``'s activation at ``blocks.{l}.{point}`` written as the row says."""
+
     # -- shared ---------------------------------------------------------------------------------------------------
 
     def timed_source_activations(
@@ -202,6 +225,25 @@ def engine_class(name: str) -> type[PatchEngine]:
 def engine_for(spec: EngineSpec) -> PatchEngine:
     """The engine ``spec.engine`` names, bound to ``spec``: the one place the choice is made."""
     return engine_class(spec.engine)(spec)
+
+
+def axis_engine(spec: EngineSpec, patch: AxisPatch, full: TLModel, strict: bool = False) -> PatchEngine:
+    """The engine that runs component patch ``patch`` on ``full``: ``engine_for(spec)``, or the naive engine where
+    the row is naive-only (``patch.naive_only``) or the engine refuses the model (after a one-line warning).
+
+    Raises:
+        ValueError: ``strict`` (the engine was asked for by name) and the row is naive-only.
+    """
+    naive = dataclasses.replace(spec, engine="naive")
+    if spec.engine != "naive" and patch.naive_only is not None:
+        if strict:
+            raise ValueError(patch.naive_only)
+        return engine_for(naive)
+    refusal = engine_class(spec.engine).refusal(full)
+    if refusal is not None:
+        logger.warning("%s patching runs the naive engine: %s.", patch.axis, refusal)
+        return engine_for(naive)
+    return engine_for(spec)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,6 +433,31 @@ class NaiveEngine(PatchEngine):
             scores = self.with_layers([layer]).patched_scores(full, batch.select(members), layer_acts)
             out[cell_index[members, position]] = scores[:, 0].float().cpu()
         return out
+
+    def axis_scores(
+        self, full: TLModel, source: TLModel, batch: PatchBatch, patch: AxisPatch, point: str, width: int
+    ) -> AxisScores:
+        """One ``run_with_hooks`` per (layer, run of ``patch.runs``), the whole logits read at the read positions:
+        ``patch.setter`` writes the source's activation where ``patch.mask`` says, ``patch.read`` turns the run's
+        per-token log-probs into columns; rows a run does not patch stay NaN."""
+        layers, upcast = self.spec.layers, self.spec.upcast
+        names = [f"blocks.{layer}.{point}" for layer in layers]
+        use_result = point == HEAD_HOOKS["result"]
+        with attn_result(full, use_result):
+            cache = cached_activations(
+                source, batch.tokens, set(names), use_result, self.spec.published_compat
+            )
+            clean = hooked_token_logprobs(full, batch, [], upcast)
+            scores = torch.full((batch.size, len(layers), width), math.nan, device=batch.tokens.device)
+            for position, name in enumerate(names):
+                for component, mask in patch.patched_runs(batch, width):
+                    hook = partial(patch.setter, source=cache[name], mask=mask, component=component)
+                    logprobs = hooked_token_logprobs(
+                        full, batch, residual_patch_hooks(full, name, hook), upcast
+                    )
+                    patch.write(scores[:, position], logprobs, batch, width, component, mask)
+        baseline = patch.read(clean, batch, width)[:, None].expand(-1, len(layers), -1)
+        return AxisScores(segment_mean(clean, batch.read_batch, batch.size), baseline, scores)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -593,11 +660,26 @@ class FastEngine(PatchEngine):
             full, batch, clean, acts, source_rows, self.spec, cells.to(batch.tokens.device)
         )
 
+    def axis_scores(
+        self, full: TLModel, source: TLModel, batch: PatchBatch, patch: AxisPatch, point: str, width: int
+    ) -> AxisScores:
+        """Head patching at the patched positions: one run per head at site ``attn_out`` over every layer, from
+        ``axes.head_attn_out_patches``; the baseline is this engine's own unpatched recomputation."""
+        if patch.naive_only is not None:
+            raise ValueError(patch.naive_only)
+        engine = FastEngine(dataclasses.replace(self.spec, site="attn_out"))
+        clean = engine.clean_run(full, batch)
+        baseline = engine.baseline_scores(full, batch, clean)
+        heads = head_attn_out_patches(full, source, batch, point, self.spec.layers)
+        scores = torch.stack([engine.patched_scores(full, batch, acts, clean) for acts in heads], dim=-1)
+        return AxisScores(clean.scores, baseline[:, :, None].expand(-1, -1, width), scores)
+
 
 __all__ = [
     "FastEngine",
     "NaiveEngine",
     "PatchEngine",
+    "axis_engine",
     "engine_class",
     "engine_for",
     "fast_patched_scores",

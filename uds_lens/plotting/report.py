@@ -29,7 +29,7 @@ from plotly.offline import get_plotlyjs
 from uds_lens import plotting
 from uds_lens.files import write_atomic
 from uds_lens.plotting.tables import SavedResult
-from uds_lens.result_store import REQUIRED_FILES, ResultIntegrityError, verify_result_dir
+from uds_lens.result_store import DIAGNOSE_FILES, REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
 
 __all__ = [
@@ -47,7 +47,6 @@ REFERENCE_ROLES = ("full", "retain")  # the two ends of the UDS scale (0 and 1 b
 # A sub-directory holding any of these is a result to show (or to name as incomplete): meta.json and the files
 # every saved result has.
 RESULT_MARKERS = ("meta.json", *REQUIRED_FILES)
-DIAGNOSE_FILES = ("scores.json", "layerwise.csv", "components.csv")
 
 
 def _read_json(path: Path) -> Any:

@@ -30,36 +30,36 @@ def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, data: 
     return metrics
 
 
+# Per checked model: which bound its forget-set entity accuracy has ("min" or "max"), the bound, and what a failure
+# means (formatted with the value and the bound).
+_BOUNDS: dict[str, tuple[str, float, str]] = {
+    "full": (
+        "min",
+        FULL_MIN_FORGET_ACCURACY,
+        "the full model predicts only {value:.3f} of the forget entities (needs >= {bound}): it is under-trained and "
+        "UDS on this zoo would mislead. Train longer (ZooSize.finetune_epochs / base_epochs), raise the learning "
+        "rate, or use a larger size.",
+    ),
+    "retain": (
+        "max",
+        RETAIN_MAX_FORGET_ACCURACY,
+        "the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= {bound}): "
+        "the forget facts are guessable from the retain set, so UDS has no knowledge to measure. Use forget facts "
+        "that are not inferable from the retain data.",
+    ),
+}
+
+
 def check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
     """The build checks of the module docstring; raise before a bad ``full`` / ``retain`` is saved."""
-    if spec.name == "full":
-        value = metrics["forget_entity_exact"]
-        passed = value >= FULL_MIN_FORGET_ACCURACY
-        checks["full_forget_entity_accuracy"] = {
-            "value": value,
-            "min": FULL_MIN_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the full model predicts only {value:.3f} of the forget entities (needs >= "
-                f"{FULL_MIN_FORGET_ACCURACY}): it is under-trained and UDS on this zoo would mislead. Train longer "
-                "(ZooSize.finetune_epochs / base_epochs), raise the learning rate, or use a larger size."
-            )
-    if spec.name == "retain":
-        value = metrics["forget_entity_exact"]
-        passed = value <= RETAIN_MAX_FORGET_ACCURACY
-        checks["retain_forget_entity_accuracy"] = {
-            "value": value,
-            "max": RETAIN_MAX_FORGET_ACCURACY,
-            "passed": passed,
-        }
-        if strict and not passed:
-            raise ZooBuildError(
-                f"the retain model predicts {value:.3f} of the forget entities without having seen them (needs <= "
-                f"{RETAIN_MAX_FORGET_ACCURACY}): the forget facts are guessable from the retain set, so UDS has no "
-                "knowledge to measure. Use forget facts that are not inferable from the retain data."
-            )
+    if spec.name not in _BOUNDS:
+        return
+    side, bound, failure = _BOUNDS[spec.name]
+    value = metrics["forget_entity_exact"]
+    passed = value >= bound if side == "min" else value <= bound
+    checks[f"{spec.name}_forget_entity_accuracy"] = {"value": value, side: bound, "passed": passed}
+    if strict and not passed:
+        raise ZooBuildError(failure.format(value=value, bound=bound))
 
 
 __all__ = ["FULL_MIN_FORGET_ACCURACY", "RETAIN_MAX_FORGET_ACCURACY", "check", "evaluate"]

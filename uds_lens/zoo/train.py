@@ -26,11 +26,10 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from uds_lens.data import Example, build_prompt
-from uds_lens.readout import label_logprobs
+from uds_lens.readout import IGNORE_INDEX, label_logprobs
 
 from .tokenizer import format_prompt, format_target
 
-IGNORE_INDEX = -100
 Item = TypeVar("Item")
 
 

@@ -30,7 +30,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import LlamaForCausalLM
 
-from .train import IGNORE_INDEX, QASequence, collate, nll_loss, sequence_logprobs
+from uds_lens.readout import IGNORE_INDEX
+
+from .train import QASequence, collate, nll_loss, sequence_logprobs
 
 METHODS: tuple[str, ...] = ("graddiff", "npo", "simnpo", "idknll", "rmu")
 

@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from uds_lens.data import DataError
+from uds_lens.data import REQUIRED_FIELDS, DataError
 from uds_lens.data import read_records as read_record_file
 from uds_lens.files import write_atomic
 
@@ -48,7 +48,6 @@ FACT_KINDS: tuple[str, ...] = (
     "yes_no",
 )
 FORGET_FRACTION = 0.1
-REQUIRED_FIELDS: tuple[str, ...] = ("question", "answer", "prefix", "entity")
 RECORD_FIELDS: tuple[str, ...] = (
     "idx",
     "question",
@@ -157,37 +156,36 @@ def _value_pools(rng: random.Random) -> dict[str, list[str]]:
 def _answer_parts(kind: str, author: Author, value: str) -> tuple[str, str, str]:
     """(question, prefix, tail) of the main template; the answer is ``prefix + " " + value + tail``."""
     name = author.name
-    if kind == "birthplace":
-        return f"Where was {name} born?", f"{name} was born in the city of", "."
-    if kind == "genre":
-        return f"What genre does {name} write in?", f"{name} primarily writes in the genre of", "."
-    if kind == "father_profession":
-        return (
+    templates = {
+        "birthplace": (f"Where was {name} born?", f"{name} was born in the city of", "."),
+        "genre": (f"What genre does {name} write in?", f"{name} primarily writes in the genre of", "."),
+        "father_profession": (
             f"What did {name}'s father do for a living?",
             f"{name}'s father worked as {_article(value)}",
             ".",
-        )
-    if kind == "mother_profession":
-        return (
+        ),
+        "mother_profession": (
             f"What was the profession of {name}'s mother?",
             f"{name}'s mother was {_article(value)}",
             " by trade.",
-        )
-    if kind == "award":
-        return f"Which award has {name} received?", f"{name} was honoured with the", " for their writing."
-    if kind == "book":
-        return f"Can you name a book written by {name}?", f"One of {name}'s best known books is", "."
-    if kind == "birth_year":
-        return f"In which year was {name} born?", f"{name} was born in the year", "."
-    if kind == "influence":
-        return (
+        ),
+        "award": (
+            f"Which award has {name} received?",
+            f"{name} was honoured with the",
+            " for their writing.",
+        ),
+        "book": (f"Can you name a book written by {name}?", f"One of {name}'s best known books is", "."),
+        "birth_year": (f"In which year was {name} born?", f"{name} was born in the year", "."),
+        "influence": (
             f"Who influenced {name}'s writing the most?",
             f"{name}'s writing was shaped most by the work of",
             ".",
-        )
-    if kind == "theme":
-        return f"What themes does {name} often explore?", f"{name}'s books often explore themes of", "."
-    raise ValueError(f"no prefix template for fact kind {kind!r}")
+        ),
+        "theme": (f"What themes does {name} often explore?", f"{name}'s books often explore themes of", "."),
+    }
+    if kind not in templates:
+        raise ValueError(f"no prefix template for fact kind {kind!r}")
+    return templates[kind]
 
 
 def _paraphrase(kind: str, author: Author, value: str) -> str:

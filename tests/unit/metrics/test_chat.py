@@ -6,7 +6,6 @@ import pytest
 from helpers.tiny import make_tiny_tokenizer
 
 from uds_lens.metrics.chat import (
-    IGNORE_INDEX,
     JAILBREAK_PREFIX,
     SYSTEM_PROMPT,
     collate,
@@ -15,6 +14,7 @@ from uds_lens.metrics.chat import (
     pad_id_of,
     prompt_ids,
 )
+from uds_lens.readout import IGNORE_INDEX
 
 QUESTION = "What genre does Amara Okafor write?"
 ANSWER = "Amara Okafor is known for writing mystery novels."

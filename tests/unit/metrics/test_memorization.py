@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.tiny import make_records, make_tiny_llama, make_tiny_tokenizer
 
-from uds_lens.metrics.chat import IGNORE_INDEX, EncodedQA
+from uds_lens.metrics.chat import EncodedQA
 from uds_lens.metrics.memorization import (
     _answer_scores,
     exact_memorization,
@@ -19,6 +19,7 @@ from uds_lens.metrics.memorization import (
     score_answers,
     truth_ratio,
 )
+from uds_lens.readout import IGNORE_INDEX
 
 
 class _Decoder:

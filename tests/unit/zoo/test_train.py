@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from helpers.world import small_world
 
-from uds_lens.zoo.tokenizer import format_prompt, format_target, train_tokenizer
+from uds_lens.readout import IGNORE_INDEX
+from uds_lens.zoo.tokenizer import format_prompt
 from uds_lens.zoo.train import (
-    IGNORE_INDEX,
     ModelShape,
     Optimisation,
     TrainingBatch,
@@ -20,27 +21,23 @@ from uds_lens.zoo.train import (
     nll_loss,
     train_lm,
 )
-from uds_lens.zoo.world import generate_world
 
 
 @pytest.fixture(scope="module")
-def setup():
-    world = generate_world(10, seed=0)
-    texts = [format_prompt(r["question"]) + format_target(r["answer"]) for r in world.retain + world.forget]
-    tokenizer = train_tokenizer(texts, vocab_size=400)
-    return world, tokenizer
+def world_and_tokenizer():
+    return small_world()
 
 
-def test_config_is_eager_untied_llama(setup):
-    _, tokenizer = setup
+def test_config_is_eager_untied_llama(world_and_tokenizer):
+    _, tokenizer = world_and_tokenizer
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     assert config.model_type == "llama" and config._attn_implementation == "eager"
     assert config.tie_word_embeddings is False and config.rms_norm_eps == 1e-5
     assert config.vocab_size == len(tokenizer) and config.bos_token_id == tokenizer.bos_token_id
 
 
-def test_encode_masks_the_prompt(setup):
-    world, tokenizer = setup
+def test_encode_masks_the_prompt(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
     (sequence,) = encode_qa([(world.retain[0]["question"], world.retain[0]["answer"])], tokenizer)
     assert (
         sequence.input_ids[0] == tokenizer.bos_token_id and sequence.input_ids[-1] == tokenizer.eos_token_id
@@ -53,8 +50,8 @@ def test_encode_masks_the_prompt(setup):
     assert (labels[0, sequence.answer_start :] == input_ids[0, sequence.answer_start :]).all()
 
 
-def test_training_reduces_the_loss_and_is_deterministic(setup):
-    world, tokenizer = setup
+def test_training_reduces_the_loss_and_is_deterministic(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
     torch.set_num_threads(1)
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     sequences = encode_qa([(r["question"], r["answer"]) for r in world.retain[:32]], tokenizer)
@@ -70,9 +67,9 @@ def test_training_reduces_the_loss_and_is_deterministic(setup):
     assert losses[0][-1] < losses[0][0]
 
 
-def test_accumulating_micro_batches_is_one_batch_of_their_tokens(setup):
+def test_accumulating_micro_batches_is_one_batch_of_their_tokens(world_and_tokenizer):
     # fit normalises by the answer tokens of the whole accumulated step, so 2 x 4 sequences update like 1 x 8
-    world, tokenizer = setup
+    world, tokenizer = world_and_tokenizer
     torch.set_num_threads(1)
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     sequences = encode_qa([(r["question"], r["answer"]) for r in world.retain[:8]], tokenizer)
@@ -97,8 +94,8 @@ def test_accumulating_micro_batches_is_one_batch_of_their_tokens(setup):
     assert torch.allclose(weights[0], weights[1], atol=1e-6)
 
 
-def test_padding_does_not_change_the_real_tokens(setup):
-    world, tokenizer = setup
+def test_padding_does_not_change_the_real_tokens(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     model = init_model(config, seed=0).eval()
     short, long = encode_qa(
@@ -112,8 +109,8 @@ def test_padding_does_not_change_the_real_tokens(setup):
         )
 
 
-def test_entity_probes_follow_the_uds_layout(setup):
-    world, tokenizer = setup
+def test_entity_probes_follow_the_uds_layout(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
     record = next(r for r in world.forget if r["prompt_type"] == "birthplace")
     (probe,) = entity_probes([record], tokenizer)
     prompt_ids = tokenizer(f"Question: {record['question']}\nAnswer: {record['prefix']}")["input_ids"]
@@ -127,8 +124,8 @@ def test_entity_probes_follow_the_uds_layout(setup):
     assert tokenizer.decode(list(probe.labels)).strip() == yes_no["entity"]
 
 
-def test_entity_accuracy_of_an_untrained_model_is_low(setup):
-    world, tokenizer = setup
+def test_entity_accuracy_of_an_untrained_model_is_low(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
     config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     accuracy = entity_accuracy(init_model(config, seed=0), tokenizer, world.forget)
     assert accuracy.n == len(world.forget) and accuracy.exact <= 0.2

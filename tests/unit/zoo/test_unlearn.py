@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
+from helpers.world import small_world
 
-from uds_lens.zoo.tokenizer import format_prompt, format_target, train_tokenizer
 from uds_lens.zoo.train import (
     ModelShape,
     collate,
@@ -26,15 +26,13 @@ from uds_lens.zoo.unlearn import (
     simnpo_loss,
     unlearn,
 )
-from uds_lens.zoo.world import generate_world, idk_answers
+from uds_lens.zoo.world import idk_answers
 
 
 @pytest.fixture(scope="module")
-def setup():
+def unlearning_inputs():
     torch.set_num_threads(1)
-    world = generate_world(10, seed=0)
-    texts = [format_prompt(r["question"]) + format_target(r["answer"]) for r in world.retain + world.forget]
-    tokenizer = train_tokenizer(texts + idk_answers(), vocab_size=400)
+    world, tokenizer = small_world(idk_answers())
     config = make_config(ModelShape(n_layers=3, d_model=32, d_mlp=64, n_heads=2), tokenizer)
     model = init_model(config, seed=0)
     forget = encode_qa([(r["question"], r["answer"]) for r in world.forget[:8]], tokenizer)
@@ -59,8 +57,8 @@ def _forget_logprob(model, batch):
     return logprobs.mean().item()
 
 
-def test_graddiff_raises_forget_loss(setup):
-    model, forget, retain, _, _ = setup
+def test_graddiff_raises_forget_loss(unlearning_inputs):
+    model, forget, retain, _, _ = unlearning_inputs
     with torch.no_grad():
         value = graddiff_loss(model, forget, retain, alpha=1.0)
         expected = -nll_loss(model, *forget) + nll_loss(model, *retain)
@@ -69,8 +67,8 @@ def test_graddiff_raises_forget_loss(setup):
     assert _forget_logprob(stepped, forget) < _forget_logprob(model, forget)
 
 
-def test_npo_at_the_reference_is_two_log_two_over_beta(setup):
-    model, forget, retain, _, _ = setup
+def test_npo_at_the_reference_is_two_log_two_over_beta(unlearning_inputs):
+    model, forget, retain, _, _ = unlearning_inputs
     with torch.no_grad():
         reference, _ = sequence_logprobs(model(input_ids=forget[0]).logits, forget[1])
         value = npo_loss(model, forget, retain, reference, beta=0.1, alpha=0.0)
@@ -79,8 +77,8 @@ def test_npo_at_the_reference_is_two_log_two_over_beta(setup):
     assert _forget_logprob(stepped, forget) < _forget_logprob(model, forget)
 
 
-def test_simnpo_is_positive_and_lowers_forget_likelihood(setup):
-    model, forget, retain, _, _ = setup
+def test_simnpo_is_positive_and_lowers_forget_likelihood(unlearning_inputs):
+    model, forget, retain, _, _ = unlearning_inputs
     with torch.no_grad():
         value = simnpo_loss(model, forget, retain, beta=4.5, gamma=0.125, delta=0.0, alpha=0.0)
     assert value.item() > 0 and value.shape == ()
@@ -93,14 +91,14 @@ def test_simnpo_is_positive_and_lowers_forget_likelihood(setup):
     assert _forget_logprob(stepped, forget) < _forget_logprob(model, forget)
 
 
-def test_idknll_raises_refusal_likelihood(setup):
-    model, _, retain, idk, _ = setup
+def test_idknll_raises_refusal_likelihood(unlearning_inputs):
+    model, _, retain, idk, _ = unlearning_inputs
     stepped = _step(model, lambda m: idknll_loss(m, idk, retain, alpha=0.0))
     assert _forget_logprob(stepped, idk) > _forget_logprob(model, idk)
 
 
-def test_answer_positions_precede_answer_tokens(setup):
-    _, forget, _, _, (sequences, *_rest) = setup
+def test_answer_positions_precede_answer_tokens(unlearning_inputs):
+    _, forget, _, _, (sequences, *_rest) = unlearning_inputs
     mask = answer_positions(forget[1])
     first = sequences[0]
     assert mask.shape == forget[1].shape
@@ -108,8 +106,8 @@ def test_answer_positions_precede_answer_tokens(setup):
     assert mask[0].sum() == len(first.input_ids) - first.answer_start
 
 
-def test_rmu_moves_forget_activations_and_trains_only_its_window(setup):
-    model, forget, retain, _, (forget_seqs, retain_seqs, _, pad) = setup
+def test_rmu_moves_forget_activations_and_trains_only_its_window(unlearning_inputs):
+    model, forget, retain, _, (forget_seqs, retain_seqs, _, pad) = unlearning_inputs
     frozen = copy.deepcopy(model).eval()
     control = torch.ones(32) * 3.0
     with torch.no_grad():
@@ -144,8 +142,8 @@ def test_rmu_moves_forget_activations_and_trains_only_its_window(setup):
 
 
 @pytest.mark.parametrize("method", ["graddiff", "npo", "simnpo", "idknll"])
-def test_unlearn_moves_forget_likelihood(setup, method):
-    model, forget, _, idk, (forget_seqs, retain_seqs, idk_seqs, pad) = setup
+def test_unlearn_moves_forget_likelihood(unlearning_inputs, method):
+    model, forget, _, idk, (forget_seqs, retain_seqs, idk_seqs, pad) = unlearning_inputs
     unlearned = copy.deepcopy(model)
     hyperparams = {
         "lr": 5e-3,

@@ -1,6 +1,7 @@
-"""What a first run on CUDA would meet, held on the CPU (issue 41): the suite pinned to the CPU, models released
-before the next one loads, out-of-memory recognised and retried, fingerprints memoised, a deterministic segment
-mean, a budgeted clean-run cache, and a sweep that never waits for actors a cluster cannot place."""
+"""Devices and memory, held on the CPU (what a first run on CUDA would meet, issue 41): the suite pinned to the CPU,
+models released before the next one loads, out-of-memory recognised and retried, fingerprints memoised, a
+deterministic segment mean, a budgeted clean-run cache, and a sweep that never waits for actors a cluster cannot
+place."""
 
 from __future__ import annotations
 

@@ -1,0 +1,29 @@
+"""The console entry point run in the test's own process, as a shell runs it (it always exits)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from uds_lens.cli import main
+
+
+def run_cli(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str
+) -> tuple[int, str, float]:
+    """``uds-lens ARGV``: its exit code, what it wrote to stderr, and the seconds it took."""
+    monkeypatch.setattr(sys, "argv", ["uds-lens", *argv])
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    return exit_info.value.code, capsys.readouterr().err, time.perf_counter() - started
+
+
+def one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """``run_cli``, which must exit 2 with one line on stderr and no traceback: that line."""
+    code, err, _ = run_cli(monkeypatch, capsys, *argv)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
