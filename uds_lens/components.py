@@ -512,6 +512,7 @@ def _result(
         labels=stage1.labels,
         tau=tau,
         engine=engine,
+        layer_tau=auditor.config.tau,
     )
 
 
