@@ -490,7 +490,9 @@ def diagnose(
         progress=True,
     )
     typer.echo(diagnosis.scores.to_string(float_format=lambda v: f"{v:.3f}"))
-    typer.echo(f"results in {diagnosis.save(out)}")
+    for line in diagnosis.clipped_lines():
+        typer.echo(line)
+    typer.echo(f"results in {diagnosis.save(out)}; those examples in clipped_examples.csv")
 
 
 @app.command()

@@ -165,10 +165,10 @@ class ComponentResult:
         return replace(self, tau=tau)
 
     def thresholds_text(self) -> str:
-        """``"KE: d1 > 0.01 nats per head (layers: 0.05 nats)"``: this result's threshold beside the layer-level
-        one, side by side wherever either is shown."""
-        text = f"KE: d1 > {self.tau:g} nats per {self.axis}"
-        return text if self.tau == self.layer_tau else f"{text} (layers: {self.layer_tau:g} nats)"
+        """``"KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats)"``: this result's threshold beside the
+        layer-level one, side by side wherever either is shown."""
+        text = f"KE: d1 > tau = {self.tau:g} nats per {self.axis}"
+        return text if self.tau == self.layer_tau else f"{text} (layers: tau = {self.layer_tau:g} nats)"
 
     def table(self) -> pd.DataFrame:
         """One row per (layer, component): ``layer, <axis>, n_ke_cells, component_uds, mean_d1_ke, mean_d2_ke,

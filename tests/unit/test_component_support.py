@@ -103,12 +103,14 @@ def test_the_figure_marks_thin_cells_and_puts_the_support_in_hover_and_title():
     title = fig.layout.title.text
     assert "npo" in title and "4 KE cells from 3 of 4 examples" in title and "n = 4 examples" in title
     # the heads' threshold beside the layers' (the auditor's), both with their unit
-    assert "KE: d1 > 0.01 nats per head (layers: 0.05 nats)" in title
+    assert "KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats)" in title
 
 
 def test_the_repr_names_the_threshold_and_the_support():
     text = repr(_heads(D1, D2))
-    assert "KE: d1 > 0.01 nats per head (layers: 0.05 nats): 4 of 16 cells, from 3 examples" in text
+    assert (
+        "KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats): 4 of 16 cells, from 3 examples" in text
+    )
     assert "component UDS" in text and "clipped d2 > d1: 25%" in text
     assert not re.search(r"\d\.\d{5,}", text)
     html = _heads(D1, D2)._repr_html_()

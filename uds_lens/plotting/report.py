@@ -524,6 +524,7 @@ def _diagnostics_sections(
     """Sections from `diagnose` outputs, each only when its files exist."""
     prompt_types = _read_csv(root / "prompt_types.csv")
     tau = _read_csv(root / "tau_sensitivity.csv")
+    clipped = _read_csv(root / "clipped_examples.csv")
     scores = _scores_table(results)
     components = {
         n: r.components for n, r in results.items() if r.components is not None and not r.components.empty
@@ -546,7 +547,8 @@ def _diagnostics_sections(
         source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
         if isinstance(source, pd.DataFrame) or source:
             page.figure(
-                plotting.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
+                plotting.prompt_type_bar(source, tau=_tau(results)),
+                caption="Mean UDS per prompt type (the paper's Table 5).",
             )
         if prompt_types is not None:
             page.table(
@@ -565,6 +567,15 @@ def _diagnostics_sections(
         page.heading("Other metrics", level=3)
         page.table(
             scores, caption="scores.json of each model (every white-box score: 1 = erased like retain)"
+        )
+    if clipped is not None and not clipped.empty:
+        page.heading("Examples whose UDS rests on clipped cells", level=3)
+        page.table(
+            clipped.drop(columns=[c for c in ("question",) if c in clipped.columns]),
+            caption="clipped_examples.csv: the examples whose UDS_i comes more than half from clipped KE cells "
+            "(d2 > d1): there the unlearned model disrupts the full model's answer more than retain does, so their "
+            "score says damage, not erasure like retain.",
+            max_rows=60,
         )
     if layerwise:
         lens_pair = {
