@@ -161,3 +161,20 @@ def test_deltas_subtract_in_the_scores_own_dtype():
     assert not np.array_equal(d.astype(np.float64), baseline.astype(np.float64) - patched.astype(np.float64))
     mixed = deltas(np.array([1.0, 2.0]), np.array([0.5, 3.0], dtype=np.float32))
     assert mixed.dtype == np.float64 and mixed.tolist() == [0.5, -1.0]
+
+
+@pytest.mark.parametrize(
+    "d2, expected",
+    [
+        ((1.0, 1.0), (2 / 3, 2 / 3, 0.0, 0.0)),  # A: erases the second layer like retain
+        ((1.0, 3.0), (2 / 3, 1 / 3, 1 / 3, 2 / 3)),  # B: the same UDS, half of it from a clipped layer
+        ((6.0, 3.0), (1.0, 0.0, 1.0, 2.0)),  # C: UDS 1 from damage alone
+    ],
+)
+def test_the_concept_pages_worked_example(d2, expected):
+    """docs/concepts/uds.md, "Erasure or damage": d1 = (2.0, 1.0, 0.01), tau 0.05 nats (the third layer not KE)."""
+    d1 = np.array([[2.0, 1.0, 0.01]])
+    d2 = np.array([[*d2, 5.0]])
+    unclipped, clipped = uds_parts(d1, d2)
+    got = (example_uds(d1, d2)[0], unclipped[0], clipped[0], excess_disruption(d1, d2)[0])
+    assert got == pytest.approx(expected, abs=1e-15)
