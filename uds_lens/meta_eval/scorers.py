@@ -102,7 +102,7 @@ class ModelScorers:
 
     def split_fns(self) -> dict[str, Callable[[ModelArg], float]]:
         """``{"uds_clipped", "excess_disruption"}``: the part of the model's UDS from clipped cells (d2 > d1) and how
-        far past retain it disrupts, from the same scoring as :meth:`uds`."""
+        far past retain it disrupts, from the same scoring as [`uds`][uds_lens.meta_eval.scorers.ModelScorers.uds]."""
 
         def make(name: str) -> Callable[[ModelArg], float]:
             def score(model: ModelArg) -> float:

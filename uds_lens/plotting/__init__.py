@@ -5,7 +5,7 @@
 - :mod:`~uds_lens.plotting.heatmaps`: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
 - :mod:`~uds_lens.plotting.curves`: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
   ``lens_vs_uds_models``, ``layerwise_methods``;
-- :mod:`~uds_lens.plotting.models`: ``model_frame``, ``uds_bar`` (UDS split into its measured and clipped parts),
+- `uds_lens.plotting.models`: ``model_frame``, ``uds_bar`` (UDS split into its measured and clipped parts),
   ``depth_vs_damage`` (UDS against excess disruption), ``uds_distribution``, ``prompt_type_bar``,
   ``rmu_layer_profile``;
 - :mod:`~uds_lens.plotting.components`: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
