@@ -68,8 +68,9 @@ UDS_COLUMNS = ("uds", "ci95", "clipped_part", "excess")
 def uds_cells(
     uds: Any, ci95: Sequence[Any], uds_clipped: Any, clipped_share: Any, excess: Any
 ) -> dict[str, Any]:
-    """The [`UDS_COLUMNS`][uds_lens.display.UDS_COLUMNS] of a terminal table's row (``uds-lens score``, ``demo``): UDS, its CI, the part of UDS
-    from clipped cells with its share, and the excess disruption ([`SPLIT_LEGEND`][uds_lens.display.SPLIT_LEGEND] says what the last two are)."""
+    """The [`UDS_COLUMNS`][uds_lens.display.UDS_COLUMNS] of a terminal table's row (``uds-lens score``,
+    ``demo``): UDS, its CI, the part of UDS from clipped cells with its share, and the excess disruption
+    ([`SPLIT_LEGEND`][uds_lens.display.SPLIT_LEGEND] says what the last two are)."""
     return {
         "uds": uds,
         "ci95": interval(ci95),
@@ -79,8 +80,8 @@ def uds_cells(
 
 
 def table_row(name: str, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """A result's row of ``uds-lens score``'s table from its ``summary``: [`uds_cells`][uds_lens.display.uds_cells], the counts, retain-free
-    mode's mean d2 and Stage 2's seconds."""
+    """A result's row of ``uds-lens score``'s table from its ``summary``:
+    [`uds_cells`][uds_lens.display.uds_cells], the counts, retain-free mode's mean d2 and Stage 2's seconds."""
     cells = uds_cells(
         summary.get("uds"),
         summary.get("ci95") or (None, None),

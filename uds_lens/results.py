@@ -293,11 +293,11 @@ class UDSResult:
 
         ``uds_unclipped`` and ``uds_clipped``: the means over the scored examples of ``UDS_i``'s two parts
         (``uds.uds_parts``: the KE cells with ``d2 <= d1``, whose ratio is measured, and the clipped ones, each read
-        as fully erased), which add up to [`uds`][uds_lens.results.UDSResult.uds]; ``uds_clipped_share``: ``uds_clipped / uds``, the share of the
-        score that rests on clipped cells (NaN when UDS is 0 or undefined); ``excess_disruption``: the mean over the
-        scored examples of ``uds.excess_disruption`` (0: never past retain's disruption; 1: on average twice it);
-        ``n_mostly_clipped``: the examples whose ``UDS_i`` rests mostly on clipped cells
-        ([`mostly_clipped_examples`][uds_lens.results.UDSResult.mostly_clipped_examples]).
+        as fully erased), which add up to [`uds`][uds_lens.results.UDSResult.uds]; ``uds_clipped_share``:
+        ``uds_clipped / uds``, the share of the score that rests on clipped cells (NaN when UDS is 0 or undefined);
+        ``excess_disruption``: the mean over the scored examples of ``uds.excess_disruption`` (0: never past
+        retain's disruption; 1: on average twice it); ``n_mostly_clipped``: the examples whose ``UDS_i`` rests
+        mostly on clipped cells ([`mostly_clipped_examples`][uds_lens.results.UDSResult.mostly_clipped_examples]).
         """
         examples = self.examples
         unclipped = model_uds(examples["uds_unclipped"].to_numpy(dtype=float))

@@ -19,14 +19,14 @@ model's answer at least as much as a model that never saw the fact. A cell reach
 unlearned model's activation disrupts exactly as much as retain's (erasure), or more (``d2 > d1``, clipped: the
 activation is damaged, not cleaned). Two figures say which, beside UDS (they never change it):
 
-* **the split** ``UDS_i = uds_unclipped_i + uds_clipped_i`` ([`uds_parts`][uds_lens.uds.uds_parts]), both over the same denominator:
-  ``uds_unclipped_i = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1`` (the cells whose ratio is the measured one) and
-  ``uds_clipped_i = sum_{KE, d2 > d1} d1 / sum_KE d1`` (the clipped cells, ``ler = 1`` each). The model's parts are
-  the means over the same scored examples, so they add up to the model UDS too;
-* **excess disruption** ``excess_i = sum_KE max(0, d2 - d1) / sum_KE d1`` ([`excess_disruption`][uds_lens.uds.excess_disruption]): the
-  d1-weighted mean over KE cells of ``max(0, d2 - d1) / d1``, how far past retain's disruption the unlearned model's
-  goes, in nats per nat of knowledge (0: never past retain; 1: on average twice retain's drop). Model value: the
-  mean over scored examples.
+* **the split** ``UDS_i = uds_unclipped_i + uds_clipped_i`` ([`uds_parts`][uds_lens.uds.uds_parts]), both over
+  the same denominator: ``uds_unclipped_i = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1`` (the cells whose ratio is the
+  measured one) and ``uds_clipped_i = sum_{KE, d2 > d1} d1 / sum_KE d1`` (the clipped cells, ``ler = 1`` each). The
+  model's parts are the means over the same scored examples, so they add up to the model UDS too;
+* **excess disruption** ``excess_i = sum_KE max(0, d2 - d1) / sum_KE d1``
+  ([`excess_disruption`][uds_lens.uds.excess_disruption]): the d1-weighted mean over KE cells of
+  ``max(0, d2 - d1) / d1``, how far past retain's disruption the unlearned model's goes, in nats per nat of
+  knowledge (0: never past retain; 1: on average twice retain's drop). Model value: the mean over scored examples.
 
 Without a retain model (retain-free mode) only ``d2`` exists; its summaries are unnormalised.
 
@@ -158,8 +158,8 @@ def uds_parts(
     ``unclipped = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1``: the part whose ratio is measured (the unlearned model
     disrupts at most as much as retain); ``clipped = sum_{KE, d2 > d1} d1 / sum_KE d1``: the part from clipped cells,
     each counted as fully erased although the unlearned activation disrupts more than retain's (damage, or erasure
-    plus damage). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds] (to float64 rounding: the
-    same terms summed in two groups).
+    plus damage). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
+    (to float64 rounding: the same terms summed in two groups).
 
     Example:
         >>> d1 = np.array([[2.0, 1.0, 0.01]])  # layer 2 is under tau: not KE
@@ -235,10 +235,12 @@ def rescore(
 
     Returns ``(layers, per_example)``: the table with ``ke`` and ``ler`` (re)computed for ``tau`` (``ler`` is NaN
     outside KE layers, where ``d2 / d1`` is a ratio of noise, not of knowledge), and one row per ``by`` group (first
-    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``, [`clipped_mask`][uds_lens.uds.clipped_mask]), ``uds``, its
-    two parts ``uds_unclipped`` and ``uds_clipped`` ([`uds_parts`][uds_lens.uds.uds_parts]) and ``excess_disruption``
-    ([`excess_disruption`][uds_lens.uds.excess_disruption]). Pass ``by=("site", "idx")`` for a table holding several sites, or
-    another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and a NaN ``uds``.
+    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``,
+    [`clipped_mask`][uds_lens.uds.clipped_mask]), ``uds``, its two parts ``uds_unclipped`` and ``uds_clipped``
+    ([`uds_parts`][uds_lens.uds.uds_parts]) and ``excess_disruption``
+    ([`excess_disruption`][uds_lens.uds.excess_disruption]). Pass ``by=("site", "idx")`` for a table holding
+    several sites, or another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and
+    a NaN ``uds``.
     """
     keys = list(by)
     d1 = layers["d1"].to_numpy(dtype=float)

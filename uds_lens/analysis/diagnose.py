@@ -110,7 +110,8 @@ class DiagnoseResult:
 
     def clipped_lines(self) -> list[str]:
         """One line per model: how many of its scored examples rest mostly on clipped cells, and its excess
-        disruption (what ``uds-lens diagnose`` prints; the examples themselves are [`clipped_examples`][uds_lens.analysis.diagnose.DiagnoseResult.clipped_examples])."""
+        disruption (what ``uds-lens diagnose`` prints; the examples themselves are
+        [`clipped_examples`][uds_lens.analysis.diagnose.DiagnoseResult.clipped_examples])."""
         return [
             f"{name}: {result.split['n_mostly_clipped']} of {result.summary['n_scored']} scored examples rest mostly "
             f"on clipped cells (d2 > d1); excess disruption {result.split['excess_disruption']:.2f}"

@@ -188,7 +188,8 @@ def uds_bar(
 
     Args:
         results: ``{name: result}``, one result, or a model table (``model, uds, ci_low, ci_high`` [, ``role``,
-            ``uds_unclipped``, ``uds_clipped``, ``uds_clipped_share``]) as from [`model_frame`][uds_lens.plotting.models.model_frame].
+            ``uds_unclipped``, ``uds_clipped``, ``uds_clipped_share``]) as from
+            [`model_frame`][uds_lens.plotting.models.model_frame].
         roles: optional ``{name: role}``, shown in each bar's hover and label (bars are coloured by model:
             ``style.model_colour``, the same colour as in every other figure).
         sort: order bars by UDS instead of the given order.
@@ -243,7 +244,8 @@ def uds_bar(
         )
         for label, marker in (
             ("from measured ratios (d2 ≤ d1)", {"color": "#777777"}),
-            ("from clipped cells (d2 > d1): hatched", {"color": "#dddddd", "pattern": {**CLIPPED_PATTERN, "fgcolor": "#555555"}}),
+            ("from clipped cells (d2 > d1): hatched",
+             {"color": "#dddddd", "pattern": {**CLIPPED_PATTERN, "fgcolor": "#555555"}}),
         ):  # fmt: skip
             fig.add_trace(go.Bar(x=[None], y=[None], name=label, marker=marker, showlegend=True))
     else:
@@ -322,7 +324,8 @@ def depth_vs_damage(
     the marker's size grows with the share of UDS from clipped cells, the vertical bar is UDS's 95% CI.
 
     Args:
-        results: ``{name: result}``, one result, or a model table as from [`model_frame`][uds_lens.plotting.models.model_frame] (with
+        results: ``{name: result}``, one result, or a model table as from
+            [`model_frame`][uds_lens.plotting.models.model_frame] (with
             ``excess_disruption``).
         roles: optional ``{name: role}`` shown in the hover.
         title: figure title; under it the figure states its basis.

@@ -391,7 +391,8 @@ def write_report(
         f"{k}={v}" for k, v in settings.items() if v is not None and not isinstance(v, dict | list)
     )
     page.parts.append(
-        f"<p class='meta'>{len(ordered)} model{'' if len(ordered) == 1 else 's'} from <code>{html.escape(str(root))}</code> · generated "
+        f"<p class='meta'>{len(ordered)} model{'' if len(ordered) == 1 else 's'} from "
+        f"<code>{html.escape(str(root))}</code> · generated "
         f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
         + (f" · settings: {html.escape(meta)}" if meta else "")
         + "</p>"

@@ -194,8 +194,8 @@ def _add_band(
     **cell: Any,
 ) -> None:
     """Shade ``mean ± half`` behind the curve ``name`` (same legend group, so toggling the curve toggles it):
-    plain and translucent, or ``hatched`` ([`BAND_HATCH`][uds_lens.plotting.style.BAND_HATCH], edged by thin dashed lines) for a dashed curve's band,
-    so two bands stay apart where they overlap."""
+    plain and translucent, or ``hatched`` ([`BAND_HATCH`][uds_lens.plotting.style.BAND_HATCH], edged by thin
+    dashed lines) for a dashed curve's band, so two bands stay apart where they overlap."""
     x = list(x)
     upper = list(np.asarray(mean) + np.asarray(half))
     lower = list(np.asarray(mean) - np.asarray(half))
