@@ -135,6 +135,56 @@ def html_fields(title: str, rows: Sequence[tuple[str, Any]], notes: Sequence[str
     )
 
 
+RESULT_NOTE = (
+    "Clipped: KE cells where the unlearned model's patch hurts the full model more than retain's (LER clipped to 1, "
+    "read as erased). Excess disruption: sum over KE cells of max(0, d2 - d1) / sum of d1 (0 = never past retain; "
+    "1 = twice retain's drop)."
+)
+"""What a result's notebook view says its clipped cells and excess disruption are."""
+
+
+def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A ``UDSResult``'s notebook view from its ``summary``, as (label, value) pairs: UDS and its CI, the split of
+    UDS into its measured and clipped parts, the excess disruption (retain-free mode: the mean d2 instead), the
+    counts, the clipped cells and the settings."""
+    rows: list[tuple[str, str]] = []
+    if summary.get("retain_free"):
+        mean_d2 = (summary.get("d2_summary") or {}).get("mean_d2")
+        rows.append(("mean d2 (retain-free)", f"{number(mean_d2)} nats, unnormalised"))
+    else:
+        mostly = summary.get("n_mostly_clipped")
+        rows += [
+            ("UDS [95% CI]", f"{number(summary.get('uds'))} {interval(summary.get('ci95') or (None, None))}"),
+            ("from measured ratios (d2 ≤ d1)", number(summary.get("uds_unclipped"))),
+            (
+                "from clipped cells (d2 > d1)",
+                split_text(summary.get("uds_clipped"), summary.get("uds_clipped_share"))
+                + (f"; {mostly} examples rest mostly on them" if mostly else ""),
+            ),
+            ("excess disruption", number(summary.get("excess_disruption"), 2)),
+        ]
+    settings = summary.get("settings") or {}
+    return rows + [
+        (
+            "examples",
+            f"{summary['n_scored']} scored, {summary['n_no_ke']} no KE, {summary['n_skipped']} skipped",
+        ),
+        (
+            "clipped KE cells",
+            clipped_text(
+                summary.get("clipped_share"),
+                summary.get("clipped_median_ratio"),
+                int(summary.get("n_clipped_cells") or 0),
+                int(summary.get("n_ke_cells") or 0),
+            ),
+        ),
+        (
+            "settings",
+            f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}",
+        ),
+    ]
+
+
 def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
     """What a ``UDSAuditor`` holds, as (label, value) pairs: its repr's and its notebook table's rows."""
     config = auditor.config
@@ -165,6 +215,8 @@ __all__ = [
     "html_table",
     "interval",
     "number",
+    "RESULT_NOTE",
+    "result_rows",
     "share",
     "split_text",
     "SPLIT_LEGEND",

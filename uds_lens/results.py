@@ -555,55 +555,12 @@ class UDSResult:
         )
 
     def _repr_html_(self) -> str:
-        """The notebook view, one field a row (narrow enough for a notebook column): UDS and its CI, the split of
-        UDS into its measured and clipped parts, the excess disruption, the counts, the clipped cells, the
-        settings."""
-        summary, clipped, split = self.summary, self.clipped, self.split
-        settings = self.settings
-        rows: list[tuple[str, Any]] = []
-        if self.retain_free:
-            rows.append(
-                ("mean d2 (retain-free)", f"{display.number(self.d2_summary['mean_d2'])} nats, unnormalised")
-            )
-        else:
-            mostly = split["n_mostly_clipped"]
-            rows += [
-                ("UDS [95% CI]", f"{display.number(self.uds)} {display.interval(self.ci95)}"),
-                ("from measured ratios (d2 ≤ d1)", display.number(split["uds_unclipped"])),
-                (
-                    "from clipped cells (d2 > d1)",
-                    display.split_text(split["uds_clipped"], split["uds_clipped_share"])
-                    + (f"; {mostly} examples rest mostly on them" if mostly else ""),
-                ),
-                ("excess disruption", display.number(split["excess_disruption"], 2)),
-            ]
-        rows += [
-            (
-                "examples",
-                f"{summary['n_scored']} scored, {summary['n_no_ke']} no KE, {summary['n_skipped']} skipped",
-            ),
-            (
-                "clipped KE cells",
-                display.clipped_text(
-                    clipped["clipped_share"],
-                    clipped["clipped_median_ratio"],
-                    int(clipped["n_clipped_cells"]),
-                    int(clipped["n_ke_cells"]),
-                ),
-            ),
-            (
-                "settings",
-                f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}",
-            ),
-        ]
-        notes = [
-            "Clipped: KE cells where the unlearned model's patch hurts the full model more than retain's (LER "
-            "clipped to 1, read as erased). Excess disruption: sum over KE cells of max(0, d2 - d1) / sum of d1 "
-            "(0 = never past retain; 1 = twice retain's drop)."
-        ]
+        """The notebook view, one field a row (narrow enough for a notebook column): ``display.result_rows``."""
+        summary = self.summary
+        notes = [display.RESULT_NOTE]
         if summary["skipped_reasons"]:
             notes.append("skipped: " + ", ".join(f"{k} ({v})" for k, v in summary["skipped_reasons"].items()))
-        return display.html_fields(f"UDSResult {self.name}", rows, notes)
+        return display.html_fields(f"UDSResult {self.name}", display.result_rows(summary), notes)
 
 
 @dataclass(frozen=True)
