@@ -36,6 +36,8 @@ _EXPORTS = {
     "bootstrap_ci": "uds_lens.uds",
     "example_uds": "uds_lens.uds",
     "model_uds": "uds_lens.uds",
+    "uds_parts": "uds_lens.uds",
+    "excess_disruption": "uds_lens.uds",
     "ComponentResult": "uds_lens.component_result",
     "patch_heads": "uds_lens.components",
     "patch_positions": "uds_lens.components",
@@ -56,6 +58,7 @@ __all__ = [
     "bootstrap_ci",
     "encode",
     "example_uds",
+    "excess_disruption",
     "load_examples",
     "load_hf_model",
     "load_model",
@@ -65,6 +68,7 @@ __all__ = [
     "patch_heads",
     "patch_positions",
     "patch_tokens",
+    "uds_parts",
     "verify_parity",
 ]
 
@@ -78,7 +82,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.models import load_hf_model, load_model, load_tokenizer
     from uds_lens.results import UDSResult
     from uds_lens.sources import verify_parity
-    from uds_lens.uds import bootstrap_ci, example_uds, model_uds
+    from uds_lens.uds import bootstrap_ci, example_uds, excess_disruption, model_uds, uds_parts
     from uds_lens.zoo.layout import load_zoo
 
 

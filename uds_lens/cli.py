@@ -236,26 +236,16 @@ def score(
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
-    rows = []
-    for name, result in results.items():
-        s = result.summary
-        rows.append(
-            {
-                "model": name,
-                "uds": s["uds"],
-                "ci95": f"[{_fmt(s['ci95'][0])}, {_fmt(s['ci95'][1])}]",
-                "scored": s["n_scored"],
-                "no_ke": s["n_no_ke"],
-                "skipped": s["n_skipped"],
-                "mean_d2": s.get("d2_summary", {}).get("mean_d2"),
-                "s2_s": s["timings"].get("s2_seconds"),
-            }
-        )
-    columns = ["model", "uds", "ci95", "scored", "no_ke", "skipped", "s2_s"]
+    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, table_row
+
+    rows = [table_row(name, result.summary) for name, result in results.items()]
+    columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
     if no_retain:
         columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
         typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
     _print_table(rows, columns)
+    if not no_retain:
+        typer.echo(SPLIT_LEGEND)
     typer.echo(f"results in {out}")
 
 
@@ -347,7 +337,8 @@ def sweep(
         force=force,
         compare_published=compare_published,
     )
-    columns = ["name", "status", "uds", "ci_low", "ci_high", "n_scored", "s2_seconds"]
+    columns = ["name", "status", "uds", "ci_low", "ci_high", "uds_clipped", "excess_disruption"]
+    columns += ["n_scored", "s2_seconds"]
     if compare_published:
         columns += ["published_uds", "uds_minus_published"]
     _print_table(table.to_dict("records"), columns + ["error"])
@@ -422,11 +413,16 @@ def demo(
 
     _setup_logging(verbose)
     started = time.perf_counter()
-    columns = ["model", "role", "seen_forget_fraction", "uds", "ci95", "n_scored", "n_no_ke", "n_skipped"]
+    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, uds_cells
+
+    columns = ["model", "role", "seen_forget_fraction", *UDS_COLUMNS, "n_scored", "n_no_ke", "n_skipped"]
 
     def show(table) -> None:
-        rows = table.assign(ci95=[f"[{_fmt(lo)}, {_fmt(hi)}]" for lo, hi in zip(table.ci_low, table.ci_high)])
-        _print_table(rows.to_dict("records"), columns)
+        parts = zip(table.uds, zip(table.ci_low, table.ci_high), table.uds_clipped, table.uds_clipped_share,
+                    table.excess_disruption)  # fmt: skip
+        rows = [{**row, **uds_cells(*part)} for row, part in zip(table.to_dict("records"), parts)]
+        _print_table(rows, columns)
+        typer.echo(SPLIT_LEGEND)
 
     def preview(table, zoo_root: Path) -> None:
         typer.echo(
@@ -487,7 +483,9 @@ def diagnose(
         progress=True,
     )
     typer.echo(diagnosis.scores.to_string(float_format=lambda v: f"{v:.3f}"))
-    typer.echo(f"results in {diagnosis.save(out)}")
+    for line in diagnosis.clipped_lines():
+        typer.echo(line)
+    typer.echo(f"results in {diagnosis.save(out)}; those examples in clipped_examples.csv")
 
 
 @app.command()

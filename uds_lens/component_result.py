@@ -63,6 +63,8 @@ class ComponentResult:
             [`with_tau`][uds_lens.component_result.ComponentResult.with_tau] gives the same scores under another one.
         engine: ``fast`` or ``naive``.
         min_support: fewest KE cells behind a ``component_uds`` cell for figures to show its value.
+        layer_tau: the layer-level KE threshold of the auditor that ran the patches, in nats: stated beside
+            ``tau`` wherever the two differ (heads: 0.01 nats per head, layers 0.05), so a reader sees both.
     """
 
     name: str
@@ -79,6 +81,7 @@ class ComponentResult:
     tau: float = DEFAULT_TAU
     engine: Engine = "naive"
     min_support: int = MIN_SUPPORT
+    layer_tau: float = DEFAULT_TAU
 
     @property
     def d1(self) -> Float[Tensor, "example layer component"]:
@@ -161,14 +164,31 @@ class ComponentResult:
         """The same scores under another KE threshold (nothing is run again)."""
         return replace(self, tau=tau)
 
+    def thresholds_text(self) -> str:
+        """``"KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats)"``: this result's threshold beside the
+        layer-level one, side by side wherever either is shown."""
+        text = f"KE: d1 > tau = {self.tau:g} nats per {self.axis}"
+        return text if self.tau == self.layer_tau else f"{text} (layers: tau = {self.layer_tau:g} nats)"
+
     def table(self) -> pd.DataFrame:
-        """One row per (layer, component): ``layer, <axis>, n_ke_cells, component_uds, mean_d1, mean_d2,
-        n_clipped`` (``component_uds`` NaN where fewer than ``min_support`` KE cells hold it up; ``mean_d1`` /
-        ``mean_d2`` over every example)."""
+        """One row per (layer, component): ``layer, <axis>, n_ke_cells, component_uds, mean_d1_ke, mean_d2_ke,
+        mean_d1, mean_d2, n_clipped``.
+
+        Which cells each column covers: ``n_ke_cells``, ``component_uds`` (NaN where fewer than ``min_support`` KE
+        cells hold it up), ``mean_d1_ke``, ``mean_d2_ke`` and ``n_clipped`` the KE cells (``d1 > tau``) of that
+        (layer, component), the ones the component UDS pools; ``mean_d1`` / ``mean_d2`` every example's cell.
+        """
         n_layers, n_components = self.s1.shape[1:]
         support = self.n_ke_cells.numpy()
         pooled = self.component_uds.double().numpy()
-        clipped = uds.clipped_mask(_array(self.d1), _array(self.d2), self.tau).sum(0)
+        d1, d2 = _array(self.d1).astype(float), _array(self.d2).astype(float)
+        ke = uds.ke_mask(d1, self.tau)
+        clipped = uds.clipped_mask(d1, d2, self.tau).sum(0)
+
+        def ke_mean(values: np.ndarray) -> np.ndarray:
+            total = np.where(ke, values, 0.0).sum(0)
+            return np.divide(total, support, out=np.full(total.shape, np.nan), where=support > 0)
+
         layer, component = np.meshgrid(np.asarray(self.layers), np.arange(n_components), indexing="ij")
         return pd.DataFrame(
             {
@@ -176,8 +196,10 @@ class ComponentResult:
                 self.axis: component.ravel(),
                 "n_ke_cells": support.ravel(),
                 "component_uds": np.where(support >= self.min_support, pooled, np.nan).ravel(),
-                "mean_d1": np.nanmean(_array(self.d1).astype(float), axis=0).ravel(),
-                "mean_d2": np.nanmean(_array(self.d2).astype(float), axis=0).ravel(),
+                "mean_d1_ke": ke_mean(d1).ravel(),
+                "mean_d2_ke": ke_mean(d2).ravel(),
+                "mean_d1": np.nanmean(d1, axis=0).ravel(),
+                "mean_d2": np.nanmean(d2, axis=0).ravel(),
                 "n_clipped": clipped.ravel(),
             }
         )
@@ -230,24 +252,28 @@ class ComponentResult:
                 fewer than ``min_support`` of them grey, marked "n<3"), or ``"d1"`` / ``"d2"`` (RdBu, midpoint 0;
                 mean over examples, or one example with ``idx``).
             idx: one example (for ``d1``/``d2``); default the mean over examples.
-            title: figure title (default: the model, the value, the hook and the support).
+            title: figure title (default: the model, the value and the hook); under it the figure states its basis:
+                the examples, this result's KE threshold beside the layers', and the support.
         """
         n_examples = len(self.idx)
         support = self.n_ke_cells.numpy()
+        basis = [f"n = {n_examples} examples", self.thresholds_text()]
         if value == "component_uds":
             grid = self.component_uds
-            what = (
-                f"component UDS over KE cells (d1 > {self.tau:g} nats): {int(support.sum())} cells from "
-                f"{self.n_examples} of {n_examples} examples"
+            what = "component UDS over KE cells"
+            basis.append(
+                f"{int(support.sum())} KE cells from {self.n_examples} of {n_examples} examples; each cell's count "
+                "written on it"
             )
         elif value in ("d1", "d2"):
             values = getattr(self, value)
             if idx is not None:
                 grid = values[self.idx.index(idx)]
                 what = f"{value} of example {idx}"
+                basis[0] = "n = 1 example"
             else:
                 grid = values.nanmean(0)
-                what = f"mean {value} over {n_examples} examples"
+                what = f"mean {value} over every example (KE or not)"
         else:
             raise ValueError(f"value must be 'component_uds', 'd1' or 'd2', got {value!r}")
         from uds_lens.plotting.components import (
@@ -262,6 +288,7 @@ class ComponentResult:
             title=title or f"{self.name}: {what} ({self.hook})",
             support=support,
             min_support=self.min_support if value == "component_uds" else 0,
+            basis=basis,
         )
 
     def _headline(self) -> str:
@@ -269,7 +296,7 @@ class ComponentResult:
         clipped = self.clipped
         return (
             f"{self.name}, {self.axis}s at {self.hook} ({self.engine} engine): {n_examples} examples x {n_layers} "
-            f"layers x {n_components} {self.axis}s; KE (d1 > {self.tau:g} nats): {clipped['n_ke_cells']} of "
+            f"layers x {n_components} {self.axis}s; {self.thresholds_text()}: {clipped['n_ke_cells']} of "
             f"{int(self.valid.sum()) * n_layers} cells, from {self.n_examples} examples; component UDS "
             f"{display.number(self.uds)} over those {self.n_examples}; clipped d2 > d1: "
             f"{display.share(clipped['clipped_share'])}"
@@ -288,8 +315,8 @@ class ComponentResult:
                 int(getattr(row, self.axis)),
                 int(row.n_ke_cells),
                 display.number(row.component_uds),
-                display.number(row.mean_d1),
-                display.number(row.mean_d2),
+                display.number(row.mean_d1_ke),
+                display.number(row.mean_d2_ke),
                 int(row.n_clipped),
             ]
             for row in shown.head(12).itertuples()
@@ -298,8 +325,9 @@ class ComponentResult:
         thin = int(((table["n_ke_cells"] > 0) & (table["n_ke_cells"] < self.min_support)).sum())
         notes = [
             f"{len(shown)} of {len(table)} cells rest on >= {self.min_support} KE cells (largest support first, "
-            f"12 shown); {thin} more have 1-{self.min_support - 1}, too few to read. with_tau(...) changes the "
-            "threshold."
+            f"12 shown); {thin} more have 1-{self.min_support - 1}, too few to read. Every column but the first two "
+            f"is over the same KE cells ({self.thresholds_text()}): the component UDS, the mean d1 and d2 it pools, "
+            "and how many of them are clipped (d2 > d1). with_tau(...) changes the threshold."
         ]
         return display.html_table(f"ComponentResult {self._headline()}", header, rows, notes)
 

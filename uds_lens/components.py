@@ -312,6 +312,7 @@ def _result(
         labels=stage1.labels,
         tau=tau,
         engine=runner.engine.name,
+        layer_tau=auditor.config.tau,
     )
 
 

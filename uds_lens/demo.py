@@ -95,6 +95,9 @@ def score_zoo(
                 "uds": summary["uds"],
                 "ci_low": summary["ci95"][0],
                 "ci_high": summary["ci95"][1],
+                "uds_clipped": summary["uds_clipped"],
+                "uds_clipped_share": summary["uds_clipped_share"],
+                "excess_disruption": summary["excess_disruption"],
                 "n_scored": summary["n_scored"],
                 "n_no_ke": summary["n_no_ke"],
                 "n_skipped": summary["n_skipped"],
@@ -119,8 +122,10 @@ def run_demo(
     and scored first, into ``out_dir/preview/``, and ``on_preview(table, zoo_root)`` is called with its table, so a
     first scored table appears within a few minutes; the full run follows.
 
-    Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, n_scored, n_no_ke,
-    n_skipped, s2_seconds`` (also written to ``out_dir/uds_table.csv``).
+    Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, uds_clipped,
+    uds_clipped_share, excess_disruption, n_scored, n_no_ke, n_skipped, s2_seconds`` (also written to
+    ``out_dir/uds_table.csv``; ``uds_clipped`` is the part of UDS from clipped cells, ``uds_clipped_share`` its share
+    of UDS, ``excess_disruption`` how far past retain the model disrupts: ``UDSResult.split``).
     """
     started = time.perf_counter()
     out = Path(out_dir)

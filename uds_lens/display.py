@@ -8,7 +8,7 @@ clipped). Standard library only: a result displays itself without importing plot
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -45,6 +45,61 @@ def clipped_text(clipped_share: Any, median_ratio: Any, n_clipped: int, n_ke: in
     return f"{share(clipped_share)} ({n_clipped} of {n_ke} KE cells{ratio})"
 
 
+def split_text(uds_clipped: Any, clipped_share: Any) -> str:
+    """``"0.762 (85% of UDS)"``: the part of UDS from clipped cells and its share of the score; a dash if undefined."""
+    if number(uds_clipped) == DASH or share(clipped_share) == DASH:
+        return number(uds_clipped)
+    return f"{number(uds_clipped)} ({share(clipped_share)} of UDS)"
+
+
+SPLIT_LEGEND = (
+    "clipped_part: the part of UDS from KE cells where d2 > d1 (the unlearned model's patch hurts the full model "
+    "more than retain's; LER clips them to 1), and its share of UDS.\nexcess: how far past retain's disruption the "
+    "unlearned model's goes, sum over KE cells of max(0, d2 - d1) / sum of d1, mean over examples (0 = never past "
+    "retain, 1 = twice retain's drop)."
+)
+"""What the terminal tables' ``clipped_part`` and ``excess`` columns are, printed under them."""
+
+
+UDS_COLUMNS = ("uds", "ci95", "clipped_part", "excess")
+"""The UDS columns of the terminal tables, as `uds_cells` fills them."""
+
+
+def uds_cells(
+    uds: Any, ci95: Sequence[Any], uds_clipped: Any, clipped_share: Any, excess: Any
+) -> dict[str, Any]:
+    """The `UDS_COLUMNS` of a terminal table's row (``uds-lens score``,
+    ``demo``): UDS, its CI, the part of UDS from clipped cells with its share, and the excess disruption
+    (`SPLIT_LEGEND` says what the last two are)."""
+    return {
+        "uds": uds,
+        "ci95": interval(ci95),
+        "clipped_part": split_text(uds_clipped, clipped_share),
+        "excess": number(excess, 2),
+    }
+
+
+def table_row(name: str, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A result's row of ``uds-lens score``'s table from its ``summary``:
+    `uds_cells`, the counts, retain-free mode's mean d2 and Stage 2's seconds."""
+    cells = uds_cells(
+        summary.get("uds"),
+        summary.get("ci95") or (None, None),
+        summary.get("uds_clipped"),
+        summary.get("uds_clipped_share"),
+        summary.get("excess_disruption"),
+    )
+    return {
+        "model": name,
+        **cells,
+        "scored": summary.get("n_scored"),
+        "no_ke": summary.get("n_no_ke"),
+        "skipped": summary.get("n_skipped"),
+        "mean_d2": (summary.get("d2_summary") or {}).get("mean_d2"),
+        "s2_s": (summary.get("timings") or {}).get("s2_seconds"),
+    }
+
+
 def html_table(
     title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], notes: Sequence[str] = ()
 ) -> str:
@@ -60,9 +115,74 @@ def html_table(
     )
     small = "".join(f"<div style='font-size:85%;color:#555'>{escape(note)}</div>" for note in notes)
     return (
-        f"<div><b>{escape(title)}</b><table style='border-collapse:collapse'>"
+        f"<div style='max-width:100%;overflow-x:auto'><b>{escape(title)}</b><table style='border-collapse:collapse'>"
         f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{small}</div>"
     )
+
+
+def html_fields(title: str, rows: Sequence[tuple[str, Any]], notes: Sequence[str] = ()) -> str:
+    """A label/value HTML table, one row per field: as narrow as its longest value, so it fits a notebook column
+    and the docs column however many fields it has (a one-row table of many columns does not)."""
+    body = "".join(
+        f"<tr><th style='text-align:left;padding:2px 8px;font-weight:normal;color:#444'>{escape(str(label))}</th>"
+        f"<td style='text-align:left;padding:2px 8px'>{escape(str(value))}</td></tr>"
+        for label, value in rows
+    )
+    small = "".join(f"<div style='font-size:85%;color:#555'>{escape(note)}</div>" for note in notes)
+    return (
+        f"<div style='max-width:100%'><b>{escape(title)}</b><table style='border-collapse:collapse'>"
+        f"<tbody>{body}</tbody></table>{small}</div>"
+    )
+
+
+RESULT_NOTE = (
+    "Clipped: KE cells where the unlearned model's patch hurts the full model more than retain's (LER clipped to 1, "
+    "read as erased). Excess disruption: sum over KE cells of max(0, d2 - d1) / sum of d1 (0 = never past retain; "
+    "1 = twice retain's drop)."
+)
+"""What a result's notebook view says its clipped cells and excess disruption are."""
+
+
+def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A ``UDSResult``'s notebook view from its ``summary``, as (label, value) pairs: UDS and its CI, the split of
+    UDS into its measured and clipped parts, the excess disruption (retain-free mode: the mean d2 instead), the
+    counts, the clipped cells and the settings."""
+    rows: list[tuple[str, str]] = []
+    if summary.get("retain_free"):
+        mean_d2 = (summary.get("d2_summary") or {}).get("mean_d2")
+        rows.append(("mean d2 (retain-free)", f"{number(mean_d2)} nats, unnormalised"))
+    else:
+        mostly = summary.get("n_mostly_clipped")
+        rows += [
+            ("UDS [95% CI]", f"{number(summary.get('uds'))} {interval(summary.get('ci95') or (None, None))}"),
+            ("from measured ratios (d2 ≤ d1)", number(summary.get("uds_unclipped"))),
+            (
+                "from clipped cells (d2 > d1)",
+                split_text(summary.get("uds_clipped"), summary.get("uds_clipped_share"))
+                + (f"; {mostly} examples rest mostly on them" if mostly else ""),
+            ),
+            ("excess disruption", number(summary.get("excess_disruption"), 2)),
+        ]
+    settings = summary.get("settings") or {}
+    return rows + [
+        (
+            "examples",
+            f"{summary['n_scored']} scored, {summary['n_no_ke']} no KE, {summary['n_skipped']} skipped",
+        ),
+        (
+            "clipped KE cells",
+            clipped_text(
+                summary.get("clipped_share"),
+                summary.get("clipped_median_ratio"),
+                int(summary.get("n_clipped_cells") or 0),
+                int(summary.get("n_ke_cells") or 0),
+            ),
+        ),
+        (
+            "settings",
+            f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}",
+        ),
+    ]
 
 
 def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
@@ -87,4 +207,20 @@ def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
     ]
 
 
-__all__ = ["auditor_rows", "DASH", "clipped_text", "html_table", "interval", "number", "share"]
+__all__ = [
+    "auditor_rows",
+    "DASH",
+    "clipped_text",
+    "html_fields",
+    "html_table",
+    "interval",
+    "number",
+    "RESULT_NOTE",
+    "result_rows",
+    "share",
+    "split_text",
+    "SPLIT_LEGEND",
+    "table_row",
+    "UDS_COLUMNS",
+    "uds_cells",
+]

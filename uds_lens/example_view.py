@@ -71,7 +71,13 @@ class ExampleView:
         head = (
             f"example {self.idx} ({model}{self.status}): UDS {display.number(self.uds)} over {n_ke} KE layers"
         )
-        return head + (f", {len(clipped)} clipped (d2 > d1 at layers {clipped})" if clipped else "")
+        if not clipped:
+            return head
+        return (
+            f"{head}, {len(clipped)} clipped (d2 > d1 at layers {clipped}): from clipped cells "
+            f"{display.number(self._get('uds_clipped'))}, excess disruption "
+            f"{display.number(self._get('excess_disruption'), 2)}"
+        )
 
     def __repr__(self) -> str:
         text = f"ExampleView({self._headline()}"

@@ -3,15 +3,19 @@
 ``UDSResult`` holds the per-example, per-layer scores of one unlearned model and turns them into the tables users
 ``groupby`` and plot:
 
-* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, n_clipped, uds, status (scored|no_ke|skipped),
-  skip_reason, question, entity`` (``n_clipped``: KE layers with ``d2 > d1``, whose LER the clip cut to 1);
+* ``examples``: ``idx, prompt_type, n_entity_tokens, n_ke, n_clipped, uds, uds_unclipped, uds_clipped,
+  excess_disruption, status (scored|no_ke|skipped), skip_reason, question, entity`` (``n_clipped``: KE layers with
+  ``d2 > d1``, whose LER the clip cut to 1; ``uds_unclipped + uds_clipped = uds``, the part of the score from
+  measured ratios and the part from clipped cells, and ``excess_disruption`` how far past retain's disruption the
+  unlearned model's goes: ``uds.uds_parts``, ``uds.excess_disruption``);
 * ``layers`` (long): ``idx, layer, site, s0, baseline_score, s1_score, s2_score, d1, d2, ke, ler``. ``s0`` is the
   clean full model's score (S0, one value per example); ``baseline_score`` is the unpatched score as the engine
   computes it at that layer (S0 itself for the naive engine; the fast engine's own recomputation, equal to S0 up to
   float noise), which ``d1 = baseline_score - s1_score`` and ``d2 = baseline_score - s2_score`` subtract from, so a
   source identical to full gives exactly 0. ``ler`` is NaN outside KE layers (there ``d2 / d1`` is not a ratio of
   knowledge, only of noise);
-* ``summary``: model UDS, bootstrap 95% CI, counts, settings, versions, dtype, device, timings, and ``stage2``: which
+* ``summary``: model UDS, bootstrap 95% CI, counts, the split of UDS and the excess disruption (``split``), settings,
+  versions, dtype, device, timings, and ``stage2``: which
   cells Stage 2 ran (``all``, or ``ke``: only the KE cells, ``d2``/``s2_score``/``ler`` NaN elsewhere with a
   ``stage2_note`` saying so; ``with_tau`` then rescores exactly for a higher tau and raises
   [`CellsNotRunError`][uds_lens.results.CellsNotRunError] for a tau that needs cells not run).
@@ -57,7 +61,7 @@ from uds_lens.result_store import (
     normal_json,
     read_verified,
 )
-from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, rescore
+from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, model_uds, mostly_clipped, rescore
 
 if TYPE_CHECKING:  # type names only: this module never imports torch
     from jaxtyping import Float
@@ -70,6 +74,9 @@ EXAMPLE_COLUMNS = [
     "n_ke",
     "n_clipped",
     "uds",
+    "uds_unclipped",
+    "uds_clipped",
+    "excess_disruption",
     "status",
     "skip_reason",
     "question",
@@ -90,6 +97,8 @@ LAYER_COLUMNS = [
 ]
 # Saved before the rename: the per-layer baseline was called s_full, S0 lived only in meta.json.
 _OLD_COLUMNS = {"s_full": "baseline_score"}
+# The per-example columns with_tau computes (uds.rescore), the ones a result saved before them lacks.
+_SCORED_COLUMNS = ("n_ke", "n_clipped", "uds", "uds_unclipped", "uds_clipped", "excess_disruption")
 
 
 class CellsNotRunError(ValueError):
@@ -184,23 +193,19 @@ class UDSResult:
         per-example scores it was saved with (recomputing them from ``layers.csv``, whose float32 deltas come back
         as float64, would move the model UDS in the ninth decimal away from its own ``summary.json``).
         """
-        if tau == self.settings.get("tau") and {"uds", "n_ke", "n_clipped", "status"} <= set(
-            self.examples.columns
-        ):
+        if tau == self.settings.get("tau") and {*_SCORED_COLUMNS, "status"} <= set(self.examples.columns):
             return self
         self._require_cells(tau)
         retain_free = bool(self.layers["d1"].isna().all())
         layers, per_example = rescore(self.layers, tau)
-        examples = self.examples.drop(
-            columns=[c for c in ("n_ke", "n_clipped", "uds", "status") if c in self.examples]
-        )
+        examples = self.examples.drop(columns=[c for c in (*_SCORED_COLUMNS, "status") if c in self.examples])
         examples = examples.merge(per_example, on="idx", how="left")
         skipped = examples["skip_reason"].notna() & (examples["skip_reason"] != "")
         examples["n_ke"] = examples["n_ke"].fillna(0).astype(int)
         examples["n_clipped"] = examples["n_clipped"].fillna(0).astype(int)
         if retain_free:
             examples["status"] = np.where(skipped, "skipped", "scored")
-            examples["uds"] = np.nan
+            examples[["uds", "uds_unclipped", "uds_clipped", "excess_disruption"]] = np.nan
         else:
             examples["status"] = np.where(
                 skipped, "skipped", np.where(examples["uds"].isna(), "no_ke", "scored")
@@ -283,6 +288,44 @@ class UDSResult:
         )
 
     @property
+    def split(self) -> dict[str, Any]:
+        """Where the model UDS comes from, and how far past retain the unlearned model disrupts (never part of UDS).
+
+        ``uds_unclipped`` and ``uds_clipped``: the means over the scored examples of ``UDS_i``'s two parts
+        (``uds.uds_parts``: the KE cells with ``d2 <= d1``, whose ratio is measured, and the clipped ones, each read
+        as fully erased), which add up to [`uds`][uds_lens.results.UDSResult.uds]; ``uds_clipped_share``:
+        ``uds_clipped / uds``, the share of the score that rests on clipped cells (NaN when UDS is 0 or undefined);
+        ``excess_disruption``: the mean over the scored examples of ``uds.excess_disruption`` (0: never past
+        retain's disruption; 1: on average twice it); ``n_mostly_clipped``: the examples whose ``UDS_i`` rests
+        mostly on clipped cells ([`mostly_clipped_examples`][uds_lens.results.UDSResult.mostly_clipped_examples]).
+        """
+        examples = self.examples
+        unclipped = model_uds(examples["uds_unclipped"].to_numpy(dtype=float))
+        clipped = model_uds(examples["uds_clipped"].to_numpy(dtype=float))
+        total = self.uds
+        if total == 0.0 and np.isnan(clipped):  # published-compat's 0.0 with nothing scored: no part either
+            unclipped = clipped = 0.0
+        return {
+            "uds_unclipped": unclipped,
+            "uds_clipped": clipped,
+            "uds_clipped_share": clipped / total if total > 0 else float("nan"),
+            "excess_disruption": model_uds(examples["excess_disruption"].to_numpy(dtype=float)),
+            "n_mostly_clipped": len(self.mostly_clipped_examples()),
+        }
+
+    def mostly_clipped_examples(self) -> pd.DataFrame:
+        """The scored examples whose ``UDS_i`` rests mostly on clipped cells (``uds_clipped > uds_unclipped``, so
+        more than half of it: ``uds.mostly_clipped``), largest clipped part first: their score says the unlearned
+        model disrupts more than retain there, not that it erased like retain."""
+        examples = self.examples
+        mask = mostly_clipped(
+            examples["uds_unclipped"].to_numpy(dtype=float), examples["uds_clipped"].to_numpy(dtype=float)
+        )
+        return (
+            examples[mask].sort_values(["uds_clipped", "idx"], ascending=[False, True]).reset_index(drop=True)
+        )
+
+    @property
     def summary(self) -> dict[str, Any]:
         status = self.examples["status"].value_counts()
         reasons = self.examples.loc[self.examples["status"] == "skipped", "skip_reason"].value_counts()
@@ -296,6 +339,10 @@ class UDSResult:
             "n_skipped": int(status.get("skipped", 0)),
             "skipped_reasons": {str(k): int(v) for k, v in reasons.items()},
             **self._clipped_fields(),
+            **{
+                key: value if key.startswith("n_") else _none_if_nan(value)
+                for key, value in self.split.items()
+            },
             "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"]
             .astype(int)
             .tolist(),
@@ -445,10 +492,12 @@ class UDSResult:
         for column in ("question", "entity"):
             if column not in examples:
                 examples[column] = None
-        if "n_clipped" not in examples:  # saved before over-disruption was counted: count it from the deltas
-            tau = meta["settings"]["tau"]
-            counts = rescore(layers, tau)[1].set_index("idx")["n_clipped"]
-            examples["n_clipped"] = examples["idx"].map(counts).fillna(0).astype(int)
+        missing = [column for column in _SCORED_COLUMNS if column not in examples]
+        if missing:  # saved before over-disruption was counted or UDS split: computed from the deltas
+            rescored = rescore(layers, meta["settings"]["tau"])[1].set_index("idx")
+            for column in missing:
+                examples[column] = examples["idx"].map(rescored[column])
+            examples["n_clipped"] = examples["n_clipped"].fillna(0).astype(int)
         return cls(
             name=meta["name"],
             examples=examples[EXAMPLE_COLUMNS],
@@ -493,41 +542,25 @@ class UDSResult:
         if self.retain_free:
             score = f"retain-free, mean d2 {display.number(self.d2_summary['mean_d2'])} (unnormalised)"
         else:
-            score = f"UDS {display.number(self.uds)} {display.interval(self.ci95)}"
+            split = self.split
+            score = (
+                f"UDS {display.number(self.uds)} {display.interval(self.ci95)}, from clipped cells "
+                f"{display.split_text(split['uds_clipped'], split['uds_clipped_share'])}, excess disruption "
+                f"{display.number(split['excess_disruption'], 2)}"
+            )
         clipped = self.clipped
         return (
-            f"UDSResult({self.name!r}: {score}, {scored} scored, {no_ke} no KE, {skipped} skipped; "
+            f"UDSResult({self.name!r}: {score}; {scored} scored, {no_ke} no KE, {skipped} skipped; "
             f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells)"
         )
 
     def _repr_html_(self) -> str:
-        """The notebook view: UDS, its CI, the counts and the clipped share in one row, the settings under it."""
-        summary, clipped = self.summary, self.clipped
-        header = ["model", "UDS", "95% CI", "scored", "no KE", "skipped", "clipped (d2 > d1)"]
-        uds = "retain-free" if self.retain_free else display.number(self.uds)
-        row = [
-            self.name,
-            uds,
-            display.interval(self.ci95),
-            summary["n_scored"],
-            summary["n_no_ke"],
-            summary["n_skipped"],
-            display.clipped_text(
-                clipped["clipped_share"],
-                clipped["clipped_median_ratio"],
-                int(clipped["n_clipped_cells"]),
-                int(clipped["n_ke_cells"]),
-            ),
-        ]
-        settings = self.settings
-        notes = [
-            f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}; "
-            "clipped: KE cells where the unlearned model's patch hurts more than retain's (LER clipped to 1, "
-            "read as erased)."
-        ]
+        """The notebook view, one field a row (narrow enough for a notebook column): ``display.result_rows``."""
+        summary = self.summary
+        notes = [display.RESULT_NOTE]
         if summary["skipped_reasons"]:
             notes.append("skipped: " + ", ".join(f"{k} ({v})" for k, v in summary["skipped_reasons"].items()))
-        return display.html_table(f"UDSResult {self.name}", header, [row], notes)
+        return display.html_fields(f"UDSResult {self.name}", display.result_rows(summary), notes)
 
 
 @dataclass(frozen=True)

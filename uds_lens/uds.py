@@ -14,13 +14,25 @@ For every example ``i`` and layer ``l`` (one patch per layer, see ``uds_lens.pat
 * ``clipped_mask = ke & (d2 > d1)``: KE cells whose ratio the clip cut to 1 (over-disruption: the unlearned model's
   activation breaks the full model more than retain's does). Reported, never changes UDS.
 
-0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it is as absent as in
-a model that never saw it. Without a retain model (retain-free mode) only ``d2`` exists; its summaries are
-unnormalised.
+0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it disrupts the full
+model's answer at least as much as a model that never saw the fact. A cell reaches ``ler = 1`` in two ways: the
+unlearned model's activation disrupts exactly as much as retain's (erasure), or more (``d2 > d1``, clipped: the
+activation is damaged, not cleaned). Two figures say which, beside UDS (they never change it):
+
+* **the split** ``UDS_i = uds_unclipped_i + uds_clipped_i`` ([`uds_parts`][uds_lens.uds.uds_parts]), both over
+  the same denominator: ``uds_unclipped_i = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1`` (the cells whose ratio is the
+  measured one) and ``uds_clipped_i = sum_{KE, d2 > d1} d1 / sum_KE d1`` (the clipped cells, ``ler = 1`` each). The
+  model's parts are the means over the same scored examples, so they add up to the model UDS too;
+* **excess disruption** ``excess_i = sum_KE max(0, d2 - d1) / sum_KE d1``
+  ([`excess_disruption`][uds_lens.uds.excess_disruption]): the d1-weighted mean over KE cells of
+  ``max(0, d2 - d1) / d1``, how far past retain's disruption the unlearned model's goes, in nats per nat of
+  knowledge (0: never past retain; 1: on average twice retain's drop). Model value: the mean over scored examples.
+
+Without a retain model (retain-free mode) only ``d2`` exists; its summaries are unnormalised.
 
 This module is the math only, and the only place it is written: NumPy in float64 on ``[example, layer]`` arrays
 (tiny next to the forward passes that produce them), so tables, reports and plots use it without importing torch.
-[`rescore`][uds_lens.uds.rescore] is its adapter for the long ``layers`` DataFrames (one row per example x layer) that results,
+``rescore`` is its adapter for the long ``layers`` DataFrames (one row per example x layer) that results,
 analyses, components and plots pass around. Running the models is ``auditor.py``'s job.
 """
 
@@ -98,6 +110,29 @@ def _ke_weighted(
     return ke, weight, np.where(ke, weight * layer_erasure_ratio(d1, d2), 0.0)
 
 
+def _split_terms(
+    d1: Float[np.ndarray, "*shape"], d2: Float[np.ndarray, "*shape"], tau: float
+) -> dict[str, np.ndarray]:
+    """Every per-cell term of UDS and of the figures beside it, from one KE mask and one clip.
+
+    ``ke``, ``weight`` (``d1`` on KE cells), ``weighted`` (``weight * ler``: UDS's numerator terms), ``unclipped``
+    (``weighted`` on the KE cells with ``d2 <= d1``), ``clipped`` (``weight`` on the KE cells with ``d2 > d1``, where
+    ``ler`` is exactly 1) and ``excess`` (``max(0, d2 - d1)`` on KE cells; nonzero only on the clipped ones). A NaN
+    ``d2`` on a KE cell is never clipped: it makes ``weighted``, ``unclipped`` and ``excess`` NaN there, as UDS is.
+    """
+    d1, d2 = np.asarray(d1, dtype=float), np.asarray(d2, dtype=float)
+    ke, weight, weighted = _ke_weighted(d1, d2, tau)
+    over = clipped_mask(d1, d2, tau)
+    return {
+        "ke": ke,
+        "weight": weight,
+        "weighted": weighted,
+        "unclipped": np.where(over, 0.0, weighted),
+        "clipped": np.where(over, weight, 0.0),
+        "excess": np.where(ke, np.maximum(d2 - d1, 0.0), 0.0),
+    }
+
+
 def _weighted_mean(n_ke: np.ndarray, weight_sum: np.ndarray, weighted_sum: np.ndarray) -> np.ndarray:
     """``sum weight * ler / sum weight`` per example; NaN where no layer is KE."""
     safe = np.where(n_ke > 0, weight_sum, 1.0)
@@ -113,6 +148,57 @@ def example_uds(
     """
     ke, weight, weighted = _ke_weighted(d1, d2, tau)
     return _weighted_mean(ke.sum(-1), weight.sum(-1), weighted.sum(-1))
+
+
+def uds_parts(
+    d1: Float[np.ndarray, "example layer"], d2: Float[np.ndarray, "example layer"], tau: float = DEFAULT_TAU
+) -> tuple[Float[np.ndarray, " example"], Float[np.ndarray, " example"]]:
+    """Per-example UDS split by where it comes from: ``(unclipped, clipped)``, NaN with no KE layer.
+
+    ``unclipped = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1``: the part whose ratio is measured (the unlearned model
+    disrupts at most as much as retain); ``clipped = sum_{KE, d2 > d1} d1 / sum_KE d1``: the part from clipped cells,
+    each counted as fully erased although the unlearned activation disrupts more than retain's (damage, or erasure
+    plus damage). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
+    (to float64 rounding: the same terms summed in two groups).
+
+    Examples:
+        >>> d1 = np.array([[2.0, 1.0, 0.01]])  # layer 2 is under tau: not KE
+        >>> d2 = np.array([[1.0, 3.0, 5.00]])  # layer 1 is clipped: d2 = 3 d1
+        >>> uds_parts(d1, d2)  # ((2 * 0.5) / 3, 1 / 3); UDS = 2 / 3
+        (array([0.33333333]), array([0.33333333]))
+    """
+    terms = _split_terms(d1, d2, tau)
+    n_ke, weight_sum = terms["ke"].sum(-1), terms["weight"].sum(-1)
+    return (
+        _weighted_mean(n_ke, weight_sum, terms["unclipped"].sum(-1)),
+        _weighted_mean(n_ke, weight_sum, terms["clipped"].sum(-1)),
+    )
+
+
+def excess_disruption(
+    d1: Float[np.ndarray, "example layer"], d2: Float[np.ndarray, "example layer"], tau: float = DEFAULT_TAU
+) -> Float[np.ndarray, " example"]:
+    """How far past retain's disruption the unlearned model's goes: ``sum_KE max(0, d2 - d1) / sum_KE d1``.
+
+    The d1-weighted mean over KE layers of ``max(0, d2 - d1) / d1``, in nats of extra drop per nat of the retain
+    model's drop: 0 when no KE layer's ``d2`` exceeds its ``d1`` (UDS then rests on measured ratios only), 1 when the
+    unlearned activations cost the full model twice what retain's cost, summed over KE layers. Unbounded above, NaN
+    with no KE layer. Only clipped cells contribute, so it measures what the clip hides.
+
+    Examples:
+        >>> excess_disruption(np.array([[2.0, 1.0, 0.01]]), np.array([[1.0, 3.0, 5.00]]))  # (3 - 1) / (2 + 1)
+        array([0.66666667])
+    """
+    terms = _split_terms(d1, d2, tau)
+    return _weighted_mean(terms["ke"].sum(-1), terms["weight"].sum(-1), terms["excess"].sum(-1))
+
+
+def mostly_clipped(
+    unclipped: Float[np.ndarray, " example"], clipped: Float[np.ndarray, " example"]
+) -> Bool[np.ndarray, " example"]:
+    """The examples whose ``UDS_i`` rests mostly on clipped cells: ``clipped > unclipped`` (the two parts of
+    [`uds_parts`][uds_lens.uds.uds_parts]), more than half of the score; False where UDS is undefined."""
+    return np.asarray(clipped, dtype=float) > np.asarray(unclipped, dtype=float)
 
 
 def model_uds(per_example: Float[np.ndarray, " example"]) -> float:
@@ -149,33 +235,42 @@ def rescore(
 
     Returns ``(layers, per_example)``: the table with ``ke`` and ``ler`` (re)computed for ``tau`` (``ler`` is NaN
     outside KE layers, where ``d2 / d1`` is a ratio of noise, not of knowledge), and one row per ``by`` group (first
-    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``, [`clipped_mask`][uds_lens.uds.clipped_mask]) and ``uds``.
-    Pass ``by=("site", "idx")`` for a table holding several sites, or
-    another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and a NaN ``uds``.
+    appearance order) with ``n_ke``, ``n_clipped`` (KE layers with ``d2 > d1``,
+    [`clipped_mask`][uds_lens.uds.clipped_mask]), ``uds``, its two parts ``uds_unclipped`` and ``uds_clipped``
+    ([`uds_parts`][uds_lens.uds.uds_parts]) and ``excess_disruption``
+    ([`excess_disruption`][uds_lens.uds.excess_disruption]). Pass ``by=("site", "idx")`` for a table holding
+    several sites, or another example key for lens tables. Retain-free tables (``d1`` all NaN) get no KE layer and
+    a NaN ``uds``.
     """
     keys = list(by)
     d1 = layers["d1"].to_numpy(dtype=float)
     d2 = layers["d2"].to_numpy(dtype=float)
-    ke, weight, weighted = _ke_weighted(d1, d2, tau)
+    terms = _split_terms(d1, d2, tau)
+    ke = terms["ke"]
     scored = layers.assign(ke=ke, ler=np.where(ke, layer_erasure_ratio(d1, d2), np.nan))
     sums = (
         scored[keys]
         .assign(
             n_ke=ke.astype(int),
             n_clipped=clipped_mask(d1, d2, tau).astype(int),
-            weight=weight,
-            weighted=weighted,
+            **{name: terms[name] for name in ("weight", "weighted", "unclipped", "clipped", "excess")},
         )
         .groupby(keys, sort=False)
         .sum()
     )
+    n_ke, weight = sums["n_ke"].to_numpy(dtype=int), sums["weight"].to_numpy(dtype=float)
+
+    def mean(term: str) -> np.ndarray:
+        return _weighted_mean(n_ke, weight, sums[term].to_numpy(dtype=float))
+
     per_example = pd.DataFrame(
         {
-            "n_ke": sums["n_ke"].to_numpy(dtype=int),
+            "n_ke": n_ke,
             "n_clipped": sums["n_clipped"].to_numpy(dtype=int),
-            "uds": _weighted_mean(
-                sums["n_ke"].to_numpy(), sums["weight"].to_numpy(), sums["weighted"].to_numpy()
-            ),
+            "uds": mean("weighted"),
+            "uds_unclipped": mean("unclipped"),
+            "uds_clipped": mean("clipped"),
+            "excess_disruption": mean("excess"),
         },
         index=sums.index,
     ).reset_index()

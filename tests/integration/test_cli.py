@@ -3,6 +3,7 @@
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,10 +33,13 @@ def test_score_writes_every_file(tiny, tmp_path):
     result = CliRunner().invoke(app, score_argv(tiny, out, tmp_path / "cache", tiny.unlearned, tiny.full))
     assert result.exit_code == 0, result.output
     assert "unlearned" in result.output
+    # the table (after the progress bars, which end without a newline): UDS with its split and excess beside it
+    assert re.search(r"model +uds +ci95 +clipped_part +excess +scored", result.output), result.output
     for name in ("unlearned", "full"):
         summary = json.loads((out / name / "summary.json").read_text())
         for key in ("uds", "ci95", "n_scored", "n_no_ke", "n_skipped", "settings", "versions", "timings"):
             assert key in summary
+        assert summary["uds_unclipped"] + summary["uds_clipped"] == pytest.approx(summary["uds"], abs=1e-12)
         for key in ("s1_seconds", "s2_seconds", "s1_cached", "n_examples"):
             assert key in summary["timings"]
         examples = pd.read_csv(out / name / "examples.csv")
@@ -46,6 +50,9 @@ def test_score_writes_every_file(tiny, tmp_path):
             "n_ke",
             "n_clipped",
             "uds",
+            "uds_unclipped",
+            "uds_clipped",
+            "excess_disruption",
             "status",
             "skip_reason",
             "question",

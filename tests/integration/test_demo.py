@@ -17,6 +17,9 @@ def test_demo_scores_the_zoo_and_keeps_its_pools_listed(test_zoo, tmp_path):
     assert (table["n_skipped"] == 0).all() and (table["ci_low"] <= table["uds"]).all()
     assert (out / "report.html").stat().st_size > 10_000 and (out / "uds_table.csv").is_file()
     assert (out / "npo" / "summary.json").is_file()
+    # beside UDS, where it comes from: retain erases without any clipped cell, full has nothing to split
+    assert table.at["retain", "uds_clipped"] == 0.0 and table.at["retain", "excess_disruption"] == 0.0
+    assert (table["uds_clipped"] <= table["uds"] + 1e-12).all() and (table["excess_disruption"] >= 0).all()
     # the demo needs no pools, but a zoo that has them keeps them listed for the meta-evaluation
     again = load_zoo(test_zoo.root)
     assert again.names("pos") == test_zoo.names("pos") and again.names("neg") == test_zoo.names("neg")
@@ -77,3 +80,34 @@ def test_the_demo_finds_its_zoo_under_the_cache_root(tmp_path, monkeypatch):
     assert preview_zoo("default", None) == tmp_path / "cache" / "zoo-test"
     monkeypatch.setenv("UDS_LENS_ZOO", str(tmp_path / "mine"))
     assert default_zoo_dir("default") == tmp_path / "mine" and preview_zoo("default", None) is None
+
+
+@pytest.mark.slow
+def test_the_demo_table_shows_the_clipped_part_and_the_excess(test_zoo, tmp_path):
+    """`uds-lens demo` prints, beside each UDS, the part of it from clipped cells with its share and the excess
+    disruption: on the test zoo NPO and RMU at layer 0 reach a high UDS mostly through clipped cells."""
+    from typer.testing import CliRunner
+
+    from uds_lens.cli import app
+
+    argv = [
+        "demo",
+        "--size",
+        "test",
+        "--zoo-dir",
+        str(test_zoo.root),
+        "--out",
+        str(tmp_path / "demo"),
+        "--threads",
+        "1",
+    ]
+    run = CliRunner().invoke(app, argv)
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    header = next(line for line in lines if "ci95" in line)
+    assert "clipped_part" in header and "excess" in header
+    for name in ("npo", "rmu_l0"):
+        row = next(line for line in lines if line.split()[:1] == [name] and "%" in line)
+        share = int(row.split("(")[1].split("%")[0])
+        assert share > 50, row  # most of these models' UDS rests on clipped cells
+    assert "excess: how far past retain's disruption" in run.output

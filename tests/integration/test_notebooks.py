@@ -79,6 +79,22 @@ def _figures_in_html(notebook) -> tuple[int, list[str]]:
     return len(figures), drawn
 
 
+def _figure_texts(notebook) -> list[tuple[int, str]]:
+    """Each Plotly figure's title and annotations, as one text (HTML tags kept), numbered in notebook order."""
+    texts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            figure = output.get("data", {}).get(PLOTLY_MIMETYPE)
+            if figure is None:
+                continue
+            layout = figure.get("layout", {})
+            title = layout.get("title", {})
+            parts = [title.get("text", "") if isinstance(title, dict) else str(title)]
+            parts += [annotation.get("text", "") for annotation in layout.get("annotations", [])]
+            texts.append((len(texts), " | ".join(parts)))
+    return texts
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("notebooks")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -96,6 +112,11 @@ def test_notebook_runs(path, test_zoo, tmp_path, monkeypatch):
         if output.get("output_type") == "error"
     ]
     assert not errors
+    # Every figure states what it rests on, in its title or its annotations: n examples and tau with its unit.
+    for number, text in _figure_texts(notebook):
+        assert re.search(r"\bn = \d+", text) and re.search(r"\btau = [\d.e-]+ nats", text), (
+            f"{path.name}: figure {number} does not state n and tau: {text[:300]!r}"
+        )
     # Every figure survives the notebook's export to HTML: its div, drawn by Plotly.newPlot (not a blank output).
     n_figures, drawn = _figures_in_html(notebook)
     if path.stem == "01_quickstart":

@@ -8,6 +8,7 @@ import math
 import re
 
 import numpy as np
+import pytest
 import torch
 
 from uds_lens.component_result import HEAD_TAU, MIN_SUPPORT, ComponentResult
@@ -72,6 +73,18 @@ def test_the_table_hides_pooled_values_with_too_little_support():
     assert table.loc[(0, 0), "n_clipped"] == 1
 
 
+def test_the_table_gives_mean_d1_over_the_cells_component_uds_pools():
+    """Head (0, 0) is KE in examples 10-12 (d1 0.02 each), not in 13 (0.001): the mean d1 beside its component UDS
+    is over those three cells (0.02), the all-example mean beside it says so in its name (0.01525)."""
+    table = _heads(D1, D2).table().set_index(["layer", "head"])
+    assert table.loc[(0, 0), "mean_d1_ke"] == np.float32(0.02).item()
+    assert table.loc[(0, 0), "mean_d2_ke"] == pytest.approx((0.02 + 0.04 + 0.0) / 3)
+    assert table.loc[(0, 0), "mean_d1"] == pytest.approx((3 * 0.02 + 0.001) / 4)
+    assert math.isnan(table.loc[(0, 1), "mean_d1_ke"])  # never KE: no cell to average
+    html = _heads(D1, D2)._repr_html_()
+    assert "over the same KE cells" in html and ">0.020<" in html
+
+
 def test_clipped_share_counts_ke_cells_with_d2_above_d1():
     clipped = _heads(D1, D2).clipped
     assert clipped["n_ke_cells"] == 4 and clipped["n_clipped_cells"] == 1
@@ -88,12 +101,16 @@ def test_the_figure_marks_thin_cells_and_puts_the_support_in_hover_and_title():
     assert trace.text[1][1].startswith("n=1") and "n=3" in trace.text[0][0]
     assert "KE cells" in trace.hovertemplate and np.asarray(trace.customdata).tolist() == [[3, 0], [0, 1]]
     title = fig.layout.title.text
-    assert "npo" in title and "4 cells from 3 of 4 examples" in title and "0.01 nats" in title
+    assert "npo" in title and "4 KE cells from 3 of 4 examples" in title and "n = 4 examples" in title
+    # the heads' threshold beside the layers' (the auditor's), both with their unit
+    assert "KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats)" in title
 
 
 def test_the_repr_names_the_threshold_and_the_support():
     text = repr(_heads(D1, D2))
-    assert "KE (d1 > 0.01 nats): 4 of 16 cells, from 3 examples" in text
+    assert (
+        "KE: d1 > tau = 0.01 nats per head (layers: tau = 0.05 nats): 4 of 16 cells, from 3 examples" in text
+    )
     assert "component UDS" in text and "clipped d2 > d1: 25%" in text
     assert not re.search(r"\d\.\d{5,}", text)
     html = _heads(D1, D2)._repr_html_()

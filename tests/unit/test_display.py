@@ -77,13 +77,17 @@ def test_clipped_summary_of_a_grid_without_ke_is_undefined_not_zero():
     assert np.isnan(summary["clipped_median_ratio"])
 
 
-def test_a_result_saved_before_n_clipped_counts_it_on_load(tmp_path):
+def test_a_result_saved_before_n_clipped_and_the_split_counts_them_on_load(tmp_path):
     result = _result()
     result.save(tmp_path / "npo")
-    examples = pd.read_csv(tmp_path / "npo" / "examples.csv").drop(columns="n_clipped")
+    added = ["n_clipped", "uds_unclipped", "uds_clipped", "excess_disruption"]
+    examples = pd.read_csv(tmp_path / "npo" / "examples.csv").drop(columns=added)
     examples.to_csv(tmp_path / "npo" / "examples.csv", index=False)
     loaded = UDSResult.load(tmp_path / "npo", verify=False)
     assert loaded.examples.set_index("idx")["n_clipped"].to_dict() == {3: 1, 5: 0, 7: 0, 9: 0}
+    pd.testing.assert_frame_equal(
+        loaded.examples[added], result.examples[added], check_exact=False, rtol=1e-6
+    )
 
 
 def test_the_repr_is_short_rounded_and_says_what_the_score_rests_on():
@@ -95,16 +99,33 @@ def test_the_repr_is_short_rounded_and_says_what_the_score_rests_on():
     assert not re.search(r"\d\.\d{5,}", text), text  # no 17-digit floats
 
 
-def test_the_html_view_is_one_table_row_with_ci_counts_and_clipped_share():
+def test_the_repr_splits_uds_into_its_measured_and_clipped_parts():
+    # example 3: KE layers 1-3, d1 (0.5, 1, 2), d2 (0.25, 2, 2): UDS 3.25 / 3.5, of which layer 2's 1 / 3.5 is
+    # clipped (d2 = 2 d1) and its excess (2 - 1) / 3.5; example 7 is never clipped. Model: means of the two.
+    split = _result().split
+    assert split["uds_clipped"] == pytest.approx((1 / 3.5) / 2)
+    assert split["uds_unclipped"] == pytest.approx((2.25 / 3.5 + 0.4 / 3.0) / 2)
+    assert split["excess_disruption"] == pytest.approx((1 / 3.5) / 2)
+    assert split["n_mostly_clipped"] == 0  # example 3's clipped part (0.29) is under half its UDS (0.93)
+    text = repr(_result())
+    assert "from clipped cells 0.143 (27% of UDS), excess disruption 0.14" in text
+
+
+def test_the_html_view_is_one_field_a_row_with_ci_split_counts_and_clipped_share():
     html = _result()._repr_html_()
-    assert html.count("<tr>") == 2  # header + the model's row
+    # one label/value row per field: no row as wide as all of them together (it overflowed a notebook column)
+    assert html.count("<tr>") == 7 and "<thead>" not in html
     for cell in (
-        "0.531",
-        "[0.133, 0.929]",
+        "0.531 [0.133, 0.929]",
+        "0.388",  # from measured ratios
+        "0.143 (27% of UDS)",
+        "0.14",  # excess disruption
+        "2 scored, 1 no KE, 1 skipped",
         "14% (1 of 7 KE cells, median d2/d1 2.00)",
+        "tau 0.05 nats",
         "entity_not_found (1)",
     ):
-        assert cell in html
+        assert cell in html, cell
 
 
 def test_an_example_view_names_its_model_question_and_clipped_layers():

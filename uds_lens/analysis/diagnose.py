@@ -12,6 +12,9 @@ representation methods, one backward per example for Fisher). It returns a `Diag
     OUT/NAME/components.csv    site, layer, mean_d1, mean_d2 (the patching sites asked for)
     OUT/prompt_types.csv       per-prompt-type UDS of every model (paper Table 5)
     OUT/tau_sensitivity.csv    UDS under each tau and Spearman rank vs the default, across models (appendix D.3)
+    OUT/clipped_examples.csv   the examples whose UDS rests mostly on clipped cells (d2 > d1), every model's:
+                               model, idx, uds, uds_unclipped, uds_clipped, excess_disruption, n_ke, n_clipped,
+                               question, entity
 
 For UDS and the lenses, ``layerwise.csv`` pools the examples per layer (``erasure = sum KE d1 LER / sum KE d1``,
 ``weight = mean KE d1``; ``baselines.layerwise.pooled_layerwise``); their ``scores.json`` value is the mean of
@@ -52,6 +55,29 @@ METHODS = ("uds", *registry.names(kind=registry.WHITE_BOX))
 SITES = ("attn_out", "mlp_out", "resid_mid", "resid_post")
 LAYERWISE_COLUMNS = ["method", "layer", "erasure", "weight"]
 COMPONENT_COLUMNS = ["site", "layer", "mean_d1", "mean_d2"]
+CLIPPED_EXAMPLE_COLUMNS = [
+    "model",
+    "idx",
+    "uds",
+    "uds_unclipped",
+    "uds_clipped",
+    "excess_disruption",
+    "n_ke",
+    "n_clipped",
+    "question",
+    "entity",
+]
+
+
+def clipped_examples(results: Mapping[str, UDSResult]) -> pd.DataFrame:
+    """Every model's examples whose ``UDS_i`` rests mostly on clipped cells (``CLIPPED_EXAMPLE_COLUMNS``), in the
+    models' order, largest clipped part first within a model."""
+    frames = [
+        result.mostly_clipped_examples().assign(model=name)[CLIPPED_EXAMPLE_COLUMNS]
+        for name, result in results.items()
+    ]
+    frames = [frame for frame in frames if not frame.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=CLIPPED_EXAMPLE_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -67,6 +93,9 @@ class DiagnoseResult:
         prompt_types: Per-prompt-type UDS of every model (``case_studies.prompt_type_uds``), None without UDS.
         tau_sensitivity: UDS under each tau against the default, across models (``case_studies.tau_sensitivity``),
             None without UDS.
+        clipped_examples: the examples whose ``UDS_i`` rests mostly on clipped cells, every model's
+            (``UDSResult.mostly_clipped_examples``: their score says the unlearned model disrupts more than retain
+            there, not that it erased like retain), None without UDS.
     """
 
     scores: pd.DataFrame
@@ -75,6 +104,17 @@ class DiagnoseResult:
     uds_results: dict[str, UDSResult]
     prompt_types: pd.DataFrame | None
     tau_sensitivity: pd.DataFrame | None
+    clipped_examples: pd.DataFrame | None = None
+
+    def clipped_lines(self) -> list[str]:
+        """One line per model: how many of its scored examples rest mostly on clipped cells, and its excess
+        disruption (what ``uds-lens diagnose`` prints; the examples themselves are
+        `clipped_examples`)."""
+        return [
+            f"{name}: {result.split['n_mostly_clipped']} of {result.summary['n_scored']} scored examples rest mostly "
+            f"on clipped cells (d2 > d1); excess disruption {result.split['excess_disruption']:.2f}"
+            for name, result in self.uds_results.items()
+        ]
 
     def save(self, out_dir: str | os.PathLike) -> Path:
         """Write the tables (layout in the module docstring); each ``OUT/NAME`` is replaced as one step."""
@@ -92,6 +132,8 @@ class DiagnoseResult:
             write_atomic(out / "prompt_types.csv", self.prompt_types.to_csv(index=False))
         if self.tau_sensitivity is not None:
             write_atomic(out / "tau_sensitivity.csv", self.tau_sensitivity.to_csv(index=False))
+        if self.clipped_examples is not None:
+            write_atomic(out / "clipped_examples.csv", self.clipped_examples.to_csv(index=False))
         return out
 
 
@@ -248,6 +290,7 @@ def diagnose(
         uds_results=uds_results,
         prompt_types=prompt_type_uds(examples_by_model) if uds_results else None,
         tau_sensitivity=tau_sensitivity(layers_by_model, taus=taus, default_tau=tau) if uds_results else None,
+        clipped_examples=clipped_examples(uds_results) if uds_results else None,
     )
     if out_dir is not None:
         diagnosis.save(out_dir)

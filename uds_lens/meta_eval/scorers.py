@@ -4,7 +4,9 @@
 NF4 Hugging Face model, for the quantisation attack). ``ModelScorers`` builds them for one full/retain pair and one
 forget set (``ModelScorers.from_zoo`` for a zoo, the constructor for real checkpoints): S1 for UDS and the full and
 retain references of the logit lens, CKA and masked Fisher are computed once, and each model's white-box scores are
-computed together, once. Every score is oriented as its method defines it (1 = erased like retain).
+computed together, once. Every score is oriented as its method defines it (1 = erased like retain). Beside UDS,
+``split_fns`` give the part of it from clipped cells and the excess disruption (``UDSResult.split``) from the same
+scoring of the model, so the meta-evaluation tables carry the columns every UDS table carries.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from uds_lens.config import UDSConfig
 from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
+from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.zoo.layout import load_zoo
 
@@ -27,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # The paper's white-box rows of Table 3 (its meta-evaluation scores these three besides UDS).
 WHITE_BOX = tuple(s.name for s in METRICS if s.kind == registry.WHITE_BOX)
+# Where UDS comes from, beside it in every table (UDSResult.split): the metrics.csv columns of split_fns.
+SPLIT_COLUMNS = ("uds_clipped", "excess_disruption")
 FISHER_FRACTION = 1e-3  # the paper's "Fisher (Masked 0.1%)" row
 
 
@@ -58,6 +63,8 @@ class ModelScorers:
         self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
         self._reference: References | None = None
         self._scores: dict[str | int, dict[str, float | None]] = {}
+        self._uds: dict[str | int, UDSResult] = {}
+        self._last: tuple[object, UDSResult] | None = None
 
     @classmethod
     def from_zoo(
@@ -77,8 +84,34 @@ class ModelScorers:
     def _key(self, model: ModelArg) -> str | int:
         return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
 
+    def _result(self, model: ModelArg) -> UDSResult:
+        """The model's UDS result, scored once (UDS and its split read the same one): kept by path for a checkpoint,
+        and for an in-memory model (an NF4 one) only while it is the last one scored, held here so that its ``id``
+        cannot pass to another model."""
+        if isinstance(model, (str, os.PathLike)):
+            key = self._key(model)
+            if key not in self._uds:
+                self._uds[key] = self.auditor.score(model)
+            return self._uds[key]
+        if self._last is None or self._last[0] is not model:
+            self._last = (model, self.auditor.score(model))
+        return self._last[1]
+
     def uds(self, model: ModelArg) -> float:
-        return self.auditor.score(model).uds
+        return self._result(model).uds
+
+    def split_fns(self) -> dict[str, Callable[[ModelArg], float]]:
+        """``{"uds_clipped", "excess_disruption"}``: the part of the model's UDS from clipped cells (d2 > d1) and how
+        far past retain it disrupts, from the same scoring as `uds`."""
+
+        def make(name: str) -> Callable[[ModelArg], float]:
+            def score(model: ModelArg) -> float:
+                value = self._result(model).split[name]
+                return float("nan") if value is None else float(value)
+
+            return score
+
+        return {name: make(name) for name in SPLIT_COLUMNS}
 
     def _white_box(self, model: ModelArg) -> dict[str, float | None]:
         key = self._key(model)
@@ -120,9 +153,11 @@ class ModelScorers:
 def zoo_scorers(
     zoo_dir: str | os.PathLike, progress: bool = False
 ) -> tuple[Callable[[ModelArg], float], dict[str, Callable[[ModelArg], float]]]:
-    """``(uds_fn, white_box_fns)`` for ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` on a zoo."""
+    """``(uds_fn, white_box_fns)`` for ``meta_eval.evaluate_zoo`` / ``run_meta_eval`` on a zoo; the second holds
+    the white-box methods and UDS's split (``split_fns``), so ``metrics.csv`` has ``uds_clipped`` and
+    ``excess_disruption`` beside ``uds``."""
     scorers = ModelScorers.from_zoo(zoo_dir, progress=progress)
-    return scorers.uds, scorers.white_box_fns()
+    return scorers.uds, {**scorers.white_box_fns(), **scorers.split_fns()}
 
 
-__all__ = ["ModelScorers", "zoo_scorers"]
+__all__ = ["SPLIT_COLUMNS", "ModelScorers", "zoo_scorers"]

@@ -5,7 +5,8 @@
 - [`heatmaps`][uds_lens.plotting.heatmaps]: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
 - [`curves`][uds_lens.plotting.curves]: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
   ``lens_vs_uds_models``, ``layerwise_methods``;
-- [`models`][uds_lens.plotting.models]: ``model_frame``, ``uds_bar``, ``uds_distribution``, ``prompt_type_bar``,
+- [`models`][uds_lens.plotting.models]: ``model_frame``, ``uds_bar`` (UDS split into its measured and clipped parts),
+  ``depth_vs_damage`` (UDS against excess disruption), ``uds_distribution``, ``prompt_type_bar``,
   ``rmu_layer_profile``;
 - [`components`][uds_lens.plotting.components]: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
 - `meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
@@ -46,6 +47,7 @@ _EXPORTS = {
     "stage_curves": "curves",
     "tau_curves": "curves",
     "model_frame": "models",
+    "depth_vs_damage": "models",
     "prompt_type_bar": "models",
     "rmu_layer_profile": "models",
     "rmu_target_layer": "models",
@@ -78,6 +80,7 @@ __all__ = [
     "VALUE_LABELS",
     "component_heatmap",
     "component_patching",
+    "depth_vs_damage",
     "example_curves",
     "keep_figures_in_notebooks",
     "layer_heatmap",
@@ -121,6 +124,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         robustness_scatter,
     )
     from uds_lens.plotting.models import (
+        depth_vs_damage,
         model_frame,
         prompt_type_bar,
         rmu_layer_profile,

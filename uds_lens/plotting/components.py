@@ -18,14 +18,19 @@ import plotly.graph_objects as go
 from numpy.typing import ArrayLike
 from plotly.subplots import make_subplots
 
+from uds_lens.config import DEFAULT_TAU
 from uds_lens.plotting.style import (
     DELTA_SCALE,
     LER_SCALE,
+    REFERENCE_LINE,
     STAGE_DASH,
-    VALUE_LABELS,
     add_curve,
+    examples_text,
     layer_ticks,
     palette_colour,
+    set_title,
+    tau_text,
+    value_label,
 )
 
 
@@ -34,6 +39,8 @@ def component_patching(
     stage: str = "d1",
     band: bool | None = None,
     title: str | None = None,
+    tau: float = DEFAULT_TAU,
+    n_examples: int | str | None = None,
 ) -> go.Figure:
     """Mean patching delta per layer for each patching site (the paper's appendix D.1 figure).
 
@@ -43,8 +50,14 @@ def component_patching(
         stage: ``"d1"`` (S1, retain as source: where the knowledge lives), ``"d2"``, or ``"both"`` (d2 dashed).
         band: draw ±1 std bands when standard deviations are available (default: unless ``stage="both"``, where
             eight overlapping bands would hide the curves).
-        title: figure title.
+        title: figure title; under it the figure states its basis (the examples averaged, every one of them, and
+            the KE threshold, drawn as a dotted line: a site's mean delta above it is a knowledge-carrying one).
+        tau: the KE threshold of the layer-level score, in nats.
+        n_examples: how many examples the means are over, when ``components`` is already averaged (a long table
+            counts its own).
     """
+    if "idx" in components.columns and n_examples is None:
+        n_examples = int(components["idx"].nunique())
     if "mean_d1" not in components.columns:
         if not {"site", "layer", "d1"} <= set(components.columns):
             raise ValueError(
@@ -86,16 +99,21 @@ def component_patching(
             dash = STAGE_DASH[which] if stage == "both" else "solid"
             add_curve(fig, part["layer"], part[column], label, colour, dash, half)
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
+    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text=tau_text(tau))
     fig.update_layout(
-        title=title
+        xaxis={"title": "layer", **layer_ticks(components["layer"])}, yaxis_title="mean Δ (nats)"
+    )
+    n_text = examples_text(n_examples) if n_examples is not None else "n: every example of the table"
+    return set_title(
+        fig,
+        title
         or "Mean patching delta per layer by patching site"
         + {"d1": " (S1: retain → full)", "d2": " (S2: unlearned → full)", "both": " (S1 solid, S2 dashed)"}[
             stage
         ],
-        xaxis={"title": "layer", **layer_ticks(components["layer"])},
-        yaxis_title="mean Δ (nats)",
+        [f"{n_text}, every one (KE or not)", f"dotted: KE threshold {tau_text(tau)}"]
+        + (["bands ±1 std over examples"] if band and stage != "both" else []),
     )
-    return fig
 
 
 def component_heatmap(
@@ -106,6 +124,7 @@ def component_heatmap(
     title: str | None = None,
     support: ArrayLike | None = None,
     min_support: int = 0,
+    basis: Sequence[str] = (),
 ) -> go.Figure:
     """Heatmap of a ``[layer, component]`` grid (heads, entity tokens, patched positions), y = layer.
 
@@ -119,6 +138,7 @@ def component_heatmap(
         support: ``[layer, component]`` number of KE cells behind each value: in the hover, and written on the
             cells when ``min_support`` is set.
         min_support: cells resting on fewer KE cells are not drawn as a value: blank, labelled ``n=k`` (too few).
+        basis: what the grid rests on (examples, thresholds), stated under the title.
     """
     z = np.asarray(grid, dtype=float)
     counts = None if support is None else np.asarray(support, dtype=int)
@@ -140,11 +160,11 @@ def component_heatmap(
         x=[str(c) for c in range(z.shape[1])],
         origin="lower",
         aspect="auto",
-        labels={"x": axis, "y": "layer", "color": VALUE_LABELS.get(value, value.replace("_", " "))},
+        labels={"x": axis, "y": "layer", "color": value_label(value)},
         **colour,
     )
     if counts is not None:
-        label = VALUE_LABELS.get(value, value.replace("_", " "))
+        label = value_label(value).replace("<br>", " ")
         fig.update_traces(
             customdata=counts,
             hovertemplate=f"layer %{{y}}, {axis} %{{x}}<br>{label} = %{{z:.3f}}<br>KE cells: %{{customdata}}"
@@ -161,11 +181,11 @@ def component_heatmap(
             fig.update_traces(text=text, texttemplate="%{text}", textfont={"size": 10})
     fig.update_xaxes(type="category")
     fig.update_yaxes(**layer_ticks(layers))
-    fig.update_layout(title=title or f"{value} per layer and {axis}", plot_bgcolor="#e5e5e5")
-    return fig
+    fig.update_layout(plot_bgcolor="#e5e5e5")
+    return set_title(fig, title or f"{value} per layer and {axis}", basis)
 
 
-def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
+def token_logprobs(tokens: pd.DataFrame, title: str | None = None, basis: Sequence[str] = ()) -> go.Figure:
     """Per-position log-prob of the next token for the clean full run and a patched run, entity tokens highlighted.
 
     Args:
@@ -173,6 +193,7 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
             token predicted there (its log-prob is what the columns hold), ``is_entity`` whether it is an entity token
             (those are the positions UDS averages over).
         title: figure title (say which model and layer the patched run used).
+        basis: what the figure rests on, stated under the title (the example, the layer and its KE status).
 
     Returns:
         Two rows: grouped bars of the two log-probs, and below a one-row heatmap of ``full - patched`` (RdBu, midpoint
@@ -206,7 +227,7 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
             zmid=0.0,
             zmin=-bound,
             zmax=bound,
-            colorbar={"title": {"text": "Δ"}, "len": 0.25, "y": 0.1},
+            colorbar={"title": {"text": "Δ [nats]"}, "len": 0.25, "y": 0.1},
             hovertemplate="%{x}<br>full − patched = %{z:.3f}<extra></extra>",
         ),
         row=2,
@@ -227,9 +248,9 @@ def token_logprobs(tokens: pd.DataFrame, title: str | None = None) -> go.Figure:
         )
     fig.update_xaxes(type="category", tickangle=-60, row=2, col=1)
     fig.update_xaxes(type="category", row=1, col=1)
-    fig.update_yaxes(title_text="log p(token)", row=1, col=1)
-    fig.update_layout(barmode="group", title=title or "Per-token log-prob: full vs patched", height=520)
-    return fig
+    fig.update_yaxes(title_text="log p(token) [nats]", row=1, col=1)
+    fig.update_layout(barmode="group", height=540)
+    return set_title(fig, title or "Per-token log-prob: full vs patched", basis)
 
 
 def _visible(token: object) -> str:

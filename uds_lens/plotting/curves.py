@@ -28,21 +28,28 @@ from uds_lens.plotting.style import (
     S1_COLOUR,
     STAGE_DASH,
     add_curve,
+    examples_text,
     layer_band,
     layer_ticks,
     model_colour,
     palette_colour,
+    set_title,
+    tau_text,
+    wrap_words,
 )
 from uds_lens.plotting.tables import (
     Result,
     Results,
+    count_text,
     ke_cells,
     long_by_model,
     mean_ler_on_ke,
     named_results,
     result_tables,
+    result_tau,
+    tau_of,
 )
-from uds_lens.uds import example_uds, ke_mask
+from uds_lens.uds import example_uds, excess_disruption, ke_mask, uds_parts
 
 
 def stage_curves(
@@ -61,10 +68,12 @@ def stage_curves(
     Args:
         results: a ``UDSResult``, a layers table, or ``{name: result}`` for several models.
         quantity: ``"delta"`` (mean d1 / d2) or ``"score"`` (mean S1 / S2 patched log-prob, with the clean full score).
-        band: ``"std"`` (±1 standard deviation over examples), ``"sem"``, ``"ci95"`` or None.
+        band: ``"std"`` (±1 standard deviation over examples), ``"sem"``, ``"ci95"`` or None. S1's band is
+            plain, S2's hatched, so both stay readable where they overlap.
         site: patching site when the tables hold several.
         only_scored: drop examples without a KE layer (UDS undefined) when an examples table is available.
-        title: figure title.
+        title: figure title; under it the figure states its basis (the examples each curve averages, tau, what
+            the bands are), and tau is drawn as a dotted line on the delta axis.
     """
     if quantity not in ("delta", "score"):
         raise ValueError(f"quantity must be 'delta' or 'score', got {quantity!r}")
@@ -80,6 +89,8 @@ def stage_curves(
     only = getattr(next(iter(named.values())), "name", None) if len(named) == 1 else None
     named_one = f"{only}: " if isinstance(only, str) and only else ""
     fig = go.Figure()
+    n_examples = count_text([frame["idx"].nunique() for frame in frames.values()])
+    tau = tau_of(named, DEFAULT_TAU)
     s1_means = [frame.groupby("layer")[s1_column].mean() for frame in frames.values()]
     shared_s1 = all(
         len(m) == len(s1_means[0]) and np.allclose(m.to_numpy(), s1_means[0].to_numpy(), equal_nan=True)
@@ -104,13 +115,26 @@ def stage_curves(
         )
     elif quantity == "delta":
         fig.add_hline(y=0.0, line={"color": "black", "width": 1})
-    band_text = {"std": " (±1 std)", "sem": " (±1 s.e.m.)", "ci95": " (95% CI)"}.get(band or "", "")
+        taus = {result_tau(result, DEFAULT_TAU) for result in named.values()}
+        if len(taus) == 1:
+            fig.add_hline(y=taus.pop(), line=REFERENCE_LINE, annotation_text=f"{tau} (KE: d1 above)")
+    band_text = {
+        "std": "bands ±1 std over examples (S2's hatched)",
+        "sem": "bands ±1 s.e.m. (S2's hatched)",
+        "ci95": "bands 95% CI of the mean (S2's hatched)",
+    }.get(band or "", "")
+    which = (
+        f"scored examples (a KE layer: d1 > {tau})" if only_scored else f"every example (KE at {tau} or not)"
+    )
     fig.update_layout(
-        title=title
-        or f"{named_one}Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer{band_text}",
         xaxis={"title": "layer", **layer_ticks(first["layer"])},
-        yaxis_title="mean Δ (nats)" if quantity == "delta" else "mean entity log-prob",
+        yaxis_title="mean Δ (nats)" if quantity == "delta" else "mean entity log-prob (nats)",
         hovermode="x unified",
+    )
+    set_title(
+        fig,
+        title or f"{named_one}Mean {'patching delta' if quantity == 'delta' else 'patched score'} per layer",
+        [f"{examples_text(n_examples)}{' per model' if len(frames) > 1 else ''}: {which}", band_text],
     )
     return fig
 
@@ -125,7 +149,9 @@ def example_curves(
         idx: the example's dataset ``idx``.
         site: patching site when the table holds several.
         tau: KE threshold for the dotted line and, without a ``ke`` column, the band (default the result's).
-        title: figure title (default: idx, UDS, entity and question).
+        title: figure title (default: the model, idx, UDS and the part of it from clipped cells with the excess
+            disruption); under it, wrapped to fit a notebook or docs column, the basis (one example, tau) and the
+            example's entity and question.
     """
     layers, examples = result_tables(result)
     layers = one_site(layers, site)
@@ -146,6 +172,10 @@ def example_curves(
         examples.set_index("idx").loc[idx] if examples is not None and idx in set(examples["idx"]) else None
     )
     uds = info.get("uds") if info is not None else _example_uds(rows, tau)
+    d1_row = rows["d1"].to_numpy(dtype=float)[None, :]
+    d2_row = rows["d2"].to_numpy(dtype=float)[None, :]
+    uds_clipped = float(uds_parts(d1_row, d2_row, tau)[1][0])
+    excess = float(excess_disruption(d1_row, d2_row, tau)[0])
     fig = go.Figure()
     for layer in rows["layer"].to_numpy()[ke]:
         fig.add_vrect(x0=layer - 0.5, x1=layer + 0.5, fillcolor=KE_BAND, line_width=0, layer="below")
@@ -184,25 +214,30 @@ def example_curves(
                 marker={**CLIPPED_MARK, "size": 12},
             )
         )
-    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ")
+    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text=tau_text(tau))
     fig.add_hline(y=0.0, line={"color": "black", "width": 1})
     uds_text = "undefined (no KE layer)" if uds is None or pd.isna(uds) else f"{float(uds):.3f}"
     if clipped.any():
         uds_text += (
-            f" ({int(clipped.sum())} of {int(ke.sum())} KE layers clipped: the unlearned patch hurts more than "
-            "retain's)"
+            f"<br>{uds_clipped:.3f} of it from {int(clipped.sum())} of {int(ke.sum())} KE layers clipped (the "
+            f"unlearned patch hurts more than retain's), excess disruption {excess:.2f}"
         )
-    detail = ""
+    basis = [examples_text(1), f"KE layers shaded: d1 > {tau_text(tau)}"]
     if info is not None and isinstance(info.get("entity"), str):
-        detail = f"<br><sup>entity: {info['entity']} · Q: {str(info.get('question', ''))[:100]}</sup>"
+        basis += [f"entity: {info['entity']}", f"Q: {_shortened(str(info.get('question', '')), 100)}"]
     fig.update_layout(
-        title=title or f"{model + ': ' if model else ''}example {idx}: UDS = {uds_text}{detail}",
         xaxis={"title": "layer", **layer_ticks(rows["layer"])},
         yaxis_title="Δ (nats)",
         hovermode="x unified",
-        margin={"t": 90},
     )
-    return fig
+    return set_title(fig, title or f"{model + ': ' if model else ''}example {idx}: UDS = {uds_text}", basis)
+
+
+def _shortened(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    return wrap_words(text, limit - 1)[0] + "…"
 
 
 def _example_uds(rows: pd.DataFrame, tau: float) -> float:
@@ -212,13 +247,19 @@ def _example_uds(rows: pd.DataFrame, tau: float) -> float:
     return float(example_uds(d1, d2, tau)[0])
 
 
-def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str | None = None) -> go.Figure:
+def tau_curves(
+    table: pd.DataFrame,
+    default_tau: float = DEFAULT_TAU,
+    title: str | None = None,
+    n_examples: int | str | None = None,
+) -> go.Figure:
     """Model UDS as a function of the KE threshold tau, one line per model (appendix D.3).
 
     Args:
         table: ``analysis.tau_sensitivity`` output / ``tau_sensitivity.csv`` (``model, tau, uds`` [, ``n_no_ke``]).
         default_tau: marked with a dashed vertical line.
         title: figure title.
+        n_examples: the examples each model was scored on, for the figure's basis (the table does not hold it).
     """
     missing = {"tau", "uds"} - set(table.columns)
     if missing:
@@ -241,13 +282,14 @@ def tau_curves(table: pd.DataFrame, default_tau: float = DEFAULT_TAU, title: str
                 + "<extra></extra>",
             )
         )
-    fig.add_vline(x=default_tau, line=REFERENCE_LINE, annotation_text=f"τ = {default_tau}")
-    fig.update_layout(
-        title=title or "UDS under each KE threshold τ",
-        xaxis_title="τ (nats)",
-        yaxis={"title": "UDS", "range": [0, 1.05]},
+    fig.add_vline(x=default_tau, line=REFERENCE_LINE, annotation_text=f"default {tau_text(default_tau)}")
+    fig.update_layout(xaxis_title="tau (nats)", yaxis={"title": "UDS", "range": [0, 1.05]})
+    n_text = examples_text(n_examples) if n_examples is not None else "n: the scored examples at each tau"
+    return set_title(
+        fig,
+        title or "UDS under each KE threshold tau",
+        [n_text, f"tau from {table['tau'].min():g} to {table['tau'].max():g} nats (x axis)"],
     )
-    return fig
 
 
 def lens_vs_uds_example(
@@ -304,13 +346,17 @@ def lens_vs_uds_example(
             go.Bar(x=rows["layer"], y=ler, name=label, legendgroup=name, marker={"color": colour}),
             row=2, col=1,
         )  # fmt: skip
-    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text="τ", row=1, col=1)
+    fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text=tau_text(tau), row=1, col=1)
     fig.update_yaxes(title_text="Δ (nats)", row=1, col=1)
     fig.update_yaxes(title_text="LER", range=[0, 1.05], row=2, col=1)
     fig.update_xaxes(**layer_ticks(uds_table["layer"]))
     fig.update_xaxes(title_text="layer", row=2, col=1)
-    fig.update_layout(barmode="group", title=title or f"Observational vs causal, example {idx}", height=620)
-    return fig
+    fig.update_layout(barmode="group", height=620)
+    return set_title(
+        fig,
+        title or f"Observational vs causal, example {idx}",
+        [examples_text(1), f"KE for both readouts: d1 > {tau_text(tau)}"],
+    )
 
 
 def lens_vs_uds_models(
@@ -354,10 +400,13 @@ def lens_vs_uds_models(
     fig.update_yaxes(range=[0, 1.05])
     fig.update_yaxes(title_text="mean LER (KE cells)", col=1)
     fig.update_xaxes(title_text="layer", **layer_ticks(uds_long["layer"]))
-    fig.update_layout(
-        title=title or "Logit lens vs UDS: mean layer erasure ratio per model", height=320 * rows
+    fig.update_layout(height=320 * rows + 60)
+    n_examples = count_text([uds_long.loc[uds_long["model"] == model, "idx"].nunique() for model in models])
+    return set_title(
+        fig,
+        title or "Logit lens vs UDS: mean layer erasure ratio per model",
+        [f"{examples_text(n_examples)} per model", f"KE cells: d1 > {tau_text(tau)}"],
     )
-    return fig
 
 
 def layerwise_methods(
@@ -365,6 +414,8 @@ def layerwise_methods(
     methods: Sequence[str] | None = None,
     max_columns: int = 3,
     title: str | None = None,
+    n_examples: int | str | None = None,
+    tau: float = DEFAULT_TAU,
 ) -> go.Figure:
     """Per-layer erasure of several white-box methods, one panel per model (``diagnose``'s ``layerwise.csv``).
 
@@ -378,6 +429,9 @@ def layerwise_methods(
         methods: methods to draw (default: all, in table order).
         max_columns: panels per row.
         title: figure title.
+        n_examples: the examples the tables pool (``layerwise.csv`` does not hold it), for the figure's basis.
+        tau: the KE threshold of UDS's rows (the lenses use the published 0.05 nats; CKA, RSA, SVCCA and PWCCA
+            have none, Fisher its mask), for the basis.
     """
     long = long_by_model(layerwise, attribute="layerwise")
     missing = {"method", "layer", "erasure"} - set(long.columns)
@@ -422,8 +476,15 @@ def layerwise_methods(
     fig.update_yaxes(range=[-0.05, 1.05])
     fig.update_yaxes(title_text="erasure e<sub>l</sub>", col=1)
     fig.update_xaxes(title_text="layer", **layer_ticks(long["layer"]))
-    fig.update_layout(
-        title=title or "Per-layer erasure by method (1 = retain-like; marker size = layer weight)",
-        height=320 * rows + 60,
+    fig.update_layout(height=320 * rows + 80)
+    n_text = (
+        examples_text(n_examples) if n_examples is not None else "n: every example of each model's tables"
     )
-    return fig
+    return set_title(
+        fig,
+        title or "Per-layer erasure by method (1 = retain-like; marker size = layer weight)",
+        [
+            n_text,
+            f"UDS: KE at d1 > {tau_text(tau)}; logit lens at 0.05 nats; CKA, RSA, SVCCA, PWCCA: no threshold",
+        ],
+    )

@@ -24,8 +24,18 @@ import plotly.graph_objects as go
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.data import Example
 from uds_lens.layer_table import one_site
-from uds_lens.plotting.style import CLIPPED_MARK, DELTA_SCALE, LER_SCALE, VALUE_LABELS, layer_ticks
-from uds_lens.plotting.tables import Result, ke_cells, result_tables
+from uds_lens.plotting.style import (
+    CLIPPED_MARK,
+    DELTA_SCALE,
+    LER_SCALE,
+    VALUE_LABELS,
+    examples_text,
+    layer_ticks,
+    set_title,
+    tau_text,
+    value_label,
+)
+from uds_lens.plotting.tables import Result, ke_cells, result_tables, result_tau
 
 ExampleData: TypeAlias = pd.DataFrame | Sequence[Example | Mapping[str, Any]]
 """Examples whose ``idx, question, entity, prompt_type`` the hover shows: a table, ``Example`` records or dicts."""
@@ -60,8 +70,10 @@ def layer_heatmap(
             cells already mark them.
         ke_only: blank the non-KE cells (default: True for ``ler``, whose value outside KE layers is noise).
         site: which patching site to show when the table has several (default resid_post).
-        tau: KE threshold, used only when the table has no ``ke`` column.
-        title: figure title (default: the result's model name and the value).
+        tau: KE threshold, used only when the table has no ``ke`` column (one that has it shows the tau the result
+            was scored with).
+        title: figure title (default: the result's model name and the value). Under it the figure always states
+            its basis: the number of examples, tau with its unit and the order of the examples.
         order: the examples' ``idx`` in the order to draw them (overrides ``sort_by``): pass one order to every
             heatmap of a notebook.
         mark_clipped: cross the clipped KE cells (``d2 > d1``); default for ``d2`` and ``ler``.
@@ -90,6 +102,7 @@ def layer_heatmap(
         if not order:
             raise ValueError("order names none of the examples in the layers table")
         layers = layers[layers["idx"].isin(order)]
+        sort_by = "given"
     if mark_clipped is None:
         mark_clipped = value in ("d2", "ler")
     layer_ids = sorted(pd.unique(layers["layer"]))
@@ -125,7 +138,7 @@ def layer_heatmap(
         y=layer_ids,
         origin="lower",
         aspect="auto",
-        labels={"x": "example (idx)", "y": "layer", "color": VALUE_LABELS.get(value, value)},
+        labels={"x": "example (idx)", "y": "layer", "color": value_label(value)},
         **colour,
     )
     if value in ("d1", "d2"):
@@ -233,13 +246,28 @@ def layer_heatmap(
     fig.update_xaxes(showgrid=False, zeroline=False)
     fig.update_yaxes(zeroline=False)
     fig.update_layout(
-        title=title or f"{_model_prefix(result)}{VALUE_LABELS.get(value, value)} per layer and example",
         plot_bgcolor="#e5e5e5",
         # Under the x axis: the title and the prompt-type group labels (on the heatmap's top edge) keep the top.
         legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0.0, "xanchor": "left"},
-        margin={"t": 80, "b": 120},
     )
+    scored_tau = result_tau(result, tau) if "ke" in layers.columns else tau
+    set_title(
+        fig,
+        title or f"{_model_prefix(result)}{VALUE_LABELS.get(value, value)} per layer and example",
+        [examples_text(len(order)), f"KE: d1 > {tau_text(scored_tau)}", ORDER_TEXT[sort_by]],
+    )
+    fig.update_layout(margin={"b": 120})
     return fig
+
+
+ORDER_TEXT = {
+    "uds": "examples by UDS_i, lowest first (undefined last)",
+    "d1": "examples by mean d1 over layers, largest first",
+    "prompt_type": "examples grouped by prompt type, then by UDS_i",
+    "idx": "examples by idx",
+    "given": "examples in the order given",
+}
+"""How a heatmap's examples are ordered, as its basis states it (one per ``sort_by``, and ``order=``)."""
 
 
 def _model_prefix(result: Result) -> str:

@@ -27,8 +27,10 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from uds_lens import plotting
+from uds_lens.config import DEFAULT_TAU
+from uds_lens.display import number, split_text
 from uds_lens.files import write_atomic
-from uds_lens.plotting.tables import SavedResult
+from uds_lens.plotting.tables import SavedResult, count_text
 from uds_lens.result_store import DIAGNOSE_FILES, REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
 
@@ -186,11 +188,23 @@ def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) 
         return frame
     frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
     frame["CI 95%"] = [_format_ci(lo, hi) for lo, hi in zip(frame["ci_low"], frame["ci_high"], strict=True)]
-    frame["clipped (d2 > d1)"] = [
+    frame["UDS from clipped cells"] = [
+        split_text(part, share)
+        for part, share in zip(frame["uds_clipped"], frame["uds_clipped_share"], strict=True)
+    ]
+    frame["excess disruption"] = [number(value, 2) for value in frame["excess_disruption"]]
+    frame["examples mostly clipped"] = [
+        results[name].summary.get("n_mostly_clipped") if results[name].result is not None else None
+        for name in frame["model"]
+    ]
+    frame["clipped KE cells (d2 > d1)"] = [
         "–" if pd.isna(share) else f"{share:.0%}" + ("" if pd.isna(ratio) else f" (median d2/d1 {ratio:.2f})")
         for share, ratio in zip(frame["clipped_share"], frame["clipped_median_ratio"], strict=True)
     ]
-    frame = frame.drop(columns=["clipped_share", "clipped_median_ratio"])
+    frame = frame.drop(
+        columns=["clipped_share", "clipped_median_ratio", "uds_unclipped", "uds_clipped", "uds_clipped_share",
+                 "excess_disruption", "tau"]
+    )  # fmt: skip
     seconds = []
     for name in frame["model"]:
         timings = results[name].summary.get("timings") or {}
@@ -376,7 +390,8 @@ def write_report(
         f"{k}={v}" for k, v in settings.items() if v is not None and not isinstance(v, dict | list)
     )
     page.parts.append(
-        f"<p class='meta'>{len(ordered)} models from <code>{html.escape(str(root))}</code> · generated "
+        f"<p class='meta'>{len(ordered)} model{'' if len(ordered) == 1 else 's'} from "
+        f"<code>{html.escape(str(root))}</code> · generated "
         f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
         + (f" · settings: {html.escape(meta)}" if meta else "")
         + "</p>"
@@ -384,8 +399,14 @@ def write_report(
     page.text(
         "UDS measures how deeply forget-set knowledge is erased: each layer of the <b>full</b> model is patched with "
         "the <b>retain</b> model's residual (S1, Δ<sup>S1</sup> = d1) and with the <b>unlearned</b> model's (S2, d2). "
-        "On knowledge-encoding layers (d1 &gt; τ) the layer erasure ratio is LER = clip(d2/d1, 0, 1); UDS<sub>i</sub> is "
-        "their d1-weighted mean. 0 = the knowledge is as recoverable as in <i>full</i>, 1 = as absent as in <i>retain</i>."
+        f"On knowledge-encoding layers (d1 &gt; tau = {html.escape(str(settings.get('tau')))} nats) the layer erasure "
+        "ratio is LER = clip(d2/d1, 0, 1); UDS<sub>i</sub> is their d1-weighted mean. 0 = the knowledge is as "
+        "recoverable as in <i>full</i>, 1 = the unlearned model's layers disrupt the answer at least as much as "
+        "<i>retain</i>'s. A 1 can mean two things: erased like retain (d2 = d1), or damaged (d2 &gt; d1: the clip "
+        "cuts the ratio to 1, and UDS reads a broken hidden state as an erased one). So every UDS below is shown "
+        "split into the part from measured ratios (d2 ≤ d1) and the part from clipped cells (d2 &gt; d1), with the "
+        "<b>excess disruption</b>: sum over KE cells of max(0, d2 − d1) / sum of d1, how far past retain the "
+        "unlearned model disrupts (0 = never, 1 = twice retain's drop)."
     )
 
     if incomplete:
@@ -405,15 +426,26 @@ def write_report(
         page.heading("Models")
         page.table(
             _models_table(with_uds, roles),
-            caption="UDS per model; CI = 95% bootstrap over examples. Clipped: the share of KE cells where the "
-            "unlearned model's patch hurts the full model more than retain's (d2 > d1); LER clips them to 1, so "
-            "UDS reads over-disruption as erasure.",
+            caption="UDS per model; CI = 95% bootstrap over examples. UDS from clipped cells: the part of UDS from "
+            "KE cells where the unlearned model's patch hurts the full model more than retain's (d2 > d1, LER "
+            "clipped to 1), with its share of UDS; the rest comes from measured ratios (d2 ≤ d1). Excess "
+            "disruption: sum over KE cells of max(0, d2 − d1) / sum of d1, mean over examples. Examples mostly "
+            "clipped: those whose UDS_i rests more than half on clipped cells. Clipped KE cells: their share of "
+            "all KE cells.",
         )
+        table = plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
         page.figure(
-            plotting.uds_bar(
-                plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
-            )
+            plotting.uds_bar(table),
+            caption="The headline: each bar is UDS, its plain part from measured erasure ratios (d2 ≤ d1), its "
+            "hatched part from clipped cells (d2 > d1: the unlearned activation disrupts more than retain's, "
+            "counted as erased); the percentage above a bar is the hatched part's share of its UDS.",
         )
+        if table["excess_disruption"].notna().any():
+            page.figure(
+                plotting.depth_vs_damage(table),
+                caption="Depth vs damage: a method that erases like retain sits top left (UDS near 1, excess "
+                "near 0); one whose UDS comes from breaking the hidden state sits to the right.",
+            )
     if scored:
         page.figure(plotting.uds_distribution(scored, kind="violin"))
     if with_layers:
@@ -424,7 +456,8 @@ def write_report(
         page.figure(
             plotting.stage_curves(audited, band=band),
             caption="Mean patching delta per layer over scored examples; S1 (retain as source) is shared by all "
-            "models, S2 has one curve per model." + (" Bands: ±1 std over examples." if band else ""),
+            "models, S2 has one curve per model."
+            + (" Bands: ±1 std over examples, S1's plain, S2's hatched." if band else ""),
         )
         name, reference = next(iter(with_layers.items()))
         page.figure(
@@ -437,12 +470,17 @@ def write_report(
         page.heading("Per model", level=2)
         for name, result in audited.items():
             role = roles.get(name)
-            clipped = result.result.clipped["clipped_share"] if result.result is not None else float("nan")
+            summary = result.summary
             page.heading(
                 f"{name}"
                 + (f" ({role})" if role else "")
                 + f" · UDS {result.uds:.3f}"
-                + ("" if pd.isna(clipped) else f" · {clipped:.0%} of KE cells clipped"),
+                + (
+                    f" · from clipped cells {split_text(summary['uds_clipped'], summary['uds_clipped_share'])}"
+                    f" · excess disruption {number(summary['excess_disruption'], 2)}"
+                    if summary.get("uds_clipped") is not None
+                    else ""
+                ),
                 level=3,
             )
             page.figure(
@@ -465,12 +503,28 @@ def write_report(
     return out
 
 
+def _n_examples(results: Mapping[str, SavedResult]) -> str | None:
+    """The scored examples of the results (their range when they differ), for figures whose tables lack them."""
+    counts = [r.summary["n_scored"] for r in results.values() if r.result is not None]
+    return count_text(counts) if counts else None
+
+
+def _tau(results: Mapping[str, SavedResult]) -> float:
+    """The KE threshold of the first result that records one (diagnose scores every model with one tau)."""
+    for result in results.values():
+        tau = (result.summary.get("settings") or {}).get("tau")
+        if tau is not None:
+            return float(tau)
+    return DEFAULT_TAU
+
+
 def _diagnostics_sections(
     page: _Page, root: Path, results: Mapping[str, SavedResult], with_layers: Mapping[str, SavedResult]
 ) -> None:
     """Sections from `diagnose` outputs, each only when its files exist."""
     prompt_types = _read_csv(root / "prompt_types.csv")
     tau = _read_csv(root / "tau_sensitivity.csv")
+    clipped = _read_csv(root / "clipped_examples.csv")
     scores = _scores_table(results)
     components = {
         n: r.components for n, r in results.items() if r.components is not None and not r.components.empty
@@ -493,7 +547,8 @@ def _diagnostics_sections(
         source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
         if isinstance(source, pd.DataFrame) or source:
             page.figure(
-                plotting.prompt_type_bar(source), caption="Mean UDS per prompt type (the paper's Table 5)."
+                plotting.prompt_type_bar(source, tau=_tau(results)),
+                caption="Mean UDS per prompt type (the paper's Table 5).",
             )
         if prompt_types is not None:
             page.table(
@@ -502,7 +557,7 @@ def _diagnostics_sections(
     if tau is not None:
         page.heading("τ sensitivity", level=3)
         if {"tau", "uds"} <= set(tau.columns):
-            page.figure(plotting.tau_curves(tau))
+            page.figure(plotting.tau_curves(tau, n_examples=_n_examples(results)))
         page.table(
             _wide(tau, "tau", "uds", ("ke_mean", "n_no_ke", "spearman")),
             caption="tau_sensitivity.csv: model UDS under each τ, mean KE-set size, examples without a KE layer, "
@@ -512,6 +567,15 @@ def _diagnostics_sections(
         page.heading("Other metrics", level=3)
         page.table(
             scores, caption="scores.json of each model (every white-box score: 1 = erased like retain)"
+        )
+    if clipped is not None and not clipped.empty:
+        page.heading("Examples whose UDS rests on clipped cells", level=3)
+        page.table(
+            clipped.drop(columns=[c for c in ("question",) if c in clipped.columns]),
+            caption="clipped_examples.csv: the examples whose UDS_i comes more than half from clipped KE cells "
+            "(d2 > d1): there the unlearned model disrupts the full model's answer more than retain does, so their "
+            "score says damage, not erasure like retain.",
+            max_rows=60,
         )
     if layerwise:
         lens_pair = {
@@ -529,7 +593,9 @@ def _diagnostics_sections(
             )  # fmt: skip
         page.heading("Every method per layer", level=3)
         try:
-            page.figure(plotting.layerwise_methods(layerwise))
+            page.figure(
+                plotting.layerwise_methods(layerwise, n_examples=_n_examples(results), tau=_tau(results))
+            )
         except ValueError as error:
             logger.warning("layerwise.csv not plotted: %s", error)
     if components:
@@ -538,7 +604,9 @@ def _diagnostics_sections(
         name, table = next(iter(components.items()))
         try:
             page.figure(
-                plotting.component_patching(table, stage="d1"),
+                plotting.component_patching(
+                    table, stage="d1", tau=_tau(results), n_examples=_n_examples(results)
+                ),
                 caption="Mean S1 delta (retain → full) per layer when patching each site (the paper's appendix D.1): "
                 "the site with the largest delta carries the forget-set knowledge.",
             )

@@ -25,6 +25,9 @@ S1_COLOUR = "#444444"
 DELTA_SCALE = "RdBu"
 STAGE_DASH = {"d1": "solid", "d2": "dash"}
 REFERENCE_LINE = {"color": "grey", "dash": "dot", "width": 1}
+BAND_HATCH = {"shape": "/", "solidity": 0.25, "size": 7}
+"""The fill of a dashed (S2) curve's band: hatched in its colour, so where it overlaps the solid curve's plain band
+both stay readable (two translucent fills of one hue blend into one colour)."""
 KE_BAND = "rgba(255, 190, 0, 0.16)"
 LER_SCALE = "Viridis"
 VALUE_LABELS = {
@@ -36,6 +39,72 @@ VALUE_LABELS = {
     "s0": "S0 (clean full)",
     "baseline_score": "baseline (unpatched)",
 }
+VALUE_UNITS = {
+    "d1": "nats",
+    "d2": "nats",
+    "ler": "ratio, 0–1",
+    "uds": "0–1",
+    "component_uds": "0–1",
+    "s1_score": "nats",
+    "s2_score": "nats",
+    "s0": "nats",
+    "baseline_score": "nats",
+}
+"""The unit of each value a colour bar or an axis shows (log-probs and their drops in nats, ratios on 0-1)."""
+TITLE_WIDTH = 60
+"""Characters per title line: a title wrapped at this width fits a notebook column and the docs column (about
+700 px at plotly's 17 px title font); the smaller basis lines under it wrap at half again as many."""
+
+
+def value_label(value: str) -> str:
+    """A value's label with its unit, for colour bars and axes: ``"Δ<sup>S1</sup> (retain → full), nats"``."""
+    label = VALUE_LABELS.get(value, value.replace("_", " "))
+    unit = VALUE_UNITS.get(value)
+    return f"{label}<br>[{unit}]" if unit else label
+
+
+def tau_text(tau: float | None) -> str:
+    """``"tau = 0.05 nats"``: a KE threshold with its value and unit, as every figure's basis names it."""
+    return "tau: –" if tau is None else f"tau = {tau:g} nats"
+
+
+def examples_text(n_examples: int | str) -> str:
+    """``"n = 24 examples"`` (``"n = 1 example"``); a string (``"24-29"``, per-model counts) is shown as given."""
+    return f"n = {n_examples} example{'' if n_examples == 1 else 's'}"
+
+
+def wrap_words(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken between words only (never inside one: a title cut
+    mid-word by the plot's edge is what this avoids); a word longer than ``width`` gets a line of its own."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def set_title(fig: go.Figure, title: str, basis: Iterable[str] = (), width: int = TITLE_WIDTH) -> go.Figure:
+    """Give ``fig`` its title and, under it in smaller type, what it rests on (``basis``: "n = 24 examples",
+    "tau = 0.05 nats", the order of the examples ...), each wrapped between words to fit a notebook or docs column.
+
+    The top margin grows with the number of lines so the title never runs into the plot. A caller's own title
+    still gets the basis: a figure always says what it rests on.
+    """
+    lines = [line for part in title.split("<br>") for line in wrap_words(part, width)]
+    small: list[str] = []
+    for part in (part for part in basis if part):  # a fact starts a new line rather than break across two
+        if small and len(small[-1]) + 3 + len(part) <= int(width * 1.5):
+            small[-1] += " · " + part
+        else:
+            small += wrap_words(part, int(width * 1.5))
+    text = "<br>".join(lines + [f"<sup>{line}</sup>" for line in small])
+    fig.update_layout(
+        title={"text": text, "x": 0.01, "xanchor": "left"},
+        margin={"t": 36 + 24 * len(lines) + 16 * len(small)},
+    )
+    return fig
 
 
 REFERENCE_COLOURS = {"full": "#1a1a1a", "retain": "#9a9a9a"}
@@ -80,7 +149,7 @@ def set_model_colours(colours: dict[str, str] | None = None, order: Iterable[str
     return dict(_MODEL_COLOURS)
 
 
-def _rgba(hex_colour: str, alpha: float) -> str:
+def rgba(hex_colour: str, alpha: float) -> str:
     """``#rrggbb`` as a translucent ``rgba(...)`` (band fills)."""
     red, green, blue = (int(hex_colour.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4))
     return f"rgba({red},{green},{blue},{alpha})"
@@ -114,23 +183,42 @@ def layer_band(frame: pd.DataFrame, column: str, kind: str | None) -> tuple[pd.S
     raise ValueError(f"band must be 'std', 'sem', 'ci95' or None, got {kind!r}")
 
 
-def _add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, name: str, **cell: Any) -> None:
-    """Shade ``mean ± half`` behind the curve ``name`` (same legend group, so toggling the curve toggles it)."""
+def _add_band(
+    fig: go.Figure,
+    x: Any,
+    mean: Any,
+    half: Any,
+    line_colour: str,
+    name: str,
+    hatched: bool = False,
+    **cell: Any,
+) -> None:
+    """Shade ``mean ± half`` behind the curve ``name`` (same legend group, so toggling the curve toggles it):
+    plain and translucent, or ``hatched`` (`BAND_HATCH`, edged by thin
+    dashed lines) for a dashed curve's band, so two bands stay apart where they overlap."""
     x = list(x)
     upper = list(np.asarray(mean) + np.asarray(half))
     lower = list(np.asarray(mean) - np.asarray(half))
+    fill: dict[str, Any] = (
+        {
+            "fillcolor": "rgba(0,0,0,0)",
+            "fillpattern": {**BAND_HATCH, "fgcolor": rgba(line_colour, 0.55)},
+            "line": {"width": 0.8, "dash": "dot", "color": rgba(line_colour, 0.6)},
+        }
+        if hatched
+        else {"fillcolor": rgba(line_colour, 0.18), "line": {"width": 0}}
+    )
     fig.add_trace(
         go.Scatter(
             x=x + x[::-1],
             y=upper + lower[::-1],
             mode="lines",
             fill="toself",
-            fillcolor=_rgba(line_colour, 0.18),
-            line={"width": 0},
             hoverinfo="skip",
             showlegend=False,
             legendgroup=name,
             name=f"{name} band",
+            **fill,
         ),
         **cell,
     )
@@ -139,9 +227,10 @@ def _add_band(fig: go.Figure, x: Any, mean: Any, half: Any, line_colour: str, na
 def add_curve(
     fig: go.Figure, x: Any, y: Any, name: str, line_colour: str, dash: str, half: Any = None, **cell: Any
 ) -> None:
-    """One per-layer curve (lines and markers) and, when ``half`` is given, its ``y ± half`` band behind it."""
+    """One per-layer curve (lines and markers) and, when ``half`` is given, its ``y ± half`` band behind it (hatched
+    for a dashed curve: see ``_add_band``)."""
     if half is not None:
-        _add_band(fig, x, y, half, line_colour, name, **cell)
+        _add_band(fig, x, y, half, line_colour, name, hatched=dash != "solid", **cell)
     fig.add_trace(
         go.Scatter(
             x=x,

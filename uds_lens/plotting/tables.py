@@ -16,13 +16,14 @@ Nothing here computes UDS: KE masks come from the table's ``ke`` column or [`uds
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import pandas as pd
 
+from uds_lens.plotting.style import tau_text
 from uds_lens.uds import ke_mask
 
 if TYPE_CHECKING:  # figures read results by attribute; the result classes import plotting when they draw
@@ -139,6 +140,34 @@ def long_by_model(tables: Results, attribute: str = "layers") -> pd.DataFrame:
     if not frames:
         raise ValueError("no results given")
     return pd.concat(frames, ignore_index=True)
+
+
+def result_tau(result: Any, default: float) -> float:
+    """The KE threshold a result was scored with (its ``settings``, or its summary's), else ``default``: the tau a
+    figure of its ``ke`` column rests on, whatever tau the figure was called with."""
+    settings = getattr(result, "settings", None)
+    if not isinstance(settings, Mapping):
+        summary = getattr(result, "summary", None)
+        settings = summary.get("settings") if isinstance(summary, Mapping) else None
+    tau = settings.get("tau") if isinstance(settings, Mapping) else None
+    return default if tau is None else float(tau)
+
+
+def count_text(counts: Iterable[Any]) -> str:
+    """One count, or the range of several (``"24"``, ``"24–29"``): the n of a figure over several models."""
+    values = sorted({int(count) for count in counts})
+    if not values:
+        return "0"
+    return str(values[0]) if len(values) == 1 else f"{values[0]}–{values[-1]}"
+
+
+def tau_of(results: Mapping[str, Any], default: float) -> str:
+    """The tau of several results as a figure's basis names it: ``"tau = 0.05 nats"``, or each one's when they
+    differ."""
+    taus = {name: result_tau(result, default) for name, result in results.items()}
+    if len(set(taus.values())) <= 1:
+        return tau_text(next(iter(taus.values()), default))
+    return "tau = " + ", ".join(f"{tau:g} ({name})" for name, tau in taus.items()) + " nats"
 
 
 def ke_cells(layers: pd.DataFrame, tau: float) -> pd.Series:

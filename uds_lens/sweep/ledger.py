@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 # its result and the table. Each is a column ``{phase}_seconds``.
 PHASES = ("resolve", "hash", "load", "to_device", "source_forward", "s2", "write")
 PHASE_COLUMNS = [f"{phase}_seconds" for phase in PHASES]
-# sweep.csv, one row per model: status is scored | reused | failed | pending; uds, ci_low/ci_high (bootstrap 95%) and
-# the example counts come from the model's summary; the phase columns (PHASES) time the model's work, wherever it ran
+# sweep.csv, one row per model: status is scored | reused | failed | pending; uds, ci_low/ci_high (bootstrap 95%),
+# uds_clipped (the part of UDS from clipped KE cells, d2 > d1), excess_disruption (how far past retain the model
+# disrupts: UDSResult.split) and the example counts come from the model's summary; the phase columns (PHASES) time
+# the model's work, wherever it ran
 # (in-process, resolve/hash/load run on the staging thread while the previous model computes); wait_seconds is how
 # long the worker then still waited for them, and seconds the model's wall time on the worker's critical path
 # (wait + to_device + s2 + write and the small rest: the result's assembly); with nothing prefetched, seconds is
@@ -46,6 +48,8 @@ COLUMNS = [
     "uds",
     "ci_low",
     "ci_high",
+    "uds_clipped",
+    "excess_disruption",
     "n_scored",
     "n_no_ke",
     "n_skipped",
@@ -220,6 +224,8 @@ class Ledger:
             uds=summary["uds"],
             ci_low=summary["ci95"][0],
             ci_high=summary["ci95"][1],
+            uds_clipped=summary["uds_clipped"],
+            excess_disruption=summary["excess_disruption"],
             n_scored=summary["n_scored"],
             n_no_ke=summary["n_no_ke"],
             n_skipped=summary["n_skipped"],

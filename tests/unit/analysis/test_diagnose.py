@@ -48,6 +48,16 @@ def test_diagnose_writes_the_files(trio, tmp_path):
     tau_table = pd.read_csv(tmp_path / "tau_sensitivity.csv")
     assert set(tau_table["model"]) == set(unlearned)
     assert (tau_table.loc[tau_table["tau"] == 0.05, "spearman"] == 1.0).all()
+    # the examples whose UDS rests mostly on clipped cells, every model's, as each result lists them
+    clipped = pd.read_csv(tmp_path / "clipped_examples.csv")
+    for name, uds_result in result.uds_results.items():
+        listed = clipped.loc[clipped["model"] == name, "idx"].tolist()
+        assert listed == uds_result.mostly_clipped_examples()["idx"].tolist()
+        assert (clipped["uds_clipped"] > clipped["uds_unclipped"]).all()
+    assert "retain" not in set(
+        clipped["model"]
+    )  # retain as its own unlearned model: d2 == d1, nothing clipped
+    assert [line.split(":")[0] for line in result.clipped_lines()] == list(unlearned)
 
 
 def test_diagnose_rejects_unknown_methods(trio, tmp_path):

@@ -72,3 +72,18 @@ def test_nf4_weights_are_the_rounded_originals_after_a_forward_pass(tiny):
             assert float((got - rounded).norm() / weight.norm()) < 0.02, (
                 name
             )  # to exactly that, not a repacked layout
+
+
+def test_the_split_columns_come_from_the_one_scoring_of_uds(scorers, tiny, monkeypatch):
+    """metrics.csv carries uds_clipped and excess_disruption beside uds, read from the same UDSResult: the parts
+    add up to the UDS the table shows, and the model is not scored again for them."""
+    from uds_lens.meta_eval.scorers import SPLIT_COLUMNS
+
+    fns = scorers.split_fns()
+    assert set(fns) == set(SPLIT_COLUMNS) == {"uds_clipped", "excess_disruption"}
+    uds = scorers.uds(tiny.unlearned)
+    monkeypatch.setattr(scorers.auditor, "score", lambda model: pytest.fail("scored twice"))
+    result = scorers._result(tiny.unlearned)
+    assert fns["uds_clipped"](tiny.unlearned) == result.split["uds_clipped"]
+    assert result.split["uds_unclipped"] + fns["uds_clipped"](tiny.unlearned) == pytest.approx(uds, abs=1e-12)
+    assert fns["excess_disruption"](tiny.unlearned) >= 0.0

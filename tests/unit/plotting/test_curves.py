@@ -34,7 +34,7 @@ def test_stage_curves_overlay_shares_s1(results):
 
 def test_stage_curves_scores(result):
     fig = plotting.stage_curves(result, quantity="score")
-    assert fig.layout.yaxis.title.text == "mean entity log-prob"
+    assert fig.layout.yaxis.title.text == "mean entity log-prob (nats)"
     assert any(shape.type == "line" for shape in fig.layout.shapes)  # the clean full score
 
 
@@ -113,3 +113,41 @@ def test_example_curves_band_title_and_tau(result):
     assert "undefined" in no_ke.layout.title.text
     with pytest.raises(ValueError, match="example 11"):
         plotting.example_curves(result, 11)  # skipped: no layer rows
+
+
+def test_stage_curves_state_their_basis_and_keep_both_bands_readable(result):
+    """n and tau in the title, tau drawn; S1's band plain, S2's hatched, so where they overlap both stay visible
+    (two translucent fills of one hue blended into one colour)."""
+    fig = plotting.stage_curves(result)
+    scored = int((result.examples["status"] == "scored").sum())
+    assert f"n = {scored} examples" in fig.layout.title.text and "tau = 0.05 nats" in fig.layout.title.text
+    bands = [t for t in fig.data if t.fill == "toself"]
+    assert not bands[0].fillpattern.shape and bands[1].fillpattern.shape == "/"
+    assert any(a.text.startswith("tau = 0.05 nats") for a in fig.layout.annotations)
+
+
+def test_example_title_fits_a_column_and_names_its_basis(result):
+    """Every title line fits the docs column (wrapped between words, never cut inside one), and the figure says it
+    rests on one example at tau = 0.05 nats."""
+    import re
+
+    from uds_lens.plotting.style import TITLE_WIDTH
+
+    fig = plotting.example_curves(result, 3)
+    title = fig.layout.title.text
+    assert "n = 1 example" in title and "tau = 0.05 nats" in title
+    for line in title.split("<br>"):
+        text = re.sub(r"<[^>]+>", "", line)
+        limit = TITLE_WIDTH if not line.startswith("<sup>") else int(1.5 * TITLE_WIDTH)
+        assert len(text) <= limit, line
+    question = result.examples.set_index("idx").loc[3, "question"]
+    assert question in re.sub(r"<[^>]+>", "", title.replace("<br>", " "))
+
+
+def test_wrap_words_breaks_between_words_only():
+    from uds_lens.plotting.style import wrap_words
+
+    text = "npo: example 12: UDS = 1.000 from 4 of 4 KE layers clipped (the unlearned patch hurts more)"
+    lines = wrap_words(text, 30)
+    assert " ".join(lines) == text and all(len(line) <= 30 for line in lines)
+    assert wrap_words("a-very-long-single-token", 5) == ["a-very-long-single-token"]

@@ -160,3 +160,16 @@ def test_heatmap_picks_one_site():
     assert np.nanmax(z_attn) < np.nanmax(z_post)
     with pytest.raises(ValueError, match="site"):
         plotting.layer_heatmap(result, site="mlp_out")
+
+
+@pytest.mark.parametrize(
+    "sort_by, order", [("d1", "by mean d1 over layers, largest first"), ("uds", "by UDS_i, lowest first")]
+)
+def test_the_heatmap_states_n_tau_its_order_and_its_unit(result, sort_by, order):
+    fig = plotting.layer_heatmap(result, value="d1", sort_by=sort_by, title="my own title")
+    title = fig.layout.title.text
+    n_examples = result.layers["idx"].nunique()
+    assert title.startswith("my own title") and f"n = {n_examples} examples" in title
+    assert "tau = 0.05 nats" in title and order in title
+    assert "nats" in fig.layout.coloraxis.colorbar.title.text
+    assert "0–1" in plotting.layer_heatmap(result, value="ler").layout.coloraxis.colorbar.title.text

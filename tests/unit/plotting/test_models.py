@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pandas as pd
@@ -20,25 +21,76 @@ def test_uds_distribution(results, kind, trace_type):
     assert len(values) == results["npo"].examples["uds"].notna().sum()
 
 
+def _ci_trace(fig):
+    return next(trace for trace in fig.data if trace.type == "scatter")
+
+
 def test_uds_bar_has_ci_error_bars(results):
     fig = plotting.uds_bar(results)
-    bar = fig.data[0]
-    assert bar.type == "bar" and list(bar.x) == list(results)
+    ci = _ci_trace(fig)
+    assert list(ci.x) == list(results)
     summary = results["npo"].summary
-    assert bar.y[1] == pytest.approx(summary["uds"])
-    assert bar.error_y.array[1] == pytest.approx(summary["ci95"][1] - summary["uds"])
-    assert bar.error_y.arrayminus[1] == pytest.approx(summary["uds"] - summary["ci95"][0])
+    assert ci.y[1] == pytest.approx(summary["uds"])
+    assert ci.error_y.array[1] == pytest.approx(summary["ci95"][1] - summary["uds"])
+    assert ci.error_y.arrayminus[1] == pytest.approx(summary["uds"] - summary["ci95"][0])
 
 
 def test_uds_bar_by_role(results):
     fig = plotting.uds_bar(results, roles={"full": "full", "npo": "unlearned", "retain": "retain"})
     bars = fig.data[0]
     assert list(bars.x) == list(results)
-    low, high, role = bars.customdata[1]
-    assert (
-        (low, high) == pytest.approx(results["npo"].ci95) and low < bars.y[1] < high and role == "unlearned"
-    )
+    uds, low, high, *_, role = bars.customdata[1]
+    assert (low, high) == pytest.approx(results["npo"].ci95) and low < uds < high and role == "unlearned"
     assert list(bars.marker.color) == [plotting.model_colour(name) for name in results]
+
+
+def test_uds_bar_splits_each_bar_into_its_measured_and_clipped_parts(results):
+    """The bar of a model whose patches disrupt twice as much as retain's is all hatched (its UDS rests on clipped
+    cells), a model that erases part of the fact (d2 = 0.4 d1) plain: the two parts stack to UDS, and each bar is
+    labelled with its clipped share."""
+    models = {**results, "damaged": make_result("damaged", erasure=2.0)}
+    fig = plotting.uds_bar(models)
+    measured, clipped = fig.data[0], fig.data[1]
+    assert measured.type == clipped.type == "bar" and fig.layout.barmode == "stack"
+    assert clipped.marker.pattern.shape == "/" and not measured.marker.pattern.shape
+    for position, name in enumerate(models):
+        split = models[name].split
+        assert measured.y[position] + clipped.y[position] == pytest.approx(models[name].uds, abs=1e-12)
+        assert clipped.y[position] == pytest.approx(split["uds_clipped"], abs=1e-12)
+    assert clipped.y[3] > 0.9 and clipped.y[1] < 0.01  # damaged vs npo
+    shares = {a.x: a.text for a in fig.layout.annotations}
+    assert (
+        shares["damaged"] == f"{models['damaged'].split['uds_clipped_share']:.0%}" and shares["npo"] == "0%"
+    )
+
+
+def test_depth_vs_damage_sets_a_damaging_model_apart_from_retain(results):
+    models = {**results, "damaged": make_result("damaged", erasure=2.0)}
+    fig = plotting.depth_vs_damage(models)
+    points = fig.data[0]
+    place = {name: (x, y) for name, x, y in zip(points.text, points.x, points.y, strict=True)}
+    assert place["full"] == pytest.approx((0.0, 0.0), abs=0.02) and place["npo"][0] < 0.01
+    # the synthetic retain is retain plus noise: UDS about 1 with a little excess, far from the damaged model's
+    x, y = place["damaged"]
+    assert y > 0.9 and x == pytest.approx(models["damaged"].split["excess_disruption"]) and x > 0.5
+    assert place["retain"][1] > 0.9 and place["retain"][0] < 0.1
+    with pytest.raises(ValueError, match="excess_disruption"):
+        plotting.depth_vs_damage(pd.DataFrame({"model": ["a"], "uds": [0.5]}))
+
+
+def test_every_model_figure_states_n_and_tau(results):
+    """A figure says what it rests on: the number of examples and tau with its value and unit."""
+    figures = {
+        "uds_bar": plotting.uds_bar(results),
+        "depth_vs_damage": plotting.depth_vs_damage(results),
+        "uds_distribution": plotting.uds_distribution(results),
+        "prompt_type_bar": plotting.prompt_type_bar(results),
+        "rmu_layer_profile": plotting.rmu_layer_profile(results),
+    }
+    for name, fig in figures.items():
+        title = fig.layout.title.text
+        # 10 scored examples; the layer profile counts the 11 with layer rows (one has no KE layer)
+        assert re.search(r"n = 1[01] examples", title) and "tau = 0.05 nats" in title, (name, title)
 
 
 def test_one_colour_per_model_whatever_the_figure_or_order(results):

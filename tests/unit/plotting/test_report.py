@@ -184,3 +184,25 @@ def test_incomplete_result_directories_are_marked_not_included(tiny, tmp_path):
     assert "Incomplete results (not shown)" in page
     for name in ("torn", "mixed", "partial"):
         assert f"<code>{name}</code>" in page
+
+
+def test_the_report_says_where_each_uds_comes_from(tmp_path):
+    """One model that erases, one that damages: the models table carries the part of UDS from clipped cells and
+    the excess disruption, the headline chart hatches the clipped part, the depth-vs-damage view is drawn, and
+    a page of one model says "1 model"."""
+    root = tmp_path / "results"
+    make_result("npo", 0.4, n_examples=10, n_layers=5).save(root / "npo")
+    make_result("damaged", 2.0, n_examples=10, n_layers=5).save(root / "damaged")
+    page = write_report(root).read_text()
+    models = _first_table(page).set_index("model")
+    assert {"UDS from clipped cells", "excess disruption", "examples mostly clipped"} <= set(models.columns)
+    assert models.loc["damaged", "UDS from clipped cells"].endswith("of UDS)")
+    assert (
+        float(models.loc["damaged", "excess disruption"])
+        > 0.5
+        > float(models.loc["npo", "excess disruption"])
+    )
+    assert '"shape":"\\u002f"' in page or '"shape":"/"' in page  # the hatched (clipped) part of the bars
+    assert "Depth vs damage" in page and "tau = 0.05 nats" in page and "2 models from" in page
+    shutil.rmtree(root / "damaged")
+    assert "1 model from" in write_report(root).read_text()
