@@ -55,7 +55,7 @@ from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
 from uds_lens.resolve import model_name
 from uds_lens.sources import as_source, hook_name
-from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result
+from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result, check_unhooked
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +473,10 @@ def _stage_scores(
     store = auditor.component_cache if role == "retain" else None
     if store is not None and key in store:
         return store[key]
-    scores = compute(_hooked_source(auditor, source), stage)
+    hooked = _hooked_source(auditor, source)
+    check_unhooked(auditor.full, "full")  # a hook of one's own left on a model would change every score
+    check_unhooked(hooked, role)
+    scores = compute(hooked, stage)
     if store is not None:
         store[key] = scores
     return scores
