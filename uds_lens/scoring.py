@@ -15,7 +15,7 @@ from pathlib import Path
 from uds_lens.auditor import UDSAuditor
 from uds_lens.compatibility import check_checkpoints
 from uds_lens.config import ConfigError, UDSConfig, as_config, check_positive_int
-from uds_lens.data import load_examples
+from uds_lens.data import check_data_source, load_examples
 from uds_lens.files import os_error_line
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
@@ -136,8 +136,9 @@ def score_models(
         results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """
 
-    config = as_config(config)
-    s1_cache_dir(cache_dir)  # a wrong type is refused before anything is read
+    config = as_config(config)  # wrong types are refused before anything is read
+    check_data_source(data)
+    s1_cache_dir(cache_dir)
     items = (
         list(unlearned.items())
         if isinstance(unlearned, dict)
