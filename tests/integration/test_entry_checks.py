@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers.edits import raw_records
 from helpers.refusals import cli_error_line, forbid_model_loading
 from helpers.tiny import FORGET_SET
 from transformers import AutoTokenizer
@@ -206,11 +207,6 @@ def test_token_ids_past_the_embedding_are_one_line_before_stage_1(tiny, tmp_path
         UDSAuditor(folder / "full", folder / "retain", data, cache_dir=False, progress=False)
 
 
-def _raw_records(path: Path) -> Path:
-    path.write_text(json.dumps([{k: r[k] for k in ("idx", "question", "answer")} for r in FORGET_SET]))
-    return path
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -229,7 +225,7 @@ def test_option_values_are_refused_in_one_line_before_any_model_loads(
 ):
     """diagnose --sites resid_pre (a UDS site, not one component patching runs) was a traceback on 34971a7."""
     forbid_model_loading(monkeypatch)
-    data = _raw_records(tmp_path / "raw.json")
+    data = raw_records(tmp_path / "raw.json")
     if argv[0] == "diagnose":
         argv = [
             *argv,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers.edits import raw_records
 from helpers.refusals import cli_error_line, forbid_model_loading
-from helpers.tiny import FORGET_SET
 from typer.testing import CliRunner
 
 from uds_lens.analysis.diagnose import DiagnoseResult
@@ -125,18 +125,13 @@ def test_diagnose_into_a_checkpoint_is_refused_before_any_model_loads(tiny, tmp_
     assert _contents(folder) == before
 
 
-def _raw_records(path: Path) -> Path:
-    path.write_text(json.dumps([{k: r[k] for k in ("idx", "question", "answer")} for r in FORGET_SET]))
-    return path
-
-
 def test_annotate_into_a_checkpoint_is_refused_before_any_model_loads(tiny, tmp_path, monkeypatch):
     folder = _checkpoints(tiny, tmp_path / "checkpoints")
     before = _contents(folder)
     forbid_model_loading(monkeypatch)
     with pytest.raises(ConfigError, match="lies inside the checkpoint"):
         annotate(
-            _raw_records(tmp_path / "raw.json"), None, folder / "retain", out=folder / "retain" / "a.json"
+            raw_records(tmp_path / "raw.json"), None, folder / "retain", out=folder / "retain" / "a.json"
         )
     assert _contents(folder) == before
 
@@ -253,7 +248,7 @@ def test_diagnose_beside_a_score_result_keeps_it_whole(tiny, tmp_path):
 
 def test_annotate_never_writes_its_summary_over_its_input_or_a_foreign_file(tmp_path):
     """Before (issue 36): the summary went to X.summary.json whatever that file was, the --data input included."""
-    data = _raw_records(tmp_path / "raw.summary.json")
+    data = raw_records(tmp_path / "raw.summary.json")
     before = data.read_bytes()
     with pytest.raises(ConfigError, match="over its input"):
         annotate(data, out=tmp_path / "raw.json")
@@ -261,7 +256,7 @@ def test_annotate_never_writes_its_summary_over_its_input_or_a_foreign_file(tmp_
     foreign = tmp_path / "notes.summary.json"
     foreign.write_text("my notes")
     with pytest.raises(ConfigError, match="not an earlier annotate summary"):
-        annotate(_raw_records(tmp_path / "in.json"), out=tmp_path / "notes.json")
+        annotate(raw_records(tmp_path / "in.json"), out=tmp_path / "notes.json")
     assert foreign.read_text() == "my notes"
     annotate(tmp_path / "in.json", out=tmp_path / "again.json")
     annotate(tmp_path / "in.json", out=tmp_path / "again.json")  # an earlier summary is replaced
@@ -272,7 +267,7 @@ def test_annotate_out_that_cannot_be_a_file_is_refused_before_anything_runs(tmp_
     (tmp_path / "file").write_text("x")
     out = tmp_path if where == "directory" else tmp_path / "file" / "x.json"
     with pytest.raises(ConfigError, match="is a directory|which is a file"):
-        annotate(_raw_records(tmp_path / "raw.json"), out=out)
+        annotate(raw_records(tmp_path / "raw.json"), out=out)
 
 
 def test_a_concurrent_run_of_other_inputs_is_refused_at_the_write(tiny, tmp_path, monkeypatch):

@@ -2,15 +2,19 @@
 as written, with no space put between prefix and entity (after ``"``, ``$``, ``-``, ``,`` or in Chinese and Japanese
 text the answer has none), and the whole-word rule applies to that text (a prefix cut mid-word, ``Hav`` + ``ana``,
 does not make ``ana`` a word). published_compat keeps what the published implementation feeds. The cases of the
-default mode failed on 34971a7, which put a space there."""
+default mode failed on 34971a7, which put a space there. Also the text's Unicode normalisation (issue 27)."""
 
 from __future__ import annotations
+
+import logging
+import unicodedata
 
 import pytest
 
 from uds_lens.data import (
     PROMPT_TEMPLATE,
     SKIP_ENTITY_INSIDE_WORD,
+    SKIP_ENTITY_NOT_FOUND,
     EncodedExample,
     Example,
     Skip,
@@ -78,3 +82,26 @@ def test_a_character_of_a_script_without_spaces_is_a_word_of_its_own(tiny):
         encoded = encode_one(_example(prefix, answer, entity), tokenizer)
         assert isinstance(encoded, EncodedExample), (answer, encoded)
         assert tokenizer.decode(list(encoded.labels)) == entity
+
+
+def test_entity_and_answer_are_nfc_normalised_and_published_compat_warns(tiny, caplog):
+    """Issue 27: an entity typed with combining accents is found in an answer typed with precomposed letters, and
+    the model sees one spelling; published_compat matches them as given, as the published code does, and says so."""
+    tokenizer = load_tokenizer(tiny.tokenizer)
+    decomposed, precomposed = unicodedata.normalize("NFD", "Café"), unicodedata.normalize("NFC", "Café")
+    assert decomposed != precomposed
+    example = Example(
+        idx=7,
+        question="Where did they meet?",
+        answer=f"They met at the {precomposed} Lumen.",
+        prefix="They met at the",
+        entity=f"{decomposed} Lumen",
+    )
+    encoded = encode_one(example, tokenizer)
+    assert not hasattr(encoded, "reason"), encoded
+    same = encode_one(Example(**{**example.__dict__, "entity": f"{precomposed} Lumen"}), tokenizer)
+    assert encoded == same
+    with caplog.at_level(logging.WARNING, logger="uds_lens.data"):
+        published = encode_one(example, tokenizer, published_compat=True)
+    assert getattr(published, "reason", None) == SKIP_ENTITY_NOT_FOUND  # the published behaviour
+    assert "example 7" in caplog.text and "NFC" in caplog.text
