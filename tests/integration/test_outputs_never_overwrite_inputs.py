@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 from helpers.edits import raw_records
 from helpers.refusals import cli_error_line, forbid_model_loading
+from helpers.tiny import FORGET_SET
 from typer.testing import CliRunner
 
 from uds_lens.analysis.diagnose import DiagnoseResult
@@ -290,3 +291,18 @@ def test_a_concurrent_run_of_other_inputs_is_refused_at_the_write(tiny, tmp_path
         score_models(tiny.full, tiny.retain, {"u": tiny.retain}, tiny.data, out_dir=out, cache_dir=cache,
                      progress=False)  # fmt: skip
     assert UDSResult.load(out / "u").uds == first.uds
+
+
+def test_a_zoo_is_never_built_over_the_data_it_is_built_from(tmp_path, monkeypatch):
+    from uds_lens.zoo import build
+
+    zoo = tmp_path / "zoo"
+    (zoo / "mine").mkdir(parents=True)
+    forget = zoo / "mine" / "forget.json"
+    forget.write_text(json.dumps(FORGET_SET))
+    retain = tmp_path / "retain.json"
+    retain.write_text(json.dumps(FORGET_SET))
+    monkeypatch.setattr(build, "_pinned_threads", lambda threads: pytest.fail("the build started"))
+    with pytest.raises(ConfigError, match="holds the --forget-data"):
+        build.build_zoo(zoo, retain_data=retain, forget_data=forget)
+    assert sorted(p.name for p in zoo.rglob("*")) == ["forget.json", "mine"]
