@@ -63,7 +63,15 @@ import numpy as np
 from jaxtyping import Float
 
 from uds_lens.config import ConfigError
-from uds_lens.data import DataError, Example, Skip, build_prompt, encode_one, read_records
+from uds_lens.data import (
+    DataError,
+    Example,
+    Skip,
+    build_prompt,
+    check_ids_in_vocabulary,
+    encode_one,
+    read_records,
+)
 from uds_lens.files import write_atomic
 from uds_lens.outputs import check_annotation_output
 from uds_lens.phrases import (
@@ -538,7 +546,7 @@ def annotate(
     """
     config = config or AnnotateConfig()
     if out is not None:
-        check_annotation_output(out, summary_path(out), data)
+        check_annotation_output(out, summary_path(out), data, models=(full, retain))
     records = _read(data)
     if full is not None and retain is None:
         raise ValueError(
@@ -631,16 +639,11 @@ def _fit_model(
 ) -> list[tuple[list[int], int]]:
     """``sequences`` as ``model`` can run them: each cut to its context (as ``score`` cuts an example: nothing after
     a position changes the log-prob read there), after checking every id is in its vocabulary."""
-    from uds_lens.models import ArchitectureSignature, ModelMismatchError
+    from uds_lens.models import ArchitectureSignature
     from uds_lens.sources import as_source
 
-    vocabulary = ArchitectureSignature.of(model).d_vocab
     largest = max((max(ids) for ids, _ in sequences if ids), default=-1)
-    if largest >= vocabulary:
-        raise ModelMismatchError(
-            f"The {role} model's vocabulary has {vocabulary} tokens, but the records encode to id {largest}: its "
-            "tokenizer is not the one encoding them. Pass models of one tokenizer."
-        )
+    check_ids_in_vocabulary(largest, ArchitectureSignature.of(model).d_vocab, role)
     n_ctx = as_source(model).context_length
     return [(ids[:n_ctx], min(prompt_len, n_ctx)) for ids, prompt_len in sequences]
 

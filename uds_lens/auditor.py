@@ -31,8 +31,17 @@ from uds_lens.checkpoint import model_fingerprint
 from uds_lens.compatibility import check_loaded, identity_of_model
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
-from uds_lens.config import ConfigError, EngineSpec, UDSConfig
-from uds_lens.data import EncodedExample, Example, build_prompt, encode, fit_context, load_examples
+from uds_lens.config import ConfigError, EngineSpec, UDSConfig, as_config
+from uds_lens.data import (
+    EncodedExample,
+    Example,
+    build_prompt,
+    check_data_source,
+    check_ids_in_vocabulary,
+    encode,
+    fit_context,
+    load_examples,
+)
 from uds_lens.failures import nonfinite_error
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
@@ -58,8 +67,8 @@ from uds_lens.patching.planning import (
 from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
-from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel
+from uds_lens.stage_cache import S1Cache, StageOne, s1_cache_dir, stage_digest
+from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
 from uds_lens.uds import deltas, ke_mask
 
 logger = logging.getLogger(__name__)
@@ -125,7 +134,9 @@ class UDSAuditor:
         retain_name: str | None = None,
         data_name: str | None = None,
     ) -> None:
-        self.config = (config or UDSConfig()).with_stage2_cells("all")
+        self.config = as_config(config).with_stage2_cells("all")
+        check_data_source(data)  # wrong types refused before any model loads
+        s1_cache_dir(cache_dir)
         self.progress = progress
         self._inputs: dict[str, Any] = {
             "full": full,
@@ -171,6 +182,10 @@ class UDSAuditor:
             data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
         self.data_name = data_name
         self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
+        # an id past the embedding (tokens added to the tokenizer) would fail deep in the first forward
+        check_ids_in_vocabulary(
+            max((max(e.input_ids) for e in self.encoded), default=-1), self.full.cfg.d_vocab, "full"
+        )
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
         n_ctx = min(
@@ -370,6 +385,9 @@ class UDSAuditor:
                 # S2 batches exactly as S1 did, and a source identical to full still gives deltas of exactly 0.
                 self.use_stage1(cached, cached.batches)
                 return cached
+        check_unhooked(self.full, "full")
+        if self.retain is not None:
+            check_unhooked(self.retain, "retain")
         started = time.perf_counter()
         n, n_layers = len(self.encoded), len(self.layers)
         s0 = torch.full((n,), float("nan"))
@@ -501,6 +519,8 @@ class UDSAuditor:
             source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
         )
         check_loaded(self.identity, source, "unlearned")
+        check_unhooked(self.full, "full")
+        check_unhooked(source, "unlearned")
         stage = self.stage1
         started = time.perf_counter()
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))

@@ -457,23 +457,23 @@ def diagnose(
     ),
 ) -> None:
     """UDS next to logit/tuned lens, CKA, RSA, PWCCA, Fisher and probing; component patching; case studies."""
-    from uds_lens.analysis.diagnose import METHODS
-    from uds_lens.analysis.diagnose import diagnose as run_diagnose
+    from uds_lens.analysis import diagnose as diagnosis_module
     from uds_lens.data import load_examples
-    from uds_lens.scoring import check_output_dir
 
-    check_output_dir(out)
-    for option, names, known in (("--methods", methods, METHODS), ("--sites", sites, SITES)):
+    for option, names, known in (
+        ("--methods", methods, diagnosis_module.METHODS),
+        ("--sites", sites, diagnosis_module.SITES),
+    ):
         for name in names or ():
             check_choice(option, name, known)
     named = _unlearned_models(unlearned)
     load_examples(data)  # read and decoded before the first model loads
-    diagnosis = run_diagnose(
+    diagnosis = diagnosis_module.diagnose(
         full,
         retain,
         named,
         data,
-        methods=tuple(methods) if methods else METHODS,
+        methods=tuple(methods) if methods else diagnosis_module.METHODS,
         sites=tuple(sites) if sites else (DEFAULTS.site,),
         tau=tau,
         dtype=dtype,
@@ -481,25 +481,24 @@ def diagnose(
         tuned_lens_steps=tuned_lens_steps,
         calibration=calibration,
         progress=True,
+        out_dir=out,  # checked apart from every input and writable before any model loads, saved at the end
     )
     typer.echo(diagnosis.scores.to_string(float_format=lambda v: f"{v:.3f}"))
     for line in diagnosis.clipped_lines():
         typer.echo(line)
-    typer.echo(f"results in {diagnosis.save(out)}; those examples in clipped_examples.csv")
+    typer.echo(f"results in {out}; those examples in clipped_examples.csv")
 
 
 @app.command()
 def report(
     results_dir: Path = typer.Argument(..., help="Directory written by `score`, `diagnose` or `demo`."),
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
+    force: bool = typer.Option(False, "--force", help="Replace a file at --out that is not a report."),
 ) -> None:
-    """One self-contained HTML page (Plotly figures + tables) from saved results."""
-    from uds_lens.outputs import check_file_output
+    """One self-contained HTML page (Plotly figures + tables) from saved results; never over another file."""
     from uds_lens.plotting.report import write_report
 
-    if out is not None:
-        check_file_output("--out", out)
-    typer.echo(str(write_report(results_dir, out)))
+    typer.echo(str(write_report(results_dir, out, force=force)))
 
 
 @app.command()
@@ -514,7 +513,7 @@ def evaluate(
     from uds_lens.meta_eval.scorers import zoo_scorers
     from uds_lens.outputs import check_zoo_complete
 
-    check_zoo_complete(zoo)
+    check_zoo_complete(zoo, out)
     uds_fn, white_box = zoo_scorers(zoo)
     table = evaluate_zoo(
         zoo, out, uds_fn=uds_fn, white_box_fns=white_box, batch_size=batch_size, max_new_tokens=max_new_tokens
@@ -546,7 +545,7 @@ def meta_eval(
         raise typer.BadParameter(
             f"unknown {unknown}; registered: {', '.join(registry.names())}", param_hint="--metric"
         )
-    check_zoo_complete(zoo)
+    check_zoo_complete(zoo, out)
     uds_fn, white_box = zoo_scorers(zoo)
     table = run_meta_eval(
         zoo,
@@ -636,7 +635,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ZooBuildError,
         ZooDataError,
         QuantisationError,
-        FileNotFoundError,
         ConfigError,
         NonFiniteScoreError,
         ResultIntegrityError,
@@ -677,13 +675,15 @@ def main() -> None:
     except Exception as error:
         # The errors of the light modules first: a mistyped path reports without importing the model libraries.
         from uds_lens.data import DataError
+        from uds_lens.files import os_error_line
         from uds_lens.resolve import ModelLoadError
 
-        if not isinstance(error, (ModelLoadError, DataError, ConfigError)) and not isinstance(
+        # an OSError is the operating system's: one line, its path and what to do
+        if not isinstance(error, (ModelLoadError, DataError, ConfigError, OSError)) and not isinstance(
             error, _user_errors()
         ):
             raise
-        typer.echo(f"error: {error}", err=True)
+        typer.echo(f"error: {os_error_line(error) if isinstance(error, OSError) else error}", err=True)
         raise SystemExit(2) from None
 
 

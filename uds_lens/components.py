@@ -49,7 +49,7 @@ from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import mean_entity_logprob
 from uds_lens.resolve import model_name
 from uds_lens.sources import as_source
-from uds_lens.tl_compat import ModelLike, TLModel
+from uds_lens.tl_compat import ModelLike, TLModel, check_unhooked
 
 EngineChoice: TypeAlias = Literal["auto", "fast", "naive"]
 """The engine asked of head patching: ``auto`` runs the fast one where it applies."""
@@ -266,11 +266,15 @@ class _Runner:
 # The public calls
 
 
-def _hooked_source(auditor: PatchContext, source: ModelLike) -> TLModel:
+def _hooked_source(auditor: PatchContext, source: ModelLike, role: str) -> TLModel:
     """The source as a TransformerLens model: heads and ``hook_z`` are TransformerLens names, so a Hugging Face source
-    is converted (an NF4 one from a dequantised copy) into the full model's dtype and device."""
+    is converted (an NF4 one from a dequantised copy) into the full model's dtype and device. Refused when it or the
+    full model carries hooks of its own: such a hook would change every score."""
     full = auditor.full.cfg
-    return as_source(source).hooked(dtype=full.dtype, device=str(full.device))
+    hooked = as_source(source).hooked(dtype=full.dtype, device=str(full.device))
+    check_unhooked(auditor.full, "full")
+    check_unhooked(hooked, role)
+    return hooked
 
 
 def _stage1(auditor: PatchContext, retain: TLModel, runner: _Runner, progress: bool) -> _StageScores:
@@ -278,7 +282,7 @@ def _stage1(auditor: PatchContext, retain: TLModel, runner: _Runner, progress: b
     runner's key."""
     store = auditor.component_cache
     if runner.key not in store:
-        store[runner.key] = runner.stage(_hooked_source(auditor, retain), "S1 (retain)", progress)
+        store[runner.key] = runner.stage(_hooked_source(auditor, retain, "retain"), "S1 (retain)", progress)
     return store[runner.key]
 
 
@@ -297,7 +301,7 @@ def _result(
     name = name or model_name(unlearned)
     progress = auditor.progress if progress is None else progress
     stage1 = _stage1(auditor, retain, runner, progress)
-    stage2 = runner.stage(_hooked_source(auditor, source), f"S2 ({name})", progress)
+    stage2 = runner.stage(_hooked_source(auditor, source, "unlearned"), f"S2 ({name})", progress)
     return ComponentResult(
         name=name,
         hook=runner.point,

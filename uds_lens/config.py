@@ -64,12 +64,14 @@ def as_site(value: str) -> Site:
     return value
 
 
-def check_positive_int(option: str, value: Any, none_means: str) -> int | None:
-    """``value`` as an int >= 1 (or None), else [`ConfigError`][uds_lens.config.ConfigError] naming ``option`` and what None means."""
-    if value is None:
+def check_positive_int(option: str, value: Any, none_means: str | None) -> int | None:
+    """``value`` as an int >= 1 (or None), else [`ConfigError`][uds_lens.config.ConfigError] naming ``option`` and what None means;
+    ``none_means=None``: None is refused too (a count that has no default there)."""
+    if value is None and none_means is not None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError(f"{option} must be a positive integer (or None to {none_means}), got {value!r}.")
+        alternative = f" (or None to {none_means})" if none_means is not None else ""
+        raise ConfigError(f"{option} must be a positive integer{alternative}, got {value!r}.")
     return int(value)
 
 
@@ -204,6 +206,22 @@ class UDSConfig:
         return out
 
 
+def as_config(config: Any) -> UDSConfig:
+    """``config`` as the settings of an audit: a [`UDSConfig`][uds_lens.config.UDSConfig] as it is, None as the defaults.
+
+    Raises:
+        ConfigError: anything else (a dict of settings is ``UDSConfig(**settings)``).
+    """
+    if config is None:
+        return UDSConfig()
+    if not isinstance(config, UDSConfig):
+        raise ConfigError(
+            f"config must be a UDSConfig, got a {type(config).__name__} ({config!r:.80}): build one, e.g. "
+            "UDSConfig(tau=0.1) (from a dict of settings: UDSConfig(**settings))."
+        )
+    return config
+
+
 __all__ = [
     "DEFAULT_TAU",
     "DTYPE_NAMES",
@@ -219,6 +237,7 @@ __all__ = [
     "Site",
     "Stage2Cells",
     "UDSConfig",
+    "as_config",
     "as_site",
     "check_choice",
     "check_positive_int",

@@ -4,16 +4,20 @@ Each example is a question/answer pair whose answer is ``prefix + ... entity ...
 scores the entity tokens:
 
     prompt    = "Question: " + question + "\\nAnswer: " + prefix      (trailing whitespace moved to the reference)
-    reference = answer[len(prefix):]                                  (a space prepended if neither side has one)
+    reference = answer[len(prefix):]
     tokens    = tokenizer(prompt, add_special_tokens=True) + tokenizer(reference, add_special_tokens=False)
 
+so the model reads exactly ``"Question: " + question + "\\nAnswer: " + answer``: prefix and entity are joined as the
+answer joins them, with no space added (after ``"``, ``$``, ``-`` or in Chinese and Japanese text there is none).
 Prompt and reference are tokenised separately (this can differ from tokenising the joined string), and the entity
-tokens are the reference tokens whose characters overlap the entity's first whole-word occurrence (no word character
-just before or after it: "art" is not found inside "part"; ``published_compat`` keeps the published first-substring
-match and logs where that differs). With ``start =
+tokens are the reference tokens whose characters overlap the entity's first whole-word occurrence in the text the
+model reads (no word character just before or after it: "art" is not found inside "part", nor "ana" after a prefix
+cut at "Hav"; a character of a script written without spaces, Han, kana or Thai, is a word of its own;
+``published_compat`` keeps the published first-substring match and logs where that differs). With ``start =
 len(prompt_ids) - 1``, entity token ``ref_ids[s + t]`` is predicted at position ``start + s + t``; those positions are
-the *read positions* ``[start + s, start + e)``. ``published_compat=True`` keeps the published implementation's
-trailing space in the prompt (``"Answer: "`` + ``"Yes."``).
+the *read positions* ``[start + s, start + e)``. ``published_compat=True`` feeds what the published implementation
+feeds: the trailing space kept in the prompt (``"Answer: "`` + ``"Yes."``), and a space put before a reference that
+neither starts with one nor follows one.
 
 An example that cannot be encoded is never dropped silently: it becomes a ``Skip`` with a reason string. So does one
 longer than the model's context (``fit_context``), unless cutting it after the last read position makes it fit.
@@ -280,6 +284,10 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise DataError(
             f"{path} nests JSON deeper than Python's parser follows: a forget set is a flat list of records."
         ) from None
+    except DataError:
+        raise
+    except ValueError as err:  # a number of more digits than Python converts (an idx of 5,000 digits)
+        raise DataError(f"{path} holds a value JSON cannot be read as ({err}): fix that value.") from None
     if not isinstance(records, list):
         raise DataError(f"{path} must hold a list of records (objects), not a {type(records).__name__}.")
     wrong = [i for i, r in enumerate(records) if not isinstance(r, dict)]
@@ -292,10 +300,11 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _read_text(path: Path) -> str:
-    """A data file's text, which must be UTF-8 (JSON's encoding): another encoding is named, with where it fails."""
+    """A data file's text, which must be UTF-8 (JSON's encoding), a byte-order mark dropped: another encoding is
+    named, with where it fails."""
     raw = path.read_bytes()
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
         raise DataError(
@@ -399,6 +408,7 @@ def load_examples(
     Raises:
         DataError: the file is unreadable, a record lacks a field, idx values repeat, or the set is empty.
     """
+    check_data_source(source)
     if source is None:
         source = DEFAULT_HUB_DATASET
     if isinstance(source, str) and source.startswith(ZOO_PREFIX):
@@ -433,6 +443,19 @@ def load_examples(
     return examples
 
 
+def check_data_source(source: Any) -> None:
+    """[`DataError`][uds_lens.data.DataError] unless ``source`` is something [`load_examples`][uds_lens.data.load_examples] reads: a path, a hub id, a list
+    of records or ``Example``s, or None (checked where data enters, before any model loads)."""
+    if source is None or isinstance(source, (str, os.PathLike)):
+        return
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        return
+    raise DataError(
+        f"data must be a forget-set file (JSON list or JSON lines), a hub dataset id, or a list of records, got "
+        f"{source!r:.80} ({type(source).__name__})."
+    )
+
+
 def nfc(text: str) -> str:
     """Unicode NFC: "é" typed as ``e`` + a combining accent and "é" precomposed become the same string."""
     return unicodedata.normalize("NFC", text)
@@ -460,39 +483,51 @@ def build_prompt(example: Example, published_compat: bool = False) -> tuple[str,
     prompt = PROMPT_TEMPLATE.format(question=question, prefix=prefix)
     reference = answer[len(prefix) :]
     if not published_compat:
+        # prompt + reference is the template and the answer as written: nothing added between prefix and entity
         kept = prompt.rstrip()
         reference = prompt[len(kept) :] + reference
         prompt = kept
-    if reference and not reference[0].isspace() and not prompt[-1:].isspace():
-        reference = " " + reference
+    elif reference and not reference[0].isspace() and not prompt[-1:].isspace():
+        reference = " " + reference  # the published code puts a space there, whatever the answer's text
     return prompt, reference
+
+
+# Scripts written without spaces between words: each of their characters is a word boundary of its own.
+_UNSPACED_SCRIPTS = ("CJK ", "HIRAGANA", "KATAKANA", "HALFWIDTH KATAKANA", "THAI", "LAO", "KHMER", "MYANMAR")
+
+
+def _is_word_character(character: str) -> bool:
+    return (character.isalnum() or character == "_") and not unicodedata.name(character, "").startswith(
+        _UNSPACED_SCRIPTS
+    )
 
 
 def _at_word_boundary(text: str, start: int, end: int) -> bool:
     """No word character runs across either end of ``text[start:end]``."""
 
     def joins(left: str, right: str) -> bool:
-        return (
-            bool(left)
-            and bool(right)
-            and (left.isalnum() or left == "_")
-            and (right.isalnum() or right == "_")
-        )
+        return bool(left) and bool(right) and _is_word_character(left) and _is_word_character(right)
 
     return not joins(text[start - 1 : start], text[start : start + 1]) and not joins(
         text[end - 1 : end], text[end : end + 1]
     )
 
 
-def _entity_char_span(reference: str, entity: str, whole_word: bool = True) -> tuple[int, int] | None:
+def _entity_char_span(
+    reference: str, entity: str, whole_word: bool = True, prompt: str = ""
+) -> tuple[int, int] | None:
     """Character span of the entity's first occurrence in the reference: the first whole-word
-    occurrence, or with ``whole_word=False`` the first substring match (the published implementation)."""
+    occurrence in the text the model reads (``prompt`` then ``reference``: a prefix cut mid-word joins the
+    reference's first word), or with ``whole_word=False`` the first substring match (the published
+    implementation)."""
+    before = prompt[-1:]
     for candidate in (entity, entity.strip(), " " + entity):
         if not candidate:
             continue
         found = reference.find(candidate)
         while found >= 0:
-            if not whole_word or _at_word_boundary(reference, found, found + len(candidate)):
+            start = found + len(before)
+            if not whole_word or _at_word_boundary(before + reference, start, start + len(candidate)):
                 return found, found + len(candidate)
             found = reference.find(candidate, found + 1)
     return None
@@ -525,11 +560,11 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
     ref_ids, offsets = ref["input_ids"], ref["offset_mapping"]
     if not ref_ids or not prompt_ids:
         return Skip(example.idx, SKIP_EMPTY_REFERENCE)
-    span = _entity_char_span(reference, entity, whole_word=not published_compat)
+    span = _entity_char_span(reference, entity, whole_word=not published_compat, prompt=prompt)
     if span is None:
         inside = _entity_char_span(reference, entity, whole_word=False) is not None
         return Skip(example.idx, SKIP_ENTITY_INSIDE_WORD if inside else SKIP_ENTITY_NOT_FOUND)
-    if published_compat and span != _entity_char_span(reference, entity):
+    if published_compat and span != _entity_char_span(reference, entity, prompt=prompt):
         logger.warning(
             "example %s: published_compat locates the entity %r inside another word (%r), as the "
             "published implementation does; without published_compat it is located at a word boundary.",
@@ -549,6 +584,17 @@ def encode_one(example: Example, tokenizer: Any, published_compat: bool = False)
         entity_start=hits[0],
         entity_end=hits[-1] + 1,
     )
+
+
+def check_ids_in_vocabulary(largest: int, vocabulary: int, role: str) -> None:
+    """[`TokenizerError`][uds_lens.data.TokenizerError] when the records encode to an id the ``role`` model's embedding has no row for (a
+    tokenizer with tokens added past the model's vocabulary, or another model's): ``score`` and ``annotate`` check
+    it before the first forward, which would otherwise fail deep inside the embedding."""
+    if largest >= vocabulary:
+        raise TokenizerError(
+            f"The {role} model's vocabulary has {vocabulary} tokens, but the records encode to id {largest}: its "
+            "tokenizer is not the one encoding them. Pass models of one tokenizer."
+        )
 
 
 def fit_context(encoded: Sequence[EncodedExample], n_ctx: int) -> tuple[list[EncodedExample], list[Skip]]:
@@ -597,6 +643,8 @@ __all__ = [
     "Skip",
     "TokenizerError",
     "build_prompt",
+    "check_data_source",
+    "check_ids_in_vocabulary",
     "encode",
     "encode_one",
     "fit_context",

@@ -18,6 +18,7 @@ import torch
 
 from uds_lens.config import UDSConfig
 from uds_lens.files import write_atomic, zoo_root
+from uds_lens.outputs import check_outputs_apart, check_report_output, check_writable_dir
 from uds_lens.plotting.report import write_report
 from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import score_models
@@ -129,11 +130,15 @@ def run_demo(
     """
     started = time.perf_counter()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    root = Path(zoo_dir) if zoo_dir is not None else default_zoo_dir(size)
+    preview_root = preview_zoo(size, zoo_dir) if on_preview is not None else None
+    # before anything is built: results never go into a zoo (the models it scores), nor a zoo into them
+    check_outputs_apart({"--out": out}, {"zoo": root, "test-size zoo": preview_root})
+    check_writable_dir(out)
+    check_report_output(out / "report.html", option="the demo's report")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        preview_root = preview_zoo(size, zoo_dir) if on_preview is not None else None
         if preview_root is not None:
             # One thread, as the test suite builds it: the cache is shared rather than rebuilt (threads are part of
             # a zoo model's fingerprint), and on a busy small CPU one thread trains this zoo many times faster.
@@ -151,7 +156,6 @@ def run_demo(
             logger.info("preview on the test-size zoo after %.1f s", time.perf_counter() - started)
             on_preview(table, preview_root)
         # the package's own cache is rebuilt when this version generates another world; a user's directory is not
-        root = Path(zoo_dir) if zoo_dir is not None else default_zoo_dir(size)
         zoo = build_zoo(
             root,
             size=size,

@@ -15,6 +15,8 @@ check with ``sha256sum``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -64,8 +66,11 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
         else:
             staging.write_text(data)
         os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            staging.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:
+            error.filename = str(path)  # a full disk fails write() with no path: the message names this one
         raise
     return path
 
@@ -128,6 +133,41 @@ def replace_directory(staging: str | os.PathLike, target: str | os.PathLike) -> 
     return target
 
 
+# What to do about an operating-system error, by its errno: the second half of its one-line message.
+_OS_ERROR_FIXES = {
+    errno.EACCES: "check its permissions, or pass a location you can write",
+    errno.EPERM: "check its permissions, or pass a location you can write",
+    errno.EROFS: "the filesystem is read-only: pass a location on a writable one",
+    errno.ENOSPC: "the disk is full: free space there, or pass a location on another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there, or pass a location on another disk",
+    errno.ENAMETOOLONG: "a name in the path is longer than the filesystem holds (255 bytes): use shorter names",
+    errno.ELOOP: "a symbolic link in the path leads back to itself: fix or remove the link",
+    errno.ENOTDIR: "a file stands where a directory should be: move it, or pass another path",
+    errno.EEXIST: "something that is not a directory stands there (a file, or a link that leads nowhere): move it, "
+    "or pass another path",
+    errno.EISDIR: "a directory stands where a file should be: pass a file name",
+    errno.ENOENT: "it does not exist: check the path",
+}
+
+
+def os_error_line(error: OSError, what: str | None = None) -> str:
+    """An operating system's error as one line: what failed, on which path, and what to do (by its errno).
+
+    ``what`` names the path's role (``"--out"``, ``"the S1 cache"``); the path is the error's own ``filename``.
+    An error without one (``write()`` on a full disk names no file) says only what happened; one raised with a
+    message of its own is that message.
+    """
+    path = error.filename2 if error.filename is None else error.filename
+    if (
+        error.errno is None and path is None
+    ):  # raised with a message of its own (``FileNotFoundError("...")``)
+        return str(error)
+    where = " ".join(str(part) for part in (what, path) if part is not None)
+    reason = error.strerror or str(error)
+    fix = _OS_ERROR_FIXES.get(error.errno or -1, "check the path and its permissions")
+    return f"{where + ': ' if where else ''}{reason} ({fix})."
+
+
 def json_digest(obj: Any, length: int | None = None) -> str:
     """SHA-256 of ``obj`` as canonical JSON (sorted keys, ``str`` for what JSON cannot hold), optionally cut to
     ``length`` hex digits. Equal values give equal digests in every process and on every machine."""
@@ -158,6 +198,7 @@ __all__ = [
     "cache_root",
     "files_digest",
     "json_digest",
+    "os_error_line",
     "replace_directory",
     "set_aside",
     "staged_siblings",

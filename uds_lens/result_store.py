@@ -253,8 +253,12 @@ def atomic_result_dir(
             replace_directory(
                 staging, target
             )  # the old one renamed aside, the new one in, the old one deleted
-        except BaseException:
+        except BaseException as error:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(error, OSError) and error.filename is None:
+                error.filename = str(
+                    target
+                )  # a full disk fails write() naming no file: the message names this
             raise
 
 

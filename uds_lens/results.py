@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from uds_lens import display
-from uds_lens.config import UDSConfig
+from uds_lens.config import UDSConfig, check_tau
 from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
 from uds_lens.files import bytes_digest, write_atomic
@@ -192,7 +192,12 @@ class UDSResult:
         Under the threshold it already has, the result is returned as is: a saved result read back keeps the
         per-example scores it was saved with (recomputing them from ``layers.csv``, whose float32 deltas come back
         as float64, would move the model UDS in the ninth decimal away from its own ``summary.json``).
+
+        Raises:
+            ConfigError: ``tau`` is not a finite number >= 0 (``UDSConfig`` and ``--tau`` refuse the same).
+            CellsNotRunError: a KE-only result asked for a lower tau (cells Stage 2 did not run).
         """
+        tau = check_tau(tau)
         if tau == self.settings.get("tau") and {*_SCORED_COLUMNS, "status"} <= set(self.examples.columns):
             return self
         self._require_cells(tau)
@@ -400,7 +405,7 @@ class UDSResult:
 
     # -- files -------------------------------------------------------------------------------------------------
 
-    def save(self, directory: str | Path, replace_other_runs: bool = True) -> Path:
+    def save(self, directory: str | Path, force: bool = False) -> Path:
         """Write the result to ``directory``, atomically and under its lock (see `atomic_result_dir`).
 
         Files: ``summary.json``, ``examples.csv``, ``layers.csv`` (+ ``layers.parquet`` with pyarrow),
@@ -408,19 +413,19 @@ class UDSResult:
         of every other file). Files other programs left in an existing ``directory`` (``diagnose``'s
         ``scores.json`` ...) are carried over.
 
+        A ``directory`` holding the result of another run (other inputs: another full, retain, unlearned model,
+        data set or setting; or a result whose inputs cannot be compared with this one's) is refused, under the
+        lock, as ``uds-lens score`` refuses it; the same result again, or one of the same inputs, replaces it.
+
         Args:
-            replace_other_runs: False: refuse, under the lock, a ``directory`` holding a result of other inputs
-                (written by another run since this one checked it: two concurrent runs of one name), as
-                ``score_models`` refuses one before it computes.
+            force: replace another run's result too (``--force``).
 
         Raises:
-            OutputConflictError: ``replace_other_runs`` is False and ``directory`` holds another run's result.
+            OutputConflictError: ``directory`` holds another run's result and ``force`` is off.
         """
         target = Path(directory)
         fingerprint = self.meta.get("fingerprint")
-        check = (
-            None if replace_other_runs or not isinstance(fingerprint, dict) else _refuse_others(fingerprint)
-        )
+        check = None if force else _refuse_others(fingerprint if isinstance(fingerprint, dict) else None)
         with atomic_result_dir(target, check=check) as staging:
             self._write_files(staging)
         return target
@@ -615,15 +620,29 @@ def check_saved(
     return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
 
 
-def _refuse_others(fingerprint: dict[str, Any]) -> Callable[[Path], None]:
+def _refuse_others(fingerprint: dict[str, Any] | None) -> Callable[[Path], None]:
     """The check ``UDSResult.save`` runs under the result's lock: a directory there holding another run's result
-    (other inputs, Stage 1 aside) is refused, as [`check_saved`][uds_lens.results.check_saved] words it."""
+    (other inputs, Stage 1 aside) is refused, as [`check_saved`][uds_lens.results.check_saved] words it. A result without a fingerprint (built
+    by hand) cannot be compared: a saved result with one is refused too."""
 
     def check(existing: Path) -> None:
-        if existing.exists():
-            saved = check_saved(existing, fingerprint, ignore=("s1",))
-            if saved.conflicts:
-                raise conflict_error({str(existing): saved.reason})
+        if not existing.exists():
+            return
+        if fingerprint is None:
+            meta, _, problem = read_verified(existing)
+            if problem is None and isinstance(meta.get("meta", {}).get("fingerprint"), dict):
+                raise conflict_error(
+                    {
+                        str(
+                            existing
+                        ): "it holds a saved result, and this one records no inputs to compare it with"
+                    },
+                    option="--force (force=True)",
+                )
+            return
+        saved = check_saved(existing, fingerprint, ignore=("s1",))
+        if saved.conflicts:
+            raise conflict_error({str(existing): saved.reason}, option="--force (force=True)")
 
     return check
 

@@ -14,12 +14,15 @@ from pathlib import Path
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.compatibility import check_checkpoints
-from uds_lens.config import ConfigError, UDSConfig, check_positive_int
-from uds_lens.data import load_examples
+from uds_lens.config import ConfigError, UDSConfig, as_config, check_positive_int
+from uds_lens.data import check_data_source, load_examples
+from uds_lens.files import os_error_line
 from uds_lens.fingerprints import DataArg, ModelArg, result_fingerprint
+from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.resolve import check_source, model_name
 from uds_lens.result_store import check_result_name, conflict_error
 from uds_lens.results import UDSResult, check_saved, load_reusable
+from uds_lens.stage_cache import s1_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +30,11 @@ logger = logging.getLogger(__name__)
 def check_output_dir(path: str | os.PathLike, what: str = "output directory (--out)") -> None:
     """[`ConfigError`][uds_lens.config.ConfigError] when ``path`` is an existing file: a directory is written there (it is
     created when missing). ``what`` names the setting and its flag in the message."""
-    if Path(path).exists() and not Path(path).is_dir():
-        raise ConfigError(f"The {what} {path} is a file: pass a directory (it is created when missing).")
+    try:
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"The {what} {path} is a file: pass a directory (it is created when missing).")
+    except OSError as error:  # a name longer than the filesystem holds
+        raise ConfigError(os_error_line(error, what)) from None
 
 
 def result_names(unlearned: Sequence[ModelArg]) -> dict[str, ModelArg]:
@@ -130,7 +136,9 @@ def score_models(
         results.OutputConflictError: ``out_dir/NAME`` holds another run's result and ``force`` is off.
     """
 
-    config = config or UDSConfig()
+    config = as_config(config)  # wrong types are refused before anything is read
+    check_data_source(data)
+    s1_cache_dir(cache_dir)
     items = (
         list(unlearned.items())
         if isinstance(unlearned, dict)
@@ -153,6 +161,19 @@ def score_models(
     # family, tokenizer and shape (a mismatch found after Stage 1 would have cost its compute).
     if data is not None:
         load_examples(data, limit=limit)
+    if out_dir is not None:
+        # apart from every input (never --out . among the checkpoints) and writable, before any compute
+        check_outputs_apart(
+            {"--out": out_dir},
+            {
+                "full checkpoint": full,
+                "retain checkpoint": retain,
+                "unlearned checkpoint": [model for _, model in items],
+                "--data": data,
+            },
+            caches={"S1 cache": s1_cache_dir(cache_dir)},
+        )
+        check_writable_dir(out_dir)
     check_checkpoints(full, retain, items)
     results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
@@ -185,5 +206,5 @@ def score_models(
             results[name].meta["recomputed"] = reason
         if target is not None:
             # refused under the lock if another run wrote other inputs' result here since the check above
-            results[name].save(target, replace_other_runs=force)
+            results[name].save(target, force=force)
     return results

@@ -8,6 +8,7 @@ rebuilt instead of trusted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from uds_lens.files import cache_root, staging_path
+from uds_lens.config import ConfigError
+from uds_lens.files import cache_root, os_error_line, staging_path
 
 # 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
@@ -80,6 +82,25 @@ def stage_digest(stage: StageOne) -> str:
     return digest.hexdigest()[:32]
 
 
+def s1_cache_dir(cache_dir: Any) -> Path | None:
+    """The directory of the S1 cache a ``cache_dir`` argument names: ``None`` or ``True`` the default
+    (``files.cache_root()``), ``False`` none, a path itself.
+
+    Raises:
+        ConfigError: ``cache_dir`` is none of these (``cache_dir=1``).
+    """
+    if cache_dir is None or cache_dir is True:
+        return cache_root()
+    if cache_dir is False:
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"cache_dir (--cache-dir) must be a directory path, None or True (the default S1 cache) or False (no "
+            f"cache), got {cache_dir!r} ({type(cache_dir).__name__})."
+        )
+    return Path(cache_dir).expanduser()
+
+
 class S1Cache:
     """S1 on disk: one safetensors file per fingerprint; stale entries are never read, corrupt ones are rebuilt.
 
@@ -98,17 +119,22 @@ class S1Cache:
         return self.directory / f"s1_{key[:32]}.safetensors"
 
     def load(self, key: str, payload: dict[str, Any]) -> StageOne | None:
-
+        """The cached Stage 1 of ``key``, or None (none there, unreadable: then it is deleted with a warning, or
+        a directory that cannot be read at all: skipped with a warning, as the cache is optional)."""
         path = self.path(key)
         legacy = path.with_suffix(".pt")
-        if legacy.is_file():
-            warnings.warn(
-                f"S1 cache {legacy} is in the old pickle format, which could run code when read: it is not "
-                "read but deleted, and S1 is recomputed.",
-                stacklevel=2,
-            )
-            legacy.unlink(missing_ok=True)
-        if not path.is_file():
+        try:
+            if legacy.is_file():
+                warnings.warn(
+                    f"S1 cache {legacy} is in the old pickle format, which could run code when read: it is not "
+                    "read but deleted, and S1 is recomputed.",
+                    stacklevel=2,
+                )
+                legacy.unlink(missing_ok=True)
+            if not path.is_file():
+                return None
+        except OSError as error:  # a name too long for the filesystem, no permission: no cache, said once
+            warnings.warn(f"S1 cache not read: {os_error_line(error, 'the S1 cache')}", stacklevel=2)
             return None
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -143,11 +169,23 @@ class S1Cache:
             warnings.warn(
                 f"S1 cache {path} is unreadable or inconsistent ({err}); recomputing S1.", stacklevel=2
             )
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only cache keeps it; this run still recomputes
+                path.unlink(missing_ok=True)
             return None
 
-    def save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
+    def save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path | None:
+        """Write ``stage`` under ``key``; the cache is optional, so a directory that cannot be written (no
+        permission, a full disk, a file in its place) is skipped with a warning and None returned."""
+        try:
+            return self._save(key, payload, stage)
+        except OSError as error:
+            warnings.warn(
+                f"S1 cache not written, S1 is not cached: {os_error_line(error, 'the S1 cache')}",
+                stacklevel=2,
+            )
+            return None
 
+    def _save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
         tmp = staging_path(path)
@@ -169,5 +207,6 @@ class S1Cache:
             )
             os.replace(tmp, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         return path

@@ -165,6 +165,38 @@ def is_hooked_transformer(model: object) -> TypeGuard[TLModel]:
     return HookedTransformer is not None and isinstance(model, HookedTransformer)
 
 
+class HooksAttachedError(RuntimeError):
+    """A model carries hooks of its own where uds_lens computes a score from it."""
+
+
+def attached_hooks(model: object) -> list[str]:
+    """The hook points of a TransformerLens model that carry hooks (forward or backward, permanent included), by
+    name; ``[]`` for any other model."""
+    if not is_tl_model(model):
+        return []
+    return sorted(name for name, point in model.hook_dict.items() if point.fwd_hooks or point.bwd_hooks)
+
+
+def check_unhooked(model: object, role: str) -> None:
+    """Refuse to compute a score from a model that carries hooks: a hook a user added (``add_hook``, an unclosed
+    ``hooks()`` context, an experiment that raised before removing its own) would change the number silently, and
+    with it the Stage 1 cache every later run of the same weights reads. uds_lens's own hooks never outlive the call
+    that adds them (``run_with_hooks``, ``run_with_cache``: their teardown removes only the hooks they added, on
+    TransformerLens 3.9 and 4.x), so a hook found here is never uds_lens's.
+
+    Raises:
+        HooksAttachedError: naming the model, its hooked points and how to remove them.
+    """
+    names = attached_hooks(model)
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise HooksAttachedError(
+            f"The {role} model carries hooks at {shown}: a score is computed from the model as loaded, and a hook "
+            "would change it (and the Stage 1 cache). Remove them first (model.reset_hooks(including_permanent="
+            "True)), or use your hooks inside run_with_hooks(...) or `with model.hooks(...)`, which remove them."
+        )
+
+
 def bridge_from_hf(
     hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str
 ) -> TransformerBridge:
@@ -265,6 +297,7 @@ def unwrapped_copy(hf_model: PreTrainedModel) -> PreTrainedModel:
 
 __all__ = [
     "ActivationCache",
+    "HooksAttachedError",
     "ModelLike",
     "TLConfig",
     "TLModel",
@@ -274,8 +307,10 @@ __all__ = [
     "TL_MODEL_TYPES",
     "TL_VERSION",
     "TransformerBridge",
+    "attached_hooks",
     "attn_result",
     "bridge_from_hf",
+    "check_unhooked",
     "hf_model_of",
     "is_bridge",
     "is_hooked_transformer",

@@ -95,7 +95,7 @@ def test_an_overwrite_keeps_files_other_tools_left(two_results, tmp_path):
     target = tmp_path / "model"
     two_results[False].save(target)
     (target / "scores.json").write_text('{"cka": 0.5}')
-    two_results[True].save(target)
+    two_results[True].save(target, force=True)  # another run's settings: replaced only when forced
     assert json.loads((target / "scores.json").read_text()) == {"cka": 0.5}
     assert _files_agree(target) is True
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.") and p.is_dir()]
@@ -137,7 +137,7 @@ def test_two_concurrent_writers_never_leave_files_that_disagree(two_results, tmp
 
     def write(result: UDSResult, done: threading.Event | None) -> None:
         try:
-            result.save(target)
+            result.save(target, force=True)  # two runs of other settings: forced, the last one wins whole
         except BaseException as error:  # surfaced below
             errors.append(error)
         finally:

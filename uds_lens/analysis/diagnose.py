@@ -40,12 +40,15 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
-from uds_lens.config import DEFAULT_TAU, UDSConfig
+from uds_lens.config import DEFAULT_TAU, UDSConfig, check_choice, check_positive_int
 from uds_lens.files import write_atomic
 from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.metrics import registry
+from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import DIAGNOSE_FILES, atomic_result_dir
 from uds_lens.results import UDSResult
+from uds_lens.scoring import check_output_dir
+from uds_lens.stage_cache import s1_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +202,29 @@ def diagnose(
 
     Returns:
         Every table, one field each (``DiagnoseResult``).
+
+    Raises:
+        ConfigError: before any model loads: an unknown method or site, ``tuned_lens_steps`` not a positive
+            integer, or an ``out_dir`` that is a file, overlaps an input or cannot be written.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    bad_sites = [s for s in sites if s not in SITES]
-    if bad_sites:
-        raise ValueError(f"unknown sites {bad_sites}; choose from {list(SITES)}")
+    for method in methods:
+        check_choice("methods (--methods)", method, METHODS)
+    for site in sites:  # resid_pre is a UDS site, not one of component patching's
+        check_choice("sites (--sites)", site, SITES)
+    # 0 steps would report the untrained lens, the logit lens exactly, as the tuned lens
+    check_positive_int("tuned_lens_steps (--tuned-lens-steps)", tuned_lens_steps, None)
+    if out_dir is not None:  # before any model loads: a directory apart from every input, that can be written
+        check_output_dir(out_dir)
+        check_outputs_apart(
+            {"--out": out_dir},
+            {
+                "checkpoint": [full, retain, *unlearned.values()],
+                "--data": data,
+                "calibration data": calibration,
+            },
+            caches={"S1 cache": s1_cache_dir(cache_dir)},
+        )
+        check_writable_dir(out_dir)
     if retain is None:
         raise ValueError("diagnose needs a retain model: every method it reports is normalised by retain")
     config = UDSConfig(

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
-from uds_lens.config import DEFAULT_TAU
+from uds_lens.config import DEFAULT_TAU, check_positive_int
 from uds_lens.data import PROMPT_TEMPLATE
 from uds_lens.readout import label_logprobs
 from uds_lens.sources import SourceLike, as_source
@@ -277,6 +277,8 @@ def train_tuned_lens(
     """
     if not calibration:
         raise ValueError("train_tuned_lens needs calibration sequences (e.g. the retain set); got none")
+    # with no step the translators stay the identity: the logit lens, reported as a tuned one
+    check_positive_int("steps (--tuned-lens-steps)", steps, None)
     generator = torch.Generator().manual_seed(seed)
     states, targets = [], []
     source = as_source(model)

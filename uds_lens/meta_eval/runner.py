@@ -41,6 +41,7 @@ from uds_lens.metrics import registry
 from uds_lens.metrics.evaluate import add_privacy, report_model
 from uds_lens.metrics.privacy import ATTACKS, paper_privacy
 from uds_lens.models import load_tokenizer
+from uds_lens.outputs import check_outputs_apart
 from uds_lens.zoo.layout import POOL_ROLES, Zoo, load_zoo
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ def evaluate_zoo(
     """
     zoo = load_zoo(zoo_dir)
     out = Path(out_dir)
+    check_outputs_apart({"out_dir (--out)": out}, {"zoo": zoo.root})  # its files never mix into the zoo's
     names = zoo.names(roles)
     for required in ("full", "retain"):
         if required not in zoo.names():

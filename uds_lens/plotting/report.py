@@ -30,6 +30,7 @@ from uds_lens import plotting
 from uds_lens.config import DEFAULT_TAU
 from uds_lens.display import number, split_text
 from uds_lens.files import write_atomic
+from uds_lens.outputs import REPORT_MARKER, check_report_output
 from uds_lens.plotting.tables import SavedResult, count_text
 from uds_lens.result_store import DIAGNOSE_FILES, REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
@@ -299,7 +300,7 @@ class _Page:
 
     def render(self) -> str:
         return (
-            "<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
+            f"<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n{REPORT_MARKER}\n"
             f"<title>{html.escape(self.title)}</title>\n<style>{_CSS}</style>\n"
             f'<script type="text/javascript">{get_plotlyjs()}</script>\n</head>\n<body>\n<main>\n'
             + "\n".join(self.parts)
@@ -326,6 +327,7 @@ def write_report(
     out_html: str | Path | None = None,
     title: str | None = None,
     roles: Mapping[str, str] | None = None,
+    force: bool = False,
 ) -> Path:
     """Write one self-contained HTML report of the results saved under ``results_dir``.
 
@@ -341,14 +343,19 @@ def write_report(
             directory's ``roles.json`` for the models it does not name, then the role in their summary or the one
             their result implies ([`result_role`][uds_lens.plotting.report.result_role]): every model shows a role. Models are shown in this order (the terminal table's: the order
             of ``roles``, of ``roles.json``, then of ``sweep.csv``), the others by name.
+        force: replace a file at ``out_html`` that is not a report (otherwise refused: a report never overwrites
+            a forget set or a result's own files).
 
     Returns:
         The path of the written HTML file.
 
     Raises:
         FileNotFoundError: ``results_dir`` does not exist or holds no saved result.
+        ConfigError: ``out_html`` is a directory, or a file that is not a report and ``force`` is off.
     """
     root = Path(results_dir)
+    out = Path(out_html) if out_html is not None else root / "report.html"
+    check_report_output(out, force, "out_html (--out)" if out_html is not None else "the report")
     if not root.is_dir():
         raise FileNotFoundError(
             f"results directory {root} does not exist; run `uds-lens score ... --out {root}` first"
@@ -380,8 +387,6 @@ def write_report(
     )  # one colour per model in every figure below (kept if already drawn)
     scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
     with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
-    out = Path(out_html) if out_html is not None else root / "report.html"
-
     page = _Page(title or f"UDS report: {root.resolve().name}")
     page.heading(page.title, level=1)
     first = next(iter(ordered.values()))
@@ -498,7 +503,7 @@ def write_report(
     _diagnostics_sections(page, root, ordered, with_layers)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page.render(), encoding="utf-8")
+    write_atomic(out, page.render().encode("utf-8"))
     logger.info("wrote %s (%d figures)", out, page.n_figures)
     return out
 

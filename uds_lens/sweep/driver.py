@@ -18,12 +18,14 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from uds_lens.compatibility import check_checkpoints
-from uds_lens.config import ConfigError, UDSConfig, check_positive_int
+from uds_lens.config import ConfigError, UDSConfig, as_config, check_positive_int
 from uds_lens.data import load_examples
 from uds_lens.files import write_atomic
 from uds_lens.models import DEVICE_ENV
+from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
+from uds_lens.stage_cache import s1_cache_dir
 from uds_lens.sweep.ledger import Ledger
 from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_TABLE, SweepError, SweepModel, resolve_models
 from uds_lens.sweep.published import add_published_comparison, write_published_scatter
@@ -122,7 +124,7 @@ def sweep(
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
     """
     # many models, one number each: by default Stage 2 runs only the KE cells UDS reads (same UDS, less work)
-    config = (config or UDSConfig()).with_stage2_cells("ke")
+    config = as_config(config).with_stage2_cells("ke")
     entries = resolve_models(models_to_score, registry, methods)
     if max_retries < 0:
         raise SweepError(f"max_retries must be >= 0, got {max_retries}.")
@@ -142,9 +144,22 @@ def sweep(
     out_dir = Path(out).expanduser()
     try:
         check_output_dir(out_dir)
+        # apart from every input (a checkpoint, the data, the model list) and writable, before any compute
+        check_outputs_apart(
+            {"--out": out_dir},
+            {
+                "full checkpoint": full,
+                "retain checkpoint": retain,
+                "unlearned checkpoint": [entry.source for entry in entries],
+                "--data": data,
+                "model list": models_to_score if isinstance(models_to_score, (str, os.PathLike)) else None,
+                "registry": registry,
+            },
+            caches={"S1 cache": s1_cache_dir(cache_dir)},
+        )
+        check_writable_dir(out_dir)
     except ConfigError as err:
         raise SweepError(str(err)) from None
-    out_dir.mkdir(parents=True, exist_ok=True)
     if not isinstance(full, (str, os.PathLike)) or not (
         retain is None or isinstance(retain, (str, os.PathLike))
     ):
@@ -231,7 +246,7 @@ def _sweep_in_process(
     for it, from asking for it to its row written.
     """
     worker = SweepWorker(plan, compute_stage=True)
-    ledger = Ledger(out_dir, entries, worker.stage(), plan.config.tau)
+    ledger = Ledger(out_dir, entries, worker.stage(), plan.config.tau, force)
     ledger.write()
     pipeline = StagingPipeline(
         lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
@@ -393,7 +408,7 @@ def _sweep_on_ray(
                 f"Stage 1 with retain {plan.retain}): {error}"
             ) from error
         logger.info("sweep workers: %s", labels)
-        ledger = Ledger(out_dir, entries, shipped, plan.config.tau)
+        ledger = Ledger(out_dir, entries, shipped, plan.config.tau, force)
         _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
         for actor in actors:
             ray.kill(actor)

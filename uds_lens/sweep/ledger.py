@@ -96,6 +96,7 @@ class Ledger:
     entries: list[SweepModel]
     shipped: ShippedStage
     tau: float
+    force: bool = False  # --force: a result saved meanwhile by another run of other inputs is replaced too
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     open_unlearning: dict[str, Any] = field(default_factory=dict)
 
@@ -204,7 +205,7 @@ class Ledger:
         )
         row.update({f"{phase}_seconds": value for phase, value in outcome.phases.items()})
         if outcome.result is not None:
-            outcome.result.save(self.out / outcome.name)
+            outcome.result.save(self.out / outcome.name, force=self.force)
             row.update(fingerprint_columns(outcome.result.meta["fingerprint"]))
             self._fill(outcome.name, outcome.result, outcome.result.meta["timings"]["s2_seconds"])
         elif outcome.fingerprint is not None:  # failed after it was hashed

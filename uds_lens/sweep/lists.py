@@ -4,6 +4,7 @@ own files, named here: `SWEEP_FILES`), and `SweepError`, which every module of t
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -86,7 +87,7 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
             f"Model list {file} not found: give a file of `name,path_or_id` rows or one path per line."
         )
     rows: list[tuple[str | None, str]] = []
-    lines = [line.strip() for line in file.read_text().splitlines()]
+    lines = [line.strip() for line in _read_utf8(file, "Model list").splitlines()]
     for number, row in enumerate(csv.reader(line for line in lines if line and not line.startswith("#")), 1):
         cells = [cell.strip() for cell in row]
         if len(cells) == 1:
@@ -103,6 +104,19 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
     return _check_names(
         [SweepModel(name if name is not None else named[source], source) for name, source in rows]
     )
+
+
+def _read_utf8(file: Path, what: str) -> str:
+    """A list file's text: UTF-8, a byte-order mark dropped (a spreadsheet's "CSV UTF-8" starts with one, which
+    would otherwise glue itself to the first name); another encoding is named with where it fails."""
+    raw = file.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SweepError(
+            f"{what} {file} is not UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}): save it as UTF-8 "
+            "(e.g. `iconv -f latin1 -t utf-8`)."
+        ) from None
 
 
 def _names_of(sources: Sequence[str]) -> dict[str, str]:
@@ -137,7 +151,14 @@ def load_registry(
             kept only when named here.
         published_only: keep only models with a published UDS (the 150 the paper reports).
     """
-    table = pd.read_csv(registry_path(registry), dtype={"epoch": str})
+    path = registry_path(registry)
+    try:
+        table = pd.read_csv(io.StringIO(_read_utf8(path, "Registry")), dtype={"epoch": str})
+    except (pd.errors.EmptyDataError, pd.errors.ParserError) as error:
+        raise SweepError(
+            f"Registry {path} is not a CSV table ({error}): give a file with the header row "
+            "alias,hub_id,method,epoch and one row per model."
+        ) from None
     missing = [column for column in ("alias", "hub_id", "method") if column not in table]
     if missing:
         raise SweepError(f"Registry {registry} lacks the column(s) {missing}.")

@@ -49,6 +49,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBas
 from uds_lens import models
 from uds_lens.checkpoint import checkpoint_stamp
 from uds_lens.files import files_digest, json_digest, write_atomic
+from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.resolve import SAFE_LOAD_KWARGS
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
@@ -208,7 +209,17 @@ def build_zoo(
     else:
         raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)} or pass a ZooSize")
     root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    # before anything is trained: the zoo never holds or lies inside the data or the base it is built from
+    check_outputs_apart(
+        {"--out": root},
+        {
+            "--retain-data": retain_data,
+            "--forget-data": forget_data,
+            "--holdout-data": holdout_data,
+            "--base": base,
+        },
+    )
+    check_writable_dir(root)
     with FileLock(str(root / ".zoo.lock")), _pinned_threads(threads):
         _build_locked(
             root,

@@ -1,0 +1,86 @@
+"""Models of another family or tokenizer (issue 36), on the tiny checkpoints: a tokenizer of the same size with
+another vocabulary, another end-of-text token, a Gemma-2 and a Llama whose shapes agree in every dimension: each
+refused before Stage 1 (before, only the vocabulary size was compared, and such models scored a plausible UDS), while
+metadata that does not change what an id means is not. Each test failed on the code before the issue."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.edits import copy_checkpoint, edit_json, swap_two_tokens
+from helpers.families import build_family, family_configs
+from helpers.tiny import FORGET_SET, make_tiny_tokenizer
+
+from uds_lens import models
+from uds_lens.auditor import UDSAuditor
+from uds_lens.models import ModelMismatchError
+from uds_lens.scoring import score_models
+
+
+def _score(tiny, tmp_path, **models_given):
+    arguments = {"full": tiny.full, "retain": tiny.retain, "unlearned": {"u": tiny.unlearned}, **models_given}
+    return score_models(
+        arguments["full"],
+        arguments["retain"],
+        arguments["unlearned"],
+        tiny.data,
+        out_dir=tmp_path / "out",
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
+
+
+def forbid_stage1(monkeypatch):
+    """Any Stage 1 computation fails the test: a refusal must come before it."""
+    monkeypatch.setattr(UDSAuditor, "_compute_stage1", lambda self: pytest.fail("Stage 1 was computed"))
+
+
+@pytest.mark.parametrize("role", ["unlearned", "retain"])
+def test_a_tokenizer_of_the_same_size_but_another_vocabulary_is_refused(tiny, tmp_path, monkeypatch, role):
+    """Before: only the vocabulary size was compared, and such a model scored a plausible UDS."""
+    other = swap_two_tokens(copy_checkpoint(tiny.unlearned, tmp_path / "other_tokenizer"))
+    forbid_stage1(monkeypatch)
+    given = {"unlearned": {"u": other}} if role == "unlearned" else {"retain": other}
+    with pytest.raises(ModelMismatchError, match="vocabularies differ.*2 tokens have another id") as error:
+        _score(tiny, tmp_path, **given)
+    assert str(other) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_another_end_of_text_token_is_refused_and_other_tokenizer_metadata_is_not(tiny, tmp_path):
+    # compatibility.py is new with the issue: imported here, so the file's other tests also run on older code
+    from uds_lens import compatibility
+
+    other_eos = copy_checkpoint(tiny.unlearned, tmp_path / "other_eos")
+    edit_json(other_eos / "tokenizer_config.json", lambda c: c.update(eos_token="<|pad|>"))
+    with pytest.raises(ModelMismatchError, match="eos_token differs"):
+        compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", other_eos)])
+    # metadata that does not change what an id means: a maximum length, a chat template
+    metadata = copy_checkpoint(tiny.unlearned, tmp_path / "metadata")
+    edit_json(
+        metadata / "tokenizer_config.json", lambda c: c.update(model_max_length=77, chat_template="{{ x }}")
+    )
+    compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", metadata)])
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """A Gemma-2 and a Llama checkpoint whose shapes agree in every dimension (only model_type differs)."""
+    root = tmp_path_factory.mktemp("families")
+    tokenizer = make_tiny_tokenizer(chat_template=False)
+    configs = family_configs(len(tokenizer))
+    llama = configs["llama3"]
+    same_heads = llama.hidden_size // llama.num_attention_heads  # Gemma's head_dim set to Llama's own
+    configs["gemma2"].head_dim = configs["gemma2"].query_pre_attn_scalar = same_heads
+    return {name: build_family(configs[name], root / name, tokenizer) for name in ("gemma2", "llama3")}
+
+
+def test_a_model_of_another_family_is_refused_by_the_check_and_by_the_auditor(families):
+    """Before: a Gemma-2 full patched with a Llama retain and unlearned scored 0.19."""
+    assert models.ArchitectureSignature.of_config(
+        models.load_hf_config(families["gemma2"])
+    ) == models.ArchitectureSignature.of_config(models.load_hf_config(families["llama3"]))
+    with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
+        UDSAuditor(families["gemma2"], families["llama3"], FORGET_SET, progress=False, cache_dir=False)
+    from uds_lens import compatibility
+
+    with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
+        compatibility.check_checkpoints(families["gemma2"], families["llama3"])
