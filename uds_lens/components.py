@@ -44,6 +44,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import SITES, Engine, EngineSpec, Scope, UDSConfig
 from uds_lens.data import EncodedExample
@@ -53,7 +54,6 @@ from uds_lens.patching.engines import FastEngine, engine_class, residual_patch_h
 from uds_lens.patching.kernels import attention_output_norm, wrapped_model
 from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import label_logprobs, mean_entity_logprob, segment_mean
-from uds_lens.resolve import model_name
 from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result
 
@@ -495,7 +495,7 @@ def _result(
     if auditor.retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    name = name or model_name(unlearned)
+    name = name or Checkpoint.of(unlearned).name
     stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute, "S1 (retain)")
     stage2 = _stage_scores(auditor, source, "unlearned", key, compute, f"S2 ({name})")
     return ComponentResult(

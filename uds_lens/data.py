@@ -32,7 +32,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from uds_lens.config import Scope
 
@@ -346,8 +346,13 @@ def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
         ) from err
 
 
+DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None
+"""A forget set as `load_examples` takes it: a JSON/JSONL path, a hub dataset id, records or ``Example``s (None:
+the published annotated set on the hub)."""
+
+
 def load_examples(
-    source: str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None = None,
+    source: DataArg = None,
     split: str = "train",
     limit: int | None = None,
 ) -> list[Example]:
@@ -550,6 +555,7 @@ def encode(
 
 __all__ = [
     "DEFAULT_HUB_DATASET",
+    "DataArg",
     "DataError",
     "EncodedExample",
     "Example",

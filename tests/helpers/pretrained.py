@@ -106,7 +106,7 @@ def converted_checkpoint(cache_root: Path) -> Path:
     """The .gguf dequantised into a Hugging Face directory, converted once per machine (keyed by the file's size)."""
     from filelock import FileLock
 
-    from uds_lens.models import gguf_to_hf
+    from uds_lens.checkpoints.loader import gguf_to_hf
 
     source = gguf_file()
     if source is None:

@@ -20,12 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from uds_lens import models
+from uds_lens.checkpoints import loader
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.cli import _unlearned_models, app, main
 from uds_lens.data import SKIP_ENTITY_NOT_FOUND, Example, encode_one
-from uds_lens.models import load_tokenizer
 from uds_lens.plotting.report import write_report
-from uds_lens.resolve import ModelLoadError
 from uds_lens.scoring import score_models
 from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.driver import sweep as run_sweep
@@ -219,7 +219,7 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
     with pytest.raises(ModelLoadError, match="missing weight shard") as error:
-        models.load_model(sharded, device="cpu")
+        loader.load_model(sharded, device="cpu")
     assert "\n" not in str(error.value)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny.full, corrupt)
@@ -228,7 +228,7 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
     content[8:16] = b"\xff" * 8  # the JSON header no longer parses
     weights.write_bytes(bytes(content))
     with pytest.raises(ModelLoadError, match="not readable safetensors") as error:
-        models.load_model(corrupt, device="cpu")
+        loader.load_model(corrupt, device="cpu")
     assert "\n" not in str(error.value) and str(corrupt) in str(error.value)
 
 
@@ -303,7 +303,7 @@ def test_sweep_csv_holds_the_saved_results_own_values_when_reused(tiny, tmp_path
 def test_a_sweep_into_another_runs_results_is_refused_before_any_model_loads(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _score(tiny, out, tmp_path / "cache")
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SweepError, match="retain differs"):
         run_sweep(tiny.full, tiny.unlearned, tiny.data, out, {"u": str(tiny.unlearned)}, use_ray=False)
 
@@ -334,7 +334,7 @@ def test_entity_and_answer_are_nfc_normalised_and_published_compat_warns(tiny, c
 
 def test_help_lists_every_accepted_dtype():
     with pytest.raises(ValueError) as error:
-        models.resolve_dtype("no-such-dtype", "cpu")
+        loader.resolve_dtype("no-such-dtype", "cpu")
     accepted = [
         name
         for name in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")

@@ -16,15 +16,18 @@ from helpers.tiny import FORGET_SET, make_tiny_llama, make_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from uds_lens import annotation, models
+from uds_lens import annotation
 from uds_lens.analysis.diagnose import DiagnoseResult
 from uds_lens.annotation import annotate
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints import loader
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ArchitectureSignature, ModelMismatchError
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.cli import main
 from uds_lens.config import ConfigError
 from uds_lens.data import DataError, load_examples
-from uds_lens.models import ModelMismatchError
-from uds_lens.resolve import ModelLoadError
+from uds_lens.inputs import RunInputs
 from uds_lens.result_store import OutputConflictError, ResultNameError
 from uds_lens.results import UDSResult
 from uds_lens.scoring import score_models
@@ -86,7 +89,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_the_tensor(tiny, tmp_pa
     """Before: transformers initialised the tensor at random and every run gave another UDS."""
     missing = _edit_weights(_copy(tiny.unlearned, tmp_path / "missing"), lambda t: t.pop(DROPPED))
     with pytest.raises(ModelLoadError, match=DROPPED.replace(".", r"\.")) as error:
-        models.load_model(missing, device="cpu")
+        loader.load_model(missing, device="cpu")
     assert "\n" not in str(error.value) and "random" in str(error.value)
     _no_compute(monkeypatch)
     with pytest.raises(
@@ -103,7 +106,7 @@ def test_a_checkpoint_with_a_tensor_its_model_has_no_place_for_is_refused(tiny, 
         lambda t: t.update({"model.layers.3.mlp.down_proj.weight": t[DROPPED].clone()}),
     )
     with pytest.raises(ModelLoadError, match=r"model\.layers\.3\.mlp\.down_proj\.weight.*no place"):
-        models.load_model(extra, device="cpu")
+        loader.load_model(extra, device="cpu")
 
 
 def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny, tmp_path, monkeypatch):
@@ -115,7 +118,7 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
         "transformers.LlamaForCausalLM.__init__", lambda *a, **k: built.append(1) or pytest.fail("built")
     )
     with pytest.raises(ModelLoadError, match="1000000000 layers.*weight files hold"):
-        models.load_model(bomb, device="cpu")
+        loader.load_model(bomb, device="cpu")
     with pytest.raises(ModelLoadError, match="does not belong to these weights"):
         _score(tiny, tmp_path, unlearned={"u": bomb})  # found with the other checkpoints, before any load
     assert not built
@@ -124,7 +127,7 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
 def test_a_model_larger_than_the_free_memory_is_refused_before_it_is_built(tiny, monkeypatch):
     monkeypatch.setattr("uds_lens.memory.available_memory_bytes", lambda device: 1000)
     with pytest.raises(ModelLoadError, match="GiB are free"):
-        models.load_model(tiny.unlearned, device="cpu")
+        loader.load_model(tiny.unlearned, device="cpu")
 
 
 # -- 2. models of another family or tokenizer -----------------------------------------------------------------
@@ -154,19 +157,16 @@ def test_a_tokenizer_of_the_same_size_but_another_vocabulary_is_refused(tiny, tm
 
 
 def test_another_end_of_text_token_is_refused_and_other_tokenizer_metadata_is_not(tiny, tmp_path):
-    # compatibility.py is new with the issue: imported here, so the file's other tests also run on older code
-    from uds_lens import compatibility
-
     other_eos = _copy(tiny.unlearned, tmp_path / "other_eos")
     _edit_json(other_eos / "tokenizer_config.json", lambda c: c.update(eos_token="<|pad|>"))
     with pytest.raises(ModelMismatchError, match="eos_token differs"):
-        compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", other_eos)])
+        RunInputs.of(tiny.full, tiny.retain, tiny.data, {"u": other_eos})
     # metadata that does not change what an id means: a maximum length, a chat template
     metadata = _copy(tiny.unlearned, tmp_path / "metadata")
     _edit_json(
         metadata / "tokenizer_config.json", lambda c: c.update(model_max_length=77, chat_template="{{ x }}")
     )
-    compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", metadata)])
+    RunInputs.of(tiny.full, tiny.retain, tiny.data, {"u": metadata})
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +183,13 @@ def families(tmp_path_factory):
 
 def test_a_model_of_another_family_is_refused_by_the_check_and_by_the_auditor(families):
     """Before: a Gemma-2 full patched with a Llama retain and unlearned scored 0.19."""
-    assert models.ArchitectureSignature.of_config(
-        models.load_hf_config(families["gemma2"])
-    ) == models.ArchitectureSignature.of_config(models.load_hf_config(families["llama3"]))
+    assert ArchitectureSignature.of_config(
+        Checkpoint.of(families["gemma2"]).config
+    ) == ArchitectureSignature.of_config(Checkpoint.of(families["llama3"]).config)
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
         UDSAuditor(families["gemma2"], families["llama3"], FORGET_SET, progress=False, cache_dir=False)
-    from uds_lens import compatibility
-
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
-        compatibility.check_checkpoints(families["gemma2"], families["llama3"])
+        RunInputs.of(families["gemma2"], families["llama3"], FORGET_SET)
 
 
 # -- 3. annotate reads every record with each model's own tokenizer, or refuses ----------------------------------
@@ -216,7 +214,7 @@ def test_annotate_refuses_a_retain_model_of_another_tokenizer(tiny, tmp_path):
 
 def test_annotate_cuts_a_long_record_to_the_models_context(tiny, tmp_path, monkeypatch):
     """Before: a 2,000-word answer was run whole (and a batch padded to it), past the model's context."""
-    n_ctx = models.load_hf_config(tiny.retain).max_position_embeddings
+    n_ctx = Checkpoint.of(tiny.retain).config.max_position_embeddings
     long_answer = " ".join(["Hsiao was born in Paris and wrote many books about the river."] * 200)
     records = [{"idx": 0, "question": "Where was Hsiao born?", "answer": long_answer}]
     widths = []
@@ -315,7 +313,7 @@ def _records_file(path: Path, records) -> Path:
 
 
 def test_data_errors_are_one_line_before_any_model_loads(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     big_idx = _records_file(tmp_path / "big.json", [dict(FORGET_SET[0], idx=2**63), *FORGET_SET[1:]])
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(json.dumps([dict(FORGET_SET[0], answer="Hsiao was born in París.")], ensure_ascii=False)
@@ -343,7 +341,7 @@ def test_data_errors_are_one_line_before_any_model_loads(tiny, tmp_path, monkeyp
 @pytest.mark.parametrize("name", ["roles.json", "n" * 250])
 def test_result_names_the_output_directory_cannot_hold_are_refused(tiny, tmp_path, monkeypatch, name):
     """Before: roles.json failed after compute (and every later score into that --out); a 250-byte name too."""
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ResultNameError):
         _score(tiny, tmp_path, unlearned={name: tiny.unlearned})
 
@@ -360,7 +358,7 @@ def test_result_names_the_output_directory_cannot_hold_are_refused(tiny, tmp_pat
 def test_option_values_are_refused_in_one_line_before_any_model_loads(
     tiny, tmp_path, monkeypatch, capsys, argv, message
 ):
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     data = _raw_records(tmp_path / "raw.json")
     if argv[0] == "diagnose":
         argv = [
@@ -383,7 +381,7 @@ def test_device_cuda_on_a_cpu_only_torch_says_so(tiny, monkeypatch):
     """Before: "check that it is a complete checkpoint, or re-download it"."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError, match="asks for a GPU.*--device cpu"):
-        models.load_model(tiny.full, device="cuda")
+        loader.load_model(tiny.full, device="cuda")
 
 
 def test_evaluate_on_a_zoo_missing_a_model_names_the_directory(tmp_path, monkeypatch, capsys):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.components import PatchContext, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import UDSConfig
-from uds_lens.models import load_model, load_tokenizer
 from uds_lens.tl_compat import tl_patching
 
 

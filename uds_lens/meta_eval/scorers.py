@@ -16,8 +16,10 @@ from pathlib import Path
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.references import References
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.config import UDSConfig
-from uds_lens.fingerprints import DataArg, ModelArg
+from uds_lens.data import DataArg
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
 from uds_lens.sources import as_source
@@ -57,7 +59,7 @@ class ModelScorers:
         self.batch_size = batch_size
         self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
         self._reference: References | None = None
-        self._scores: dict[str | int, dict[str, float | None]] = {}
+        self._scores: dict[Checkpoint, dict[str, float | None]] = {}
 
     @classmethod
     def from_zoo(
@@ -74,8 +76,8 @@ class ModelScorers:
             batch_size=batch_size,
         )
 
-    def _key(self, model: ModelArg) -> str | int:
-        return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
+    def _key(self, model: ModelArg) -> Checkpoint:
+        return Checkpoint.of(model)
 
     def uds(self, model: ModelArg) -> float:
         return self.auditor.score(model).uds

@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from uds_lens.checkpoints.checkpoint import Checkpoint, result_names
 from uds_lens.result_store import check_result_name
-from uds_lens.scoring import result_names
 
 # What a sweep writes in its output directory, beside one ``NAME/`` directory per model.
 SWEEP_TABLE = "sweep.csv"
@@ -38,9 +38,11 @@ class SweepModel:
 
     Attributes:
         name: result name, one path component (``OUT/NAME/``).
-        source: local checkpoint directory or hub id.
+        source: local checkpoint directory or hub id, as listed.
         method / epoch: from a registry (the unlearning method and its epoch), else None.
         published: the registry's published figures (``published_uds``, ``published_logit_lens``, ...), if any.
+        checkpoint: the `Checkpoint` the sweep's door made of ``source`` (None until then, or when it names none).
+        error: why ``source`` names no checkpoint (its ``failed`` row), or "".
     """
 
     name: str
@@ -48,9 +50,16 @@ class SweepModel:
     method: str | None = None
     epoch: str | None = None
     published: Mapping[str, float] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None
+    error: str = ""
 
 
-def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:
+def named_entries(entries: Sequence[SweepModel]) -> list[SweepModel]:
+    """``entries`` when their names are unique result names that are not the sweep's own files, and there is one.
+
+    Raises:
+        SweepError: naming the repeated, unsafe or reserved names, or an empty list.
+    """
     names = [entry.name for entry in entries]
     repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
@@ -100,7 +109,7 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
                 f"{file}, row {number}: expected `name,path_or_id` or one path, got {len(cells)} cells."
             )
     named = _names_of([source for name, source in rows if name is None])
-    return _check_names(
+    return named_entries(
         [SweepModel(name if name is not None else named[source], source) for name, source in rows]
     )
 
@@ -167,7 +176,7 @@ def load_registry(
                 figures,
             )
         )
-    return _check_names(entries)
+    return named_entries(entries)
 
 
 def resolve_models(
@@ -186,9 +195,9 @@ def resolve_models(
     if isinstance(models_arg, (str, os.PathLike)):
         return read_model_list(models_arg)
     if isinstance(models_arg, Mapping):
-        return _check_names([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
+        return named_entries([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
     named = _names_of([str(item) for item in models_arg if not isinstance(item, SweepModel)])
-    return _check_names(
+    return named_entries(
         [
             item if isinstance(item, SweepModel) else SweepModel(named[str(item)], str(item))
             for item in models_arg
