@@ -319,7 +319,7 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
     with HighWater(device) as s2_peak:
         unlearned = auditor.load(paths["unlearned"])
         started = time.perf_counter()
-        result = auditor.score(unlearned, name=Checkpoint.of(paths["unlearned"]).name)
+        result = auditor.score(unlearned, name=Checkpoint.resolve(paths["unlearned"]).name)
         s2_seconds = time.perf_counter() - started
         held = weight_bytes(auditor.full, auditor.retain, unlearned)
     floor = floor_seconds(auditor, unlearned)

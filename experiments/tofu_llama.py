@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for model_id in (args.full, args.retain, *args.unlearned):
-            _ = Checkpoint.of(model_id).config  # fail fast, before any weights are read
+            _ = Checkpoint.resolve(model_id).config  # fail fast, before any weights are read
         results = score_models(
             args.full,
             args.retain,

@@ -599,7 +599,7 @@ def annotate(
 def _tokenizer_of(model: CheckpointRef | ModelLike) -> PreTrainedTokenizerBase:
     from uds_lens.checkpoints.checkpoint import Checkpoint
 
-    checkpoint = Checkpoint.of(model, weights=False)
+    checkpoint = Checkpoint.resolve(model, weights=False)
     if checkpoint.model is None:
         return checkpoint.tokenizer  # zoo: names resolved there too
     tokenizer = getattr(model, "tokenizer", None)
@@ -617,7 +617,7 @@ def _check_tokenizers(tokenizer: Any, named_models: dict[str, Any]) -> None:
     for role, model in named_models.items():
         if model is None:
             continue
-        checkpoint = Checkpoint.of(model)
+        checkpoint = Checkpoint.resolve(model)
         own = own_tokenizer(checkpoint)
         found = tokenizer_differences(tokenizer, own) if own is not None else []
         if found:

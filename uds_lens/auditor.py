@@ -30,7 +30,7 @@ from uds_lens import display
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.digests import model_fingerprint
-from uds_lens.checkpoints.loader import ModelArg, default_device, load
+from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
@@ -73,8 +73,13 @@ class UDSAuditor:
         >>> result = auditor.score("ckpt/npo")
         >>> result.uds, result.examples.head(), result.layers.head()
 
+    The arguments are made into the run's `inputs.RunInputs` first (every checkpoint made a `Checkpoint`, the forget
+    set read, full and retain compared); a `RunInputs` made already may be passed as ``full`` instead
+    (`UDSAuditor.from_inputs` takes one without resolving anything).
+
     Args:
-        full: the patch target and baseline: a local checkpoint dir, hub id, or a loaded HookedTransformer.
+        full: the patch target and baseline: a local checkpoint dir, ``.gguf``, hub id, ``zoo:NAME``, `Checkpoint`,
+            or a loaded model; or the run's `RunInputs`.
         retain: the Stage-1 source (same forms), or None for retain-free mode.
         data: forget-set path / hub id / records / Examples.
         config: ``UDSConfig``.
@@ -88,14 +93,15 @@ class UDSAuditor:
             records); a sweep worker names the data file its examples were read from.
 
     Attributes:
-        full / retain: the loaded HookedTransformers (``retain`` is None in retain-free mode).
+        inputs: the run's `RunInputs` (the checkpoints, the examples, the settings).
+        full / retain: the loaded TransformerLens models (``retain`` is None in retain-free mode).
         tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
         config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
         examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
             (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
             ``Skip``s with their reasons.
         stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
-        sources / last_source: models kept by :meth:`load_source` (by path) and the model the last
+        sources / last_source: models kept by :meth:`load_source` (by `Checkpoint`) and the model the last
             :meth:`score` loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
@@ -118,7 +124,7 @@ class UDSAuditor:
         retain_name: str | None = None,
         data_name: str | None = None,
     ) -> None:
-        self.inputs = RunInputs.of(
+        inputs = RunInputs.resolve(
             full,
             retain,
             data,
@@ -128,7 +134,21 @@ class UDSAuditor:
             limit=limit,
             data_name=data_name,
         )
-        inputs = self.inputs
+        self._set_up(inputs, progress, retain_name)
+
+    @classmethod
+    def from_inputs(
+        cls, inputs: RunInputs, progress: bool = True, retain_name: str | None = None
+    ) -> UDSAuditor:
+        """The auditor of a run's inputs made already (`RunInputs.resolve`: `scoring.score_models` and a sweep's
+        workers build theirs so): nothing is resolved, read or compared again."""
+        auditor = cls.__new__(cls)
+        auditor._set_up(inputs, progress, retain_name)
+        return auditor
+
+    def _set_up(self, inputs: RunInputs, progress: bool, retain_name: str | None) -> None:
+        """Load full and retain, encode the forget set, choose the engine and the batches (see the class)."""
+        self.inputs = inputs
         self.config = inputs.config.with_stage2_cells("all")
         self.progress = progress
         self._base_fingerprint: dict[str, Any] | None = None
@@ -199,7 +219,7 @@ class UDSAuditor:
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
         compared with full first unless it is one of the inputs' (`RunInputs.admit`); anything else is refused by
-        `Checkpoint.of`'s ``TypeError``, which names the forms a model may take."""
+        `Checkpoint.resolve`'s ``TypeError``, which names the forms a model may take."""
         return self._load(self.inputs.admit(model, role), role)
 
     def load_source(self, model: object, role: str = "unlearned") -> ModelLike:
@@ -228,7 +248,7 @@ class UDSAuditor:
         if checkpoint in self.sources:
             return self.sources[checkpoint]
         return retry_out_of_memory(
-            lambda: load(checkpoint, dtype=self.config.dtype, device=self.device, role=role),
+            lambda: build_model(checkpoint, dtype=self.config.dtype, device=self.device),
             self.device,
             f"loading the {role} model {checkpoint.label}",
         )
@@ -303,19 +323,19 @@ class UDSAuditor:
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
-    def fingerprint(self, unlearned: ModelArg | None) -> dict[str, Any]:
-        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data identified once),
-        plus ``s1``: the `stage_digest` of the Stage 1 every result of this auditor is computed from (so this
-        computes Stage 1, or reads it from the cache, when it is not there yet)."""
+    def fingerprint(self, unlearned: Checkpoint | None) -> dict[str, Any]:
+        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (a `Checkpoint`: what it read is its
+        identity; None for the inputs' keys alone), plus ``s1``: the `stage_digest` of the Stage 1 every result of
+        this auditor is computed from (so this computes Stage 1, or reads it from the cache, when it is not there
+        yet)."""
         if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
             self._base_fingerprint = {
                 **inputs_fingerprint(self.inputs, self.full, self.config),
                 "s1": stage_digest(self.stage1),
             }
-        checkpoint = None if unlearned is None else Checkpoint.of(unlearned)
         # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
         return with_unlearned(
-            self._base_fingerprint, checkpoint, self.config, retain_free=self.stage1.s1 is None
+            self._base_fingerprint, unlearned, self.config, retain_free=self.stage1.s1 is None
         )
 
     def fingerprint_payload(self) -> dict[str, Any]:

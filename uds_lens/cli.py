@@ -213,7 +213,7 @@ def score(
     from uds_lens.checkpoints.checkpoint import Checkpoint
 
     def door(path: str, role: str) -> Checkpoint:
-        return Checkpoint.of(path, outside_weights=allow_outside_weights, role=role)
+        return Checkpoint.resolve(path, outside_weights=allow_outside_weights, role=role)
 
     checkpoints = door(full, "full"), None if no_retain or retain is None else door(retain, "retain")
     models = {name: door(path, "unlearned") for name, path in _unlearned_models(unlearned).items()}

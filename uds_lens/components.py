@@ -495,7 +495,7 @@ def _result(
     if auditor.retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    name = name or Checkpoint.of(unlearned).name
+    name = name or Checkpoint.resolve(unlearned).name
     stage1 = _stage_scores(auditor, auditor.retain, "retain", key, compute, "S1 (retain)")
     stage2 = _stage_scores(auditor, source, "unlearned", key, compute, f"S2 ({name})")
     return ComponentResult(

@@ -3,9 +3,9 @@
 Every way into a UDS run (``uds-lens score`` and ``sweep``, `scoring.score_models`, `sweep.driver.sweep`,
 `auditor.UDSAuditor`) takes either the raw arguments a user writes (paths, hub ids, ``zoo:NAME``, models in memory, a
 data file or records) or a `RunInputs`, and turns the raw ones into a `RunInputs` at its first step
-(`RunInputs.of`). What the value holds is read once there and never worked out again below:
+(`RunInputs.resolve`). What the value holds is read once there and never worked out again below:
 
-- each model as a `Checkpoint` (`Checkpoint.of`: a mistyped path fails here, before anything loads);
+- each model as a `Checkpoint` (`Checkpoint.resolve`: a mistyped path fails here, before anything loads);
 - the forget set as `Example`s (the file read and checked once, ``limit`` applied);
 - the settings (`UDSConfig`), the S1 cache directory, an explicit tokenizer;
 - full, retain and every unlearned model compared once (`compatibility.check_compatible`: one family, one tokenizer,
@@ -50,7 +50,7 @@ NOT_GIVEN = NotGiven()
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What one UDS run reads, made once (`RunInputs.of`).
+    """What one UDS run reads, made once (`RunInputs.resolve`).
 
     Attributes:
         full: the patch target and baseline.
@@ -80,7 +80,7 @@ class RunInputs:
     unreadable: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(
+    def resolve(
         cls,
         full: ModelArg | RunInputs,
         retain: ModelArg | None | NotGiven = NOT_GIVEN,
@@ -161,24 +161,26 @@ class RunInputs:
         skip_unreadable: bool,
     ) -> dict[str, Any]:
         """Every model argument made a `Checkpoint`, in the order a user reads them (full, retain, unlearned)."""
-
-        def door(model: ModelArg, role: str) -> Checkpoint:
-            return Checkpoint.of(model, outside_weights=outside_weights, role=role)
-
         made: dict[str, Any] = {
-            "full": door(full, "full"),
-            "retain": None if retain is None else door(retain, "retain"),
+            "full": Checkpoint.resolve(full, outside_weights=outside_weights, role="full"),
+            "retain": None
+            if retain is None
+            else Checkpoint.resolve(retain, outside_weights=outside_weights, role="retain"),
             "unlearned": {},
             "unreadable": {},
         }
         if isinstance(unlearned, Mapping):
             named = dict(unlearned.items())
         else:
-            named = result_names([door(model, "unlearned") for model in unlearned])
+            named = result_names(
+                [Checkpoint.resolve(model, outside_weights=outside_weights) for model in unlearned]
+            )
         for name, model in named.items():
             check_result_name(str(name))
             try:
-                made["unlearned"][str(name)] = door(model, "unlearned")
+                made["unlearned"][str(name)] = Checkpoint.resolve(
+                    model, outside_weights=outside_weights, role="unlearned"
+                )
             except ModelLoadError as error:
                 if not skip_unreadable:
                     raise
@@ -218,7 +220,7 @@ class RunInputs:
         Raises:
             ModelLoadError / ModelMismatchError: as at the door.
         """
-        checkpoint = Checkpoint.of(model, role=role)
+        checkpoint = Checkpoint.resolve(model, role=role)
         if checkpoint not in self.checkpoints():
             check_compatible(self.identity, [(role, checkpoint)])
         return checkpoint

@@ -77,7 +77,7 @@ def score_models(
 ) -> dict[str, UDSResult]:
     """Score several unlearned models against one (full, retain, data), saving each under ``out_dir/NAME/``.
 
-    Takes the run's inputs made already (``score_models(RunInputs.of(...), out_dir=...)``) or the raw arguments,
+    Takes the run's inputs made already (``score_models(RunInputs.resolve(...), out_dir=...)``) or the raw arguments,
     which it makes into a `RunInputs` first (every checkpoint resolved and the forget set read once, full, retain
     and the unlearned models compared, before any model loads).
 
@@ -111,7 +111,7 @@ def score_models(
     cache = full.cache_dir if isinstance(full, RunInputs) else cache_dir
     if cache is not None and not isinstance(cache, bool):
         check_output_dir(cache, "S1 cache directory (--cache-dir)")
-    inputs = RunInputs.of(full, retain, data, unlearned, config=config, limit=limit, cache_dir=cache_dir)
+    inputs = RunInputs.resolve(full, retain, data, unlearned, config=config, limit=limit, cache_dir=cache_dir)
     results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
     if out_dir is not None and not force:
@@ -124,7 +124,7 @@ def score_models(
         if target is not None and not force and target.exists():
             # The saved result's Stage 1 digest is compared too, which needs this run's Stage 1 (from the cache).
             if auditor is None:
-                auditor = UDSAuditor(inputs, progress=progress)
+                auditor = UDSAuditor.from_inputs(inputs, progress=progress)
             previous, reason = load_reusable(target, auditor.fingerprint(checkpoint))
             if previous is not None:
                 results[name] = previous.with_tau(inputs.config.tau)
@@ -133,7 +133,7 @@ def score_models(
                 continue
             logger.warning("recomputing %s: %s", name, reason)
         if auditor is None:
-            auditor = UDSAuditor(inputs, progress=progress)
+            auditor = UDSAuditor.from_inputs(inputs, progress=progress)
         results[name] = auditor.score(checkpoint, name=name)
         if target is not None and target.exists():
             results[name].meta["recomputed"] = reason

@@ -160,13 +160,13 @@ def test_another_end_of_text_token_is_refused_and_other_tokenizer_metadata_is_no
     other_eos = _copy(tiny.unlearned, tmp_path / "other_eos")
     _edit_json(other_eos / "tokenizer_config.json", lambda c: c.update(eos_token="<|pad|>"))
     with pytest.raises(ModelMismatchError, match="eos_token differs"):
-        RunInputs.of(tiny.full, tiny.retain, tiny.data, {"u": other_eos})
+        RunInputs.resolve(tiny.full, tiny.retain, tiny.data, {"u": other_eos})
     # metadata that does not change what an id means: a maximum length, a chat template
     metadata = _copy(tiny.unlearned, tmp_path / "metadata")
     _edit_json(
         metadata / "tokenizer_config.json", lambda c: c.update(model_max_length=77, chat_template="{{ x }}")
     )
-    RunInputs.of(tiny.full, tiny.retain, tiny.data, {"u": metadata})
+    RunInputs.resolve(tiny.full, tiny.retain, tiny.data, {"u": metadata})
 
 
 @pytest.fixture(scope="module")
@@ -184,12 +184,12 @@ def families(tmp_path_factory):
 def test_a_model_of_another_family_is_refused_by_the_check_and_by_the_auditor(families):
     """Before: a Gemma-2 full patched with a Llama retain and unlearned scored 0.19."""
     assert ArchitectureSignature.of_config(
-        Checkpoint.of(families["gemma2"]).config
-    ) == ArchitectureSignature.of_config(Checkpoint.of(families["llama3"]).config)
+        Checkpoint.resolve(families["gemma2"]).config
+    ) == ArchitectureSignature.of_config(Checkpoint.resolve(families["llama3"]).config)
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
         UDSAuditor(families["gemma2"], families["llama3"], FORGET_SET, progress=False, cache_dir=False)
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
-        RunInputs.of(families["gemma2"], families["llama3"], FORGET_SET)
+        RunInputs.resolve(families["gemma2"], families["llama3"], FORGET_SET)
 
 
 # -- 3. annotate reads every record with each model's own tokenizer, or refuses ----------------------------------
@@ -214,7 +214,7 @@ def test_annotate_refuses_a_retain_model_of_another_tokenizer(tiny, tmp_path):
 
 def test_annotate_cuts_a_long_record_to_the_models_context(tiny, tmp_path, monkeypatch):
     """Before: a 2,000-word answer was run whole (and a batch padded to it), past the model's context."""
-    n_ctx = Checkpoint.of(tiny.retain).config.max_position_embeddings
+    n_ctx = Checkpoint.resolve(tiny.retain).config.max_position_embeddings
     long_answer = " ".join(["Hsiao was born in Paris and wrote many books about the river."] * 200)
     records = [{"idx": 0, "question": "Where was Hsiao born?", "answer": long_answer}]
     widths = []

@@ -46,9 +46,9 @@ def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     assert model_fingerprint(load_model(zoo.path("base"), device="cpu")) == model_fingerprint(
         load_model(base, device="cpu")
     )
-    signature = ArchitectureSignature.of_config(Checkpoint.of(base).config)
+    signature = ArchitectureSignature.of_config(Checkpoint.resolve(base).config)
     for name in zoo.names():
-        assert ArchitectureSignature.of_config(Checkpoint.of(zoo.path(name)).config) == signature, name
+        assert ArchitectureSignature.of_config(Checkpoint.resolve(zoo.path(name)).config) == signature, name
     assert load_tokenizer(zoo.tokenizer_path).get_vocab() == load_tokenizer(base).get_vocab()
     # The strict build checks passed: full learned the forget facts, retain did not.
     assert zoo.info("full")["metrics"]["forget_entity_exact"] >= 0.95

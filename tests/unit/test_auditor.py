@@ -478,13 +478,13 @@ def test_the_saved_fingerprint_is_result_fingerprint_plus_s1(models, tiny, tiny_
     with before loading anything) plus ``s1``, its keys in the order meta.json has always had them."""
     config = UDSConfig(stage2_cells=cells)
     auditor = tiny_auditor(models, config)
-    saved = auditor.fingerprint(models["unlearned"])
+    saved = auditor.fingerprint(Checkpoint.resolve(models["unlearned"]))
     order = ["format", "full", "retain", "data", "tokenizer", "settings", "s1", "unlearned"]
     assert list(saved) == order + (["stage2"] if cells == "ke" else [])
-    run = RunInputs.of(
+    run = RunInputs.resolve(
         models["full"], models["retain"], tiny.data, config=config, tokenizer=auditor.tokenizer
     )
-    inputs = result_fingerprint(run, Checkpoint.of(models["unlearned"]))
+    inputs = result_fingerprint(run, Checkpoint.resolve(models["unlearned"]))
     assert {key: value for key, value in saved.items() if key != "s1"} == inputs
     assert inputs["tokenizer"] != "from full" and inputs["unlearned"].startswith("tensors:")
 

@@ -100,13 +100,13 @@ def test_load_model_collects_garbage_before_the_weights_arrive(tiny, monkeypatch
     garbage = _Cycle()
     gone = weakref.ref(garbage)
     seen: list[bool] = []
-    real = loader.load_hf_model
+    real = loader._hf_model  # noqa: SLF001 - the builder every load goes through
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(gone() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loader, "load_hf_model", spy)
+    monkeypatch.setattr(loader, "_hf_model", spy)
     gc.disable()
     try:
         del garbage
@@ -150,7 +150,7 @@ def test_a_staged_model_is_moved_again_after_an_out_of_memory(tiny, monkeypatch)
 
 
 def test_a_model_staged_for_a_gpu_stays_in_ordinary_memory(tiny):
-    entry = SweepModel("unlearned", str(tiny.unlearned), checkpoint=Checkpoint.of(tiny.unlearned))
+    entry = SweepModel("unlearned", str(tiny.unlearned), checkpoint=Checkpoint.resolve(tiny.unlearned))
     prepared = prepare_model(entry, None, "cuda")
     try:
         # pinning needs a CUDA driver: on this machine it would have failed the model
@@ -183,7 +183,7 @@ def test_other_errors_are_not_out_of_memory():
 
 
 def test_an_out_of_memory_while_loading_is_not_blamed_on_the_checkpoint(tiny):
-    source = Checkpoint.of(tiny.full)
+    source = Checkpoint.resolve(tiny.full)
     with pytest.raises(RuntimeError, match="CUBLAS_STATUS_ALLOC_FAILED"), source.errors():
         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
 
@@ -301,13 +301,13 @@ def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_aud
     auditor.score(tiny.unlearned)
     previous = weakref.ref(auditor.last_source)
     seen: list[bool] = []
-    real = loader.load_hf_model
+    real = loader._hf_model  # noqa: SLF001 - the builder every load goes through
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(previous() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loader, "load_hf_model", spy)
+    monkeypatch.setattr(loader, "_hf_model", spy)
     auditor.score(tiny.retain)
     assert seen == [True]
 
@@ -387,7 +387,7 @@ def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch,
     fake = _FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
     inputs = RunInputs(
-        Checkpoint.of(tiny.full), Checkpoint.of(tiny.retain), [], "data", UDSConfig(device="cuda:1")
+        Checkpoint.resolve(tiny.full), Checkpoint.resolve(tiny.retain), [], "data", UDSConfig(device="cuda:1")
     )
     plan = WorkerPlan(inputs)
     entries = [SweepModel(name, str(tiny.unlearned)) for name in ("a", "b", "c")]

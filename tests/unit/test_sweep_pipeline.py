@@ -14,7 +14,6 @@ import torch
 from helpers.reads import ReadCounter
 
 from uds_lens.checkpoints import loader
-from uds_lens.sweep import staging
 from uds_lens.sweep.driver import sweep
 from uds_lens.sweep.ledger import PHASE_COLUMNS
 from uds_lens.sweep.staging import StagingPipeline
@@ -199,12 +198,12 @@ def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_pat
     models_ = {"unl": sweep_models["unl"], "unl2": sweep_models["unl2"]}
     first = _sweep(tiny, tmp_path / "out", models_)
     loads = []
-    real = loader.load_model
-    for module in (loader, staging):
-        monkeypatch.setattr(module, "load_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    real = loader._bridge  # noqa: SLF001 - the builder every load goes through (the worker's and the staging's)
+    monkeypatch.setattr(loader, "_bridge", lambda *a, **kw: loads.append(a) or real(*a, **kw))
     again = _sweep(tiny, tmp_path / "out", models_)
     # the worker loads full and retain as ever; no unlearned model is loaded
     loaded = {checkpoint.location for checkpoint, *_ in loads}
+    assert loaded == {str(tiny.full), str(tiny.retain)}
     assert (again["status"] == "reused").all() and not loaded & set(models_.values())
     # nor read: its digest is remembered by file identity
     assert (again["bytes_read"] == 0).all()

@@ -86,7 +86,7 @@ def test_every_sweep_module_is_under_700_lines():
 
 @pytest.fixture(scope="module")
 def plan(tiny):
-    inputs = RunInputs.of(
+    inputs = RunInputs.resolve(
         str(tiny.full),
         str(tiny.retain),
         load_examples(tiny.data),
@@ -121,7 +121,7 @@ def test_auditor_names_come_from_the_constructor(tiny):
 
 def _entry(path) -> SweepModel:
     """A sweep model as the sweep's door hands it to a worker: its checkpoint made."""
-    return SweepModel("unl", str(path), checkpoint=Checkpoint.of(path))
+    return SweepModel("unl", str(path), checkpoint=Checkpoint.resolve(path))
 
 
 def test_workers_build_their_auditors_named_by_the_plan(tiny, plan):

@@ -9,7 +9,7 @@ takes it, and everything after asks the value, which reads each thing once and r
 * `digests`: the identity of those bytes (XXH3-128, remembered by file identity in memory and under the cache root)
   and of a model's tensors in memory;
 * `hub`: whether the hub answers (asked once), and what a hub id resolves to offline;
-* `checkpoint`: the `Checkpoint` value (`Checkpoint.of` is the door), its names and its config and tokenizer;
+* `checkpoint`: the `Checkpoint` value (`Checkpoint.resolve` is the door), its names and its config and tokenizer;
 * `coverage`: whether the weight files cover the model the config describes (before and after building it);
 * `compatibility`: full, retain and the unlearned models compared by their identities (family, tokenizer, shapes);
 * `loader`: `load`, `load_model`, `load_hf_model`, `load_tokenizer`: the model built from what the checkpoint read.

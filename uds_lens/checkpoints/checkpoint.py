@@ -2,7 +2,7 @@
 
 Whatever a user passes as a model (a Hugging Face directory, a ``.gguf`` file or a directory holding exactly one, a hub
 id, ``zoo:NAME``, or a model already in memory) becomes a `Checkpoint` at the first step that takes it
-(`Checkpoint.of`), without touching the network for a path: a string that is neither an existing path nor a plausible
+(`Checkpoint.resolve`), without touching the network for a path: a string that is neither an existing path nor a plausible
 hub id (``owner/name``) fails at once; a hub id whose hub cannot be reached fails after one request
 (`hub.hub_or_cache`) where it is first read (the run's door reads every config). Everything below takes the value, never the raw argument, and asks it what it needs:
 
@@ -81,7 +81,7 @@ Kind = Literal["directory", "gguf", "hub", "memory"]
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """A model argument made once into a value (`Checkpoint.of`); what is read from it is remembered on it.
+    """A model argument made once into a value (`Checkpoint.resolve`); what is read from it is remembered on it.
 
     Two checkpoints are equal when they are the same files (or hub id, or model object), however they were spelled.
 
@@ -106,7 +106,7 @@ class Checkpoint:
     # -- the door --------------------------------------------------------------------------------------------------
 
     @classmethod
-    def of(
+    def resolve(
         cls, argument: object, *, outside_weights: bool = False, weights: bool = True, role: str = "model"
     ) -> Checkpoint:
         """The checkpoint an argument names, classified without touching the network for a path; a `Checkpoint` is
@@ -651,7 +651,7 @@ def loadable(path: str) -> bool:
     if Path(path).expanduser().exists():
         return True
     try:
-        Checkpoint.of(path)
+        Checkpoint.resolve(path)
     except ModelLoadError:
         return False
     return True

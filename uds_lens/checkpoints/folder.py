@@ -153,7 +153,7 @@ def _shards(root: Path, index: Path, outside_weights: bool) -> list[tuple[str, P
         raise ModelLoadError(
             f"{index.name} in {root} names weight shards outside the folder ({', '.join(outside[:3])}): refused, so "
             "that what is scored is what the folder holds. Copy the shards into the folder, or allow it "
-            "(--allow-outside-weights, or Checkpoint.of(..., outside_weights=True))."
+            "(--allow-outside-weights, or Checkpoint.resolve(..., outside_weights=True))."
         )
     shards = [(os.path.normpath(name).replace(os.sep, "/"), root / name) for name in names]
     missing = [name for name, path in shards if not path.is_file()]

@@ -2,7 +2,7 @@
 
 Every part of uds_lens turns a model argument into a model through `load` (or its two halves, `load_model` for a
 TransformerLens ``TransformerBridge`` and `load_hf_model` for a plain Hugging Face model): the argument becomes a
-`Checkpoint` at the door (`Checkpoint.of`, once), and the loader takes its config (read once, of a supported family,
+`Checkpoint` at the door (`Checkpoint.resolve`, once), and the loader takes its config (read once, of a supported family,
 never asking for the checkpoint's code), its weight files (chosen once by the folder's rules) and its tensor headers
 (checked against the config and the free memory before anything is built, `coverage.check_config_size`). The weights
 of a directory checkpoint are read once, into memory, hashed in the same pass (`Checkpoint.stage`), and the model is
@@ -134,12 +134,25 @@ def load(
     Raises:
         TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
     """
-    checkpoint = Checkpoint.of(model, role=role)
+    return build_model(Checkpoint.resolve(model, role=role), hooked, dtype, device, quantization)
+
+
+def build_model(
+    checkpoint: Checkpoint,
+    hooked: bool = True,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    quantization: BitsAndBytesConfig | None = None,
+    staged: Staged | None = None,
+) -> ModelLike:
+    """The model of a `Checkpoint` made already (what `load` builds, without resolving anything again): its model
+    in memory as it is, else a ``TransformerBridge`` or, with ``hooked=False``, a plain Hugging Face model, built
+    from what the checkpoint read (``staged``: its weights read ahead, `Checkpoint.stage`)."""
     if checkpoint.model is not None:
         return checkpoint.model
     if hooked:
-        return load_model(checkpoint, dtype=dtype, device=device)
-    return load_hf_model(checkpoint, dtype=dtype, device=device, quantization=quantization)
+        return _bridge(checkpoint, dtype, device, staged)
+    return _hf_model(checkpoint, dtype, device, quantization, None, staged)
 
 
 def load_hf_model(
@@ -153,7 +166,7 @@ def load_hf_model(
     """A Hugging Face causal LM of a supported family in eval mode (local checkpoints are read offline).
 
     Args:
-        checkpoint: a `Checkpoint`, or what `Checkpoint.of` takes (a directory, a ``.gguf`` file, a hub id,
+        checkpoint: a `Checkpoint`, or what `Checkpoint.resolve` takes (a directory, a ``.gguf`` file, a hub id,
             ``zoo:NAME``).
         dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
         device: "cpu" or "cuda"; default CUDA when available.
@@ -163,7 +176,18 @@ def load_hf_model(
         staged: the checkpoint's weights already read (`Checkpoint.stage`: a sweep reads the next model ahead);
             by default a directory checkpoint's weights are read here, once.
     """
-    checkpoint = Checkpoint.of(checkpoint)
+    return _hf_model(Checkpoint.resolve(checkpoint), dtype, device, quantization, attn_implementation, staged)
+
+
+def _hf_model(
+    checkpoint: Checkpoint,
+    dtype: str | torch.dtype | None,
+    device: str | None,
+    quantization: BitsAndBytesConfig | None,
+    attn_implementation: str | None,
+    staged: Staged | None,
+) -> PreTrainedModel:
+    """`load_hf_model` of a checkpoint made already (the builder every loader calls)."""
     if checkpoint.model is not None:
         raise TypeError(
             f"{checkpoint.label} is a model in memory already: use it as it is (or uds_lens.load)."
@@ -245,15 +269,19 @@ def load_model(
     ``staged``: the checkpoint's weights already read (`Checkpoint.stage`: a sweep reads and hashes each checkpoint
     once, ahead of its turn).
     """
-    checkpoint = Checkpoint.of(checkpoint)
+    return _bridge(Checkpoint.resolve(checkpoint), dtype, device, staged)
+
+
+def _bridge(
+    checkpoint: Checkpoint, dtype: str | torch.dtype | None, device: str | None, staged: Staged | None
+) -> TransformerBridge:
+    """`load_model` of a checkpoint made already (the builder every loader calls)."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
     # (a bridge of an older release, a traceback) leaves the device now.
     gc.collect()
-    hf_model = load_hf_model(
-        checkpoint, dtype=torch_dtype, device=device, attn_implementation="eager", staged=staged
-    )
+    hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager", staged)
     tokenizer = None
     if checkpoint.kind == "directory":
         try:
@@ -270,7 +298,7 @@ def load_model(
 def load_tokenizer(checkpoint: CheckpointRef) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a checkpoint (`Checkpoint.tokenizer`: read once, shared by checkpoints whose tokenizer
     files are byte-identical); a tokenizer-only directory is accepted."""
-    return Checkpoint.of(checkpoint, weights=False).tokenizer
+    return Checkpoint.resolve(checkpoint, weights=False).tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,11 +393,11 @@ def gguf_to_hf(gguf_path: CheckpointRef, out_dir: str | os.PathLike[str]) -> Pat
     two CPU cores); the directory loads in seconds and streams tensor by tensor. Written to a temporary sibling and
     renamed, so an interrupted conversion never leaves a half directory behind.
     """
-    checkpoint = Checkpoint.of(gguf_path)
+    checkpoint = Checkpoint.resolve(gguf_path)
     if checkpoint.kind != "gguf":
         raise ModelLoadError(f"{gguf_path} is not a .gguf file (nor a directory holding exactly one).")
     out = Path(out_dir).expanduser()
-    hf_model = load_hf_model(checkpoint, dtype=torch.float32, device="cpu")
+    hf_model = _hf_model(checkpoint, torch.float32, "cpu", None, None, None)
     tokenizer = checkpoint.tokenizer
     tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)
@@ -400,6 +428,7 @@ def gguf_to_hf(gguf_path: CheckpointRef, out_dir: str | os.PathLike[str]) -> Pat
 __all__ = [
     "DEVICE_ENV",
     "ModelArg",
+    "build_model",
     "check_device",
     "default_device",
     "default_dtype",

@@ -112,7 +112,7 @@ def _relearn_settings(
 ) -> dict[str, Any]:
     return {
         "source": str(path),
-        "source_files": Checkpoint.of(path).digest,
+        "source_files": Checkpoint.resolve(path).digest,
         "n_records": n_records,
         "epochs": epochs,
         "lr": lr,

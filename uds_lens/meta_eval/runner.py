@@ -54,7 +54,7 @@ ATTACK_STEMS = {QUANTISATION: "quant", RELEARNING: "relearn"}
 
 def _references_stamp(zoo: Zoo) -> str:
     """The identity of the full and retain checkpoints every cached score is anchored to."""
-    return " ".join(Checkpoint.of(zoo.path(name)).digest for name in ("full", "retain"))
+    return " ".join(Checkpoint.resolve(zoo.path(name)).digest for name in ("full", "retain"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def _score_model(
     if isinstance(model_or_path, _Deferred):
         model_stamp = model_or_path.stamp
     else:
-        checkpoint = Checkpoint.of(model_or_path)
+        checkpoint = Checkpoint.resolve(model_or_path)
         in_memory = f"in-memory {type(model_or_path).__name__}"
         model_stamp = in_memory if checkpoint.model is not None else checkpoint.digest
     settings = {
@@ -273,7 +273,7 @@ def _attacked_table(
         if attack == QUANTISATION:
             source: Any = _Deferred(
                 functools.partial(quantise_nf4, zoo.path(name)),
-                f"nf4, standard layout {Checkpoint.of(zoo.path(name)).digest}",
+                f"nf4, standard layout {Checkpoint.resolve(zoo.path(name)).digest}",
             )
         else:
             source = str(

@@ -77,7 +77,7 @@ class ModelScorers:
         )
 
     def _key(self, model: ModelArg) -> Checkpoint:
-        return Checkpoint.of(model)
+        return Checkpoint.resolve(model)
 
     def uds(self, model: ModelArg) -> float:
         return self.auditor.score(model).uds

@@ -163,7 +163,7 @@ def sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     # The door: every checkpoint made once and compared with full, the forget set read once. A model that names no
     # checkpoint, or whose config cannot be read, becomes its failed row; the others go on.
-    inputs = RunInputs.of(
+    inputs = RunInputs.resolve(
         full,
         retain,
         data,

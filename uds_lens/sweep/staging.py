@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from uds_lens.checkpoints.folder import ModelLoadError, Staged
-from uds_lens.checkpoints.loader import load_model, release_model, resolve_dtype
+from uds_lens.checkpoints.loader import build_model, release_model, resolve_dtype
 from uds_lens.config import DtypeName
 from uds_lens.memory import retry_out_of_memory
 from uds_lens.results import UDSResult
@@ -130,7 +130,7 @@ def prepare_model(
         if directory and prepared.staged is None:
             prepared.staged = checkpoint.stage()  # the digest is known: read once, for loading, unhashed
         # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
-        prepared.model = load_model(
+        prepared.model = build_model(
             checkpoint, dtype=resolve_dtype(dtype, device), device="cpu", staged=prepared.staged
         )
         lap("load")

@@ -229,7 +229,7 @@ class SweepWorker:
         if not compute_stage:  # Stage 1 arrives from the first worker: no retain to load, no cache to read
             inputs = dataclasses.replace(inputs, retain=None, cache_dir=False)
         # every worker's results name the plan's retain model and data file, whether it loaded retain or not
-        self.auditor = UDSAuditor(
+        self.auditor = UDSAuditor.from_inputs(
             inputs, progress=False, retain_name=retain.label if retain is not None else None
         )
         self.shipped: ShippedStage | None = None

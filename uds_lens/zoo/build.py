@@ -609,7 +609,7 @@ def _refuse_to_replace(
 
 def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
     """What the zoo's fingerprints record about a pretrained base: where it is, its files, its architecture."""
-    checkpoint = Checkpoint.of(base)
+    checkpoint = Checkpoint.resolve(base)
     signature = asdict(ArchitectureSignature.of_config(checkpoint.config))  # a supported family (config says)
     return {"source": str(base), "stamp": checkpoint.digest, "shape": signature}
 

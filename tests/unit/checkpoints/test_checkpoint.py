@@ -111,24 +111,24 @@ def test_an_unreachable_hub_is_one_line_after_one_request(hub):
     assert "no local path" in message and "Name or service not known" in message
     assert hub.requests == 1
     with pytest.raises(ModelLoadError, match="cannot be reached"):
-        Checkpoint.of("someone/else").from_pretrained_args()
+        Checkpoint.resolve("someone/else").from_pretrained_args()
     assert hub.requests == 1
 
 
 def test_the_hub_is_asked_only_for_hub_ids_and_a_cached_model_loads_without_it(hub, tiny, monkeypatch):
     for model in (str(tiny.full), tiny.full):
-        Checkpoint.of(model).from_pretrained_args()  # local checkpoints
+        Checkpoint.resolve(model).from_pretrained_args()  # local checkpoints
     assert hub.requests == 0
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
-    first, kwargs = Checkpoint.of("org/cached").from_pretrained_args()
+    first, kwargs = Checkpoint.resolve("org/cached").from_pretrained_args()
     assert (
         first == "org/cached" and kwargs["local_files_only"] is True and kwargs["trust_remote_code"] is False
     )
     assert hub.requests == 1
     hub.error = None
     monkeypatch.setattr(hub_module, "_hub_answers", {})
-    assert Checkpoint.of("org/cached").from_pretrained_args()[1]["local_files_only"] is False
-    assert Checkpoint.of(tiny.full).from_pretrained_args()[1]["local_files_only"] is True
+    assert Checkpoint.resolve("org/cached").from_pretrained_args()[1]["local_files_only"] is False
+    assert Checkpoint.resolve(tiny.full).from_pretrained_args()[1]["local_files_only"] is True
     assert hub.requests == 2
 
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_is_a_value_never_mistaken_for_its_argument(tiny):
     it), it names the checkpoint as the argument did, two spellings of one folder are one checkpoint, and making it
     again returns it as it is."""
     given = str(tiny.full) + "/"
-    checkpoint = Checkpoint.of(given)
+    checkpoint = Checkpoint.resolve(given)
     assert isinstance(checkpoint, Checkpoint) and not isinstance(checkpoint, os.PathLike)
     with pytest.raises(TypeError):
         os.fspath(checkpoint)  # type: ignore[call-overload]
@@ -147,22 +147,29 @@ def test_a_checkpoint_is_a_value_never_mistaken_for_its_argument(tiny):
         str(tiny.full),
         given,
     )
-    assert Checkpoint.of(checkpoint) is checkpoint and Checkpoint.of(checkpoint, weights=False) is checkpoint
-    assert Checkpoint.of(tiny.full) == checkpoint and hash(Checkpoint.of(tiny.full)) == hash(checkpoint)
+    assert (
+        Checkpoint.resolve(checkpoint) is checkpoint
+        and Checkpoint.resolve(checkpoint, weights=False) is checkpoint
+    )
+    assert Checkpoint.resolve(tiny.full) == checkpoint and hash(Checkpoint.resolve(tiny.full)) == hash(
+        checkpoint
+    )
     assert checkpoint.fingerprint == "files:" + checkpoint.digest
     with pytest.raises(TypeError, match="retain must be a checkpoint path.*object"):
-        Checkpoint.of(object(), role="retain")
+        Checkpoint.resolve(object(), role="retain")
 
 
 def test_run_inputs_list_every_location_they_read(tiny, tmp_path):
     """What an output must never overlap: the checkpoints, their weights wherever an index points, the data, the
     S1 cache."""
-    inputs = RunInputs.of(tiny.full, tiny.retain, tiny.data, {"u": tiny.unlearned}, cache_dir=tmp_path / "s1")
+    inputs = RunInputs.resolve(
+        tiny.full, tiny.retain, tiny.data, {"u": tiny.unlearned}, cache_dir=tmp_path / "s1"
+    )
     paths = dict((str(path), what) for what, path in inputs.input_paths())
     assert paths[str(tiny.full)] == "full checkpoint" and paths[str(tiny.retain)] == "retain checkpoint"
     assert paths[str(tiny.unlearned)] == "unlearned u checkpoint"
     assert paths[str(tiny.data)] == "forget set" and paths[str(tmp_path / "s1")] == "S1 cache"
     assert (
         "S1 cache"
-        not in dict(RunInputs.of(tiny.full, None, tiny.data, cache_dir=False).input_paths()).values()
+        not in dict(RunInputs.resolve(tiny.full, None, tiny.data, cache_dir=False).input_paths()).values()
     )

@@ -54,7 +54,7 @@ def _checkpoint(root: Path, scale: float = 1.0) -> Path:
 
 
 def _digest(root: Path) -> str:
-    return Checkpoint.of(root).digest  # a new value each time: only the file-identity cache can answer
+    return Checkpoint.resolve(root).digest  # a new value each time: only the file-identity cache can answer
 
 
 def test_digest_is_stable_and_names_its_scheme(tmp_path):
@@ -63,7 +63,7 @@ def test_digest_is_stable_and_names_its_scheme(tmp_path):
     # caches are then recomputed instead of being compared with identities of another scheme).
     assert DIGEST_VERSION == 2
     assert digest == "xxh3_128/v2:3e760636732e4247a626b1723641e6f2"
-    assert Checkpoint.of(tmp_path / "ckpt").fingerprint == "files:" + digest
+    assert Checkpoint.resolve(tmp_path / "ckpt").fingerprint == "files:" + digest
 
 
 def test_one_staged_read_gives_the_same_digest_and_the_tensors_as_views(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_one_staged_read_gives_the_same_digest_and_the_tensors_as_views(tmp_path
     plain = _digest(root)
     monkeypatch.setattr(digests, "_DIGESTS", {})
     monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "another-cache"))  # the staged read must compute it
-    checkpoint = Checkpoint.of(root)
+    checkpoint = Checkpoint.resolve(root)
     staged = checkpoint.stage()
     assert staged.hashed and staged.digest == plain == checkpoint.digest
     assert staged.nbytes == sum(path.stat().st_size for _, path in checkpoint.files.identifying)
@@ -95,9 +95,9 @@ def test_every_byte_and_name_counts_and_the_memo_follows_the_files(tmp_path):
     config = root / "config.json"
     config.write_text('{"model_type": "llamb"}')  # same size, one byte changed: the memo must not answer
     os.utime(config, ns=(1, 1))
-    assert Checkpoint.of(root).known_digest() is None
+    assert Checkpoint.resolve(root).known_digest() is None
     changed = _digest(root)
-    assert changed != first and Checkpoint.of(root).known_digest() == changed
+    assert changed != first and Checkpoint.resolve(root).known_digest() == changed
     (root / "config.json").rename(root / "config2.json")  # a renamed file is another checkpoint
     (root / "config.json").write_text('{"model_type": "llamb"}')
     assert _digest(root) not in (first, changed)
@@ -113,9 +113,9 @@ def test_the_digest_is_remembered_on_disk_by_file_identity(tmp_path, monkeypatch
     read = []
     real = digests.hash_stream
     monkeypatch.setattr(digests, "hash_stream", lambda hasher, file: read.append(file) or real(hasher, file))
-    assert Checkpoint.of(root).known_digest() == first and _digest(root) == first and read == []
+    assert Checkpoint.resolve(root).known_digest() == first and _digest(root) == first and read == []
     copy = shutil.copytree(root, tmp_path / "copy")
-    assert Checkpoint.of(copy).known_digest() is None
+    assert Checkpoint.resolve(copy).known_digest() is None
     assert _digest(copy) == first and read  # read once, and the same contents give the same digest
     read.clear()
     os.utime(root / "model.safetensors", ns=(5, 5))
@@ -135,14 +135,14 @@ def test_a_truncated_file_is_refused_when_its_tensors_are_read(tmp_path):
     root = _checkpoint(tmp_path / "ckpt")
     weights = root / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8])
-    staged = Checkpoint.of(root).stage()
+    staged = Checkpoint.resolve(root).stage()
     with pytest.raises(CheckpointReadError, match="truncated"):
         list(staged.tensors())
 
 
 def test_a_model_loads_identically_from_the_one_read(tiny):
     """The loader builds from the staged bytes; transformers reading the files itself gives the same tensors."""
-    checkpoint = Checkpoint.of(tiny.unlearned)
+    checkpoint = Checkpoint.resolve(tiny.unlearned)
     staged = checkpoint.stage()
     ours = load_hf_model(checkpoint, device="cpu", staged=staged)
     theirs = AutoModelForCausalLM.from_pretrained(str(tiny.unlearned), dtype=torch.float32)
@@ -164,4 +164,4 @@ def test_the_digest_is_the_contents_and_a_hub_id_stands_for_itself(tmp_path):
     assert _digest(root) == stamp
     _checkpoint(root, scale=3.0)
     assert _digest(root) != stamp
-    assert Checkpoint.of("owner/model").digest == "owner/model"
+    assert Checkpoint.resolve("owner/model").digest == "owner/model"

@@ -80,10 +80,10 @@ def test_score_and_sweep_read_the_same_bytes_of_a_folder_with_extra_weight_files
     assert scored.uds == reference.uds  # the model itself: the same tensors, the same computation
     assert reads.times_read(folder / leftover) == 0.0  # never read, not even hashed
     assert f"{leftover} is not loaded" in caplog.text
-    before = Checkpoint.of(folder).digest  # nor part of the identity
+    before = Checkpoint.resolve(folder).digest  # nor part of the identity
 
     shutil.copy(tiny.full / WEIGHTS, folder / leftover)
-    assert Checkpoint.of(folder).digest == before
+    assert Checkpoint.resolve(folder).digest == before
 
 
 def test_the_identity_covers_shards_in_a_subfolder(tiny, tmp_path):
@@ -113,13 +113,13 @@ def test_weights_outside_the_folder_are_refused_unless_allowed(tiny, tmp_path):
     with pytest.raises(ModelLoadError, match="outside the folder") as refused:
         load_model(folder, device="cpu")
     assert "\n" not in str(refused.value) and "--allow-outside-weights" in str(refused.value)
-    allowed = Checkpoint.of(folder, outside_weights=True)
+    allowed = Checkpoint.resolve(folder, outside_weights=True)
     assert load_model(allowed, device="cpu").cfg.n_layers == 3
     names = dict(allowed.files.identifying)
     assert "../shared/model-00001-of-00002.safetensors" in names  # the identity covers them too
-    before = Checkpoint.of(folder, outside_weights=True).digest
+    before = Checkpoint.resolve(folder, outside_weights=True).digest
     shutil.copy(tiny.retain / WEIGHTS, tmp_path / "shared" / "model-00002-of-00002.safetensors")
-    assert Checkpoint.of(folder, outside_weights=True).digest != before
+    assert Checkpoint.resolve(folder, outside_weights=True).digest != before
 
 
 @pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])

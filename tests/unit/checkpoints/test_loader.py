@@ -53,7 +53,7 @@ def test_mismatched_vocab_and_architecture_of_models_in_memory(tiny, tmp_path):
 
     def compare(full, other):
         check_identities(
-            identity_of(Checkpoint.of(full), "full"), [identity_of(Checkpoint.of(other), "other")]
+            identity_of(Checkpoint.resolve(full), "full"), [identity_of(Checkpoint.resolve(other), "other")]
         )
 
     other_vocab = tiny.variant(tmp_path / "v", seed=3, vocab_size=320)
@@ -139,7 +139,7 @@ def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
     with pytest.raises(ModelLoadError, match="(does not exist|plausible Hugging Face hub id|pass .zoo:)"):
         load_model(spec)
     assert time.perf_counter() - started < 2.0
-    assert Checkpoint.of("meta-llama/Llama-3.2-1B").kind == "hub"
+    assert Checkpoint.resolve("meta-llama/Llama-3.2-1B").kind == "hub"
 
 
 def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
@@ -154,7 +154,7 @@ def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert Checkpoint.of(other.parent).location == str(other)  # a directory holding exactly one .gguf
+    assert Checkpoint.resolve(other.parent).location == str(other)  # a directory holding exactly one .gguf
     with pytest.raises(ModelLoadError, match="architecture 'gpt2'.*supports general.architecture in"):
         load_model(other.parent)
     (other.parent / "second.gguf").write_bytes(other.read_bytes())
@@ -242,7 +242,7 @@ def test_a_checkpoint_argument_is_made_a_checkpoint_once_per_load(tiny, monkeypa
     model = load_model(str(tiny.full), dtype="float32", device="cpu")
     assert resolved == [str(tiny.full)]
     assert model.uds_source == str(tiny.full)
-    checkpoint = Checkpoint.of(str(tiny.full))
+    checkpoint = Checkpoint.resolve(str(tiny.full))
     resolved.clear()
     again = load_model(checkpoint, dtype="float32", device="cpu")
     assert resolved == [] and again.uds_source == str(tiny.full)
