@@ -113,6 +113,13 @@ def remember_digest(stamp: FileStamp, digest: str) -> str:
     return digest
 
 
+def forget_digests() -> None:
+    """Drop the digests remembered in memory (those on disk stay): the next look-up of a checkpoint reads its cache
+    file under the cache root, or its bytes."""
+    with _DIGESTS_LOCK:
+        _DIGESTS.clear()
+
+
 def file_header(hasher: Any, name: str, size: int) -> None:
     """Name and size before the contents: two files' bytes can never be shifted from one to the other."""
     hasher.update(name.encode() + b"\0" + struct.pack("<Q", size))
@@ -289,6 +296,7 @@ __all__ = [
     "file_stamp",
     "files_digest",
     "finish",
+    "forget_digests",
     "forget_fingerprint",
     "hash_stream",
     "known_digest",

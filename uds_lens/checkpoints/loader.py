@@ -278,9 +278,11 @@ def _bridge(
     """`load_model` of a checkpoint made already (the builder every loader calls)."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
-    # (a bridge of an older release, a traceback) leaves the device now.
-    gc.collect()
+    if staged is None:
+        # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
+        # (a bridge of an older release, a traceback) leaves the device now. (Weights read ahead are built on the
+        # CPU, by a caller that collects before it moves them to the device: the sweep's staging.)
+        gc.collect()
     hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager", staged)
     tokenizer = None
     if checkpoint.kind == "directory":

@@ -25,14 +25,7 @@ from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
 from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
 from uds_lens.sweep.ledger import Ledger
-from uds_lens.sweep.lists import (
-    SCATTER_HTML,
-    SWEEP_TABLE,
-    SweepError,
-    SweepModel,
-    named_entries,
-    resolve_models,
-)
+from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_TABLE, SweepError, SweepModel, resolve_models
 from uds_lens.sweep.published import add_published_comparison, write_published_scatter
 from uds_lens.sweep.staging import Prepared, StagingPipeline
 from uds_lens.sweep.worker import (
@@ -135,7 +128,7 @@ def sweep(
     if isinstance(full, RunInputs):
         if models_to_score is not None or registry is not None:
             raise SweepError("With a RunInputs, the models swept are its unlearned ones: pass no model list.")
-        entries = named_entries([SweepModel(name, c.given) for name, c in full.unlearned.items()])
+        entries = resolve_models({name: checkpoint.given for name, checkpoint in full.unlearned.items()})
     else:
         entries = resolve_models(models_to_score, registry, methods)
     if max_retries < 0:

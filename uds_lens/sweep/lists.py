@@ -54,12 +54,7 @@ class SweepModel:
     error: str = ""
 
 
-def named_entries(entries: Sequence[SweepModel]) -> list[SweepModel]:
-    """``entries`` when their names are unique result names that are not the sweep's own files, and there is one.
-
-    Raises:
-        SweepError: naming the repeated, unsafe or reserved names, or an empty list.
-    """
+def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:
     names = [entry.name for entry in entries]
     repeated = sorted(name for name, count in Counter(names).items() if count > 1)
     if repeated:
@@ -109,7 +104,7 @@ def read_model_list(path: str | os.PathLike) -> list[SweepModel]:
                 f"{file}, row {number}: expected `name,path_or_id` or one path, got {len(cells)} cells."
             )
     named = _names_of([source for name, source in rows if name is None])
-    return named_entries(
+    return _check_names(
         [SweepModel(name if name is not None else named[source], source) for name, source in rows]
     )
 
@@ -176,7 +171,7 @@ def load_registry(
                 figures,
             )
         )
-    return named_entries(entries)
+    return _check_names(entries)
 
 
 def resolve_models(
@@ -195,9 +190,9 @@ def resolve_models(
     if isinstance(models_arg, (str, os.PathLike)):
         return read_model_list(models_arg)
     if isinstance(models_arg, Mapping):
-        return named_entries([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
+        return _check_names([SweepModel(str(name), str(source)) for name, source in models_arg.items()])
     named = _names_of([str(item) for item in models_arg if not isinstance(item, SweepModel)])
-    return named_entries(
+    return _check_names(
         [
             item if isinstance(item, SweepModel) else SweepModel(named[str(item)], str(item))
             for item in models_arg

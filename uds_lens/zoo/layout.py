@@ -7,7 +7,7 @@ A zoo is a directory with a ``manifest.json``::
      "tokenizer": "tokenizer", "relearn": {"lr": 0.002}, "checks": {...}, ...}
 
 :func:`uds_lens.zoo.build_zoo` writes it with every build detail; a hand-written one (the models of a paper-scale
-meta-evaluation, say) needs only ``models`` and ``data``. Model paths are zoo-relative; a path that is absolute, or
+meta-evaluation, say) needs only ``checkpoints`` and ``data``. Model paths are zoo-relative; a path that is absolute, or
 that exists nowhere under the zoo, is kept as written (a hub id). A data entry may also be spelled ``forget_path`` or
 ``forget_file``. Roles: ``base``, ``full``, ``retain``, ``partial``, ``unlearned``, ``sweep`` and the
 meta-evaluation's P and N pools, ``pos`` (fine-tuned *with* the forget set) and ``neg`` (never saw it).
