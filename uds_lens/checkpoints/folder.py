@@ -250,22 +250,27 @@ def read_folder(root: str | os.PathLike[str], outside_weights: bool = False) -> 
     )
 
 
+def _unreadable(file: Path, why: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{file} is not readable safetensors ({why}): the file is truncated or corrupt; re-save or re-download the "
+        "checkpoint."
+    )
+
+
 def _header(file: Path) -> dict[str, Any]:
     with file.open("rb") as handle:
         raw_length = handle.read(8)
         if len(raw_length) < 8:
-            raise ModelLoadError(f"{file} is too short to be a safetensors file: re-save or re-download it.")
+            raise _unreadable(file, "too short for a header")
         (header_len,) = struct.unpack("<Q", raw_length)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > file.stat().st_size:
-            raise ModelLoadError(
-                f"{file}: its header claims {header_len} bytes (truncated or foreign); re-save or re-download it."
-            )
+            raise _unreadable(file, f"its header claims {header_len} bytes")
         try:
             header = json.loads(handle.read(header_len))
         except ValueError as err:
-            raise ModelLoadError(f"{file}: its header is not JSON ({err}); not a safetensors file.") from err
+            raise _unreadable(file, f"its header is not JSON: {err}") from err
     if not isinstance(header, dict):
-        raise ModelLoadError(f"{file}: its header is not a JSON object; not a safetensors file.")
+        raise _unreadable(file, "its header is not a JSON object")
     return header
 
 
