@@ -36,6 +36,7 @@ import xxhash
 from uds_lens.checkpoints.folder import (
     CheckpointFiles,
     ModelLoadError,
+    explain_load_error,
     read_folder,
     refuse_code,
     tensor_shapes,
@@ -398,48 +399,6 @@ CheckpointRef: TypeAlias = str | os.PathLike[str] | Checkpoint
 ``zoo:NAME``, or a `Checkpoint` made already."""
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoadError:
-    """One line naming the checkpoint, what failed to load, the cause and the fix, for any loader error."""
-    text = str(err)
-    lowered = text.lower()
-    name = type(err).__name__
-    if "trust_remote_code" in text or "custom code" in lowered:
-        return ModelLoadError(
-            f"{location} needs its own Python code to load its {what} (an auto_map in config.json or "
-            "tokenizer_config.json), and uds_lens never runs a checkpoint's code: use a checkpoint of a decoder "
-            f"family transformers implements itself (model_type in {SUPPORTED_MODEL_TYPES}), or convert this one."
-        )
-    if name == "UnpicklingError" or "weights only load failed" in lowered or "weights_only" in lowered:
-        return ModelLoadError(
-            f"The {what} of {location} are pickled (pytorch_model.bin) with objects torch refuses to unpickle "
-            "safely (weights_only), so they were not read: convert the checkpoint to safetensors where you trust it "
-            "(model.save_pretrained(dir, safe_serialization=True)) and pass that directory."
-        )
-    if (
-        "safetensor" in lowered
-        or "header" in lowered
-        or name in ("JSONDecodeError", "UnicodeDecodeError", "error")
-    ):
-        return ModelLoadError(
-            f"The {what} of {location} are not readable safetensors ({name}: {_one_line(text, 160)}): the file is "
-            "truncated or corrupt; re-save or re-download the checkpoint."
-        )
-    if "dtype" in lowered:
-        return ModelLoadError(
-            f"Could not load the {what} of {location} in the requested dtype ({name}: {_one_line(text, 160)}): pass "
-            "--dtype float32, bfloat16 or float16."
-        )
-    return ModelLoadError(
-        f"Could not load the {what} of {location} ({name}: {_one_line(text, 200)}): check that it is a complete "
-        "checkpoint (config.json, tokenizer files and every weight shard), or re-download it."
-    )
-
-
 def check_supported(config: PretrainedConfig, name: str) -> None:
     """Refuse a config of a family uds_lens does not support, naming it and the families that are."""
     model_type = getattr(config, "model_type", None)
@@ -683,7 +642,6 @@ __all__ = [
     "CheckpointRef",
     "Kind",
     "check_supported",
-    "explain_load_error",
     "gguf_architecture",
     "loadable",
     "model_label",

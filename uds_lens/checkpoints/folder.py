@@ -24,7 +24,8 @@ Around those rules, what a user could mistake:
 - a config or tokenizer config with an ``auto_map`` (the checkpoint's own Python classes) is refused: uds_lens never
   runs a checkpoint's code, and scoring it with the stock class would score another model.
 
-The identity (`CheckpointFiles.identifying`) is the weight files chosen, the index, and the folder's config and
+`ModelLoadError` is what goes wrong with a checkpoint, always one line naming it and the fix (`explain_load_error`
+turns any loader's error into one). The identity (`CheckpointFiles.identifying`) is the weight files chosen, the index, and the folder's config and
 tokenizer files (``.json``, ``.jinja``, ``.model``, ``.txt``), each named by its path in the folder. `stage` reads
 the weight files once into memory, hashing every identifying file in the same pass (or not at all, when the digest is
 already known), and hands the tensors to the loader as views of the bytes it read.
@@ -43,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from uds_lens.families import SUPPORTED_MODEL_TYPES
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -51,6 +54,48 @@ logger = logging.getLogger(__name__)
 
 class ModelLoadError(RuntimeError):
     """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture, ambiguous weights)."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoadError:
+    """One line naming the checkpoint, what failed to load, the cause and the fix, for any loader error."""
+    text = str(err)
+    lowered = text.lower()
+    name = type(err).__name__
+    if "trust_remote_code" in text or "custom code" in lowered:
+        return ModelLoadError(
+            f"{location} needs its own Python code to load its {what} (an auto_map in config.json or "
+            "tokenizer_config.json), and uds_lens never runs a checkpoint's code: use a checkpoint of a decoder "
+            f"family transformers implements itself (model_type in {SUPPORTED_MODEL_TYPES}), or convert this one."
+        )
+    if name == "UnpicklingError" or "weights only load failed" in lowered or "weights_only" in lowered:
+        return ModelLoadError(
+            f"The {what} of {location} are pickled (pytorch_model.bin) with objects torch refuses to unpickle "
+            "safely (weights_only), so they were not read: convert the checkpoint to safetensors where you trust it "
+            "(model.save_pretrained(dir, safe_serialization=True)) and pass that directory."
+        )
+    if (
+        "safetensor" in lowered
+        or "header" in lowered
+        or name in ("JSONDecodeError", "UnicodeDecodeError", "error")
+    ):
+        return ModelLoadError(
+            f"The {what} of {location} are not readable safetensors ({name}: {_one_line(text, 160)}): the file is "
+            "truncated or corrupt; re-save or re-download the checkpoint."
+        )
+    if "dtype" in lowered:
+        return ModelLoadError(
+            f"Could not load the {what} of {location} in the requested dtype ({name}: {_one_line(text, 160)}): pass "
+            "--dtype float32, bfloat16 or float16."
+        )
+    return ModelLoadError(
+        f"Could not load the {what} of {location} ({name}: {_one_line(text, 200)}): check that it is a complete "
+        "checkpoint (config.json, tokenizer files and every weight shard), or re-download it."
+    )
 
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -447,6 +492,7 @@ __all__ = [
     "ModelLoadError",
     "Staged",
     "WeightFormat",
+    "explain_load_error",
     "read_folder",
     "refuse_code",
     "stage",
