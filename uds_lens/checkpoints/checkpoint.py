@@ -95,6 +95,9 @@ class Checkpoint:
             ``uds_source``.
         outside_weights: shards an index names outside the folder are accepted.
         model: the model, for ``kind="memory"``.
+        model_config: its Hugging Face config (None for a TransformerLens 3.x ``HookedTransformer``, which has
+            none), for ``kind="memory"``.
+        origin: the checkpoint uds_lens loaded a model in memory from (its tokenizer is the model's), or None.
     """
 
     kind: Kind
@@ -103,6 +106,8 @@ class Checkpoint:
     path_or_id: str
     outside_weights: bool = False
     model: ModelLike | None = field(default=None, repr=False)
+    model_config: PretrainedConfig | None = field(default=None, repr=False)
+    origin: Checkpoint | None = field(default=None, repr=False)
 
     # -- the door --------------------------------------------------------------------------------------------------
 
@@ -158,7 +163,7 @@ class Checkpoint:
         tokenizer, a config object or a model."""
         if self.kind == "memory":
             raise TypeError(f"{self.label} is a model in memory: pass a checkpoint path to another process.")
-        heavy = ("config", "tokenizer", "key", "origin")
+        heavy = ("config", "tokenizer", "key")
         return {name: value for name, value in self.__dict__.items() if name not in heavy}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -178,20 +183,6 @@ class Checkpoint:
     def name(self) -> str:
         """Result name: a directory's basename, a zoo model's name, or a hub id with ``/`` replaced by ``__``."""
         return name_of(self.given if self.kind != "memory" else self.label)
-
-    @functools.cached_property
-    def origin(self) -> Checkpoint | None:
-        """The checkpoint a model in memory was loaded from by uds_lens (None otherwise, and for a checkpoint)."""
-        if self.model is None:
-            return None
-        from uds_lens.tl_compat import hf_model_of, is_tl_model
-
-        hf = hf_model_of(self.model) if is_tl_model(self.model) else None
-        for holder in (self.model, hf):
-            found = getattr(holder, "uds_checkpoint", None) if holder is not None else None
-            if isinstance(found, Checkpoint):
-                return found
-        return None
 
     # -- what is read from it, once --------------------------------------------------------------------------------
 
@@ -228,7 +219,9 @@ class Checkpoint:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         if self.kind == "memory":
-            return self._memory_hf().config
+            if self.model_config is None:
+                raise ModelLoadError(f"{self.label} is a HookedTransformer: it has no Hugging Face config.")
+            return self.model_config
         if self.kind == "directory":
             raw = dict(self.files.config)
             if raw.get("model_type") in CONFIG_MAPPING:
@@ -237,13 +230,6 @@ class Checkpoint:
             _check_gguf(self.location)
         first, kwargs = self.from_pretrained_args()
         return AutoConfig.from_pretrained(first, **kwargs)
-
-    def _memory_hf(self) -> Any:
-        from uds_lens.tl_compat import hf_model_of, is_hooked_transformer, is_tl_model
-
-        if self.model is None or is_hooked_transformer(self.model):
-            raise ModelLoadError(f"{self.label} has no Hugging Face config.")
-        return hf_model_of(self.model) if is_tl_model(self.model) else self.model
 
     @functools.cached_property
     def tensor_shapes(self) -> dict[str, tuple[int, ...]] | None:
@@ -490,16 +476,23 @@ def _classify(given: str, path_like: bool, outside_weights: bool, weights: bool)
 
 
 def _in_memory(model: object, role: str) -> Checkpoint:
-    """A model given loaded: the one place that tells a model from what is not one."""
-    from uds_lens.tl_compat import is_tl_model
+    """A model given loaded: the one place that tells the kinds of model apart (a bridge, a HookedTransformer, a
+    Hugging Face model), and finds its Hugging Face config and the checkpoint uds_lens loaded it from."""
+    from uds_lens.tl_compat import hf_model_of, is_hooked_transformer, is_tl_model
 
     if not (is_tl_model(model) or hasattr(model, "config")):
         raise TypeError(
             f"{role} must be a checkpoint path, hub id, zoo:NAME, TransformerBridge, HookedTransformer or Hugging "
             f"Face model (got {type(model).__name__})."
         )
+    typed = cast("ModelLike", model)
+    hf = None if is_hooked_transformer(typed) else (hf_model_of(typed) if is_tl_model(typed) else typed)
+    loaded_from = [getattr(holder, "uds_checkpoint", None) for holder in (model, hf)]
+    origin = next((found for found in loaded_from if isinstance(found, Checkpoint)), None)
     label = model_label(model)
-    return Checkpoint("memory", "", label, label, model=cast("ModelLike", model))
+    return Checkpoint(
+        "memory", "", label, label, model=typed, model_config=getattr(hf, "config", None), origin=origin
+    )
 
 
 def model_label(model: object) -> str:

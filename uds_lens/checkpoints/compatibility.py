@@ -140,15 +140,10 @@ def identity_of(
     """
     label = f"{role} ({checkpoint.label})"
     if checkpoint.model is not None:
-        model = checkpoint.model
-        model_type = None
-        if not is_hooked_transformer(model):
-            hf = hf_model_of(model) if is_tl_model(model) else model
-            model_type = getattr(getattr(hf, "config", None), "model_type", None)
+        model_type = getattr(checkpoint.model_config, "model_type", None)
         files = checkpoint.tokenizer_files if tokenizer is None else None
-        return ModelIdentity(
-            label, model_type, ArchitectureSignature.of(model), tokenizer or own_tokenizer(checkpoint), files
-        )
+        signature = ArchitectureSignature.of(checkpoint.model)
+        return ModelIdentity(label, model_type, signature, tokenizer or own_tokenizer(checkpoint), files)
     config = checkpoint.config
     shapes = dict(checkpoint.tensor_shapes or {})
     if shapes:  # the dtype only sizes a memory check, which this one leaves out
