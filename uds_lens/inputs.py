@@ -143,13 +143,13 @@ class RunInputs:
             data_path if data_path is not None and data_path.is_file() else None,
             models["unreadable"],
         )
-        others = [("retain", inputs.retain)] if inputs.retain is not None else []
-        others += [(f"unlearned {name}", checkpoint) for name, checkpoint in inputs.unlearned.items()]
-        unreadable = check_compatible(inputs.identity, others, skip_unreadable)
-        for role in unreadable:
+        if inputs.retain is not None:
+            check_compatible(inputs.identity, [("retain", inputs.retain)])
+        others = [(f"unlearned {name}", checkpoint) for name, checkpoint in inputs.unlearned.items()]
+        for role, why in check_compatible(inputs.identity, others, skip_unreadable).items():
             name = role.removeprefix("unlearned ")
-            inputs.unreadable[name] = unreadable[role]
-            inputs.unlearned.pop(name, None)
+            inputs.unreadable[name] = why
+            del inputs.unlearned[name]
         return inputs
 
     @staticmethod
