@@ -215,7 +215,9 @@ def test_a_pickled_only_checkpoint_is_a_one_line_refusal(tiny, tmp_path, monkeyp
 def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny.full, sharded)
-    (sharded / "model.safetensors").unlink()  # the index is the model now, and names a shard that is not there
+    (
+        sharded / "model.safetensors"
+    ).unlink()  # the index is the model now, and names a shard that is not there
     (sharded / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
