@@ -71,7 +71,7 @@ demo: setup
 # The core tests: every module a UDS number passes through (loading, sources, both engines, the auditor and its
 # published-compat mode, components, KE-only Stage 2) and the real SmolLM2. The notebooks run on 4.x only: they call
 # the same library functions, and executing them twice cost about six CI minutes.
-CORE_TESTS := tests/unit/test_models.py tests/unit/test_sources.py tests/unit/test_patching.py \
+CORE_TESTS := tests/unit/checkpoints tests/unit/test_sources.py tests/unit/test_patching.py \
 	tests/unit/test_uds.py tests/unit/test_auditor.py tests/unit/test_components.py tests/unit/test_dtypes.py \
 	tests/unit/test_families.py tests/unit/test_stage2_cells.py \
 	tests/integration/test_pretrained_llama.py
@@ -113,11 +113,11 @@ test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
 # The core modules every UDS computation passes through are type-checked.
-MYPY_CORE := uds_lens/data.py uds_lens/models.py uds_lens/sources.py uds_lens/patching uds_lens/uds.py \
+MYPY_CORE := uds_lens/data.py uds_lens/checkpoints uds_lens/inputs.py uds_lens/sources.py uds_lens/patching uds_lens/uds.py \
 	uds_lens/auditor.py uds_lens/results.py uds_lens/config.py uds_lens/files.py uds_lens/readout.py \
-	uds_lens/resolve.py uds_lens/checkpoint.py uds_lens/result_store.py uds_lens/components.py \
+	uds_lens/result_store.py uds_lens/components.py \
 	uds_lens/component_result.py uds_lens/stage_cache.py uds_lens/fingerprints.py uds_lens/failures.py \
-	uds_lens/scoring.py uds_lens/display.py uds_lens/example_view.py uds_lens/families.py uds_lens/compatibility.py uds_lens/weights.py \
+	uds_lens/scoring.py uds_lens/display.py uds_lens/example_view.py uds_lens/families.py \
 	uds_lens/outputs.py uds_lens/memory.py uds_lens/layer_table.py uds_lens/annotation.py uds_lens/phrases.py uds_lens/question_align.py uds_lens/metrics/memorization.py uds_lens/baselines/fisher.py uds_lens/sweep/staging.py uds_lens/tl_compat.py \
 	uds_lens/baselines/hidden.py uds_lens/baselines/lenses.py uds_lens/metrics/utility.py uds_lens/meta_eval/scorers.py \
 	uds_lens/zoo/layout.py uds_lens/zoo/notebook.py

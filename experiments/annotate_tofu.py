@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script: its siblin
 from bench_annotate import _span, agreement, open_zoo, print_uds_rows, uds_side_by_side  # noqa: E402
 
 from uds_lens.annotation import STATUSES, AnnotateConfig, annotate  # noqa: E402
+from uds_lens.checkpoints.loader import load_tokenizer  # noqa: E402
 from uds_lens.data import read_records  # noqa: E402
-from uds_lens.models import load_tokenizer  # noqa: E402
 
 RECORDS_PER_AUTHOR = 20
 HELD_OUT_AUTHORS = range(3)

@@ -31,8 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 
 from uds_lens.annotation import AnnotateConfig, annotate
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.data import read_records
-from uds_lens.models import load_tokenizer
 from uds_lens.phrases import answer_units
 from uds_lens.zoo.layout import load_zoo
 

@@ -60,9 +60,9 @@ import psutil
 import torch
 
 from uds_lens import uds
+from uds_lens.checkpoints.loader import hooked_from_hf
 from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
-from uds_lens.models import hooked_from_hf
 from uds_lens.patching.batch import WindowPacking, pad_batch
 from uds_lens.patching.cells import stage2_work
 from uds_lens.patching.engines import engine_for
@@ -191,8 +191,8 @@ def gemma3_270m_dir():
     it) dequantised into a Hugging Face directory under the uds_lens cache, once."""
     import importlib
 
+    from uds_lens.checkpoints.loader import gguf_to_hf
     from uds_lens.files import cache_root
-    from uds_lens.models import gguf_to_hf
 
     try:
         package = importlib.import_module(GEMMA3_PACKAGE.replace("-", "_"))

@@ -41,8 +41,8 @@ import torch
 from bench_engine import gemma3_270m_dir
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import hooked_from_hf
 from uds_lens.config import UDSConfig
-from uds_lens.models import hooked_from_hf
 from uds_lens.patching.batch import pad_batch
 from uds_lens.uds import deltas, example_uds
 

@@ -289,9 +289,9 @@ def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
 
 def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir: Path, engine: str) -> dict:
     from uds_lens.auditor import UDSAuditor
+    from uds_lens.checkpoints.checkpoint import Checkpoint
+    from uds_lens.checkpoints.loader import load_model
     from uds_lens.config import UDSConfig
-    from uds_lens.models import load_model
-    from uds_lens.resolve import model_name
 
     shape = SHAPES[shape_name]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -319,7 +319,7 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
     with HighWater(device) as s2_peak:
         unlearned = auditor.load(paths["unlearned"])
         started = time.perf_counter()
-        result = auditor.score(unlearned, name=model_name(paths["unlearned"]))
+        result = auditor.score(unlearned, name=Checkpoint.resolve(paths["unlearned"]).name)
         s2_seconds = time.perf_counter() - started
         held = weight_bytes(auditor.full, auditor.retain, unlearned)
     floor = floor_seconds(auditor, unlearned)
@@ -376,7 +376,7 @@ def bridge_of(config, dtype: torch.dtype, device: str):
     ``cpu``: random weights)."""
     from transformers import LlamaForCausalLM
 
-    from uds_lens.models import hooked_from_hf
+    from uds_lens.checkpoints.loader import hooked_from_hf
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -412,9 +412,9 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
       batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
       the joined copies of all three.
     """
+    from uds_lens.checkpoints.loader import load_tokenizer
     from uds_lens.config import EngineSpec
     from uds_lens.data import encode, load_examples
-    from uds_lens.models import load_tokenizer
     from uds_lens.patching.batch import pad_batch
     from uds_lens.patching.engines import FastEngine, engine_for
     from uds_lens.patching.kernels import layer_weights

@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from uds_lens.checkpoints.loader import load_hf_model, load_model, load_tokenizer  # noqa: E402
 from uds_lens.config import EngineSpec  # noqa: E402
 from uds_lens.data import encode, load_examples  # noqa: E402
-from uds_lens.models import load_hf_model, load_model, load_tokenizer  # noqa: E402
 from uds_lens.patching.batch import pad_batch  # noqa: E402
 from uds_lens.patching.engines import engine_for, source_activations  # noqa: E402
 from uds_lens.patching.kernels import fast_engine_refusal  # noqa: E402

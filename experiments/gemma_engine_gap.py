@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from bench_engine import gemma3_270m_dir
 
+from uds_lens.checkpoints.loader import hooked_from_hf
 from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
-from uds_lens.models import hooked_from_hf
 from uds_lens.patching.batch import WindowPacking, pad_batch
 from uds_lens.patching.engines import NaiveEngine, engine_for, final_residual_at_reads, source_activations
 from uds_lens.patching.kernels import packed_forward, read_scores

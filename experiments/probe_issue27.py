@@ -233,8 +233,8 @@ import re  # noqa: E402
 print(
     f"5c --help names float16 / fp16: {bool(re.search(r'(?<!b)float16', proc.stdout))} / {'fp16' in proc.stdout}"
 )
+from uds_lens.checkpoints.loader import load_tokenizer  # noqa: E402
 from uds_lens.data import Example, encode_one  # noqa: E402
-from uds_lens.models import load_tokenizer  # noqa: E402
 
 tok = load_tokenizer(t.tokenizer)
 d, c = unicodedata.normalize("NFD", "Café"), unicodedata.normalize("NFC", "Café")

@@ -34,15 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None)
     args = parser.parse_args(argv)
 
+    from uds_lens.checkpoints.checkpoint import Checkpoint
+    from uds_lens.checkpoints.folder import ModelLoadError
     from uds_lens.config import UDSConfig
     from uds_lens.data import DataError
-    from uds_lens.models import load_hf_config
-    from uds_lens.resolve import ModelLoadError
     from uds_lens.scoring import score_models
 
     try:
         for model_id in (args.full, args.retain, *args.unlearned):
-            load_hf_config(model_id)  # fail fast, before any weights are read
+            _ = Checkpoint.resolve(model_id).config  # fail fast, before any weights are read
         results = score_models(
             args.full,
             args.retain,

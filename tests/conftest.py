@@ -24,8 +24,8 @@ from helpers.tiny import Trio, make_tiny_llama, make_tiny_tokenizer, make_trio, 
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.hidden import HiddenStates, collect_hidden_states
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.config import UDSConfig
-from uds_lens.models import load_model, load_tokenizer
 from uds_lens.zoo.build import build_zoo
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

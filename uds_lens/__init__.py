@@ -26,9 +26,11 @@ _EXPORTS = {
     "Skip": "uds_lens.data",
     "encode": "uds_lens.data",
     "load_examples": "uds_lens.data",
-    "load_hf_model": "uds_lens.models",
-    "load_model": "uds_lens.models",
-    "load_tokenizer": "uds_lens.models",
+    "Checkpoint": "uds_lens.checkpoints.checkpoint",
+    "RunInputs": "uds_lens.inputs",
+    "load_hf_model": "uds_lens.checkpoints.loader",
+    "load_model": "uds_lens.checkpoints.loader",
+    "load_tokenizer": "uds_lens.checkpoints.loader",
     "verify_parity": "uds_lens.sources",
     "UDSResult": "uds_lens.results",
     "UDSAuditor": "uds_lens.auditor",
@@ -47,9 +49,11 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Checkpoint",
     "ComponentResult",
     "EncodedExample",
     "Example",
+    "RunInputs",
     "Skip",
     "UDSAuditor",
     "UDSConfig",
@@ -75,11 +79,13 @@ __all__ = [
 if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.annotation import annotate
     from uds_lens.auditor import UDSAuditor
+    from uds_lens.checkpoints.checkpoint import Checkpoint
+    from uds_lens.checkpoints.loader import load_hf_model, load_model, load_tokenizer
     from uds_lens.component_result import ComponentResult
     from uds_lens.components import patch_heads, patch_positions, patch_tokens
     from uds_lens.config import UDSConfig
     from uds_lens.data import EncodedExample, Example, Skip, encode, load_examples
-    from uds_lens.models import load_hf_model, load_model, load_tokenizer
+    from uds_lens.inputs import RunInputs
     from uds_lens.results import UDSResult
     from uds_lens.sources import verify_parity
     from uds_lens.uds import bootstrap_ci, example_uds, excess_disruption, model_uds, uds_parts

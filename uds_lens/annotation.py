@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from jaxtyping import Float
 
+from uds_lens.checkpoints.checkpoint import CheckpointRef
 from uds_lens.config import ConfigError
 from uds_lens.data import (
     DataError,
@@ -94,7 +95,6 @@ from uds_lens.question_align import (
     question_words,
     restates,
 )
-from uds_lens.resolve import CheckpointRef
 
 if TYPE_CHECKING:  # type names only: importing annotate loads neither torch nor TransformerLens
     from torch import Tensor
@@ -605,10 +605,11 @@ def annotate(
 
 
 def _tokenizer_of(model: CheckpointRef | ModelLike) -> PreTrainedTokenizerBase:
-    from uds_lens import models
+    from uds_lens.checkpoints.checkpoint import Checkpoint
 
-    if isinstance(model, (str, os.PathLike)):
-        return models.load_tokenizer(model)  # resolved once there (zoo: names too)
+    checkpoint = Checkpoint.resolve(model, weights=False)
+    if checkpoint.model is None:
+        return checkpoint.tokenizer  # zoo: names resolved there too
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("annotate got a loaded model without a tokenizer: pass tokenizer=.")
@@ -618,19 +619,20 @@ def _tokenizer_of(model: CheckpointRef | ModelLike) -> PreTrainedTokenizerBase:
 def _check_tokenizers(tokenizer: Any, named_models: dict[str, Any]) -> None:
     """Every model reads the records in ``tokenizer``'s ids: refuse a model whose own tokenizer (its checkpoint's)
     gives other ids (``compatibility.tokenizer_differences``), instead of writing spans from mistranslated tokens."""
-    from uds_lens.compatibility import checkpoint_tokenizer, tokenizer_differences
-    from uds_lens.models import ModelMismatchError
+    from uds_lens.checkpoints.checkpoint import Checkpoint
+    from uds_lens.checkpoints.compatibility import ModelMismatchError, own_tokenizer, tokenizer_differences
 
     for role, model in named_models.items():
         if model is None:
             continue
-        source = model if isinstance(model, (str, os.PathLike)) else getattr(model, "uds_source", None)
-        own = checkpoint_tokenizer(source) if source is not None else None
+        checkpoint = Checkpoint.resolve(model)
+        own = own_tokenizer(checkpoint)
         found = tokenizer_differences(tokenizer, own) if own is not None else []
         if found:
             raise ModelMismatchError(
-                f"annotate encodes every record once, but the {role} model ({source}) has another tokenizer than "
-                f"the one encoding them: {'; '.join(found)}. Pass full and retain models of one tokenizer."
+                f"annotate encodes every record once, but the {role} model ({checkpoint.label}) has another "
+                f"tokenizer than the one encoding them: {'; '.join(found)}. Pass full and retain models of one "
+                "tokenizer."
             )
 
 
@@ -639,7 +641,7 @@ def _fit_model(
 ) -> list[tuple[list[int], int]]:
     """``sequences`` as ``model`` can run them: each cut to its context (as ``score`` cuts an example: nothing after
     a position changes the log-prob read there), after checking every id is in its vocabulary."""
-    from uds_lens.models import ArchitectureSignature
+    from uds_lens.checkpoints.compatibility import ArchitectureSignature
     from uds_lens.sources import as_source
 
     largest = max((max(ids) for ids, _ in sequences if ids), default=-1)
@@ -658,17 +660,17 @@ def _model_scores(
     device: str | None,
 ) -> list[np.ndarray]:
     """Per-unit contrast (or surprise) of each record: one batched forward pass per model."""
-    from uds_lens import models
+    from uds_lens.checkpoints.loader import load
 
     layouts = [_layout(r["question"], r["answer"], tokenizer) for r in records]
     sequences = [(ids, prompt_len) for ids, prompt_len, _ in layouts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    reference_model = models.load(reference, dtype=dtype, device=device, role="retain")
+    reference_model = load(reference, dtype=dtype, device=device, role="retain")
     fitted = _fit_model(reference_model, sequences, "retain")
     reference_lp = _answer_token_logprobs(reference_model, fitted, pad_id, config.batch_size)
     del reference_model
     if full is not None:
-        full_model = models.load(full, dtype=dtype, device=device, role="full")
+        full_model = load(full, dtype=dtype, device=device, role="full")
         fitted = _fit_model(full_model, sequences, "full")
         full_lp = _answer_token_logprobs(full_model, fitted, pad_id, config.batch_size)
         del full_model

@@ -26,33 +26,25 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from uds_lens import display, models
-from uds_lens.checkpoint import model_fingerprint
-from uds_lens.compatibility import check_loaded, identity_of_model
+from uds_lens import display
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ModelMismatchError
+from uds_lens.checkpoints.digests import model_fingerprint
+from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
-from uds_lens.config import ConfigError, EngineSpec, UDSConfig, as_config
-from uds_lens.data import (
-    EncodedExample,
-    Example,
-    build_prompt,
-    check_data_source,
-    check_ids_in_vocabulary,
-    encode,
-    fit_context,
-    load_examples,
-)
+from uds_lens.config import ConfigError, EngineSpec, UDSConfig
+from uds_lens.data import DataArg, EncodedExample, build_prompt, check_ids_in_vocabulary, encode, fit_context
 from uds_lens.failures import nonfinite_error
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
-    DataArg,
-    ModelArg,
     inputs_fingerprint,
     layout_digest,
     library_versions,
     tokenizer_digest,
     with_unlearned,
 )
+from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
 from uds_lens.memory import available_memory_bytes, retry_out_of_memory
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
@@ -64,10 +56,9 @@ from uds_lens.patching.planning import (
     plan_batches,
     run_batches,
 )
-from uds_lens.resolve import describe, model_name
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
-from uds_lens.stage_cache import S1Cache, StageOne, s1_cache_dir, stage_digest
+from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
 from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
 from uds_lens.uds import deltas, ke_mask
 
@@ -82,9 +73,13 @@ class UDSAuditor:
         >>> result = auditor.score("ckpt/npo")
         >>> result.uds, result.examples.head(), result.layers.head()
 
+    The arguments are made into the run's `inputs.RunInputs` first (every checkpoint made a `Checkpoint`, the forget
+    set read, full and retain compared); a `RunInputs` made already may be passed as ``full`` instead
+    (`UDSAuditor.from_inputs` takes one without resolving anything).
+
     Args:
-        full: the patch target and baseline: a local checkpoint dir, ``.gguf`` file, hub id or ``zoo:NAME``, or a
-            loaded TransformerLens model (a ``TransformerBridge``).
+        full: the patch target and baseline: a local checkpoint dir, ``.gguf``, hub id, ``zoo:NAME``, `Checkpoint`,
+            or a loaded model; or the run's `RunInputs`.
         retain: the Stage-1 source (same forms), or None for retain-free mode.
         data: forget-set path / hub id / records / Examples.
         config: ``UDSConfig``.
@@ -98,21 +93,16 @@ class UDSAuditor:
             records); a sweep worker names the data file its examples were read from.
 
     Attributes:
-        full: the loaded full model, a ``TransformerBridge``: the patch target.
-        retain: the loaded retain model (the Stage-1 source), or None in retain-free mode.
-        tokenizer: the full model's fast tokenizer.
-        pad_id: the id that pads batches.
-        config: the settings (`UDSConfig`).
-        device: where the models run.
-        layers: the patched layers.
-        progress: whether tqdm bars show.
-        examples: the forget set (``Example``).
-        encoded (list[EncodedExample]): the scorable examples' token layouts (``input_ids``, ``read_positions``,
-            ``labels``, ``patch_positions(scope)``).
-        skipped (list[Skip]): the examples that cannot be scored, with their reasons.
+        inputs: the run's `RunInputs` (the checkpoints, the examples, the settings).
+        full / retain: the loaded TransformerLens models (``retain`` is None in retain-free mode).
+        tokenizer / pad_id: the full model's fast tokenizer and the id that pads batches.
+        config / device / layers / progress: the settings, the device, the patched layers, tqdm on or off.
+        examples / encoded / skipped: the forget set (``Example``), the scorable examples' token layouts
+            (``EncodedExample``: ``input_ids``, ``read_positions``, ``labels``, ``patch_positions(scope)``) and the
+            ``Skip``s with their reasons.
         stage1: S0, each engine's per-layer baseline and S1 (``StageOne``), computed once and cached on disk.
-        sources: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source], by path.
-        last_source: the model the last [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
+        sources / last_source: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source] (by `Checkpoint`) and the model the last
+            [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
 
@@ -123,9 +113,9 @@ class UDSAuditor:
 
     def __init__(
         self,
-        full: ModelArg,
-        retain: ModelArg | None,
-        data: DataArg,
+        full: ModelArg | RunInputs,
+        retain: ModelArg | None | NotGiven = NOT_GIVEN,
+        data: DataArg | NotGiven = NOT_GIVEN,
         config: UDSConfig | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         cache_dir: str | os.PathLike | bool | None = None,
@@ -134,53 +124,57 @@ class UDSAuditor:
         retain_name: str | None = None,
         data_name: str | None = None,
     ) -> None:
-        self.config = as_config(config).with_stage2_cells("all")
-        check_data_source(data)  # wrong types refused before any model loads
-        s1_cache_dir(cache_dir)
+        inputs = RunInputs.resolve(
+            full,
+            retain,
+            data,
+            config=config,
+            tokenizer=tokenizer,
+            cache_dir=cache_dir,
+            limit=limit,
+            data_name=data_name,
+        )
+        self._set_up(inputs, progress, retain_name)
+
+    @classmethod
+    def from_inputs(
+        cls, inputs: RunInputs, progress: bool = True, retain_name: str | None = None
+    ) -> UDSAuditor:
+        """The auditor of a run's inputs made already (`RunInputs.resolve`: `scoring.score_models` and a sweep's
+        workers build theirs so): nothing is resolved, read or compared again."""
+        auditor = cls.__new__(cls)
+        auditor._set_up(inputs, progress, retain_name)
+        return auditor
+
+    def _set_up(self, inputs: RunInputs, progress: bool, retain_name: str | None) -> None:
+        """Load full and retain, encode the forget set, choose the engine and the batches (see the class)."""
+        self.inputs = inputs
+        self.config = inputs.config.with_stage2_cells("all")
         self.progress = progress
-        self._inputs: dict[str, Any] = {
-            "full": full,
-            "retain": retain,
-            "tokenizer_given": tokenizer is not None,
-        }
         self._base_fingerprint: dict[str, Any] | None = None
-        self.device = self.config.device or models.default_device()
-        self.full = self._load_target(full, "full")
-        self.full_name = describe(full)
+        self.device = self.config.device or default_device()
+        self.sources: dict[Checkpoint, ModelLike] = {}
+        self.full = self._load_target(inputs.full, "full")
+        self.full_name = inputs.full.label
         refusal = engine_class(self.config.engine).refusal(self.full)
         if refusal is not None:
             # a family the fast engine does not compute: the naive engine (the model's own forward), never a guess
             logger.warning("%s: %s; scoring with the naive engine.", self.full_name, refusal)
             self.config = dataclasses.replace(self.config, engine="naive")
-        if tokenizer is None:
-            source = full if isinstance(full, (str, os.PathLike)) else getattr(self.full, "uds_source", None)
-            if source is None:
-                raise ValueError("Pass tokenizer=... when the full model is given as an in-memory model.")
-            tokenizer = models.load_tokenizer(source)
+        tokenizer = inputs.encoding_tokenizer
         self.tokenizer = tokenizer
         if tokenizer.vocab_size > self.full.cfg.d_vocab:
-            raise models.ModelMismatchError(
+            raise ModelMismatchError(
                 f"The tokenizer has {tokenizer.vocab_size} tokens but the full model's vocabulary is "
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
-        self.retain = self._load_target(retain, "retain") if retain is not None else None
-        if retain_name is None and retain is not None:
-            retain_name = describe(retain)
+        # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
+        self.retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        if retain_name is None and inputs.retain is not None:
+            retain_name = inputs.retain.label
         self.retain_name = retain_name
-        # one family, one tokenizer, one shape (compatibility.py); each unlearned model is checked in score()
-        identity = identity_of_model(
-            self.full, "full", tokenizer if self._inputs["tokenizer_given"] else None
-        )
-        # its checkpoint's tokenizer files identify it, so the same files elsewhere are not compared again
-        self.identity = (
-            identity if identity.tokenizer is not None else dataclasses.replace(identity, tokenizer=tokenizer)
-        )
-        if self.retain is not None:
-            check_loaded(self.identity, self.retain, "retain")
-        self.examples: list[Example] = load_examples(data, limit=limit)
-        if data_name is None:
-            data_name = str(data) if isinstance(data, (str, os.PathLike)) else "<records>"
-        self.data_name = data_name
+        self.examples = inputs.examples
+        self.data_name = inputs.data_name
         self.encoded, self.skipped = encode(self.examples, tokenizer, self.config.published_compat)
         # an id past the embedding (tokens added to the tokenizer) would fail deep in the first forward
         check_ids_in_vocabulary(
@@ -201,7 +195,11 @@ class UDSAuditor:
                 f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1})."
             )
         self.engine: PatchEngine = engine_for(self.engine_spec)  # chosen once, after the refusal above
-        self.cache = None if cache_dir is False else S1Cache(cache_dir if cache_dir is not True else None)
+        self.cache = (
+            None
+            if inputs.cache_dir is False
+            else S1Cache(inputs.cache_dir if inputs.cache_dir is not True else None)
+        )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._batches = self._make_batches()
         self._clean: dict[int, CleanRun] = {}
@@ -209,7 +207,6 @@ class UDSAuditor:
         # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
         self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
         self._stage1: StageOne | None = None
-        self.sources: dict[str, ModelLike] = {}
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
 
@@ -224,40 +221,40 @@ class UDSAuditor:
         self.retain = None
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
-        """A model as this auditor runs it: a path or hub id loaded in its dtype and device, a loaded model as is
-        (anything else is refused by ``models.load``'s ``TypeError``, which names the forms a model may take)."""
-        return self._load(model, role)
+        """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
+        compared with full first unless it is one of the inputs' (`RunInputs.admit`); anything else is refused by
+        `Checkpoint.resolve`'s ``TypeError``, which names the forms a model may take."""
+        return self._load(self.inputs.admit(model, role), role)
 
     def load_source(self, model: object, role: str = "unlearned") -> ModelLike:
-        """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same path reuse it.
+        """Load a source model once and keep it: later ``score``/``patch_*`` calls with the same checkpoint reuse it.
 
         Args:
-            model: a checkpoint directory, hub id, zoo name (``"zoo:npo"``), or an already loaded model (returned
-                as is).
+            model: a checkpoint directory, hub id, zoo name (``"zoo:npo"``), `Checkpoint`, or an already loaded
+                model (returned as is).
             role: how error messages name it.
 
         Returns:
-            The loaded model (also in ``auditor.sources[path]``).
+            The loaded model (also in ``auditor.sources[checkpoint]``).
         """
-        if not isinstance(model, (str, os.PathLike)):
-            return self._load(model, role)
-        key = str(model)
-        if key not in self.sources:
-            self.sources[key] = self._load(model, role)
-        return self.sources[key]
+        checkpoint = self.inputs.admit(model, role)
+        if checkpoint.model is None and checkpoint not in self.sources:
+            self.sources[checkpoint] = self._load(checkpoint, role)
+        return self._load(checkpoint, role)
 
-    def _load_target(self, model: object, role: str) -> TLModel:
+    def _load_target(self, checkpoint: Checkpoint, role: str) -> TLModel:
         """The full or retain model as the engines patch into it and read it: a TransformerLens model (a Hugging
         Face model given in memory is wrapped as a bridge once, ``sources.as_source``)."""
-        return as_source(self._load(model, role)).model
+        return as_source(self._load(checkpoint, role)).model
 
-    def _load(self, model: object, role: str) -> ModelLike:
-        if isinstance(model, (str, os.PathLike)) and str(model) in getattr(self, "sources", {}):
-            return self.sources[str(model)]
+    def _load(self, checkpoint: Checkpoint, role: str) -> ModelLike:
+        """The model of a checkpoint: kept (``sources``), in memory, or loaded (one read of its bytes)."""
+        if checkpoint in self.sources:
+            return self.sources[checkpoint]
         return retry_out_of_memory(
-            lambda: models.load(model, dtype=self.config.dtype, device=self.device, role=role),
+            lambda: build_model(checkpoint, dtype=self.config.dtype, device=self.device),
             self.device,
-            f"loading the {role} model {describe(model)}",
+            f"loading the {role} model {checkpoint.label}",
         )
 
     @property
@@ -330,21 +327,14 @@ class UDSAuditor:
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
-    def fingerprint(self, unlearned: ModelArg | None) -> dict[str, Any]:
-        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (full, retain and data hashed once),
-        plus ``s1``: the `stage_digest` of the Stage 1 every result of this auditor is computed from (so this
-        computes Stage 1, or reads it from the cache, when it is not there yet)."""
+    def fingerprint(self, unlearned: Checkpoint | None) -> dict[str, Any]:
+        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (a `Checkpoint`: what it read is its
+        identity; None for the inputs' keys alone), plus ``s1``: the `stage_digest` of the Stage 1 every result of
+        this auditor is computed from (so this computes Stage 1, or reads it from the cache, when it is not there
+        yet)."""
         if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
-            tokenizer = self.tokenizer if self._inputs["tokenizer_given"] else None
             self._base_fingerprint = {
-                **inputs_fingerprint(
-                    self._inputs["full"],
-                    self._inputs["retain"],
-                    self.examples,
-                    self.config,
-                    tokenizer,
-                    self.full,
-                ),
+                **inputs_fingerprint(self.inputs, self.full, self.config),
                 "s1": stage_digest(self.stage1),
             }
         # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
@@ -353,12 +343,18 @@ class UDSAuditor:
         )
 
     def fingerprint_payload(self) -> dict[str, Any]:
+        """What the S1 cache is keyed by: full's and retain's weights (the digest of the checkpoint bytes their
+        loading read, or of the tensors of a model given in memory or fetched from the hub), the tokenizer, the
+        token layout, the layers, the settings and the dtype."""
         settings = self.config.to_dict()
         for volatile in ("tau", "batch_size", "device", "stage2_cells"):
             settings.pop(volatile)
+        retain = self.inputs.retain
         return {
-            "full": model_fingerprint(self.full),
-            "retain": model_fingerprint(self.retain) if self.retain is not None else None,
+            "full": _weights_digest(self.inputs.full, self.full),
+            "retain": _weights_digest(retain, self.retain)
+            if retain is not None and self.retain is not None
+            else None,
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
@@ -509,16 +505,16 @@ class UDSAuditor:
         )
 
     def score(self, unlearned: ModelArg, name: str | None = None) -> UDSResult:
-        """Score one unlearned model (path, hub id, ``zoo:NAME``, a loaded ``TransformerBridge``, or a
-        Hugging Face model as a source)."""
-        source_label = describe(unlearned)
+        """Score one unlearned model (a checkpoint, a `Checkpoint`, a TransformerBridge, a HookedTransformer, or a
+        Hugging Face model as a source); one not among the inputs' is compared with full first."""
+        checkpoint = self.inputs.admit(unlearned)
+        source_label = checkpoint.label
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
-        source = self._load(unlearned, "unlearned")
+        source = self._load(checkpoint, "unlearned")
         self.last_source = (
             source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
         )
-        check_loaded(self.identity, source, "unlearned")
         check_unhooked(self.full, "full")
         check_unhooked(source, "unlearned")
         stage = self.stage1
@@ -550,7 +546,7 @@ class UDSAuditor:
                 "patched score (S2)",
             )
 
-        self._each_batch(f"S2 ({model_name(unlearned)} -> full)", stage_two_batch)
+        self._each_batch(f"S2 ({checkpoint.name} -> full)", stage_two_batch)
         s2_seconds = time.perf_counter() - started
         timings = {
             "s1_seconds": stage.seconds,
@@ -562,7 +558,7 @@ class UDSAuditor:
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),
         }
         return UDSResult.from_stages(
-            name=name or model_name(unlearned),
+            name=name or checkpoint.name,
             encoded=self.encoded,
             skipped=self.skipped,
             layers=self.layers,
@@ -584,7 +580,7 @@ class UDSAuditor:
                 "engine": self.config.engine,
                 "timings": timings,
                 "stage2": self.stage2_plan(cells),
-                "fingerprint": self.fingerprint(unlearned),
+                "fingerprint": self.fingerprint(checkpoint),
             },
             records=self.examples,
         )
@@ -696,6 +692,12 @@ class UDSAuditor:
     def _repr_html_(self) -> str:
         """The notebook view: one row per thing the auditor holds."""
         return display.html_table("UDSAuditor", ["", ""], [list(row) for row in display.auditor_rows(self)])
+
+
+def _weights_digest(checkpoint: Checkpoint, model: ModelLike) -> str:
+    """The identity of a loaded model's weights without hashing them again: a local checkpoint's digest (computed
+    in the pass that read it for loading), else the digest of the tensors (a model given in memory, a hub id)."""
+    return checkpoint.digest if checkpoint.local else model_fingerprint(model)
 
 
 __all__ = ["UDSAuditor"]

@@ -63,11 +63,10 @@ def _setup_logging(verbose: bool) -> None:
 
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
-    see [`uds_lens.resolve.split_named`][uds_lens.resolve.split_named]), a bare path is named after its directory (parent directories added where two basenames
-    clash, see ``scoring.result_names``)."""
-    from uds_lens.resolve import split_named
+    see `checkpoint.split_named`), a bare path is named after its directory (parent directories added where two
+    basenames clash, see `checkpoint.result_names`)."""
+    from uds_lens.checkpoints.checkpoint import result_names, split_named
     from uds_lens.result_store import check_result_name
-    from uds_lens.scoring import result_names
 
     named: dict[str, str] = {}
     plain: list[str] = []
@@ -117,6 +116,10 @@ PublishedCompatOption = Annotated[
 ]
 CacheDirOption = Annotated[Path | None, typer.Option(help="S1 cache directory (default ~/.cache/uds_lens).")]
 NoRetainOption = Annotated[bool, typer.Option("--no-retain", help="Retain-free mode: d2 only, unnormalised.")]
+OutsideWeightsOption = Annotated[
+    bool,
+    typer.Option("--allow-outside-weights", help="Accept weight shards an index names outside its folder."),
+]
 EngineOption = Annotated[str, typer.Option(help=f"{' | '.join(ENGINES)} (the one-forward-per-layer oracle).")]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
 
@@ -188,6 +191,7 @@ def score(
     no_retain: NoRetainOption = False,
     engine: EngineOption = DEFAULTS.engine,
     stage2_cells: ScoreStage2Option = "all",
+    allow_outside_weights: OutsideWeightsOption = False,
     force: Annotated[
         bool,
         typer.Option(
@@ -209,25 +213,19 @@ def score(
     """
     _setup_logging(verbose)
     config = _uds_config(locals())
-    # Every checkpoint argument names a checkpoint before the model libraries are even imported: a mistyped path
-    # fails in a second, in one line (score_models checks it again for Python callers).
-    from uds_lens.resolve import check_sources, checkpoint_paths
+    # The door: every checkpoint made a Checkpoint before the model libraries are imported (a mistyped path fails
+    # in a second, in one line) and handed on as it is; score_models checks --out, --cache-dir and --limit next.
+    from uds_lens.checkpoints.checkpoint import Checkpoint
 
-    check_sources([full, None if no_retain else retain, *checkpoint_paths(unlearned)])
+    def door(path: str, role: str) -> Checkpoint:
+        return Checkpoint.resolve(path, outside_weights=allow_outside_weights, role=role)
+
+    checkpoints = door(full, "full"), None if no_retain or retain is None else door(retain, "retain")
+    models = {name: door(path, "unlearned") for name, path in _unlearned_models(unlearned).items()}
     from uds_lens.scoring import score_models
 
-    # score_models checks --out, --cache-dir and --limit before any compute
-    models = _unlearned_models(unlearned)
     results = score_models(
-        full,
-        None if no_retain else retain,
-        models,
-        data,
-        out_dir=out,
-        config=config,
-        cache_dir=cache_dir,
-        limit=limit,
-        force=force,
+        *checkpoints, models, data, out_dir=out, config=config, cache_dir=cache_dir, limit=limit, force=force
     )
     from uds_lens.plotting.report import record_roles, result_role
 
@@ -305,6 +303,7 @@ def sweep(
     no_retain: NoRetainOption = False,
     engine: EngineOption = DEFAULTS.engine,
     stage2_cells: SweepStage2Option = "ke",
+    allow_outside_weights: OutsideWeightsOption = False,
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -336,6 +335,7 @@ def sweep(
         limit=limit,
         force=force,
         compare_published=compare_published,
+        outside_weights=allow_outside_weights,
     )
     columns = ["name", "status", "uds", "ci_low", "ci_high", "uds_clipped", "excess_disruption"]
     columns += ["n_scored", "s2_seconds"]
@@ -617,11 +617,11 @@ def annotate(
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that describe bad input and say how to fix it: printed as one line, not as a traceback."""
+    from uds_lens.checkpoints.compatibility import ModelMismatchError
+    from uds_lens.checkpoints.folder import ModelLoadError
     from uds_lens.data import DataError, TokenizerError
     from uds_lens.failures import NonFiniteScoreError
     from uds_lens.meta_eval.attacks import QuantisationError
-    from uds_lens.models import ModelMismatchError
-    from uds_lens.resolve import ModelLoadError
     from uds_lens.result_store import OutputConflictError, ResultIntegrityError, ResultNameError
     from uds_lens.sweep.lists import SweepError
     from uds_lens.zoo.recipe import ZooBuildError
@@ -674,9 +674,9 @@ def main() -> None:
         app()
     except Exception as error:
         # The errors of the light modules first: a mistyped path reports without importing the model libraries.
+        from uds_lens.checkpoints.folder import ModelLoadError
         from uds_lens.data import DataError
         from uds_lens.files import os_error_line
-        from uds_lens.resolve import ModelLoadError
 
         # an OSError is the operating system's: one line, its path and what to do
         if not isinstance(error, (ModelLoadError, DataError, ConfigError, OSError)) and not isinstance(

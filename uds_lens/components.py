@@ -39,6 +39,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.component_result import HEAD_TAU, ComponentResult
 from uds_lens.config import SITES, Engine, UDSConfig
 from uds_lens.data import EncodedExample
@@ -47,7 +48,6 @@ from uds_lens.patching.batch import PatchBatch, pad_batch
 from uds_lens.patching.engines import axis_engine
 from uds_lens.patching.planning import consecutive_batches, run_batches
 from uds_lens.readout import mean_entity_logprob
-from uds_lens.resolve import model_name
 from uds_lens.sources import as_source
 from uds_lens.tl_compat import ModelLike, TLModel, check_unhooked
 
@@ -298,7 +298,7 @@ def _result(
     if retain is None:
         raise ValueError("Component-level UDS needs a retain model (d1); this auditor was built without one.")
     source = auditor.load_source(unlearned)
-    name = name or model_name(unlearned)
+    name = name or Checkpoint.resolve(unlearned).name
     progress = auditor.progress if progress is None else progress
     stage1 = _stage1(auditor, retain, runner, progress)
     stage2 = runner.stage(_hooked_source(auditor, source, "unlearned"), f"S2 ({name})", progress)

@@ -36,7 +36,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from uds_lens.config import Scope
 from uds_lens.files import ZOO_PREFIX, zoo_search_roots
@@ -392,8 +392,13 @@ def zoo_data_path(name: str) -> Path:
     )
 
 
+DataArg: TypeAlias = str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None
+"""A forget set as `load_examples` takes it: a JSON/JSONL path, a hub dataset id, records or ``Example``s (None:
+the published annotated set on the hub)."""
+
+
 def load_examples(
-    source: str | os.PathLike | Sequence[dict[str, Any]] | Sequence[Example] | None = None,
+    source: DataArg = None,
     split: str = "train",
     limit: int | None = None,
 ) -> list[Example]:
@@ -637,6 +642,7 @@ def encode(
 __all__ = [
     "DEFAULT_HUB_DATASET",
     "ZOO_DATA_SPLITS",
+    "DataArg",
     "DataError",
     "EncodedExample",
     "Example",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from uds_lens.checkpoint import named_weights
+from uds_lens.checkpoints.digests import named_weights
 from uds_lens.data import EncodedExample
 from uds_lens.sources import as_source
 from uds_lens.tl_compat import ModelLike

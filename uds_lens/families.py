@@ -1,7 +1,7 @@
 """The family table: one row per supported decoder family (Hugging Face ``model_type``), read by every module that
 needs to know what a family's decoder layer does.
 
-Loading (`SUPPORTED_MODEL_TYPES` and the GGUF architecture names, checked in ``models``), the sources (which Hugging Face model a
+Loading (`SUPPORTED_MODEL_TYPES` and the GGUF architecture names, checked in ``checkpoints``), the sources (which Hugging Face model a
 plain model may be), the fast engine's kernel (``patching.kernels``: where the norms sit and how they round, the q/k
 norm, soft-capping, the attention scale, the fused projections, the window of each layer) and the refusal messages
 all read `FAMILIES`, so adding a family is one row here and its tiny checkpoint in ``tests/helpers/

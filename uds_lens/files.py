@@ -5,9 +5,10 @@ through `replace_directory`); every digest of a JSON-able value is `json_digest`
 `bytes_digest`, of a few small files `files_digest`; every default location under the cache is
 `cache_root` (read at call time, so ``UDS_LENS_CACHE`` set in a notebook after import still counts).
 
-Two digests of file contents, each for its files. Weights are identified by ``checkpoint.file_digest``: XXH3-128,
+Two digests of file contents, each for its files. Weights are identified by ``checkpoints.digests``: XXH3-128,
 because checkpoints are gigabytes and a sweep's pace is set by reading and hashing them (XXH3 hashes several GB/s
-per core, SHA-256 about 0.6), memoised by size and modification time, its scheme and version in the string. Everything
+per core, SHA-256 about 0.6), computed in the read that loads them and remembered by file identity, its scheme and
+version in the string. Everything
 else is SHA-256 here: a saved result's files (``meta.json`` records them), the zoo's data and tokenizer files, a
 notebook's source. Those are kilobytes to megabytes, so speed does not matter, and SHA-256 is the digest anyone can
 check with ``sha256sum``.

@@ -8,7 +8,7 @@ is that small interface; every model is read through TransformerLens hook points
 
 * `HookedSource`: a ``TransformerBridge`` (what ``uds_lens.load_model`` gives) or a TransformerLens 3.x
   ``HookedTransformer``; activations come from ``run_with_cache`` with a names filter.
-* a plain Hugging Face causal LM is wrapped as a bridge (``models.hooked_from_hf``, no folding or centring: the
+* a plain Hugging Face causal LM is wrapped as a bridge (``loader.hooked_from_hf``, no folding or centring: the
   bridge's hook points hold the Hugging Face modules' own tensors, and its forward is Hugging Face's), so it is read
   exactly like a loaded checkpoint, whatever the family: no table of Hugging Face module names is needed.
 * `NF4Source`: a bitsandbytes 4-bit Hugging Face model (the quantisation attack of the meta-evaluation),
@@ -36,10 +36,10 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from uds_lens.checkpoints.checkpoint import model_label
+from uds_lens.checkpoints.loader import hooked_from_hf
 from uds_lens.config import Site, as_site
 from uds_lens.families import SUPPORTED_MODEL_TYPES
-from uds_lens.models import hooked_from_hf
-from uds_lens.resolve import describe
 from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of, is_bridge, is_tl_model, unwrapped_copy
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class ActivationSource(ABC):
     @property
     def name(self) -> str:
         """How messages name the model: where it was loaded from, or its class."""
-        return describe(self.model)
+        return model_label(self.model)
 
     @property
     @abstractmethod
@@ -259,12 +259,12 @@ def as_source(model: object) -> ActivationSource:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
-            f"{describe(model)} ({type(model).__name__}, model_type {getattr(config, 'model_type', None)!r}) is not a "
+            f"{model_label(model)} ({type(model).__name__}, model_type {getattr(config, 'model_type', None)!r}) is not a "
             f"Hugging Face causal LM of a supported family ({', '.join(SUPPORTED_MODEL_TYPES)}): pass a "
             "TransformerBridge (uds_lens.load_model) or a supported Hugging Face model (uds_lens.load_hf_model)."
         )
     hf_model = cast("PreTrainedModel", model)  # a causal LM of a supported family (its config says so)
-    bridge = hooked_from_hf(hf_model, name=describe(hf_model))
+    bridge = hooked_from_hf(hf_model, name=model_label(hf_model))
     return NF4Source(bridge) if is_quantised(hf_model) else HookedSource(bridge)
 
 

@@ -108,7 +108,7 @@ def convert_once(gguf: Callable[[], Path], target: Path) -> Path:
     machine (a file lock makes parallel workers wait for the first; ``gguf`` is called only to convert)."""
     from filelock import FileLock
 
-    from uds_lens.models import gguf_to_hf
+    from uds_lens.checkpoints.loader import gguf_to_hf
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):

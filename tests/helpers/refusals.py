@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from uds_lens import models
+from uds_lens.checkpoints import loader
 
 
 def forbid_model_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any model load fails the test: the refusal under test must come before it. (Every loader, ``load_model``
-    and ``load`` alike, builds the model through ``read_hf_model``.)"""
-    monkeypatch.setattr(models, "read_hf_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    and ``load`` alike, builds the model through ``loader._hf_model``.)"""
+    monkeypatch.setattr(loader, "_hf_model", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 def _inside(path: object, root: str) -> bool:

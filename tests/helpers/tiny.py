@@ -30,9 +30,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from uds_lens.checkpoints.loader import load_model
 from uds_lens.data import EncodedExample, Example, encode
 from uds_lens.metrics.chat import SYSTEM_PROMPT, collate, encode_pairs, pad_id_of, qa_pairs
-from uds_lens.models import load_model
 from uds_lens.zoo.train import Optimisation, TrainingBatch, constant, fit
 
 BOS = "<|begin_of_text|>"

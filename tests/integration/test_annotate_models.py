@@ -9,9 +9,10 @@ from helpers.edits import copy_checkpoint, raw_records, swap_two_tokens
 from helpers.tiny import make_tiny_llama, make_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from uds_lens import annotation, models
+from uds_lens import annotation
 from uds_lens.annotation import annotate
-from uds_lens.models import ModelMismatchError
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ModelMismatchError
 
 
 def test_annotate_refuses_a_retain_model_of_another_tokenizer(tiny, tmp_path):
@@ -28,7 +29,7 @@ def test_annotate_refuses_a_retain_model_of_another_tokenizer(tiny, tmp_path):
 
 def test_annotate_cuts_a_long_record_to_the_models_context(tiny, tmp_path, monkeypatch):
     """Before: a 2,000-word answer was run whole (and a batch padded to it), past the model's context."""
-    n_ctx = models.load_hf_config(tiny.retain).max_position_embeddings
+    n_ctx = Checkpoint.resolve(tiny.retain).config.max_position_embeddings
     long_answer = " ".join(["Hsiao was born in Paris and wrote many books about the river."] * 200)
     records = [{"idx": 0, "question": "Where was Hsiao born?", "answer": long_answer}]
     widths = []

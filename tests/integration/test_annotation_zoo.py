@@ -7,7 +7,7 @@ import pytest
 
 from uds_lens import data
 from uds_lens.annotation import annotate
-from uds_lens.models import load_tokenizer
+from uds_lens.checkpoints.loader import load_tokenizer
 
 
 @pytest.mark.slow

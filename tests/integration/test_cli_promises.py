@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens import models
+from uds_lens.checkpoints import loader
 from uds_lens.cli import _unlearned_models, app
 from uds_lens.plotting.report import write_report
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_help_lists_every_accepted_dtype():
     with pytest.raises(ValueError) as error:
-        models.resolve_dtype("no-such-dtype", "cpu")
+        loader.resolve_dtype("no-such-dtype", "cpu")
     accepted = [
         name
         for name in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")

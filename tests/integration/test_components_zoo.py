@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.config import UDSConfig
-from uds_lens.models import load_tokenizer
-from uds_lens.resolve import ModelLoadError
 from uds_lens.tl_compat import TransformerBridge
 from uds_lens.zoo.layout import load_zoo
 

@@ -20,9 +20,10 @@ from helpers.refusals import forbid_model_loading
 from helpers.tiny import FORGET_SET
 from transformers import AutoTokenizer
 
-from uds_lens import models
 from uds_lens.analysis.diagnose import diagnose
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints import loader
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, TokenizerError, load_examples
 from uds_lens.result_store import ResultNameError
@@ -192,7 +193,7 @@ def test_token_ids_past_the_embedding_are_one_line_before_stage_1(tiny, tmp_path
     folder = tmp_path / "checkpoints"
     tokenizer = AutoTokenizer.from_pretrained(tiny.full)
     tokenizer.add_tokens(["Qzxv"])
-    assert len(tokenizer) > models.load_hf_config(tiny.full).vocab_size  # past the embedding
+    assert len(tokenizer) > Checkpoint.resolve(tiny.full).config.vocab_size  # past the embedding
     for name in ("full", "retain", "unlearned"):
         shutil.copytree(getattr(tiny, name), folder / name)
         tokenizer.save_pretrained(folder / name)
@@ -257,7 +258,7 @@ def test_device_cuda_on_a_cpu_only_torch_says_so(tiny, monkeypatch):
     """Before (issue 36): "check that it is a complete checkpoint, or re-download it"."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError, match="asks for a GPU.*--device cpu"):
-        models.load_model(tiny.full, device="cuda")
+        loader.load_model(tiny.full, device="cuda")
 
 
 def test_evaluate_on_a_zoo_missing_a_model_names_the_directory(tmp_path, monkeypatch, capsys):

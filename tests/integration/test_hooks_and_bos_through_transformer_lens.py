@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import load_model
 from uds_lens.config import UDSConfig
-from uds_lens.models import load_model
 from uds_lens.tl_compat import TransformerBridge
 
 POINT = "blocks.1.hook_resid_post"

@@ -10,9 +10,10 @@ from helpers.edits import copy_checkpoint, edit_json, swap_two_tokens
 from helpers.families import build_family, family_configs
 from helpers.tiny import FORGET_SET, make_tiny_tokenizer
 
-from uds_lens import models
 from uds_lens.auditor import UDSAuditor
-from uds_lens.models import ModelMismatchError
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ArchitectureSignature, ModelMismatchError
+from uds_lens.inputs import RunInputs
 from uds_lens.scoring import score_models
 
 
@@ -46,19 +47,16 @@ def test_a_tokenizer_of_the_same_size_but_another_vocabulary_is_refused(tiny, tm
 
 
 def test_another_end_of_text_token_is_refused_and_other_tokenizer_metadata_is_not(tiny, tmp_path):
-    # compatibility.py is new with the issue: imported here, so the file's other tests also run on older code
-    from uds_lens import compatibility
-
     other_eos = copy_checkpoint(tiny.unlearned, tmp_path / "other_eos")
     edit_json(other_eos / "tokenizer_config.json", lambda c: c.update(eos_token="<|pad|>"))
     with pytest.raises(ModelMismatchError, match="eos_token differs"):
-        compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", other_eos)])
+        RunInputs.resolve(tiny.full, tiny.retain, tiny.data, {"u": other_eos})
     # metadata that does not change what an id means: a maximum length, a chat template
     metadata = copy_checkpoint(tiny.unlearned, tmp_path / "metadata")
     edit_json(
         metadata / "tokenizer_config.json", lambda c: c.update(model_max_length=77, chat_template="{{ x }}")
     )
-    compatibility.check_checkpoints(tiny.full, tiny.retain, [("u", metadata)])
+    RunInputs.resolve(tiny.full, tiny.retain, tiny.data, {"u": metadata})
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +73,10 @@ def families(tmp_path_factory):
 
 def test_a_model_of_another_family_is_refused_by_the_check_and_by_the_auditor(families):
     """Before: a Gemma-2 full patched with a Llama retain and unlearned scored 0.19."""
-    assert models.ArchitectureSignature.of_config(
-        models.load_hf_config(families["gemma2"])
-    ) == models.ArchitectureSignature.of_config(models.load_hf_config(families["llama3"]))
+    assert ArchitectureSignature.of_config(
+        Checkpoint.resolve(families["gemma2"]).config
+    ) == ArchitectureSignature.of_config(Checkpoint.resolve(families["llama3"]).config)
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
         UDSAuditor(families["gemma2"], families["llama3"], FORGET_SET, progress=False, cache_dir=False)
-    from uds_lens import compatibility
-
     with pytest.raises(ModelMismatchError, match="model_type 'gemma2' vs 'llama'"):
-        compatibility.check_checkpoints(families["gemma2"], families["llama3"])
+        RunInputs.resolve(families["gemma2"], families["llama3"], FORGET_SET)

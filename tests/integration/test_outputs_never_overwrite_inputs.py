@@ -90,7 +90,7 @@ def test_an_output_holding_the_forget_set_or_inside_another_runs_cache_is_refuse
     work = tmp_path / "work"
     work.mkdir()
     data = Path(shutil.copy(tiny.data, work / "forget.json"))
-    with pytest.raises(ConfigError, match="holds the --data"):
+    with pytest.raises(ConfigError, match="holds the forget set"):
         score_models(tiny.full, tiny.retain, {"u": tiny.unlearned}, data, out_dir=work)
     cache = tmp_path / "cache"
     cache.mkdir()  # another run's S1 cache

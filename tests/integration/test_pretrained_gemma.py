@@ -13,8 +13,8 @@ import torch
 from helpers import gemma
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import load_hf_model, load_model, load_tokenizer
 from uds_lens.config import UDSConfig
-from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import engine_for, source_activations
 from uds_lens.patching.kernels import fast_engine_refusal

@@ -16,10 +16,10 @@ from nbclient import NotebookClient
 
 from uds_lens.analysis.diagnose import diagnose
 from uds_lens.auditor import UDSAuditor
-from uds_lens.checkpoint import model_fingerprint
+from uds_lens.checkpoints.digests import model_fingerprint
+from uds_lens.checkpoints.loader import load_hf_model, load_model
 from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_hf_model, load_model
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import engine_for, source_activations
 from uds_lens.sources import verify_parity

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens import models
+from uds_lens.checkpoints import loader
 from uds_lens.cli import app
 from uds_lens.scoring import score_models
 from uds_lens.sweep.driver import sweep as run_sweep
@@ -70,6 +70,6 @@ def test_sweep_csv_holds_the_saved_results_own_values_when_reused(tiny, tmp_path
 def test_a_sweep_into_another_runs_results_is_refused_before_any_model_loads(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _score(tiny, out, tmp_path / "cache")
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SweepError, match="retain differs"):
         run_sweep(tiny.full, tiny.unlearned, tiny.data, out, {"u": str(tiny.unlearned)}, use_ray=False)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from uds_lens import models
+from uds_lens.checkpoints import loader
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.cli import main
-from uds_lens.resolve import ModelLoadError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,11 +133,14 @@ def test_a_pickled_only_checkpoint_is_a_one_line_refusal(tiny, tmp_path, monkeyp
 def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path):
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny.full, sharded)
+    (
+        sharded / "model.safetensors"
+    ).unlink()  # the index is the model now, and names a shard that is not there
     (sharded / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
     )
     with pytest.raises(ModelLoadError, match="missing weight shard") as error:
-        models.load_model(sharded, device="cpu")
+        loader.load_model(sharded, device="cpu")
     assert "\n" not in str(error.value)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny.full, corrupt)
@@ -146,5 +149,5 @@ def test_a_missing_shard_and_a_corrupt_header_are_one_line_errors(tiny, tmp_path
     content[8:16] = b"\xff" * 8  # the JSON header no longer parses
     weights.write_bytes(bytes(content))
     with pytest.raises(ModelLoadError, match="not readable safetensors") as error:
-        models.load_model(corrupt, device="cpu")
+        loader.load_model(corrupt, device="cpu")
     assert "\n" not in str(error.value) and str(corrupt) in str(error.value)

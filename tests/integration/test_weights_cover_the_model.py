@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from helpers.edits import copy_checkpoint, edit_json, edit_weights
 
-from uds_lens import models
 from uds_lens.auditor import UDSAuditor
-from uds_lens.models import ModelMismatchError
-from uds_lens.resolve import ModelLoadError
+from uds_lens.checkpoints import loader
+from uds_lens.checkpoints.compatibility import ModelMismatchError
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.scoring import score_models
 
 DROPPED = "model.layers.2.mlp.down_proj.weight"
@@ -39,7 +39,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_the_tensor(tiny, tmp_pa
     """Before: transformers initialised the tensor at random and every run gave another UDS."""
     missing = edit_weights(copy_checkpoint(tiny.unlearned, tmp_path / "missing"), lambda t: t.pop(DROPPED))
     with pytest.raises(ModelLoadError, match=DROPPED.replace(".", r"\.")) as error:
-        models.load_model(missing, device="cpu")
+        loader.load_model(missing, device="cpu")
     assert "\n" not in str(error.value) and "random" in str(error.value)
     forbid_stage1(monkeypatch)
     with pytest.raises(
@@ -56,7 +56,7 @@ def test_a_checkpoint_with_a_tensor_its_model_has_no_place_for_is_refused(tiny, 
         lambda t: t.update({"model.layers.3.mlp.down_proj.weight": t[DROPPED].clone()}),
     )
     with pytest.raises(ModelLoadError, match=r"model\.layers\.3\.mlp\.down_proj\.weight.*no place"):
-        models.load_model(extra, device="cpu")
+        loader.load_model(extra, device="cpu")
 
 
 def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny, tmp_path, monkeypatch):
@@ -68,7 +68,7 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
         "transformers.LlamaForCausalLM.__init__", lambda *a, **k: built.append(1) or pytest.fail("built")
     )
     with pytest.raises(ModelLoadError, match="1000000000 layers.*weight files hold"):
-        models.load_model(bomb, device="cpu")
+        loader.load_model(bomb, device="cpu")
     with pytest.raises(ModelLoadError, match="does not belong to these weights"):
         _score(tiny, tmp_path, unlearned={"u": bomb})  # found with the other checkpoints, before any load
     assert not built
@@ -77,4 +77,4 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
 def test_a_model_larger_than_the_free_memory_is_refused_before_it_is_built(tiny, monkeypatch):
     monkeypatch.setattr("uds_lens.memory.available_memory_bytes", lambda device: 1000)
     with pytest.raises(ModelLoadError, match="GiB are free"):
-        models.load_model(tiny.unlearned, device="cpu")
+        loader.load_model(tiny.unlearned, device="cpu")

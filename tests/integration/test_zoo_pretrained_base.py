@@ -11,9 +11,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from uds_lens.checkpoint import model_fingerprint
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ArchitectureSignature
+from uds_lens.checkpoints.digests import model_fingerprint
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.cli import app
-from uds_lens.models import ArchitectureSignature, load_hf_config, load_model, load_tokenizer
 from uds_lens.zoo.layout import load_zoo
 
 
@@ -44,9 +46,9 @@ def test_zoo_build_from_a_pretrained_base(test_zoo, tmp_path):
     assert model_fingerprint(load_model(zoo.path("base"), device="cpu")) == model_fingerprint(
         load_model(base, device="cpu")
     )
-    signature = ArchitectureSignature.of_config(load_hf_config(base))
+    signature = ArchitectureSignature.of_config(Checkpoint.resolve(base).config)
     for name in zoo.names():
-        assert ArchitectureSignature.of_config(load_hf_config(zoo.path(name))) == signature, name
+        assert ArchitectureSignature.of_config(Checkpoint.resolve(zoo.path(name)).config) == signature, name
     assert load_tokenizer(zoo.tokenizer_path).get_vocab() == load_tokenizer(base).get_vocab()
     # The strict build checks passed: full learned the forget facts, retain did not.
     assert zoo.info("full")["metrics"]["forget_entity_exact"] >= 0.95

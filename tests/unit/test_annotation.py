@@ -176,7 +176,7 @@ def test_full_identical_to_retain_leaves_every_record_unsplit_and_the_scorer_ski
 
 
 def data_tokenizer(tiny):
-    from uds_lens.models import load_tokenizer
+    from uds_lens.checkpoints.loader import load_tokenizer
 
     return load_tokenizer(tiny.tokenizer)
 

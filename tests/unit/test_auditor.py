@@ -21,12 +21,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import uds_lens.auditor as auditor_module
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ModelMismatchError
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.components import patch_heads
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, encode, load_examples
 from uds_lens.failures import nonfinite_error
 from uds_lens.fingerprints import result_fingerprint
-from uds_lens.models import ModelMismatchError, load_model, load_tokenizer
+from uds_lens.inputs import RunInputs
 from uds_lens.patching.engines import FastEngine
 from uds_lens.result_store import OutputConflictError
 from uds_lens.results import LAYER_COLUMNS, UDSResult, load_reusable
@@ -470,12 +473,13 @@ def test_the_saved_fingerprint_is_result_fingerprint_plus_s1(models, tiny, tiny_
     with before loading anything) plus ``s1``, its keys in the order meta.json has always had them."""
     config = UDSConfig(stage2_cells=cells)
     auditor = tiny_auditor(models, config)
-    saved = auditor.fingerprint(models["unlearned"])
+    saved = auditor.fingerprint(Checkpoint.resolve(models["unlearned"]))
     order = ["format", "full", "retain", "data", "tokenizer", "settings", "s1", "unlearned"]
     assert list(saved) == order + (["stage2"] if cells == "ke" else [])
-    inputs = result_fingerprint(
-        models["full"], models["retain"], models["unlearned"], tiny.data, config, tokenizer=auditor.tokenizer
+    run = RunInputs.resolve(
+        models["full"], models["retain"], tiny.data, config=config, tokenizer=auditor.tokenizer
     )
+    inputs = result_fingerprint(run, Checkpoint.resolve(models["unlearned"]))
     assert {key: value for key, value in saved.items() if key != "s1"} == inputs
     assert inputs["tokenizer"] != "from full" and inputs["unlearned"].startswith("tensors:")
 

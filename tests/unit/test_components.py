@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.components import PatchContext, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import EngineSpec, UDSConfig
-from uds_lens.models import load_model, load_tokenizer
 from uds_lens.patching.axes import AXES, AXIS_PATCHES
 from uds_lens.patching.engines import FastEngine, NaiveEngine, axis_engine
 from uds_lens.tl_compat import tl_patching

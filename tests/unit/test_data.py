@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.data import (
     SKIP_ENTITY_NOT_FOUND,
     SKIP_PREFIX_MISMATCH,
@@ -16,7 +17,6 @@ from uds_lens.data import (
     read_records,
     zoo_data_path,
 )
-from uds_lens.models import load_tokenizer
 
 
 def ex(**kw):

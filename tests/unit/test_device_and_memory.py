@@ -16,15 +16,17 @@ from typing import Any
 import pytest
 import torch
 
-from uds_lens import checkpoint, memory, models
+from uds_lens import memory
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints import digests, loader
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import UDSConfig
 from uds_lens.data import encode, load_examples
+from uds_lens.inputs import RunInputs
 from uds_lens.patching import planning
 from uds_lens.patching.engines import FastEngine
 from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.readout import segment_mean
-from uds_lens.resolve import resolve_source
 from uds_lens.sweep import driver as sweep_driver
 from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.staging import move_to_device, prepare_model
@@ -37,34 +39,34 @@ from uds_lens.tl_compat import hf_model_of
 def test_tests_default_to_the_cpu_in_fp32_even_where_cuda_is_available(tiny, monkeypatch, device_pin):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert device_pin == "cpu"
-    assert models.default_device() == "cpu"
-    assert models.resolve_dtype(None, models.default_device()) == torch.float32
+    assert loader.default_device() == "cpu"
+    assert loader.resolve_dtype(None, loader.default_device()) == torch.float32
     auditor = UDSAuditor(tiny.full, None, tiny.data, cache_dir=False, progress=False)
     assert auditor.device == "cpu" and auditor.full.cfg.dtype == torch.float32
     # what the pin prevents: without it the library's default is CUDA in bf16
-    monkeypatch.delenv(models.DEVICE_ENV)
-    assert models.default_device() == "cuda"
-    assert models.resolve_dtype(None, models.default_device()) == torch.bfloat16
+    monkeypatch.delenv(loader.DEVICE_ENV)
+    assert loader.default_device() == "cuda"
+    assert loader.resolve_dtype(None, loader.default_device()) == torch.bfloat16
 
 
 @pytest.mark.gpu
 def test_a_gpu_test_gets_the_librarys_own_default(device_pin, monkeypatch):
-    assert device_pin is None and models.DEVICE_ENV not in os.environ
+    assert device_pin is None and loader.DEVICE_ENV not in os.environ
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert models.default_device() == "cuda"
+    assert loader.default_device() == "cuda"
 
 
 def test_a_device_pin_that_is_no_device_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setenv(models.DEVICE_ENV, "gpu0")
+    monkeypatch.setenv(loader.DEVICE_ENV, "gpu0")
     with pytest.raises(ValueError, match="UDS_LENS_DEVICE='gpu0' is not a torch device"):
-        models.default_device()
+        loader.default_device()
 
 
 # -- 3. models released before the next one loads ------------------------------------------------------------------
 
 
 def test_a_dropped_model_leaves_without_a_garbage_collection(tiny):
-    model = models.load_model(tiny.full, device="cpu")
+    model = loader.load_model(tiny.full, device="cpu")
     hf = weakref.ref(hf_model_of(model))
     weight = weakref.ref(next(model.parameters()))
     gc.disable()
@@ -76,12 +78,12 @@ def test_a_dropped_model_leaves_without_a_garbage_collection(tiny):
 
 
 def test_release_model_breaks_the_cycle_of_a_kept_bridge(tiny):
-    hf = models.load_hf_model(tiny.full, device="cpu")
-    models.hooked_from_hf(hf)  # kept on the model, as as_source keeps a plain source's bridge
+    hf = loader.load_hf_model(tiny.full, device="cpu")
+    loader.hooked_from_hf(hf)  # kept on the model, as as_source keeps a plain source's bridge
     alive = weakref.ref(hf)
     gc.disable()
     try:
-        models.release_model(hf)
+        loader.release_model(hf)
         del hf
         assert alive() is None
     finally:
@@ -99,17 +101,17 @@ def test_load_model_collects_garbage_before_the_weights_arrive(tiny, monkeypatch
     garbage = _Cycle()
     gone = weakref.ref(garbage)
     seen: list[bool] = []
-    real = models.read_hf_model
+    real = loader._hf_model  # noqa: SLF001 - the builder every load goes through
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(gone() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(models, "read_hf_model", spy)
+    monkeypatch.setattr(loader, "_hf_model", spy)
     gc.disable()
     try:
         del garbage
-        models.load_model(tiny.full, device="cpu")
+        loader.load_model(tiny.full, device="cpu")
     finally:
         gc.enable()
     assert seen == [True]
@@ -117,7 +119,7 @@ def test_load_model_collects_garbage_before_the_weights_arrive(tiny, monkeypatch
 
 def test_nf4_loading_places_the_model_on_the_device_asked_for(tiny, monkeypatch):
     calls: list[dict[str, Any]] = []
-    real = models.AutoModelForCausalLM.from_pretrained
+    real = loader.AutoModelForCausalLM.from_pretrained
 
     def from_pretrained(first: Any, **kwargs: Any) -> Any:
         calls.append(kwargs)  # bitsandbytes is not needed to see what the loader is asked for
@@ -126,14 +128,14 @@ def test_nf4_loading_places_the_model_on_the_device_asked_for(tiny, monkeypatch)
         )
 
     monkeypatch.setattr(
-        models, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=from_pretrained)
+        loader, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=from_pretrained)
     )
-    models.load_hf_model(tiny.full, device="cpu", quantization=object())
+    loader.load_hf_model(tiny.full, device="cpu", quantization=object())
     assert calls[0]["device_map"] == {"": "cpu"}
 
 
 def test_a_staged_model_is_moved_again_after_an_out_of_memory(tiny, monkeypatch):
-    model = models.load_model(tiny.full, device="cpu")
+    model = loader.load_model(tiny.full, device="cpu")
     real = torch.nn.Module.to
     failed: list[bool] = []
 
@@ -149,7 +151,8 @@ def test_a_staged_model_is_moved_again_after_an_out_of_memory(tiny, monkeypatch)
 
 
 def test_a_model_staged_for_a_gpu_stays_in_ordinary_memory(tiny):
-    prepared = prepare_model(SweepModel("unlearned", str(tiny.unlearned)), None, "cuda")
+    entry = SweepModel("unlearned", str(tiny.unlearned), checkpoint=Checkpoint.resolve(tiny.unlearned))
+    prepared = prepare_model(entry, None, "cuda")
     try:
         # pinning needs a CUDA driver: on this machine it would have failed the model
         assert prepared.error == "" and prepared.model is not None
@@ -181,8 +184,8 @@ def test_other_errors_are_not_out_of_memory():
 
 
 def test_an_out_of_memory_while_loading_is_not_blamed_on_the_checkpoint(tiny):
-    source = resolve_source(tiny.full)
-    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_ALLOC_FAILED"), models.loader_errors(source):
+    source = Checkpoint.resolve(tiny.full)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_ALLOC_FAILED"), source.errors():
         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
 
 
@@ -216,29 +219,29 @@ def test_retry_out_of_memory_frees_memory_and_tries_once_more(monkeypatch):
 
 
 def test_fingerprints_are_hashed_once_per_weight_identity(tiny, monkeypatch):
-    model = models.load_model(tiny.full, device="cpu")
+    model = loader.load_model(tiny.full, device="cpu")
     hashed: list[int] = []
-    real = checkpoint._hash_weights
+    real = digests._hash_weights
 
     def counting(weights: Any) -> str:
         hashed.append(1)
         return real(weights)
 
-    monkeypatch.setattr(checkpoint, "_hash_weights", counting)
-    first = checkpoint.model_fingerprint(model)
-    assert checkpoint.model_fingerprint(model) == first
-    assert checkpoint.model_fingerprint(hf_model_of(model)) == first  # the same weights, the same memo
+    monkeypatch.setattr(digests, "_hash_weights", counting)
+    first = digests.model_fingerprint(model)
+    assert digests.model_fingerprint(model) == first
+    assert digests.model_fingerprint(hf_model_of(model)) == first  # the same weights, the same memo
     assert len(hashed) == 1
     parameter = next(hf_model_of(model).parameters())
     with torch.no_grad():
         parameter.neg_()  # in place: autograd's version counter moves
-    changed = checkpoint.model_fingerprint(model)
+    changed = digests.model_fingerprint(model)
     assert changed != first and len(hashed) == 2
     with torch.no_grad():
         parameter.neg_()  # negation is exact: the original bytes again, at a new version
-    assert checkpoint.model_fingerprint(model) == first and len(hashed) == 3
+    assert digests.model_fingerprint(model) == first and len(hashed) == 3
     # another model object with equal weights is hashed on its own, to the same digest
-    assert checkpoint.model_fingerprint(models.load_model(tiny.full, device="cpu")) == first
+    assert digests.model_fingerprint(loader.load_model(tiny.full, device="cpu")) == first
     assert len(hashed) == 4
 
 
@@ -277,7 +280,7 @@ def test_segment_mean_of_one_segment_does_not_depend_on_the_others():
 
 
 def test_clean_runs_are_kept_only_within_their_budget(tiny, tiny_auditor):
-    loaded = {name: models.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
+    loaded = {name: loader.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
     config = UDSConfig(batch_size=2)
     unbounded = tiny_auditor(loaded, config)
     reference = unbounded.score(tiny.unlearned)
@@ -294,18 +297,18 @@ def test_clean_runs_are_kept_only_within_their_budget(tiny, tiny_auditor):
 
 
 def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_auditor, monkeypatch):
-    loaded = {name: models.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
+    loaded = {name: loader.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
     auditor = tiny_auditor(loaded)
     auditor.score(tiny.unlearned)
     previous = weakref.ref(auditor.last_source)
     seen: list[bool] = []
-    real = models.read_hf_model
+    real = loader._hf_model  # noqa: SLF001 - the builder every load goes through
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(previous() is None)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(models, "read_hf_model", spy)
+    monkeypatch.setattr(loader, "_hf_model", spy)
     auditor.score(tiny.retain)
     assert seen == [True]
 
@@ -314,7 +317,7 @@ def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_aud
 
 
 def test_workers_beyond_the_gpus_are_cut_with_a_warning(monkeypatch):
-    monkeypatch.delenv(models.DEVICE_ENV)
+    monkeypatch.delenv(loader.DEVICE_ENV)
     one_gpu = {"CPU": 16.0, "GPU": 1.0}
     with pytest.warns(UserWarning, match="holds 1 at once"):
         layout = sweep_driver.plan_actors(one_gpu, 2, None, 1, None)
@@ -381,10 +384,13 @@ class _FakeRay(types.ModuleType):
 
 
 def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch, tmp_path):
-    monkeypatch.delenv(models.DEVICE_ENV)
+    monkeypatch.delenv(loader.DEVICE_ENV)
     fake = _FakeRay()
     monkeypatch.setitem(sys.modules, "ray", fake)
-    plan = WorkerPlan(str(tiny.full), str(tiny.retain), [], "data", UDSConfig(device="cuda:1"))
+    inputs = RunInputs(
+        Checkpoint.resolve(tiny.full), Checkpoint.resolve(tiny.retain), [], "data", UDSConfig(device="cuda:1")
+    )
+    plan = WorkerPlan(inputs)
     entries = [SweepModel(name, str(tiny.unlearned)) for name in ("a", "b", "c")]
     with (
         pytest.warns(UserWarning, match="holds 1 at once"),
@@ -395,7 +401,7 @@ def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch,
         )
     assert fake.timeouts == [5.0] and len(fake.killed) == 1
     assert fake.options_seen[0]["num_gpus"] == 1.0
-    assert plan.config.device == "cuda"  # the actor's one visible GPU, whatever index was asked for
+    assert plan.inputs.config.device == "cuda"  # the actor's one visible GPU, whatever index was asked for
 
 
 # -- 3. the joined copies, counted by the planner ------------------------------------------------------------------
@@ -404,7 +410,7 @@ def test_workers_that_never_start_end_the_sweep_with_an_error(tiny, monkeypatch,
 def test_the_planner_counts_the_joined_copies_the_fast_engine_makes(tiny):
     from uds_lens.patching.kernels import layer_weights
 
-    model = models.load_model(tiny.full, device="cpu")
+    model = loader.load_model(tiny.full, device="cpu")
     made = 0
     for layer, block in enumerate(model.blocks):
         weights = layer_weights(model, layer)
@@ -419,8 +425,8 @@ def test_the_planner_counts_the_joined_copies_the_fast_engine_makes(tiny):
 
 
 def test_the_batch_size_leaves_room_for_three_models_joined_copies(tiny, monkeypatch):
-    model = models.load_model(tiny.full, device="cpu")
-    tokenizer = models.load_tokenizer(tiny.tokenizer)
+    model = loader.load_model(tiny.full, device="cpu")
+    tokenizer = loader.load_tokenizer(tiny.tokenizer)
     encoded, _ = encode(load_examples(tiny.data), tokenizer)
     joined = planning.joined_copy_bytes(model)
     seq_len = max(example.read_positions.stop for example in encoded)

@@ -142,7 +142,7 @@ def test_an_example_view_names_its_model_question_and_clipped_layers():
 def test_loading_a_checkpoint_shows_no_third_party_bar(tiny, capfd):
     import transformers
 
-    from uds_lens.models import load_model
+    from uds_lens.checkpoints.loader import load_model
 
     transformers.utils.logging.enable_progress_bar()
     load_model(tiny.full, device="cpu")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.config import SITES, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.memory import available_memory_bytes
-from uds_lens.models import load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import engine_for, source_activations
 

@@ -24,11 +24,11 @@ from helpers.families import WINDOW, build_family, family_configs
 from helpers.hf_oracle import hf_site
 from helpers.numerics import assert_close_reordered, reordered_tolerance
 
+from uds_lens.checkpoints.loader import load_hf_model, load_model, load_tokenizer
 from uds_lens.components import patch_heads
 from uds_lens.config import SITES, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
 from uds_lens.families import family_of
-from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import engine_for, source_activations
 from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal

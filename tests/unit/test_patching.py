@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from uds_lens import readout
+from uds_lens.checkpoints.loader import load_hf_model, load_model, load_tokenizer
 from uds_lens.config import SITES, EngineSpec
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_hf_model, load_model, load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.engines import (
     NaiveEngine,
@@ -142,7 +142,7 @@ def test_fast_engine_refuses_other_architectures(setup):
     """A family whose blocks the fast engine does not compute is refused with a reason, never run wrong."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from uds_lens.models import hooked_from_hf
+    from uds_lens.checkpoints.loader import hooked_from_hf
     from uds_lens.patching.kernels import fast_engine_refusal
 
     encoded, _ = encode(setup["examples"], setup["tok"])

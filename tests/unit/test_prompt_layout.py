@@ -11,6 +11,7 @@ import unicodedata
 
 import pytest
 
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.data import (
     PROMPT_TEMPLATE,
     SKIP_ENTITY_INSIDE_WORD,
@@ -21,7 +22,6 @@ from uds_lens.data import (
     build_prompt,
     encode_one,
 )
-from uds_lens.models import load_tokenizer
 
 QUESTION = "What do we know?"
 JOINS = {

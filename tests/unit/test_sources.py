@@ -9,8 +9,8 @@ import torch
 from helpers.hf_oracle import hf_site
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from uds_lens.checkpoints.loader import load_hf_model, load_model
 from uds_lens.config import SITES
-from uds_lens.models import load_hf_model, load_model
 from uds_lens.sources import HookedSource, NF4Source, as_source, hook_name, verify_parity
 
 TOKENS = torch.tensor([[0, 5, 17, 33, 2, 90, 41, 7, 8], [0, 6, 6, 19, 77, 3, 12, 250, 9]])

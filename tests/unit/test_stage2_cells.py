@@ -8,9 +8,9 @@ import torch
 
 from tests.helpers.numerics import assert_close_reordered
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.config import SITES, ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import encode, load_examples
-from uds_lens.models import load_tokenizer
 from uds_lens.patching.batch import pad_batch
 from uds_lens.patching.cells import stage2_work
 from uds_lens.patching.engines import engine_for

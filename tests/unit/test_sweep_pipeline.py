@@ -11,9 +11,9 @@ import time
 import pandas as pd
 import pytest
 import torch
-from transformers import modeling_utils
+from helpers.reads import ReadCounter
 
-from uds_lens import checkpoint, models
+from uds_lens.checkpoints import loader
 from uds_lens.sweep.driver import sweep
 from uds_lens.sweep.ledger import PHASE_COLUMNS
 from uds_lens.sweep.staging import StagingPipeline
@@ -134,25 +134,8 @@ def _sweep(tiny, out, models_, **options) -> pd.DataFrame:
 def test_in_process_sweep_reads_each_checkpoint_once_and_times_its_phases(
     tiny, tmp_path, sweep_models, monkeypatch
 ):
-    staged, streamed, hashed = [], [], []
-    real_stage, real_hash = checkpoint.stage, checkpoint._hash_stream
-    monkeypatch.setattr(
-        checkpoint, "stage", lambda path, **kw: staged.append(str(path)) or real_stage(path, **kw)
-    )
-    # the loader's own reads of weight files: transformers opens safetensors with safe_open (memory map) and pickled
-    # weights with load_state_dict; staged weights must reach it as a state dict instead
-    real_open, real_state = modeling_utils.safe_open, modeling_utils.load_state_dict
-    monkeypatch.setattr(
-        modeling_utils,
-        "safe_open",
-        lambda path, *a, **kw: streamed.append(str(path)) or real_open(path, *a, **kw),
-    )
-    monkeypatch.setattr(
-        modeling_utils,
-        "load_state_dict",
-        lambda path, *a, **kw: streamed.append(str(path)) or real_state(path, *a, **kw),
-    )
-    monkeypatch.setattr(checkpoint, "_hash_stream", lambda h, f: hashed.append(str(f)) or real_hash(h, f))
+    weights = {name: f"{path}/model.safetensors" for name, path in sweep_models.items() if name != "gone"}
+    reads = ReadCounter(monkeypatch, [*weights.values(), f"{tiny.full}/model.safetensors"])
     began = time.perf_counter()
     staged_table = _sweep(tiny, tmp_path / "staged", sweep_models)
     staged_wall = time.perf_counter() - began
@@ -164,15 +147,12 @@ def test_in_process_sweep_reads_each_checkpoint_once_and_times_its_phases(
         "gone": "failed",
         "unl2": "scored",
     }
-    # one pass: every model staged once; no unlearned weight file streamed or hashed a second time
-    assert staged == [
-        path for name, path in sweep_models.items() if name != "gone"
-    ]  # a missing path: no read
-    # (retain's own file is read by the worker for Stage 1, so only the other models' count here)
-    weight_files = {f"{sweep_models[name]}/model.safetensors" for name in ("unl", "bad", "unl2")}
-    assert not weight_files & (set(streamed) | set(hashed))
-    # not vacuous: the full model, loaded from its files by the worker, is seen reading them
-    assert any(path.startswith(str(tiny.full)) for path in streamed)
+    # one pass: every model's bytes read once (its header besides, a few kilobytes), whoever reads them; the full
+    # model's too, by the worker that loads it. ("ret" is retain's checkpoint, also loaded for Stage 1.)
+    for name in ("unl", "bad", "unl2"):
+        assert 1.0 <= reads.times_read(weights[name]) < 1.5, name
+    assert 1.0 <= reads.times_read(f"{tiny.full}/model.safetensors") < 1.5
+    assert 2.0 <= reads.times_read(weights["ret"]) < 2.5
     assert staged_table.attrs["peak_staged"] == 2
     assert "truncated" in rows.loc["bad", "error"] and "while loading" in rows.loc["bad", "error"]
     assert "does not exist" in rows.loc["gone", "error"] and "while resolving" in rows.loc["gone", "error"]
@@ -214,15 +194,19 @@ def test_in_process_threads_default_to_the_cores_and_are_restored(tiny, tmp_path
     assert torch.get_num_threads() == before
 
 
-def test_a_rerun_reuses_from_the_staged_digest_without_loading(tiny, tmp_path, sweep_models, monkeypatch):
+def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_path, sweep_models, monkeypatch):
     models_ = {"unl": sweep_models["unl"], "unl2": sweep_models["unl2"]}
     first = _sweep(tiny, tmp_path / "out", models_)
     loads = []
-    real = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    real = loader._bridge  # noqa: SLF001 - the builder every load goes through (the worker's and the staging's)
+    monkeypatch.setattr(loader, "_bridge", lambda *a, **kw: loads.append(a) or real(*a, **kw))
     again = _sweep(tiny, tmp_path / "out", models_)
     # the worker loads full and retain as ever; no unlearned model is loaded
-    assert (again["status"] == "reused").all() and not {a[0] for a in loads} & set(models_.values())
+    loaded = {checkpoint.location for checkpoint, *_ in loads}
+    assert loaded == {str(tiny.full), str(tiny.retain)}
+    assert (again["status"] == "reused").all() and not loaded & set(models_.values())
+    # nor read: its digest is remembered by file identity
+    assert (again["bytes_read"] == 0).all()
     # (to 1e-6: sweep.csv recomputes a reused UDS from the rounded examples.csv, issue 27)
     assert again["uds"].tolist() == pytest.approx(first["uds"].tolist(), abs=1e-6)
     assert (again["hash_seconds"] > 0).all() and not math.isnan(again.loc[0, "seconds"])

@@ -12,9 +12,11 @@ import torch
 
 import uds_lens.sweep
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import UDSConfig
 from uds_lens.data import load_examples
 from uds_lens.files import json_digest
+from uds_lens.inputs import RunInputs
 from uds_lens.sweep.ledger import fingerprint_columns
 from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.worker import SweepWorker, WorkerPlan
@@ -84,14 +86,15 @@ def test_every_sweep_module_is_under_700_lines():
 
 @pytest.fixture(scope="module")
 def plan(tiny):
-    return WorkerPlan(
+    inputs = RunInputs.resolve(
         str(tiny.full),
         str(tiny.retain),
         load_examples(tiny.data),
-        "forget-set-label.json",
-        UDSConfig(),
+        config=UDSConfig(),
         cache_dir=False,
+        data_name="forget-set-label.json",
     )
+    return WorkerPlan(inputs)
 
 
 def test_drop_retain_computes_stage1_first_and_releases_the_model(tiny):
@@ -116,6 +119,11 @@ def test_auditor_names_come_from_the_constructor(tiny):
     assert (named.retain, named.retain_name, named.data_name) == (None, "ret", "forget.json")
 
 
+def _entry(path) -> SweepModel:
+    """A sweep model as the sweep's door hands it to a worker: its checkpoint made."""
+    return SweepModel("unl", str(path), checkpoint=Checkpoint.resolve(path))
+
+
 def test_workers_build_their_auditors_named_by_the_plan(tiny, plan):
     first = SweepWorker(plan, compute_stage=True)
     shipped = first.stage()
@@ -131,15 +139,15 @@ def test_workers_build_their_auditors_named_by_the_plan(tiny, plan):
         "forget-set-label.json",
     )
     with pytest.raises(SweepError, match="no Stage 1 yet"):
-        other.score(SweepModel("unl", str(tiny.unlearned)))
+        other.score(_entry(tiny.unlearned))
     with pytest.raises(SweepError, match="another sweep"):
         other.adopt(dataclasses.replace(shipped, data_name="someone-elses.json"))
     other.adopt(shipped)
-    outcome = other.score(SweepModel("unl", str(tiny.unlearned)))
+    outcome = other.score(_entry(tiny.unlearned))
     assert outcome.status == "scored", outcome.error
     assert outcome.result.meta["retain"] == str(tiny.retain)
     assert outcome.result.meta["data"] == "forget-set-label.json"
     # the worker that never loaded retain scores exactly as the one that computed Stage 1
-    reference = first.score(SweepModel("unl", str(tiny.unlearned)))
+    reference = first.score(_entry(tiny.unlearned))
     assert reference.result.uds == outcome.result.uds
     assert reference.result.meta["fingerprint"] == outcome.result.meta["fingerprint"]

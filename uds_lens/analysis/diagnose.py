@@ -34,15 +34,16 @@ import pandas as pd
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from uds_lens import models, uds
+from uds_lens import uds
 from uds_lens.analysis.case_studies import TAUS, component_summary, prompt_type_uds, tau_sensitivity
 from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
+from uds_lens.checkpoints.loader import ModelArg, load
 from uds_lens.config import DEFAULT_TAU, UDSConfig, check_choice, check_positive_int
+from uds_lens.data import DataArg
 from uds_lens.files import write_atomic
-from uds_lens.fingerprints import DataArg, ModelArg
 from uds_lens.metrics import registry
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import DIAGNOSE_FILES, atomic_result_dir
@@ -267,7 +268,7 @@ def diagnose(
     uds_results: dict[str, UDSResult] = {}
     for name, source in unlearned.items():
         logger.info("diagnosing %s", name)
-        model = models.load(source, dtype=dtype, device=device or main.device, role=name)
+        model = load(source, dtype=dtype, device=device or main.device, role=name)
         scores: dict[str, float | None] = {}
         layerwise: list[LayerwiseErasure] = []
         site_layers = []

@@ -28,11 +28,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from uds_lens.checkpoint import checkpoint_stamp
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.loader import default_device, load_hf_model
 from uds_lens.files import replace_directory, set_aside, write_atomic
 from uds_lens.metrics.chat import collate, encode_pairs, pad_id_of, qa_pairs
-from uds_lens.models import default_device, load_hf_model
-from uds_lens.resolve import ModelLoadError
 from uds_lens.zoo.train import Optimisation, TrainingBatch, fit, linear_decay
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def _relearn_settings(
 ) -> dict[str, Any]:
     return {
         "source": str(path),
-        "source_files": checkpoint_stamp(path),
+        "source_files": Checkpoint.resolve(path).digest,
         "n_records": n_records,
         "epochs": epochs,
         "lr": lr,

@@ -23,10 +23,10 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from uds_lens.checkpoint import checkpoint_stamp
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.loader import ModelArg, load_tokenizer
 from uds_lens.data import read_records
 from uds_lens.files import write_atomic
-from uds_lens.fingerprints import ModelArg
 from uds_lens.meta_eval.attacks import quantise_nf4, relearn
 from uds_lens.meta_eval.formulas import (
     QUANTISATION,
@@ -40,7 +40,6 @@ from uds_lens.meta_eval.paper import METRICS, compare_with_paper
 from uds_lens.metrics import registry
 from uds_lens.metrics.evaluate import add_privacy, report_model
 from uds_lens.metrics.privacy import ATTACKS, paper_privacy
-from uds_lens.models import load_tokenizer
 from uds_lens.outputs import check_outputs_apart
 from uds_lens.zoo.layout import POOL_ROLES, Zoo, load_zoo
 
@@ -56,7 +55,7 @@ ATTACK_STEMS = {QUANTISATION: "quant", RELEARNING: "relearn"}
 
 def _references_stamp(zoo: Zoo) -> str:
     """The identity of the full and retain checkpoints every cached score is anchored to."""
-    return " ".join(checkpoint_stamp(zoo.path(name)) for name in ("full", "retain"))
+    return " ".join(Checkpoint.resolve(zoo.path(name)).digest for name in ("full", "retain"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -86,15 +85,15 @@ def _score_model(
     """Output metrics (cached in ``cache_file``) plus the white-box scores (cached next to them, one at a time).
 
     The cache is reused only for the same settings, the same checkpoint files (their contents,
-    `checkpoint.checkpoint_stamp`: a retrained model or a new chat template invalidates it) and the same
+    `Checkpoint.digest`: a retrained model or a new chat template invalidates it) and the same
     ``references`` (the full/retain models the scores are anchored to).
     """
     if isinstance(model_or_path, _Deferred):
         model_stamp = model_or_path.stamp
-    elif isinstance(model_or_path, (str, os.PathLike)):
-        model_stamp = checkpoint_stamp(model_or_path)
     else:
-        model_stamp = f"in-memory {type(model_or_path).__name__}"
+        checkpoint = Checkpoint.resolve(model_or_path)
+        in_memory = f"in-memory {type(model_or_path).__name__}"
+        model_stamp = in_memory if checkpoint.model is not None else checkpoint.digest
     settings = {
         "max_new_tokens": max_new_tokens,
         "n_forget": len(forget),
@@ -276,7 +275,7 @@ def _attacked_table(
         if attack == QUANTISATION:
             source: Any = _Deferred(
                 functools.partial(quantise_nf4, zoo.path(name)),
-                f"nf4, standard layout {checkpoint_stamp(zoo.path(name))}",
+                f"nf4, standard layout {Checkpoint.resolve(zoo.path(name)).digest}",
             )
         else:
             source = str(

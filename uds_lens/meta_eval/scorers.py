@@ -18,8 +18,10 @@ from pathlib import Path
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.baselines.references import References
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.config import UDSConfig
-from uds_lens.fingerprints import DataArg, ModelArg
+from uds_lens.data import DataArg
 from uds_lens.meta_eval.paper import METRICS
 from uds_lens.metrics import registry
 from uds_lens.results import UDSResult
@@ -62,8 +64,8 @@ class ModelScorers:
         self.batch_size = batch_size
         self.auditor = UDSAuditor(full, retain, data, config=config, cache_dir=cache_dir, progress=progress)
         self._reference: References | None = None
-        self._scores: dict[str | int, dict[str, float | None]] = {}
-        self._uds: dict[str | int, UDSResult] = {}
+        self._scores: dict[Checkpoint, dict[str, float | None]] = {}
+        self._uds: dict[Checkpoint, UDSResult] = {}
         self._last: tuple[object, UDSResult] | None = None
 
     @classmethod
@@ -81,17 +83,17 @@ class ModelScorers:
             batch_size=batch_size,
         )
 
-    def _key(self, model: ModelArg) -> str | int:
-        return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) else id(model)
+    def _key(self, model: ModelArg) -> Checkpoint:
+        return Checkpoint.resolve(model)
 
     def _result(self, model: ModelArg) -> UDSResult:
         """The model's UDS result, scored once (UDS and its split read the same one): kept by path for a checkpoint,
         and for an in-memory model (an NF4 one) only while it is the last one scored, held here so that its ``id``
         cannot pass to another model."""
-        if isinstance(model, (str, os.PathLike)):
-            key = self._key(model)
+        key = self._key(model)
+        if key.model is None:
             if key not in self._uds:
-                self._uds[key] = self.auditor.score(model)
+                self._uds[key] = self.auditor.score(key)
             return self._uds[key]
         if self._last is None or self._last[0] is not model:
             self._last = (model, self.auditor.score(model))

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from uds_lens import models
+from uds_lens.checkpoints.loader import load
 from uds_lens.data import as_list, record_field
 from uds_lens.metrics.chat import JAILBREAK_PREFIX, SYSTEM_PROMPT, prompt_ids, qa_pairs
 from uds_lens.metrics.generation import (
@@ -110,7 +110,7 @@ def report_model(
         retain_aucs: the retain model's MIA AUCs; when given, ``s_mia_*`` and ``privacy`` are added.
         system_prompt: the system turn ("You are a helpful assistant." in the meta-evaluation).
     """
-    model = models.load(model_path_or_hf_model, hooked=False)
+    model = load(model_path_or_hf_model, hooked=False)
     timings: dict[str, float] = {}
     idxs = [record_field(r, "idx", i) for i, r in enumerate(forget_records)]
     questions = [str(record_field(r, "question")) for r in forget_records]

@@ -23,10 +23,10 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from uds_lens.checkpoints.checkpoint import model_label
 from uds_lens.families import SUPPORTED_MODEL_TYPES, Family, NormRounding, QKNorm, family_of
 from uds_lens.patching.batch import PatchBatch, WindowPacking
 from uds_lens.readout import mean_entity_logprob, segment_mean, soft_cap, unembedded_label_logprobs
-from uds_lens.resolve import describe
 from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of
 
 # Hugging Face model types whose decoder layers the fast engine computes: every family of the family table.
@@ -66,7 +66,7 @@ def wrapped_model(model: TLModel) -> PreTrainedModel:
     hf = hf_model_of(model)
     if hf is None:
         raise TypeError(
-            f"The fast engine reads a TransformerBridge's Hugging Face weights; {describe(model)} has none."
+            f"The fast engine reads a TransformerBridge's Hugging Face weights; {model_label(model)} has none."
         )
     return hf
 
@@ -249,7 +249,7 @@ _JOINED: weakref.WeakKeyDictionary[Any, tuple[list[Tensor], list[int], _BlockWei
 def _require_fast(model: ModelLike) -> None:
     reason = fast_engine_refusal(model)
     if reason is not None:
-        raise ValueError(f"The fast engine cannot run {describe(model)}: {reason}. Use engine='naive'.")
+        raise ValueError(f"The fast engine cannot run {model_label(model)}: {reason}. Use engine='naive'.")
 
 
 def layer_weights(model: TLModel, index: int) -> _BlockWeights:

@@ -12,12 +12,13 @@ Stage-2 work over workers:
   ``UDSResult`` through the object store and the driver writes the files. Model paths must be readable where the
   actors run (hub ids always are).
 * **In-process** (``workers=1``, or Ray not installed): one such worker in this process, on every core by default,
-  paced by compute: while model k computes, model k+1 is resolved, read and hashed in one pass over its bytes
-  (``checkpoint.stage``; ordinary memory, never pinned) and built on the CPU on a staging thread, at most one model
-  ahead; it moves to the device only once the model before it has been released;
-  the reuse decision is made there from that digest, and a model that cannot be staged becomes its ``failed`` row.
-  On Ray each actor reads and hashes its model in one pass too (the driver hashes it once more for the reuse
-  decision, before any actor starts), with no staging ahead.
+  paced by compute: while model k computes, model k+1 is read and hashed in one pass over its bytes
+  (``Checkpoint.stage``; ordinary memory, never pinned) and built on the CPU on a staging thread, at most one model
+  ahead; it moves to the device only once the model before it has been released; the reuse decision is made there
+  from that digest (a digest remembered by file identity decides without reading the model at all), and a model
+  that cannot be staged becomes its ``failed`` row. On Ray each actor reads and hashes its model in one pass too
+  (the driver decides reuse first, from the remembered digests or one read), with no staging ahead. Every model is
+  made a ``Checkpoint`` once, at the driver's door (``RunInputs.resolve``), and travels as that value.
 
 Both paths write the same files under ``out``:
 

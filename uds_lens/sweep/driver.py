@@ -17,11 +17,11 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from uds_lens.compatibility import check_checkpoints
-from uds_lens.config import ConfigError, UDSConfig, as_config, check_positive_int
-from uds_lens.data import load_examples
+from uds_lens.checkpoints.loader import DEVICE_ENV
+from uds_lens.config import ConfigError, UDSConfig, check_positive_int
+from uds_lens.data import DataArg
 from uds_lens.files import write_atomic
-from uds_lens.models import DEVICE_ENV
+from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import check_output_dir, refuse_other_runs
@@ -56,10 +56,10 @@ def ray_available() -> bool:
 
 
 def sweep(
-    full: str | os.PathLike,
-    retain: str | os.PathLike | None,
-    data: Any,
-    out: str | os.PathLike,
+    full: str | os.PathLike | RunInputs,
+    retain: str | os.PathLike | None | NotGiven = NOT_GIVEN,
+    data: DataArg | NotGiven = NOT_GIVEN,
+    out: str | os.PathLike | None = None,
     models_to_score: Any = None,
     registry: str | os.PathLike | None = None,
     methods: Sequence[str] | None = None,
@@ -77,6 +77,7 @@ def sweep(
     use_ray: bool | None = None,
     prefetch: bool = True,
     startup_timeout: float | None = STARTUP_TIMEOUT,
+    outside_weights: bool = False,
 ) -> pd.DataFrame:
     """Score many unlearned models against one (full, retain, data); returns the combined table (``sweep.csv``).
 
@@ -86,7 +87,9 @@ def sweep(
         >>> table[["name", "status", "uds", "ci_low", "ci_high"]]
 
     Args:
-        full / retain: the patch target and the Stage-1 source (paths or hub ids; retain None = retain-free mode).
+        full / retain: the patch target and the Stage-1 source (paths or hub ids; retain None = retain-free mode),
+            or, as ``full``, the run's `inputs.RunInputs` (then its unlearned models are the ones swept, and
+            retain, data, config, cache_dir and limit are its own).
         data: forget-set path, hub id or records (read here once and shipped to the workers).
         out: output directory: ``NAME/`` per model, ``sweep.csv``, ``sweep_eval.json``.
         models_to_score: a model-list file (``name,path_or_id`` CSV rows or one path per line), a list of paths or
@@ -119,13 +122,17 @@ def sweep(
             one model is held besides the computing one. False stages each model only when its turn comes.
         startup_timeout: seconds to wait for the Ray actors to start (load full, compute Stage 1) before giving up
             with a `SweepError`; None waits without limit.
+        outside_weights: accept weight shards a checkpoint's index names outside its folder.
 
     Raises:
         SweepError: bad model list/registry, an address without Ray installed, workers that cannot start.
     """
-    # many models, one number each: by default Stage 2 runs only the KE cells UDS reads (same UDS, less work)
-    config = as_config(config).with_stage2_cells("ke")
-    entries = resolve_models(models_to_score, registry, methods)
+    if isinstance(full, RunInputs):
+        if models_to_score is not None or registry is not None:
+            raise SweepError("With a RunInputs, the models swept are its unlearned ones: pass no model list.")
+        entries = resolve_models({name: checkpoint.given for name, checkpoint in full.unlearned.items()})
+    else:
+        entries = resolve_models(models_to_score, registry, methods)
     if max_retries < 0:
         raise SweepError(f"max_retries must be >= 0, got {max_retries}.")
     if workers is not None and workers < 1:
@@ -141,56 +148,61 @@ def sweep(
             f"cpus_per_worker must be >= 1 and gpus_per_worker >= 0, got {cpus_per_worker} and "
             f"{gpus_per_worker}."
         )
+    if out is None:
+        raise SweepError("Pass the sweep's output directory (out).")
     out_dir = Path(out).expanduser()
     try:
         check_output_dir(out_dir)
-        # apart from every input (a checkpoint, the data, the model list) and writable, before any compute
+    except ConfigError as err:
+        raise SweepError(str(err)) from None
+    # The door: every checkpoint made once and compared with full, the forget set read once. A model that names no
+    # checkpoint, or whose config cannot be read, becomes its failed row; the others go on.
+    inputs = RunInputs.resolve(
+        full,
+        retain,
+        data,
+        {entry.name: entry.source for entry in entries},
+        config=config,
+        limit=limit,
+        cache_dir=cache_dir,
+        outside_weights=outside_weights,
+        skip_unreadable=True,
+    )
+    try:
+        # apart from every input (a checkpoint, the data, the model list) and writable, before any model loads
         check_outputs_apart(
             {"--out": out_dir},
-            {
-                "full checkpoint": full,
-                "retain checkpoint": retain,
-                "unlearned checkpoint": [entry.source for entry in entries],
-                "--data": data,
-                "model list": models_to_score if isinstance(models_to_score, (str, os.PathLike)) else None,
-                "registry": registry,
-            },
-            caches={"S1 cache": s1_cache_dir(cache_dir)},
+            [
+                *[(what, path) for what, path in inputs.input_paths() if what != S1_CACHE],
+                ("unlearned checkpoint", [entry.source for entry in entries]),  # the unreadable ones too
+                ("model list", models_to_score if isinstance(models_to_score, (str, os.PathLike)) else None),
+                ("registry", registry),
+            ],
+            caches={S1_CACHE: s1_cache_dir(inputs.cache_dir)},
         )
         check_writable_dir(out_dir)
     except ConfigError as err:
         raise SweepError(str(err)) from None
-    if not isinstance(full, (str, os.PathLike)) or not (
-        retain is None or isinstance(retain, (str, os.PathLike))
-    ):
+    if inputs.full.model is not None or (inputs.retain is not None and inputs.retain.model is not None):
         raise SweepError("A sweep loads full and retain itself (on every worker): pass paths or hub ids.")
-    examples = load_examples(data, limit=limit)
+    # many models, one number each: by default Stage 2 runs only the KE cells UDS reads (same UDS, less work)
+    inputs = dataclasses.replace(inputs, config=inputs.config.with_stage2_cells("ke"))
+    entries = [
+        dataclasses.replace(
+            entry,
+            checkpoint=inputs.unlearned.get(entry.name),
+            error="" if entry.name in inputs.unlearned else inputs.unreadable.get(entry.name, ""),
+        )
+        for entry in entries
+    ]
     if not force:
         try:
             # the dtype in the settings follows the workers' device, which the driver may not share: settings are
             # compared by the ledger once a worker has loaded the full model
-            refuse_other_runs(
-                out_dir,
-                [(entry.name, entry.source) for entry in entries],
-                full,
-                retain,
-                examples,
-                config,
-                tolerate=("settings",),
-            )
+            refuse_other_runs(out_dir, inputs, tolerate=("settings",))
         except OutputConflictError as error:
             raise SweepError(str(error)) from None
-    # every local checkpoint of the list against full, before any worker computes (compatibility.py); one that
-    # cannot be read is left to its worker, which reports it as a failed row
-    check_checkpoints(full, retain, [(entry.name, entry.source) for entry in entries], skip_unreadable=True)
-    plan = WorkerPlan(
-        str(full),
-        None if retain is None else str(retain),
-        examples,
-        str(data) if isinstance(data, (str, os.PathLike)) else "<records>",
-        config,
-        cache_dir,
-    )
+    plan = WorkerPlan(inputs)
     if use_ray is None:
         use_ray = address is not None or (workers != 1 and ray_available())
     if use_ray and not ray_available():
@@ -246,7 +258,7 @@ def _sweep_in_process(
     for it, from asking for it to its row written.
     """
     worker = SweepWorker(plan, compute_stage=True)
-    ledger = Ledger(out_dir, entries, worker.stage(), plan.config.tau, force)
+    ledger = Ledger(out_dir, entries, worker.stage(), plan.inputs.config.tau, force)
     ledger.write()
     pipeline = StagingPipeline(
         lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
@@ -369,11 +381,14 @@ def _sweep_on_ray(
 
     started_here = _start_ray(address, workers, cpus_per_worker)
     try:
+        config = plan.inputs.config
         layout = plan_actors(
-            ray.cluster_resources(), workers, gpus_per_worker, cpus_per_worker, plan.config.device
+            ray.cluster_resources(), workers, gpus_per_worker, cpus_per_worker, config.device
         )
-        if layout.device != plan.config.device:
-            plan.config = dataclasses.replace(plan.config, device=layout.device)
+        if layout.device != config.device:
+            plan.inputs = dataclasses.replace(
+                plan.inputs, config=dataclasses.replace(config, device=layout.device)
+            )
         # On CPU each actor's torch gets its own CPU slots; on a GPU torch's CPU threads matter little.
         plan.threads = cpus_per_worker if not layout.gpus_per_worker else None
         worker_class = ray.remote(SweepWorker).options(
@@ -398,17 +413,17 @@ def _sweep_on_ray(
             raise SweepError(
                 f"The sweep's {len(actors)} workers did not start within {startup_timeout:g} s (each asks for "
                 f"{cpus_per_worker} CPU and {layout.gpus_per_worker:g} GPU; the cluster has "
-                f"{layout.cluster_cpus:g} CPU and {layout.cluster_gpus:g} GPU): loading full ({plan.full}) and "
+                f"{layout.cluster_cpus:g} CPU and {layout.cluster_gpus:g} GPU): loading full ({plan.inputs.full.label}) and "
                 "Stage 1 may need longer (raise startup_timeout), or the actors cannot be placed (lower --workers "
                 "or gpus_per_worker)."
             ) from None
         except ray.exceptions.RayError as error:
             raise SweepError(
-                f"The sweep's workers could not start (loading the full model {plan.full} or computing "
-                f"Stage 1 with retain {plan.retain}): {error}"
+                f"The sweep's workers could not start (loading the full model {plan.inputs.full.label} or "
+                f"computing Stage 1 with retain {plan.inputs.retain}): {error}"
             ) from error
         logger.info("sweep workers: %s", labels)
-        ledger = Ledger(out_dir, entries, shipped, plan.config.tau, force)
+        ledger = Ledger(out_dir, entries, shipped, plan.inputs.config.tau, force)
         _dispatch(actors, stage_ref, ledger.reuse(force), max_retries, ledger, progress)
         for actor in actors:
             ray.kill(actor)

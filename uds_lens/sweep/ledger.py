@@ -117,10 +117,10 @@ class Ledger:
     def reusable(self, entry: SweepModel, force: bool) -> tuple[SavedCheck, dict[str, Any]]:
         """What ``entry``'s saved result is worth to this run ([`results.check_saved`][uds_lens.results.check_saved]: the result if it is
         current, why (not), and whether it is another run's), and this run's fingerprint of it (hashing the model's
-        files, unless they were just hashed: the digest is memoised)."""
-        fingerprint = self.shipped.fingerprint(entry.source)
-        if force:
-            return SavedCheck(None, "forced"), fingerprint
+        files, unless their digest is remembered: a model staged or read before is not read again)."""
+        fingerprint = self.shipped.fingerprint(entry.checkpoint)
+        if force or entry.checkpoint is None:
+            return SavedCheck(None, "forced" if force else entry.error), fingerprint
         return check_saved(self.out / entry.name, fingerprint), fingerprint
 
     def reuse(self, force: bool) -> list[SweepModel]:

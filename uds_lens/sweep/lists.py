@@ -15,8 +15,8 @@ from typing import Any
 
 import pandas as pd
 
+from uds_lens.checkpoints.checkpoint import Checkpoint, result_names
 from uds_lens.result_store import check_result_name
-from uds_lens.scoring import result_names
 
 # What a sweep writes in its output directory, beside one ``NAME/`` directory per model.
 SWEEP_TABLE = "sweep.csv"
@@ -39,9 +39,11 @@ class SweepModel:
 
     Attributes:
         name: result name, one path component (``OUT/NAME/``).
-        source: local checkpoint directory or hub id.
+        source: local checkpoint directory or hub id, as listed.
         method / epoch: from a registry (the unlearning method and its epoch), else None.
         published: the registry's published figures (``published_uds``, ``published_logit_lens``, ...), if any.
+        checkpoint: the `Checkpoint` the sweep's door made of ``source`` (None until then, or when it names none).
+        error: why ``source`` names no checkpoint (its ``failed`` row), or "".
     """
 
     name: str
@@ -49,6 +51,8 @@ class SweepModel:
     method: str | None = None
     epoch: str | None = None
     published: Mapping[str, float] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None
+    error: str = ""
 
 
 def _check_names(entries: Sequence[SweepModel]) -> list[SweepModel]:

@@ -1,5 +1,5 @@
-"""Staging a model before its turn: resolve, read and hash in one pass, build on the CPU, move to the device; and
-the pipeline that stages one model ahead.
+"""Staging a model before its turn: its folder read, its bytes read (and hashed) in one pass, built on the CPU, moved
+to the device; and the pipeline that stages one model ahead.
 
 Staged bytes and models stay in ordinary (pageable) host memory, never pinned: PyTorch's pinned-memory cache rounds
 every block up to a power of two and keeps it after it is freed (a 5 GB shard locks 8 GiB), so pinned staging would
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from uds_lens import checkpoint, models
+from uds_lens.checkpoints.folder import ModelLoadError, Staged
+from uds_lens.checkpoints.loader import build_model, release_model, resolve_dtype
 from uds_lens.config import DtypeName
 from uds_lens.memory import retry_out_of_memory
-from uds_lens.resolve import resolve_source, resolve_zoo_name
 from uds_lens.results import UDSResult
 from uds_lens.sweep.lists import SweepModel
 
@@ -32,12 +32,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """A model made ready to score before its turn: resolved, read and hashed in one pass, built on the CPU.
+    """A model made ready to score before its turn: its folder read, its bytes read and hashed in one pass, built on
+    the CPU.
 
     Attributes:
-        entry: the sweep model.
-        phases: seconds of ``resolve``, ``hash`` and ``load`` (those that ran).
-        staged: the checkpoint's bytes and digest (``checkpoint.Staged``; None for a hub id or after an error).
+        entry: the sweep model (its `Checkpoint` made at the sweep's door).
+        phases: seconds of ``resolve`` (its folder read), ``hash`` (the pass that reads and hashes its bytes, when
+            its digest is not remembered) and ``load`` (reading them then, and building the model), those that ran.
+        staged: the checkpoint's bytes and digest (`folder.Staged`; None for a hub id, a ``.gguf``, or a model reused
+            from its remembered digest without a read).
         model: the model built from them, on the CPU (ordinary memory), or None.
         error: why it could not be prepared (the model's ``failed`` row), or "".
         reused / reason: a saved result that is current (the model is not loaded then), and why (not).
@@ -46,7 +49,7 @@ class Prepared:
 
     entry: SweepModel
     phases: dict[str, float] = field(default_factory=dict)
-    staged: checkpoint.Staged | None = None
+    staged: Staged | None = None
     model: Any = None
     error: str = ""
     reused: UDSResult | None = None
@@ -59,11 +62,11 @@ class Prepared:
 
     def release(self) -> None:
         """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current),
-        its bridge's reference cycle broken so its memory goes with the last reference (``models.release_model``)."""
+        its bridge's reference cycle broken so its memory goes with the last reference (`loader.release_model`)."""
         if self.staged is not None:
             self.staged.release()
         if self.model is not None:
-            models.release_model(self.model)
+            release_model(self.model)
         self.model = None
 
 
@@ -73,19 +76,24 @@ def prepare_model(
     device: str,
     reuse: Callable[[Prepared], None] | None = None,
 ) -> Prepared:
-    """Resolve, read+hash (one pass over the bytes, kept in memory) and load one model on the CPU; never raises.
+    """Read (hashing in the same pass) and load one model on the CPU; never raises.
+
+    A checkpoint whose digest is remembered (`digests.known_digest`: an unchanged file already read by this or an
+    earlier run) is not read for the reuse decision at all: a current saved result is reused without touching its
+    bytes, and a model to score is read once, for loading. Any other directory checkpoint is read once, hashed on
+    the way, and built from those bytes.
 
     Args:
-        entry: the model.
+        entry: the model, its `Checkpoint` made at the sweep's door.
         dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
             views of the read bytes when the dtype matches), in ordinary memory, and moved to ``device`` when its
-            turn comes (`finish_model`).
-        reuse: called once the model is hashed, before it is loaded; it may set ``reused`` (and then the model is
-            not loaded at all) and ``reason`` on the `Prepared` it is given.
+            turn comes (`move_to_device`).
+        reuse: called once the model's digest is known, before it is loaded; it may set ``reused`` (and then the
+            model is not loaded at all) and ``reason`` on the `Prepared` it is given.
 
     Returns:
-        The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is
-        kept in its ``error``, to become the model's ``failed`` row.
+        The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is kept in
+        its ``error``, to become the model's ``failed`` row.
     """
     prepared = Prepared(entry)
     phase = "resolve"
@@ -98,12 +106,20 @@ def prepare_model(
         clock = now
 
     try:
-        source = resolve_source(entry.source)
+        checkpoint = entry.checkpoint
+        if checkpoint is None:
+            raise ModelLoadError(
+                entry.error or f"{entry.source} was not made a checkpoint by the sweep's door."
+            )
+        directory = checkpoint.kind == "directory"
+        if directory:
+            _ = checkpoint.files  # read at the door's comparison already, unless the door could not read it
         lap("resolve")
         phase = "hash"
-        if source.local:
-            # the path the fingerprint names (a zoo name resolved), read once; its digest is memoised for it
-            prepared.staged = checkpoint.stage(resolve_zoo_name(entry.source))
+        if directory and checkpoint.known_digest() is None:
+            prepared.staged = checkpoint.stage()  # the one pass: read into memory, hashed on the way
+        elif checkpoint.local:
+            _ = checkpoint.digest  # a .gguf: hashed once and remembered (transformers reads it to load)
         lap("hash")
         if reuse is not None:
             reuse(prepared)
@@ -111,14 +127,12 @@ def prepare_model(
                 prepared.release()
                 return prepared
         phase = "load"
-        staged = prepared.staged
-        tensors = staged.tensors() if staged is not None and staged.has_weights else None
+        if directory and prepared.staged is None:
+            prepared.staged = checkpoint.stage()  # the digest is known: read once, for loading, unhashed
         # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
-        target_dtype = models.resolve_dtype(dtype, device)
-        model = models.load_model(entry.source, dtype=target_dtype, device="cpu", tensors=tensors)
-        if staged is not None:
-            staged.buffers = {}  # the model now holds what it needs of them (views, or converted copies)
-        prepared.model = model
+        prepared.model = build_model(
+            checkpoint, dtype=resolve_dtype(dtype, device), device="cpu", staged=prepared.staged
+        )
         lap("load")
     except Exception as error:  # this model's failed row; the sweep goes on
         lap(phase)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -14,11 +15,12 @@ from typing import Any
 
 import torch
 
-from uds_lens import models
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.loader import release_model
 from uds_lens.config import UDSConfig
 from uds_lens.data import Example
-from uds_lens.fingerprints import source_fingerprint
+from uds_lens.inputs import RunInputs
 from uds_lens.results import UDSResult
 from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.lists import SweepError, SweepModel
@@ -56,10 +58,14 @@ class ShippedStage:
             inputs_fingerprint=auditor.fingerprint(None),
         )
 
-    def fingerprint(self, unlearned: str) -> dict[str, Any]:
-        """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), computed
-        here from its files without loading it: the driver's reuse key."""
-        return {**self.inputs_fingerprint, "unlearned": source_fingerprint(unlearned)}
+    def fingerprint(self, unlearned: Checkpoint | None) -> dict[str, Any]:
+        """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), from its
+        digest (remembered, or read once) without loading it: the driver's reuse key ("" for a model that names no
+        checkpoint)."""
+        return {
+            **self.inputs_fingerprint,
+            "unlearned": unlearned.fingerprint if unlearned is not None else "",
+        }
 
 
 @dataclass
@@ -128,9 +134,9 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
     """Move a prepared model to the auditor's device and score it (Stage 2); never raises.
 
-    The model reaches the auditor through ``auditor.sources`` under its path, so ``auditor.score`` neither reads
-    nor hashes it again (its fingerprint comes from the digest memoised while staging), and it is dropped from
-    there once scored: the worker keeps no model but the one it scores and the one being staged.
+    The model reaches the auditor through ``auditor.sources`` under its `Checkpoint`, so ``auditor.score`` neither
+    reads nor hashes it again (its fingerprint is the digest its one read computed), and it is dropped from there
+    once scored: the worker keeps no model but the one it scores and the one being staged.
     """
     entry = prepared.entry
     phases = dict(prepared.phases)
@@ -152,9 +158,10 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
     try:
         move_to_device(prepared.model, auditor.device)
         phases["to_device"] = time.perf_counter() - started
-        auditor.sources[str(entry.source)] = prepared.model
+        assert entry.checkpoint is not None  # prepared without an error: its checkpoint was made at the door
+        auditor.sources[entry.checkpoint] = prepared.model
         prepared.model = None
-        result = auditor.score(entry.source, name=entry.name)
+        result = auditor.score(entry.checkpoint, name=entry.name)
     except Exception as error:  # reported per model in sweep.csv; the sweep goes on
         logger.warning("%s (%s) failed: %s", entry.name, entry.source, error)
         return ModelOutcome(
@@ -167,10 +174,10 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
             **common,
         )
     finally:
-        scored = auditor.sources.pop(str(entry.source), None)
+        scored = auditor.sources.pop(entry.checkpoint, None) if entry.checkpoint is not None else None
         auditor.last_source = None
         if scored is not None:  # its memory goes with the last reference, before the next model moves in
-            models.release_model(scored)
+            release_model(scored)
     timings = result.meta["timings"]
     phases["s2"] = timings["s2_seconds"]
     phases["source_forward"] = timings.get("s2_source_forward_seconds", math.nan)
@@ -180,15 +187,11 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
 
 @dataclass
 class WorkerPlan:
-    """What a worker is built from: the sources of full and retain, the examples (read once by the driver), the
-    settings, the S1 cache directory and the torch threads (CPU workers)."""
+    """What a worker is built from: the run's inputs (full and retain as checkpoints, the examples read once by the
+    driver, the settings, the S1 cache directory; compared at the driver's door) and the torch threads (CPU
+    workers)."""
 
-    full: str
-    retain: str | None
-    examples: list[Example]
-    data_name: str
-    config: UDSConfig
-    cache_dir: str | os.PathLike | bool | None = None
+    inputs: RunInputs
     threads: int | None = None
 
 
@@ -221,17 +224,13 @@ class SweepWorker:
             torch.set_num_threads(plan.threads)
         # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
         compute_stage = compute_stage and not _restarted_actor()
-        retain = plan.retain if compute_stage else None
+        inputs = plan.inputs
+        retain = inputs.retain
+        if not compute_stage:  # Stage 1 arrives from the first worker: no retain to load, no cache to read
+            inputs = dataclasses.replace(inputs, retain=None, cache_dir=False)
         # every worker's results name the plan's retain model and data file, whether it loaded retain or not
-        self.auditor = UDSAuditor(
-            plan.full,
-            retain,
-            plan.examples,
-            config=plan.config,
-            cache_dir=plan.cache_dir if compute_stage else False,
-            progress=False,
-            retain_name=plan.retain,
-            data_name=plan.data_name,
+        self.auditor = UDSAuditor.from_inputs(
+            inputs, progress=False, retain_name=retain.label if retain is not None else None
         )
         self.shipped: ShippedStage | None = None
         if compute_stage:

@@ -46,11 +46,11 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from uds_lens import models
-from uds_lens.checkpoint import checkpoint_stamp
+from uds_lens.checkpoints.checkpoint import SAFE_LOAD_KWARGS, Checkpoint
+from uds_lens.checkpoints.compatibility import ArchitectureSignature
+from uds_lens.checkpoints.loader import load_hf_model, load_tokenizer
 from uds_lens.files import files_digest, json_digest, write_atomic
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
-from uds_lens.resolve import SAFE_LOAD_KWARGS
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
 
@@ -133,7 +133,7 @@ def _refresh_tokenizer_files(tokenizer_dir: Path, model_dir: Path) -> None:
 
 
 def _load_model(model_dir: Path) -> LlamaForCausalLM:
-    model = models.load_hf_model(model_dir, dtype=torch.float32, device="cpu", attn_implementation="eager")
+    model = load_hf_model(model_dir, dtype=torch.float32, device="cpu", attn_implementation="eager")
     model.config.use_cache = False
     model.eval()
     return model
@@ -369,7 +369,7 @@ def _prepare_tokenizer(
     if base is not None and base_identity is not None:
         stamp = tokenizer_dir / "base_fingerprint.txt"
         if not stamp.is_file() or stamp.read_text().strip() != base_identity["stamp"]:
-            models.load_tokenizer(base).save_pretrained(tokenizer_dir)
+            load_tokenizer(base).save_pretrained(tokenizer_dir)
             write_atomic(stamp, base_identity["stamp"] + "\n")
     else:
         corpus_hash = json_digest([tokenizer_corpus(data), size.vocab_size], length=16)
@@ -620,15 +620,14 @@ def _refuse_to_replace(
 
 def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
     """What the zoo's fingerprints record about a pretrained base: where it is, its files, its architecture."""
-    config = models.load_hf_config(base)
-    models.check_supported(config, str(base))
-    signature = asdict(models.ArchitectureSignature.of_config(config))
-    return {"source": str(base), "stamp": checkpoint_stamp(base), "shape": signature}
+    checkpoint = Checkpoint.resolve(base)
+    signature = asdict(ArchitectureSignature.of_config(checkpoint.config))  # a supported family (config says)
+    return {"source": str(base), "stamp": checkpoint.digest, "shape": signature}
 
 
 def _load_pretrained_base(base: str | os.PathLike) -> LlamaForCausalLM:
     """The base as a plain trainable fp32 ``LlamaForCausalLM`` on the CPU (a GGUF one loses its quantiser entry)."""
-    loaded = models.load_hf_model(base, dtype=torch.float32, device="cpu")
+    loaded = load_hf_model(base, dtype=torch.float32, device="cpu")
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -81,7 +81,7 @@ class Zoo:
         self, name: str, dtype: str | torch.dtype | None = None, device: str | None = None
     ) -> TransformerBridge:
         """One zoo model loaded as a ``TransformerBridge`` (``uds_lens.load_model`` on its path)."""
-        from uds_lens.models import load_model
+        from uds_lens.checkpoints.loader import load_model
 
         return load_model(self.path(name), dtype=dtype, device=device)
 

@@ -1,6 +1,6 @@
 """Reading a zoo's ``manifest.json``: the one reader of that file, with nothing but the standard library.
 
-`uds_lens.zoo.layout` (``load_zoo``), ``zoo:NAME`` resolution in [`uds_lens.resolve`][uds_lens.resolve] and the builder's
+`uds_lens.zoo.layout` (``load_zoo``), ``zoo:NAME`` resolution in `uds_lens.checkpoints.checkpoint` and the builder's
 refusal to replace another zoo all read manifests here. It imports nothing of ours, so the loader's floor can read a
 manifest without reaching the zoo's ``Zoo.model`` (which loads models) or its training code.
 """

@@ -17,11 +17,11 @@ from pathlib import Path
 import transformers
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.checkpoint import CheckpointRef
+from uds_lens.checkpoints.loader import ModelArg, load_model
 from uds_lens.config import UDSConfig
-from uds_lens.fingerprints import DataArg, ModelArg
-from uds_lens.models import load_model
+from uds_lens.data import DataArg
 from uds_lens.plotting.export import keep_figures_in_notebooks
-from uds_lens.resolve import CheckpointRef
 from uds_lens.results import UDSResult
 from uds_lens.tl_compat import TransformerBridge
 from uds_lens.zoo.build import build_zoo

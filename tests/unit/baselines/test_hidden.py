@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from uds_lens.baselines.hidden import collect_hidden_states
-from uds_lens.models import load_hf_model
+from uds_lens.checkpoints.loader import load_hf_model
 from uds_lens.sources import as_source
 
 

@@ -67,7 +67,8 @@ def test_a_directory_without_a_manifest_says_how_to_build_one(tmp_path):
 def test_the_manifest_reader_serves_the_loader_and_the_builder(tmp_path, monkeypatch):
     """load_zoo, zoo:NAME resolution and the builder's refusal read manifest.json through layout.read_manifest: a
     hand-written one is understood alike by all three, and a directory without one reads as None everywhere."""
-    from uds_lens.resolve import ModelLoadError, resolve_zoo_name
+    from uds_lens.checkpoints.checkpoint import resolve_zoo_name
+    from uds_lens.checkpoints.folder import ModelLoadError
     from uds_lens.zoo.build import _refuse_to_replace
     from uds_lens.zoo.manifest import model_paths, read_manifest
     from uds_lens.zoo.recipe import SIZES, ZooBuildError

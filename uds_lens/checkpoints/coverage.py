@@ -7,7 +7,7 @@ memory for minutes). So loading is checked twice:
 
 - before the model is built, `check_config_size` compares the parameter count the config implies
   (`implied_parameters`: embeddings, attention and gated MLP per layer, the unembedding unless tied) with the
-  tensors the weight files hold (their headers only, ``checkpoint.stored_shapes``) and with the memory of the device;
+  tensors the weight files hold (their headers only, `Checkpoint.tensor_shapes`) and with the memory of the device;
 - after, `check_loading_info` refuses a model for which the loader reports missing, unexpected or
   shape-mismatched tensors, naming them.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from uds_lens.resolve import ModelLoadError
+from uds_lens.checkpoints.folder import ModelLoadError
 
 # The implied count leaves out norms and biases, so it is a little below the stored one; a config implying more
 # than this multiple of what the files hold does not describe them (a missing tensor or two is named after loading).

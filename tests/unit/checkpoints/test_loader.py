@@ -1,11 +1,15 @@
+"""The loader: one entry point, models built from what the checkpoint read (its bytes once), never from code."""
+
 import json
 import shutil
 
 import pytest
 import torch
 
-from uds_lens.models import ModelMismatchError, check_compatible, load, load_hf_model, load_model
-from uds_lens.resolve import ModelLoadError
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.compatibility import ModelMismatchError, check_identities, identity_of
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.loader import load, load_hf_model, load_model
 from uds_lens.sources import verify_parity
 from uds_lens.tl_compat import TransformerBridge
 
@@ -44,19 +48,26 @@ def test_directory_without_config(tmp_path):
         load_model(tmp_path)
 
 
-def test_mismatched_vocab_and_architecture(tiny, tmp_path):
+def test_mismatched_vocab_and_architecture_of_models_in_memory(tiny, tmp_path):
+    """Loaded models are compared by the identities of their checkpoints too (a model in memory by its own shapes)."""
+
+    def compare(full, other):
+        check_identities(
+            identity_of(Checkpoint.resolve(full), "full"), [identity_of(Checkpoint.resolve(other), "other")]
+        )
+
     other_vocab = tiny.variant(tmp_path / "v", seed=3, vocab_size=320)
-    with pytest.raises(ModelMismatchError, match="vocabulary"):
-        check_compatible(load_model(tiny.full), load_model(other_vocab))
+    with pytest.raises(ModelMismatchError, match=r"d_vocab \d+ vs 320"):
+        compare(load_model(tiny.full), load_model(other_vocab))
     deeper = tiny.variant(tmp_path / "d", seed=3, n_layers=4)
-    with pytest.raises(ModelMismatchError, match="architecture"):
-        check_compatible(load_model(tiny.full), load_model(deeper))
+    with pytest.raises(ModelMismatchError, match="n_layers 3 vs 4"):
+        compare(load_model(tiny.full), load_model(deeper))
 
 
 def test_bridge_shares_the_hugging_face_tensors_and_their_fingerprint(tiny):
     """The bridge runs on the Hugging Face tensors themselves (no copy, no processing), and its fingerprint is the
     Hugging Face model's: S1 cache keys do not depend on the backend or the TransformerLens version."""
-    from uds_lens.checkpoint import model_fingerprint
+    from uds_lens.checkpoints.digests import model_fingerprint
 
     bridge = load_model(tiny.full, device="cpu")
     hf = load_hf_model(tiny.full, device="cpu")
@@ -97,8 +108,9 @@ def test_tied_embeddings_share_one_tensor(tmp_path, tiny):
     assert verify_parity(hooked, hf, tokens)["logits"] == 0.0  # exact: the same modules on the same tensors
 
 
-def test_bin_weights_go_through_hugging_face(tiny, tmp_path):
-    """A checkpoint without safetensors (``.bin`` weights, no tokenizer) loads the same way."""
+def test_bin_weights_load_the_same_way(tiny, tmp_path):
+    """A checkpoint without safetensors (``.bin`` weights, no tokenizer) loads the same way: read once, unpickled
+    with ``weights_only``."""
     hf = load_hf_model(tiny.full, device="cpu", attn_implementation="eager")
     (tmp_path / "bin").mkdir()
     torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
@@ -118,8 +130,6 @@ def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
 
     import huggingface_hub
 
-    from uds_lens.resolve import resolve_source
-
     def no_hub(*args, **kwargs):
         raise AssertionError("the hub was contacted")
 
@@ -129,13 +139,11 @@ def test_not_a_checkpoint_fails_at_once(spec, monkeypatch):
     with pytest.raises(ModelLoadError, match="(does not exist|plausible Hugging Face hub id|pass .zoo:)"):
         load_model(spec)
     assert time.perf_counter() - started < 2.0
-    assert resolve_source("meta-llama/Llama-3.2-1B").kind == "hub"
+    assert Checkpoint.resolve("meta-llama/Llama-3.2-1B").kind == "hub"
 
 
 def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
     import gguf
-
-    from uds_lens.resolve import resolve_source
 
     other = tmp_path / "one" / "gpt2.gguf"
     other.parent.mkdir()
@@ -146,7 +154,7 @@ def test_gguf_directory_rules_and_other_architecture(tmp_path, tiny):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert resolve_source(other.parent).location == str(other)  # a directory holding exactly one .gguf
+    assert Checkpoint.resolve(other.parent).location == str(other)  # a directory holding exactly one .gguf
     with pytest.raises(ModelLoadError, match="architecture 'gpt2'.*supports general.architecture in"):
         load_model(other.parent)
     (other.parent / "second.gguf").write_bytes(other.read_bytes())
@@ -165,7 +173,7 @@ def test_a_mistyped_local_model_path_fails_without_asking_the_hub(tiny, tmp_path
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
-    from uds_lens.models import load_tokenizer
+    from uds_lens.checkpoints.loader import load_tokenizer
 
     for mistyped in (tmp_path / "ful", str(tmp_path / "ful"), str(tiny.full) + "l", "./ckpt/full"):
         with pytest.raises(ModelLoadError, match="does not exist"):
@@ -178,8 +186,8 @@ def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny
     """TransformerLens 3.x: a HookedTransformer of one's own is scored (by the naive engine, with a notice; the fast
     engine reads a bridge's Hugging Face tensors); TransformerLens 4.x has no HookedTransformer to pass."""
     from uds_lens.auditor import UDSAuditor
+    from uds_lens.checkpoints.loader import load_tokenizer
     from uds_lens.config import UDSConfig
-    from uds_lens.models import load_tokenizer
     from uds_lens.tl_compat import HookedTransformer, HookedTransformerConfig
 
     if HookedTransformer is None:
@@ -210,33 +218,34 @@ def test_a_users_hooked_transformer_is_still_accepted_on_transformer_lens_3(tiny
 
 
 def test_the_loader_reads_zoo_manifests_without_importing_the_zoo_training_code():
-    """models -> resolve -> zoo.manifest: resolving zoo:NAME reads a manifest; neither the Zoo view (which loads
+    """loader -> checkpoint -> zoo.manifest: resolving zoo:NAME reads a manifest; neither the Zoo view (which loads
     models) nor training a zoo is the loader's."""
     import subprocess
     import sys
 
     code = (
-        "import sys, uds_lens.models as m; m.resolve_zoo_name('zoo:nowhere/x') if False else None; "
+        "import sys, uds_lens.checkpoints.loader; "
         "print(sorted(k for k in sys.modules if k.startswith('uds_lens.zoo')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['uds_lens.zoo', 'uds_lens.zoo.manifest']"
 
 
-def test_a_checkpoint_argument_is_resolved_once_per_load(tiny, monkeypatch):
-    """load_model resolves its argument once and hands the resolved source to the config, weights and tokenizer
-    loaders; given a source resolved already, it resolves nothing."""
-    from uds_lens import models, resolve
+def test_a_checkpoint_argument_is_made_a_checkpoint_once_per_load(tiny, monkeypatch):
+    """load_model makes its argument a Checkpoint once, and the config, weights and tokenizer are read from that
+    value; given a Checkpoint, it resolves nothing and reads nothing the checkpoint read already."""
+    from uds_lens.checkpoints import checkpoint as door
 
     resolved = []
-    real = resolve.resolve_zoo_name
-    monkeypatch.setattr(
-        resolve, "resolve_zoo_name", lambda path_or_id: resolved.append(path_or_id) or real(path_or_id)
-    )
-    model = models.load_model(str(tiny.full), dtype="float32", device="cpu")
+    real = door.resolve_zoo_name
+    monkeypatch.setattr(door, "resolve_zoo_name", lambda text: resolved.append(text) or real(text))
+    model = load_model(str(tiny.full), dtype="float32", device="cpu")
     assert resolved == [str(tiny.full)]
     assert model.uds_source == str(tiny.full)
-    source = resolve.resolve_source(str(tiny.full))
+    checkpoint = Checkpoint.resolve(str(tiny.full))
     resolved.clear()
-    again = models.load_model(source, dtype="float32", device="cpu")
+    again = load_model(checkpoint, dtype="float32", device="cpu")
     assert resolved == [] and again.uds_source == str(tiny.full)
+    config = checkpoint.config
+    load_model(checkpoint, dtype="float32", device="cpu")
+    assert checkpoint.config is config  # read once, remembered on the value

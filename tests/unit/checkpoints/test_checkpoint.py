@@ -1,5 +1,6 @@
-"""What a model argument names, decided before any model loads: a missing local path fails at once and offline, and
-a hub id whose hub cannot be reached fails after one request (not transformers' five retries), in one line."""
+"""The door: what a model argument names, made a Checkpoint before any model loads. A missing local path fails at once
+and offline, and a hub id whose hub cannot be reached fails after one request (not transformers' five retries), in
+one line; the value is passed down as it is and never mistaken for the argument."""
 
 import os
 import subprocess
@@ -12,11 +13,13 @@ import pytest
 import transformers
 from helpers.cli import run_cli
 
-from uds_lens import resolve
-from uds_lens.models import load_model
-from uds_lens.resolve import CheckpointSource, ModelLoadError, check_sources, resolve_source
+from uds_lens.checkpoints import hub as hub_module
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.loader import load_model
+from uds_lens.inputs import RunInputs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class FakeSession:
@@ -44,7 +47,7 @@ def hub(monkeypatch):
     monkeypatch.setattr(huggingface_hub.utils, "get_session", lambda: session)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
-    monkeypatch.setattr(resolve, "_hub_answers", {})
+    monkeypatch.setattr(hub_module, "_hub_answers", {})
     return session
 
 
@@ -100,33 +103,65 @@ def test_an_unreachable_hub_is_one_line_after_one_request(hub):
     assert "no local path" in message and "Name or service not known" in message
     assert hub.requests == 1
     with pytest.raises(ModelLoadError, match="cannot be reached"):
-        check_sources(["someone/else", None])
+        Checkpoint.resolve("someone/else").from_pretrained_args()
     assert hub.requests == 1
 
 
 def test_the_hub_is_asked_only_for_hub_ids_and_a_cached_model_loads_without_it(hub, tiny, monkeypatch):
-    check_sources([str(tiny.full), tiny.full, None, object()])  # local checkpoints and models in memory
+    for model in (str(tiny.full), tiny.full):
+        Checkpoint.resolve(model).from_pretrained_args()  # local checkpoints
     assert hub.requests == 0
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
-    first, kwargs = resolve_source("org/cached").from_pretrained_args()
+    first, kwargs = Checkpoint.resolve("org/cached").from_pretrained_args()
     assert (
         first == "org/cached" and kwargs["local_files_only"] is True and kwargs["trust_remote_code"] is False
     )
     assert hub.requests == 1
     hub.error = None
-    monkeypatch.setattr(resolve, "_hub_answers", {})
-    assert resolve_source("org/cached").from_pretrained_args()[1]["local_files_only"] is False
-    assert resolve_source(tiny.full).from_pretrained_args()[1]["local_files_only"] is True
+    monkeypatch.setattr(hub_module, "_hub_answers", {})
+    assert Checkpoint.resolve("org/cached").from_pretrained_args()[1]["local_files_only"] is False
+    assert Checkpoint.resolve(tiny.full).from_pretrained_args()[1]["local_files_only"] is True
     assert hub.requests == 2
 
 
-def test_a_resolved_source_stands_for_the_argument_it_was_resolved_from(tiny):
-    """check_sources hands back each checkpoint argument resolved, to be passed down in its place: its fspath and
-    str are the argument as given, so it names and fingerprints the checkpoint as the argument did, and resolving
-    it again returns it as it is."""
+def test_a_checkpoint_is_a_value_never_mistaken_for_its_argument(tiny):
+    """The door hands back a Checkpoint, passed down in the argument's place: it is not a path (os.fspath refuses
+    it), it names the checkpoint as the argument did, two spellings of one folder are one checkpoint, and making it
+    again returns it as it is."""
     given = str(tiny.full) + "/"
-    source, model, nothing = check_sources([given, object, None])
-    assert isinstance(source, CheckpointSource) and (model, nothing) == (object, None)
-    assert os.fspath(source) == str(source) == given and Path(source) == Path(given)
-    assert (source.kind, source.location, source.path_or_id) == ("directory", str(tiny.full), given)
-    assert resolve_source(source) is source and resolve_source(source, weights=False) is source
+    checkpoint = Checkpoint.resolve(given)
+    assert isinstance(checkpoint, Checkpoint) and not isinstance(checkpoint, os.PathLike)
+    with pytest.raises(TypeError):
+        os.fspath(checkpoint)  # type: ignore[call-overload]
+    assert str(checkpoint) == checkpoint.label == given and checkpoint.name == tiny.full.name
+    assert (checkpoint.kind, checkpoint.location, checkpoint.path_or_id) == (
+        "directory",
+        str(tiny.full),
+        given,
+    )
+    assert (
+        Checkpoint.resolve(checkpoint) is checkpoint
+        and Checkpoint.resolve(checkpoint, weights=False) is checkpoint
+    )
+    assert Checkpoint.resolve(tiny.full) == checkpoint and hash(Checkpoint.resolve(tiny.full)) == hash(
+        checkpoint
+    )
+    assert checkpoint.fingerprint == "files:" + checkpoint.digest
+    with pytest.raises(TypeError, match="retain must be a checkpoint path.*object"):
+        Checkpoint.resolve(object(), role="retain")
+
+
+def test_run_inputs_list_every_location_they_read(tiny, tmp_path):
+    """What an output must never overlap: the checkpoints, their weights wherever an index points, the data, the
+    S1 cache."""
+    inputs = RunInputs.resolve(
+        tiny.full, tiny.retain, tiny.data, {"u": tiny.unlearned}, cache_dir=tmp_path / "s1"
+    )
+    paths = dict((str(path), what) for what, path in inputs.input_paths())
+    assert paths[str(tiny.full)] == "full checkpoint" and paths[str(tiny.retain)] == "retain checkpoint"
+    assert paths[str(tiny.unlearned)] == "unlearned u checkpoint"
+    assert paths[str(tiny.data)] == "forget set" and paths[str(tmp_path / "s1")] == "S1 cache"
+    assert (
+        "S1 cache"
+        not in dict(RunInputs.resolve(tiny.full, None, tiny.data, cache_dir=False).input_paths()).values()
+    )

@@ -9,34 +9,32 @@ quantity. So before any compute the models must agree on
 - their tokenizer: the same vocabulary (every token string with the same id, not only the same size), the same
   merges, and the same special tokens (beginning, end, unknown). Metadata a tokenizer is saved with (its maximum
   length, a chat template, the padding side) is not compared: it does not change what an id means;
-- their shapes (``models.ArchitectureSignature``: layers, widths, heads, vocabulary size).
+- their shapes (`ArchitectureSignature`: layers, widths, heads, vocabulary size), and, where the weight files'
+  headers say, the tensors they hold.
 
-A mismatch is a [`ModelMismatchError`][uds_lens.models.ModelMismatchError] naming the two models and what differs.
-`check_checkpoints` runs on checkpoint references before anything is loaded (configs and tokenizers only,
-plus the weight files' headers against the config, ``weights.check_config_size``); `check_loaded` runs on
-loaded models (what ``UDSAuditor`` holds), so in-memory models are checked too.
+Each model's `ModelIdentity` is made from its `Checkpoint` (`identity_of`), from what the checkpoint read once (its
+config, its tokenizer, its tensor headers; a model in memory from its own config and the checkpoint it was loaded
+from), and the identities are compared once, where a run's inputs are made (`inputs.RunInputs`), before anything is
+loaded: `check_compatible`. A mismatch is a `ModelMismatchError` naming the two models and what differs.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import xxhash
+import torch
 
-from uds_lens import models
-from uds_lens.checkpoint import stored_shapes
-from uds_lens.resolve import CheckpointRef, CheckpointSource, ModelLoadError, describe, resolve_source
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.coverage import check_config_size
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.tl_compat import ModelLike, hf_model_of, is_hooked_transformer, is_tl_model
-from uds_lens.weights import check_config_size
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +44,50 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token")
 TOKENS_SHOWN = 3
 # The unembedding, which a checkpoint of tied embeddings may or may not store.
 TIED_HEAD = "lm_head.weight"
+
+
+class ModelMismatchError(ValueError):
+    """Two checkpoints cannot be patched into each other (different family, architecture or vocabulary)."""
+
+
+@dataclass(frozen=True)
+class ArchitectureSignature:
+    """What two models must share to be patched into each other."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_key_value_heads: int | None
+    d_head: int
+    d_mlp: int | None  # None only for attention-only models, which TransformerLens allows
+    d_vocab: int
+
+    @classmethod
+    def of(cls, model: ModelLike) -> ArchitectureSignature:
+        """The signature of a model in memory (a bridge's or a Hugging Face model's config, a HookedTransformer's
+        ``cfg``)."""
+        if is_hooked_transformer(model):
+            c = model.cfg
+            return cls(c.n_layers, c.d_model, c.n_heads, c.n_key_value_heads, c.d_head, c.d_mlp, c.d_vocab)
+        hf = hf_model_of(model) if is_tl_model(model) else model
+        if hf is None:
+            raise TypeError(f"{type(model).__name__} wraps no Hugging Face model: its shapes are unknown.")
+        return cls.of_config(hf.config)
+
+    @classmethod
+    def of_config(cls, c: PretrainedConfig) -> ArchitectureSignature:
+        """The signature a Hugging Face config describes (no weights needed)."""
+        n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            n_kv if n_kv != c.num_attention_heads else None,
+            head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -58,8 +100,8 @@ class ModelIdentity:
         signature: the shapes.
         tokenizer: its fast tokenizer, or None when the checkpoint ships none (then only the vocabulary size of
             ``signature`` is compared).
-        tokenizer_files: the digest of the files it was read from (`tokenizer_files_digest`), when it was
-            read from a checkpoint: equal digests are one tokenizer, compared no further.
+        tokenizer_files: the digest of the files it was read from (`Checkpoint.tokenizer_files`): equal digests are
+            one tokenizer, compared no further.
         tensors: ``{name: shape}`` its ``.safetensors`` files hold (headers only), when known: fine-tunes of one
             model hold the same tensors, so one that lacks a tensor full's files hold is refused before any
             compute (its loader would refuse it too, but only once Stage 1 had run).
@@ -67,112 +109,54 @@ class ModelIdentity:
 
     label: str
     model_type: str | None
-    signature: models.ArchitectureSignature
+    signature: ArchitectureSignature
     tokenizer: PreTrainedTokenizerBase | None = None
     tokenizer_files: str | None = None
     tensors: dict[str, tuple[int, ...]] | None = None
 
 
-# Files a tokenizer is read from; two checkpoints whose files are byte-identical have one tokenizer (no comparison).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-# Tokenizers already read, by the digest of their files: a sweep reads each distinct tokenizer once.
-_TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}
-
-
-def tokenizer_files_digest(directory: str | os.PathLike) -> str | None:
-    """XXH3-128 of a checkpoint directory's tokenizer files (names and bytes), or None when it has none."""
-    root = Path(directory)
-    present = [root / name for name in TOKENIZER_FILES if (root / name).is_file()]
-    if not present:
-        return None
-    hasher = xxhash.xxh3_128()
-    for file in present:
-        hasher.update(file.name.encode() + b"\0")
-        hasher.update(file.read_bytes())
-    return hasher.hexdigest()
-
-
-def _local_source(path_or_id: object) -> CheckpointSource | None:
-    """The resolved source of a checkpoint reference on this machine; None for anything else (a hub id is checked
-    once loaded: a check fetches nothing), or for what names no checkpoint (its loader says so, where it loads)."""
-    if not isinstance(path_or_id, (str, os.PathLike)):
+def own_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a checkpoint ships, to compare: a directory's (when it has tokenizer files and they read), a
+    model in memory's checkpoint's; None for a ``.gguf`` (rebuilt from the file: seconds) or a hub id."""
+    if checkpoint.model is not None:
+        return own_tokenizer(checkpoint.origin) if checkpoint.origin is not None else None
+    if checkpoint.kind != "directory" or checkpoint.tokenizer_files is None:
         return None
     try:
-        source = resolve_source(path_or_id)
-    except ModelLoadError:
+        return checkpoint.tokenizer
+    except (ModelLoadError, OSError, ValueError, TypeError):
         return None
-    return source if source.local else None
 
 
-def checkpoint_tokenizer(path_or_id: CheckpointRef | None) -> PreTrainedTokenizerBase | None:
-    """A local checkpoint directory's own tokenizer, or None: a checkpoint without tokenizer files, a ``.gguf``
-    (its tokenizer is rebuilt from the file: seconds) or a hub id (not fetched for a check). Read once per
-    distinct set of tokenizer files."""
-    return _tokenizer_and_digest(_local_source(path_or_id))[0]
+def identity_of(
+    checkpoint: Checkpoint, role: str, tokenizer: PreTrainedTokenizerBase | None = None
+) -> ModelIdentity:
+    """A model's identity from what its checkpoint read (config, tokenizer, tensor headers), without building the
+    model; a directory's config is checked against its weight files first (`coverage.check_config_size`), so a
+    config describing another model is refused here. ``tokenizer`` (one passed explicitly) replaces its own.
 
-
-def _tokenizer_and_digest(
-    source: CheckpointSource | None,
-) -> tuple[PreTrainedTokenizerBase | None, str | None]:
-    if source is None or source.kind != "directory":
-        return None, None
-    digest = tokenizer_files_digest(source.location)
-    if digest is None:
-        return None, None
-    if digest not in _TOKENIZERS:
-        try:
-            _TOKENIZERS[digest] = models.read_tokenizer(source)
-        except (ModelLoadError, OSError, ValueError, TypeError):
-            return None, None
-    return _TOKENIZERS[digest], digest
-
-
-def identity_of_checkpoint(source: CheckpointSource, role: str) -> ModelIdentity:
-    """A checkpoint's identity from its config and tokenizer files, without building the model; its config's size
-    is checked against its weight files first (``weights.check_config_size``), so a config describing another model
-    is refused here."""
-    label = f"{role} ({source})"
-    config = models.read_config(source)
-    models.check_supported(config, str(source))
-    shapes: dict[str, tuple[int, ...]] = {}
-    if source.kind == "directory":
-        with models.loader_errors(source, "weights"):
-            shapes = stored_shapes(source.location)
-        if shapes:
-            check_config_size(source.location, config, shapes.values(), models.default_dtype("cpu"), None)
+    Raises:
+        ModelLoadError: a config that cannot be read, is of an unsupported family, or does not match the weights.
+    """
+    label = f"{role} ({checkpoint.label})"
+    if checkpoint.model is not None:
+        model_type = getattr(checkpoint.model_config, "model_type", None)
+        files = checkpoint.tokenizer_files if tokenizer is None else None
+        signature = ArchitectureSignature.of(checkpoint.model)
+        return ModelIdentity(label, model_type, signature, tokenizer or own_tokenizer(checkpoint), files)
+    config = checkpoint.config
+    shapes = dict(checkpoint.tensor_shapes or {})
+    if shapes:  # the dtype only sizes a memory check, which this one leaves out
+        check_config_size(checkpoint.location, config, shapes.values(), torch.float32, None)
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop(TIED_HEAD, None)  # saved by some writers and not by others: the same model either way
     return ModelIdentity(
         label,
         getattr(config, "model_type", None),
-        models.ArchitectureSignature.of_config(config),
-        *_tokenizer_and_digest(source),
+        ArchitectureSignature.of_config(config),
+        tokenizer or own_tokenizer(checkpoint),
+        checkpoint.tokenizer_files if tokenizer is None else None,
         tensors=shapes or None,
-    )
-
-
-def identity_of_model(
-    model: ModelLike, role: str, tokenizer: PreTrainedTokenizerBase | None = None
-) -> ModelIdentity:
-    """A loaded model's identity; ``tokenizer`` defaults to its checkpoint's own (``model.uds_source``)."""
-    name = describe(model)
-    digest = None
-    if tokenizer is None:
-        tokenizer, digest = _tokenizer_and_digest(_local_source(getattr(model, "uds_source", None)))
-    model_type = None
-    if not is_hooked_transformer(model):
-        hf = hf_model_of(model) if is_tl_model(model) else model
-        model_type = getattr(getattr(hf, "config", None), "model_type", None)
-    return ModelIdentity(
-        f"{role} ({name})", model_type, models.ArchitectureSignature.of(model), tokenizer, digest
     )
 
 
@@ -259,7 +243,7 @@ def check_identities(reference: ModelIdentity, others: Iterable[ModelIdentity]) 
     """Refuse models that differ from ``reference`` (the full model), naming each and what differs.
 
     Raises:
-        models.ModelMismatchError: one line for all of them.
+        ModelMismatchError: one line for all of them.
     """
     refusals = []
     for other in others:
@@ -273,66 +257,52 @@ def check_identities(reference: ModelIdentity, others: Iterable[ModelIdentity]) 
                 reference.label,
             )
     if refusals:
-        raise models.ModelMismatchError(
+        raise ModelMismatchError(
             " | ".join(refusals)
             + ". UDS patches between checkpoints fine-tuned from one base model with one "
             "tokenizer: pass models of the same family and tokenizer."
         )
 
 
-def check_checkpoints(
-    full: object,
-    retain: object,
-    unlearned: Sequence[tuple[str, object]] = (),
-    skip_unreadable: bool = False,
-) -> None:
-    """Before anything is loaded: full, retain and every unlearned model given as a checkpoint reference are one
-    family with one tokenizer and one shape. Models already in memory are left to `check_loaded`, and nothing
-    is compared when full itself is in memory.
+def check_compatible(
+    reference: ModelIdentity, others: Sequence[tuple[str, Checkpoint]], skip_unreadable: bool = False
+) -> dict[str, str]:
+    """Every model of ``others`` (``(role, checkpoint)``) against full's identity, before anything is loaded.
 
     Args:
-        unlearned: ``(name, model)`` pairs.
-        skip_unreadable: leave an unlearned checkpoint whose config or weight headers cannot be read to its loader
-            (a sweep reports it as a failed row and goes on) instead of raising here.
+        reference: full's identity (`identity_of`).
+        skip_unreadable: leave a model whose config or weight headers cannot be read out of the comparison (a
+            sweep reports it as a failed row and goes on) instead of raising.
+
+    Returns:
+        ``{role: why it could not be read}`` of the models left out (empty unless ``skip_unreadable``).
 
     Raises:
-        models.ModelMismatchError: naming every model that differs from full, and what differs.
+        ModelMismatchError: naming every model that differs from full, and what differs.
         ModelLoadError: a checkpoint whose config cannot be read, or does not match its weight files.
     """
-    full_source = _local_source(full)
-    if full_source is None:
-        return
-    reference = identity_of_checkpoint(full_source, "full")
-    retain_source = _local_source(retain)
-    others = [identity_of_checkpoint(retain_source, "retain")] if retain_source is not None else []
-    for name, model in unlearned:
-        source = _local_source(model)
-        if source is None:
-            continue
+    identities, unreadable = [], {}
+    for role, checkpoint in others:
         try:
-            others.append(identity_of_checkpoint(source, f"unlearned {name}"))
+            identities.append(identity_of(checkpoint, role))
         except ModelLoadError as error:
             if not skip_unreadable:
                 raise
-            logger.info("unlearned %s is left to its loader: %s", name, error)
-    check_identities(reference, others)
-
-
-def check_loaded(reference: ModelIdentity, model: ModelLike, role: str) -> None:
-    """A loaded model against full's identity (``UDSAuditor`` checks retain and each unlearned model with it)."""
-    check_identities(reference, [identity_of_model(model, role)])
+            unreadable[role] = str(error)
+            logger.info("%s is left to its loader: %s", role, error)
+    check_identities(reference, identities)
+    return unreadable
 
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "ArchitectureSignature",
     "ModelIdentity",
-    "check_checkpoints",
+    "ModelMismatchError",
+    "check_compatible",
     "check_identities",
-    "check_loaded",
-    "checkpoint_tokenizer",
     "differences",
-    "identity_of_checkpoint",
-    "identity_of_model",
+    "identity_of",
+    "own_tokenizer",
     "tokenizer_differences",
-    "tokenizer_files_digest",
 ]

@@ -1,0 +1,500 @@
+"""One reading of a checkpoint folder: which files are the model, what their headers hold, and the one pass that
+reads them.
+
+Every command reads a Hugging Face checkpoint directory through `read_folder`, once per `Checkpoint`, so `score`,
+`sweep`, `diagnose` and the rest load the same bytes, and the checkpoint's identity covers exactly those bytes. Which
+files are the weights is decided by the rules `transformers`' `from_pretrained` applies to a local directory:
+
+1. the file ``config.json`` names under ``transformers_weights``, when it names one (inside the folder);
+2. else ``model.safetensors``;
+3. else ``model.safetensors.index.json`` and the shards its ``weight_map`` names (in sorted order, wherever they lie
+   under the folder);
+4. else ``pytorch_model.bin``;
+5. else ``pytorch_model.bin.index.json`` and its shards.
+
+Around those rules, what a user could mistake:
+
+- a weight file the rules do not load (``model_ema.safetensors``, shards an index no longer names, a
+  ``pytorch_model.bin`` beside ``model.safetensors``) is named in a warning: it is neither loaded nor part of the
+  identity;
+- where it is ambiguous which weights are meant (``model.safetensors`` beside an index, a ``.bin`` beside a ``.bin``
+  index, or weight files none of which the rules name), the folder is refused in one line;
+- a shard an index names outside the folder (``../other/model.safetensors``, an absolute path) is refused unless the
+  caller allows it (``outside_weights=True``; `uds-lens score --allow-outside-weights`);
+- a config or tokenizer config with an ``auto_map`` (the checkpoint's own Python classes) is refused: uds_lens never
+  runs a checkpoint's code, and scoring it with the stock class would score another model.
+
+`ModelLoadError` is what goes wrong with a checkpoint, always one line naming it and the fix (`explain_load_error`
+turns any loader's error into one). The identity (`CheckpointFiles.identifying`) is the weight files chosen, the index, and the folder's config and
+tokenizer files (``.json``, ``.jinja``, ``.model``, ``.txt``), each named by its path in the folder. `stage` reads
+the weight files once into memory, hashing every identifying file in the same pass (or not at all, when the digest is
+already known), and hands the tensors to the loader as views of the bytes it read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from uds_lens.families import SUPPORTED_MODEL_TYPES
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint could not be loaded (missing, offline hub id, unsupported architecture, ambiguous weights)."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def explain_load_error(location: str, what: str, err: BaseException) -> ModelLoadError:
+    """One line naming the checkpoint, what failed to load, the cause and the fix, for any loader error."""
+    text = str(err)
+    lowered = text.lower()
+    name = type(err).__name__
+    if "trust_remote_code" in text or "custom code" in lowered:
+        return ModelLoadError(
+            f"{location} needs its own Python code to load its {what} (an auto_map in config.json or "
+            "tokenizer_config.json), and uds_lens never runs a checkpoint's code: use a checkpoint of a decoder "
+            f"family transformers implements itself (model_type in {SUPPORTED_MODEL_TYPES}), or convert this one."
+        )
+    if name == "UnpicklingError" or "weights only load failed" in lowered or "weights_only" in lowered:
+        return ModelLoadError(
+            f"The {what} of {location} are pickled (pytorch_model.bin) with objects torch refuses to unpickle "
+            "safely (weights_only), so they were not read: convert the checkpoint to safetensors where you trust it "
+            "(model.save_pretrained(dir, safe_serialization=True)) and pass that directory."
+        )
+    if (
+        "safetensor" in lowered
+        or "header" in lowered
+        or name in ("JSONDecodeError", "UnicodeDecodeError", "error")
+    ):
+        return ModelLoadError(
+            f"The {what} of {location} are not readable safetensors ({name}: {_one_line(text, 160)}): the file is "
+            "truncated or corrupt; re-save or re-download the checkpoint."
+        )
+    if "dtype" in lowered:
+        return ModelLoadError(
+            f"Could not load the {what} of {location} in the requested dtype ({name}: {_one_line(text, 160)}): pass "
+            "--dtype float32, bfloat16 or float16."
+        )
+    return ModelLoadError(
+        f"Could not load the {what} of {location} ({name}: {_one_line(text, 200)}): check that it is a complete "
+        "checkpoint (config.json, tokenizer files and every weight shard), or re-download it."
+    )
+
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# Files of a checkpoint folder besides its weights that can change its numbers: config, tokenizer, chat template.
+IDENTIFYING_SUFFIXES = (".json", ".jinja", ".model", ".txt")
+# Files whose ``auto_map`` would ask for the checkpoint's own code.
+CODE_MAPS = ("config.json", "tokenizer_config.json")
+# safetensors' own limit on a header; a longer one is refused before it is read (a header bomb)
+MAX_HEADER_BYTES = 100 << 20
+WeightFormat = Literal["safetensors", "bin"]
+
+
+def _is_weight_file(path: Path) -> bool:
+    """What a user could take for a model's weights: safetensors, GGUF, or a pickled ``pytorch_model*.bin``
+    (``training_args.bin`` and an optimizer's ``.pt`` are not)."""
+    name = path.name.lower()
+    return name.endswith((".safetensors", ".gguf")) or (
+        name.startswith("pytorch_model") and name.endswith(".bin")
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What `read_folder` decided about a checkpoint directory.
+
+    Attributes:
+        root: the directory.
+        weights: the weight files loaded, in load order.
+        format: ``"safetensors"`` or ``"bin"`` (pickled, read with ``weights_only``).
+        index: the shard index, when the weights are sharded.
+        identifying: ``(name, path)`` of every file the identity covers (the weights, the index, the config and
+            tokenizer files), sorted by name; a name is the path in the folder (``sub/model-00001.safetensors``).
+        unused: weight files in the folder that are not loaded (named in the warning).
+        config: ``config.json`` as read.
+    """
+
+    root: Path
+    weights: tuple[Path, ...]
+    format: WeightFormat
+    index: Path | None
+    identifying: tuple[tuple[str, Path], ...]
+    unused: tuple[str, ...]
+    config: dict[str, Any] = field(repr=False)
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """The weight files as the identity names them."""
+        chosen = set(self.weights)
+        return tuple(name for name, path in self.identifying if path in chosen)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"{path} is not readable JSON ({type(error).__name__}: {error}): {what}; re-save or re-download the "
+            "checkpoint."
+        ) from error
+
+
+def refuse_code(root: Path, config: dict[str, Any] | None = None) -> None:
+    """Refuse a folder whose config (``config``, as read) or tokenizer config has an ``auto_map``: one line.
+
+    Raises:
+        ModelLoadError: naming the file.
+    """
+    for name in CODE_MAPS:
+        content = config if name == "config.json" else None
+        if content is None and (root / name).is_file():
+            content = _read_json(root / name, "the tokenizer's settings")
+        if isinstance(content, dict) and content.get("auto_map"):
+            raise ModelLoadError(
+                f"{root / name} has an auto_map: the checkpoint needs its own Python code, which uds_lens never runs "
+                "(scoring it with the stock class would score another model). Use a checkpoint of a family "
+                "transformers implements itself, or remove the auto_map where the stock class is right."
+            )
+
+
+def _inside(root: Path, name: str) -> bool:
+    if os.path.isabs(name):
+        return False
+    return not os.path.normpath(name).startswith(os.pardir)
+
+
+def _shards(root: Path, index: Path, outside_weights: bool) -> list[tuple[str, Path]]:
+    """``(name, path)`` of every shard an index names, in the loader's (sorted) order."""
+    content = _read_json(index, "the shard index")
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(
+            f"{index} has no weight_map naming the shards: re-save or re-download the checkpoint."
+        )
+    names = sorted({str(shard) for shard in weight_map.values()})
+    outside = [name for name in names if not _inside(root, name)]
+    if outside and not outside_weights:
+        raise ModelLoadError(
+            f"{index.name} in {root} names weight shards outside the folder ({', '.join(outside[:3])}): refused, so "
+            "that what is scored is what the folder holds. Copy the shards into the folder, or allow it "
+            "(--allow-outside-weights, or Checkpoint.resolve(..., outside_weights=True))."
+        )
+    shards = [(os.path.normpath(name).replace(os.sep, "/"), root / name) for name in names]
+    missing = [name for name, path in shards if not path.is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"{root} is missing weight shard(s) {missing} listed in {index.name}: the download or copy did not "
+            "finish; fetch the missing files again."
+        )
+    return shards
+
+
+def _chosen(
+    root: Path, config: dict[str, Any], outside_weights: bool
+) -> tuple[list[tuple[str, Path]], Path | None]:
+    """The weight files by the loader's rules, and the index they came from (None: one file)."""
+    explicit = config.get("transformers_weights")
+    if isinstance(explicit, str) and explicit:
+        if not _inside(root, explicit) or not (root / explicit).is_file():
+            raise ModelLoadError(
+                f"config.json of {root} names transformers_weights={explicit!r}, which is not a file inside the "
+                "folder: restore that file, or remove the key."
+            )
+        if explicit.endswith(".index.json"):
+            return _shards(root, root / explicit, outside_weights), root / explicit
+        return [(explicit, root / explicit)], None
+    for single, index in ((SAFE_WEIGHTS, SAFE_INDEX), (BIN_WEIGHTS, BIN_INDEX)):
+        has_single, has_index = (root / single).is_file(), (root / index).is_file()
+        if has_single and has_index:
+            raise ModelLoadError(
+                f"{root} holds both {single} and {index}: two descriptions of the model's weights, and it is "
+                "ambiguous which one is meant. Remove the stale one (an older save's)."
+            )
+        if has_single:
+            return [(single, root / single)], None
+        if has_index:
+            return _shards(root, root / index, outside_weights), root / index
+    found = sorted(path.name for path in root.iterdir() if path.is_file() and _is_weight_file(path))
+    if found:
+        raise ModelLoadError(
+            f"{root} has no {SAFE_WEIGHTS} (nor an index or {BIN_WEIGHTS}) but holds {', '.join(found)}: it is "
+            f"ambiguous which of them is the model. Rename the one you mean to {SAFE_WEIGHTS}."
+        )
+    raise ModelLoadError(
+        f"{root} has a config.json but no weights ({SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS} or {BIN_INDEX}): "
+        "the save or download did not finish; fetch the weight files again."
+    )
+
+
+def read_folder(root: str | os.PathLike[str], outside_weights: bool = False) -> CheckpointFiles:
+    """Decide once what a Hugging Face checkpoint directory's model is (see the module docstring).
+
+    Args:
+        root: the directory (it holds ``config.json``).
+        outside_weights: accept shards an index names outside the folder.
+
+    Raises:
+        ModelLoadError: an ``auto_map``, ambiguous or missing weights, shards outside the folder, an unreadable
+            config or index; one line naming the folder and the fix.
+    """
+    folder = Path(root).expanduser()
+    config = _read_json(folder / "config.json", "the model's config")
+    if not isinstance(config, dict):
+        raise ModelLoadError(
+            f"{folder / 'config.json'} is not a JSON object: restore the checkpoint's own config."
+        )
+    refuse_code(folder, config)
+    weights, index = _chosen(folder, config, outside_weights)
+    chosen = {path for _, path in weights}
+    others = [
+        (path.name, path)
+        for path in folder.iterdir()
+        if path.is_file() and path.suffix in IDENTIFYING_SUFFIXES and path not in chosen
+    ]
+    identifying = tuple(sorted({*weights, *others}, key=lambda item: item[0]))
+    loaded = {name for name, _ in weights}
+    unused = tuple(
+        sorted(
+            path.name
+            for path in folder.iterdir()
+            if path.is_file() and _is_weight_file(path) and path.name not in loaded
+        )
+    )
+    if unused:
+        logger.warning(
+            "%s: %s %s not loaded (the model is %s, by Hugging Face's rules) and not part of its identity.",
+            folder,
+            ", ".join(unused),
+            "is" if len(unused) == 1 else "are",
+            index.name if index is not None else weights[0][0],
+        )
+    fmt: WeightFormat = "safetensors" if weights[0][0].endswith(".safetensors") else "bin"
+    return CheckpointFiles(
+        folder, tuple(path for _, path in weights), fmt, index, identifying, unused, config
+    )
+
+
+def _unreadable(file: Path, why: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{file} is not readable safetensors ({why}): the file is truncated or corrupt; re-save or re-download the "
+        "checkpoint."
+    )
+
+
+def _header(file: Path) -> dict[str, Any]:
+    with file.open("rb") as handle:
+        raw_length = handle.read(8)
+        if len(raw_length) < 8:
+            raise _unreadable(file, "too short for a header")
+        (header_len,) = struct.unpack("<Q", raw_length)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > file.stat().st_size:
+            raise _unreadable(file, f"its header claims {header_len} bytes")
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError as err:
+            raise _unreadable(file, f"its header is not JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise _unreadable(file, "its header is not a JSON object")
+    return header
+
+
+def tensor_shapes(files: CheckpointFiles) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` of the weights, from the safetensors headers only (no tensor bytes); None for
+    pickled (``.bin``) weights, whose headers need unpickling.
+
+    Raises:
+        ModelLoadError: a header that is truncated, longer than safetensors allows, or not JSON.
+    """
+    if files.format != "safetensors":
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files.weights:
+        for name, entry in _header(file).items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                shapes[name] = tuple(int(size) for size in entry.get("shape", ()))
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The one pass: read the weights into memory, hashing every identifying file on the way
+
+
+@dataclass
+class Staged:
+    """A checkpoint's weights read once into memory.
+
+    Attributes:
+        files: what was read.
+        digest: the digest of its identifying files (computed from this read, or known before it).
+        buffers: ``{name: bytes}`` of every weight file (uint8 tensors, ordinary memory).
+        nbytes: bytes read.
+        seconds: time the read (and hash) took.
+        hashed: whether this read computed the digest (False: it was known, nothing was hashed).
+    """
+
+    files: CheckpointFiles
+    digest: str
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+    hashed: bool = True
+
+    @property
+    def has_weights(self) -> bool:
+        """Whether the weights are still in memory."""
+        return bool(self.buffers)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` of every staged tensor, in file order: safetensors as views of the staged bytes (no
+        copy; a tensor whose offset does not suit its dtype's alignment, never the case for files written by
+        ``safetensors``, is copied), pickled weights unpickled with ``weights_only``."""
+        for name, buffer in self.buffers.items():
+            label = f"{self.files.root}/{name}"
+            if self.files.format == "safetensors":
+                yield from _parse_safetensors(buffer, label)
+            else:
+                yield from _unpickle(buffer).items()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The staged tensors as a state dict (views), for loaders that take one."""
+        return dict(self.tensors())
+
+    def release(self) -> None:
+        """Drop the staged bytes (the sweep's bound on memory)."""
+        self.buffers = {}
+
+
+def _unpickle(buffer: Tensor) -> dict[str, Tensor]:
+    import torch
+
+    state = torch.load(io.BytesIO(buffer.numpy().data), map_location="cpu", weights_only=True)
+    return {str(name): tensor for name, tensor in state.items() if torch.is_tensor(tensor)}
+
+
+def _parse_safetensors(buffer: Tensor, label: str) -> Iterator[tuple[str, Tensor]]:
+    import torch
+
+    from uds_lens.checkpoints.digests import CheckpointReadError
+
+    if buffer.numel() < 8:
+        raise CheckpointReadError(f"{label} is too short to be a safetensors file.")
+    (header_len,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
+    if 8 + header_len > buffer.numel():
+        raise CheckpointReadError(
+            f"{label}: its header runs past the end of the file (truncated or foreign)."
+        )
+    try:
+        header = json.loads(bytes(buffer[8 : 8 + header_len].numpy()))
+    except ValueError as err:
+        raise CheckpointReadError(
+            f"{label}: its header is not JSON ({err}); not a safetensors file."
+        ) from err
+    base = 8 + header_len
+    entries = sorted(
+        ((name, entry) for name, entry in header.items() if name != "__metadata__"),
+        key=lambda item: item[1]["data_offsets"][0],
+    )
+    for name, entry in entries:
+        dtype = _dtypes().get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointReadError(
+                f"{label}: tensor {name} has dtype {entry['dtype']}, which uds_lens cannot read; save the "
+                "checkpoint in fp32, fp16 or bf16."
+            )
+        begin, end = (base + offset for offset in entry["data_offsets"])
+        if end > buffer.numel() or begin > end:
+            raise CheckpointReadError(f"{label}: tensor {name} lies past the end of the file (truncated).")
+        raw = buffer[begin:end]
+        if begin % torch.empty((), dtype=dtype).element_size():
+            raw = raw.clone()
+        yield name, raw.view(dtype).reshape(entry["shape"])
+
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {}
+
+
+def _dtypes() -> dict[str, Any]:
+    if not _SAFETENSORS_DTYPES:
+        import torch
+
+        _SAFETENSORS_DTYPES.update(
+            F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
+            I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool,
+        )  # fmt: skip
+    return _SAFETENSORS_DTYPES
+
+
+def stage(files: CheckpointFiles, known: str | None = None) -> Staged:
+    """Read a checkpoint's weights once into memory and, unless ``known`` is its digest already, hash every
+    identifying file in the same pass (the config and tokenizer files are small; the weights are hashed as they
+    land in memory). The digest is remembered by file identity (`digests.remember_digest`).
+
+    Raises:
+        CheckpointReadError: a file shorter or longer than it was when listed (rewritten while read).
+    """
+    import torch
+
+    from uds_lens.checkpoints import digests
+
+    started = time.perf_counter()
+    stamp = digests.file_stamp(files.root, files.identifying)
+    hasher = digests.new_hasher() if known is None else None
+    weights = set(files.weights)
+    buffers: dict[str, Tensor] = {}
+    nbytes = 0
+    for (name, path), entry in zip(files.identifying, stamp[1], strict=True):
+        size = entry[1]
+        if hasher is not None:
+            digests.file_header(hasher, name, size)
+        if path in weights:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            with path.open("rb", buffering=0) as handle:
+                digests.read_into(handle, buffer, hasher, path)
+            buffers[name] = buffer
+            nbytes += size
+        elif hasher is not None:
+            digests.hash_stream(hasher, path)
+            nbytes += size
+    digest = known if known is not None else digests.remember_digest(stamp, digests.finish(hasher))
+    ordered = {name: buffers[name] for name in files.weight_names}
+    return Staged(files, digest, ordered, nbytes, time.perf_counter() - started, hashed=hasher is not None)
+
+
+__all__ = [
+    "BIN_INDEX",
+    "BIN_WEIGHTS",
+    "IDENTIFYING_SUFFIXES",
+    "MAX_HEADER_BYTES",
+    "SAFE_INDEX",
+    "SAFE_WEIGHTS",
+    "CheckpointFiles",
+    "ModelLoadError",
+    "Staged",
+    "WeightFormat",
+    "explain_load_error",
+    "read_folder",
+    "refuse_code",
+    "stage",
+    "tensor_shapes",
+]
