@@ -97,8 +97,8 @@ def examples_fingerprint(examples: Sequence[Example]) -> str:
 
 def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dict[str, Any]:
     """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it), device and the Stage 2 cells (:func:`stage2_fingerprint` keys those); plus the dtype the
-    full model runs in."""
+    are invariant to it), device and the Stage 2 cells (:func:`stage2_fingerprint` keys those), and the precision
+    check's settings where it does nothing (fp32); plus the dtype the full model runs in."""
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "device", "stage2_cells"):
         settings.pop(volatile)
@@ -106,6 +106,9 @@ def settings_fingerprint(config: UDSConfig, full: ModelArg | None = None) -> dic
         settings["dtype"] = str(as_source(full).dtype)
     else:
         settings["dtype"] = str(models.resolve_dtype(config.dtype, config.device or models.default_device()))
+    if settings["dtype"] not in ("torch.bfloat16", "torch.float16"):  # the precision check acts on these only
+        settings.pop("precision_check")
+        settings.pop("precision_tolerance")
     return settings
 
 

@@ -283,6 +283,13 @@ class UDSResult:
         )
 
     @property
+    def precision(self) -> dict[str, Any] | None:
+        """A bf16/fp16 run's precision record (``uds_lens.precision``): the band, the fragile cells and those
+        re-decided in fp32 (``n_fragile_cells``, ``n_redecided_cells``; per example ``per_example[idx] = [fragile,
+        re-decided]``) and the precision of each decision; None for an fp32 run."""
+        return self.meta.get("precision")
+
+    @property
     def summary(self) -> dict[str, Any]:
         status = self.examples["status"].value_counts()
         reasons = self.examples.loc[self.examples["status"] == "skipped", "skip_reason"].value_counts()
@@ -327,6 +334,7 @@ class UDSResult:
             "log_softmax_dtype",
             "engine",
             "timings",
+            "precision",
         ):
             if key in self.meta:
                 out[key] = self.meta[key]
