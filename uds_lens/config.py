@@ -137,8 +137,8 @@ class UDSConfig:
         precision_check: in bf16/fp16 (``uds_lens.precision``), re-decide in fp32 every KE decision and ``d1`` UDS
             reads (Stage 1, once) and every clip decision inside the rounding band (Stage 2); False counts the
             fragile cells without re-deciding them. Nothing to do in fp32.
-        precision_tolerance: with the check on, also re-decide in fp32 the cells whose rounding band could move
-            their example's UDS by more than this (None: only the fragile decisions).
+        precision_tolerance: with the check on, run Stage 2 in fp32 for the examples whose UDS the rounding band
+            could move by more than this (None or ``inf``: only the fragile decisions are fp32).
     """
 
     tau: float = DEFAULT_TAU
@@ -159,6 +159,8 @@ class UDSConfig:
         if not isinstance(self.precision_check, bool):
             raise ConfigError(f"precision_check must be True or False, got {self.precision_check!r}.")
         tolerance = self.precision_tolerance
+        if isinstance(tolerance, float) and tolerance == math.inf:  # any UDS difference tolerated: no bound
+            object.__setattr__(self, "precision_tolerance", tolerance := None)
         if tolerance is not None and (
             isinstance(tolerance, bool)
             or not isinstance(tolerance, numbers.Real)
