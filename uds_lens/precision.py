@@ -445,9 +445,10 @@ class PrecisionCheck:
         self, stage: StageOne, s2: Float[Tensor, "example layer"], d2_fp32: Float[Tensor, "example layer"]
     ) -> dict[str, Any]:
         """What a result records (``meta["precision"]``): the format, the band, where the fp32 weights came from,
-        the fragile cells and those re-decided per model and per example (``per_example``: ``idx -> [fragile,
-        re-decided]``), the examples whose Stage 2 ran in fp32, and the precision each decision was taken in
-        (``decisions``: cells per format).
+        the fragile cells and those re-decided, the examples whose Stage 2 ran in fp32, the precision each decision
+        was taken in (``decisions``: cells per format) and, per example (``per_example[idx]``: ``fragile``,
+        ``redecided``, ``uds_bound``), how far the bands of the deltas left in the reduced format could move its
+        UDS (:func:`uds_bound`, the KE decisions as taken; ``max_uds_bound`` over the examples).
 
         ``s2`` is the reduced-precision S2 (NaN where it did not run), ``d2_fp32`` the fp32 ``d2`` (NaN where
         none)."""
@@ -457,10 +458,15 @@ class PrecisionCheck:
         scale = self.scale(stage)
         ke_fragile = fragile_ke(reduced_d1, self.tau, band(reduced_d1, self.eps, scale))
         clip_fragile = self.fragile_clips(stage, slice(None), stage.baseline - s2)
-        fp32_rows = self.fp32_rows(stage, slice(None))
+        fp32_rows = self.fp32_rows(stage, slice(None)) & exact2.any(-1)
         ke = d1.numpy() > self.tau
         fragile = ke_fragile | clip_fragile
         redecided = (ke_fragile & exact1) | (clip_fragile & exact2)
+        # the bands of the deltas still in the reduced format, summed as UDS_i reads them
+        reduced_d2 = (stage.baseline - s2).numpy()
+        width = np.where(exact2, 0.0, band(reduced_d2, self.eps, scale))
+        width = width + np.where(exact1, 0.0, band(reduced_d1, self.eps, scale))
+        bound = np.nan_to_num(uds_bound(d1.numpy(), self.tau, np.nan_to_num(width)), nan=0.0)
         name = REDUCED_DTYPES[self.dtype]
         return {
             "dtype": name,
@@ -484,9 +490,10 @@ class PrecisionCheck:
                 "ke": {"float32": int(exact1.sum()), name: int((~exact1).sum())},
                 "clip": {"float32": int((ke & exact2).sum()), name: int((ke & ~exact2).sum())},
             },
+            "max_uds_bound": float(bound.max()) if bound.size else 0.0,
             "per_example": {
-                str(int(i)): [int(f), int(r)]
-                for i, f, r in zip(stage.idx, fragile.sum(-1), redecided.sum(-1), strict=True)
+                str(int(i)): {"fragile": int(f), "redecided": int(r), "uds_bound": float(b)}
+                for i, f, r, b in zip(stage.idx, fragile.sum(-1), redecided.sum(-1), bound, strict=True)
             },
         }
 

@@ -285,8 +285,9 @@ class UDSResult:
     @property
     def precision(self) -> dict[str, Any] | None:
         """A bf16/fp16 run's precision record (``uds_lens.precision``): the band, the fragile cells and those
-        re-decided in fp32 (``n_fragile_cells``, ``n_redecided_cells``; per example ``per_example[idx] = [fragile,
-        re-decided]``) and the precision of each decision; None for an fp32 run."""
+        re-decided in fp32 (``n_fragile_cells``, ``n_redecided_cells``; per example in ``per_example[idx]``, with
+        ``uds_bound``, how far rounding could still move its UDS) and the precision of each decision; None in
+        fp32."""
         return self.meta.get("precision")
 
     @property

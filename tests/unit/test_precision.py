@@ -53,6 +53,27 @@ def fp32_result(models, tiny_auditor):
     return tiny_auditor(models["float32"], UDSConfig(batch_size=2)).score(models["float32"]["unlearned"])
 
 
+@pytest.fixture(scope="module")
+def checked(models, tiny_auditor) -> dict[str, UDSAuditor]:
+    """bf16 auditors with the check as it runs by default, per engine."""
+    return {
+        engine: tiny_auditor(models["bfloat16"], UDSConfig(dtype="bfloat16", batch_size=2, engine=engine))
+        for engine in ("fast", "naive")
+    }
+
+
+@pytest.fixture(scope="module")
+def unchecked(models, tiny_auditor) -> dict[str, UDSResult]:
+    """bf16 results with the check off, per engine."""
+    bf16 = models["bfloat16"]
+    return {
+        engine: tiny_auditor(
+            bf16, UDSConfig(dtype="bfloat16", batch_size=2, engine=engine, precision_check=False)
+        ).score(bf16["unlearned"])
+        for engine in ("fast", "naive")
+    }
+
+
 def _per_example(result: UDSResult) -> np.ndarray:
     return result.examples.sort_values("idx")["uds"].to_numpy(dtype=float)
 
@@ -117,34 +138,25 @@ def test_the_uds_bound_bounds_every_move_within_the_band_and_is_reached():
 
 @pytest.mark.parametrize("engine", ["fast", "naive"])
 def test_a_bf16_audit_with_the_check_gives_the_fp32_run_per_example(
-    models, fp32_result, tiny_auditor, engine
+    models, fp32_result, checked, unchecked, engine
 ):
-    bf16 = models["bfloat16"]
-    off = tiny_auditor(
-        bf16, UDSConfig(dtype="bfloat16", batch_size=2, engine=engine, precision_check=False)
-    ).score(bf16["unlearned"])
-    checked = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2, engine=engine)).score(
-        bf16["unlearned"]
-    )
+    result = checked[engine].score(models["bfloat16"]["unlearned"])
     reference = _per_example(fp32_result)
-    assert np.nanmax(np.abs(_per_example(off) - reference)) > TOLERANCE  # not vacuous: bf16 alone misses it
-    assert np.nanmax(np.abs(_per_example(checked) - reference)) <= TOLERANCE
+    assert np.nanmax(np.abs(_per_example(unchecked[engine]) - reference)) > TOLERANCE  # bf16 alone misses it
+    assert np.nanmax(np.abs(_per_example(result) - reference)) <= TOLERANCE
     # every KE decision is the fp32 run's (Stage 1 decided in fp32 on the stored weights, in the same batches)
-    assert (checked.layers["ke"] == fp32_result.layers["ke"]).all()
-    np.testing.assert_allclose(checked.layers["d1"], fp32_result.layers["d1"], atol=FLOAT_NOISE, rtol=0)
-    record = checked.precision
+    assert (result.layers["ke"] == fp32_result.layers["ke"]).all()
+    np.testing.assert_allclose(result.layers["d1"], fp32_result.layers["d1"], atol=FLOAT_NOISE, rtol=0)
+    record = result.precision
     assert record["check"] and record["band"]["measured"] and record["tolerance"] == TOLERANCE
     assert record["n_fp32_examples"] > 0
-    assert record["decisions"]["ke"] == {"float32": len(checked.layers), "bfloat16": 0}
+    assert record["decisions"]["ke"] == {"float32": len(result.layers), "bfloat16": 0}
     assert record["weights"] == {"full": "stored", "retain": "stored", "unlearned": "stored"}
-    assert checked.meta["timings"]["s2_precision_seconds"] > 0
+    assert result.meta["timings"]["s2_precision_seconds"] > 0
 
 
-def test_the_check_off_still_says_where_bf16_is_fragile(models, tiny_auditor):
-    bf16 = models["bfloat16"]
-    result = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2, precision_check=False)).score(
-        bf16["unlearned"]
-    )
+def test_the_check_off_still_says_where_bf16_is_fragile(unchecked):
+    result = unchecked["fast"]
     record = result.precision
     assert not record["check"] and not record["band"]["measured"] and record["band"]["scale"] == PRIOR_SCALE
     assert record["n_fragile_cells"] > 0 and record["n_redecided_cells"] == 0 and record["weights"] == {}
@@ -153,27 +165,32 @@ def test_the_check_off_still_says_where_bf16_is_fragile(models, tiny_auditor):
     assert set(per_example) == {
         str(i) for i in result.examples.loc[result.examples.status != "skipped", "idx"]
     }
-    assert sum(fragile for fragile, _ in per_example.values()) == record["n_fragile_cells"]
+    assert sum(entry["fragile"] for entry in per_example.values()) == record["n_fragile_cells"]
+    assert record["max_uds_bound"] == max(entry["uds_bound"] for entry in per_example.values()) > TOLERANCE
     assert json.loads(json.dumps(result.summary))["precision"]["n_fragile_cells"] == record["n_fragile_cells"]
 
 
-def test_fragile_clips_are_re_decided_in_fp32_without_a_tolerance(models, tiny_auditor):
-    """With the tolerance off only the decisions are fp32: every KE cell's, and each clip inside the band."""
+def test_fragile_clips_are_re_decided_in_fp32_without_a_tolerance(models, fp32_result, tiny_auditor):
+    """With the tolerance off only the decisions are fp32: every KE cell's, and each clip inside the band; each
+    example's UDS then lies within the bound the result gives it (the band of the d2 left in bf16)."""
     bf16 = models["bfloat16"]
     auditor = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2, precision_tolerance=None))
-    record = auditor.score(bf16["unlearned"]).precision
+    result = auditor.score(bf16["unlearned"])
+    record = result.precision
     assert record["n_fp32_examples"] == 0 and record["decisions"]["ke"]["bfloat16"] == 0
     assert record["n_redecided_cells"] == record["n_fragile_cells"]
+    moved = np.abs(_per_example(result) - _per_example(fp32_result))
+    bound = np.array([record["per_example"][str(i)]["uds_bound"] for i in sorted(result.examples["idx"])])
+    defined = ~np.isnan(moved)
+    assert np.all(moved[defined] <= bound[defined]) and moved[defined].max() > 0
     retain_like = auditor.score(bf16["retain"])  # d2 == d1 up to bf16: every KE clip is fragile, then fp32
     ke = retain_like.layers["ke"].to_numpy()
     assert retain_like.precision["n_fragile_clip"] == int(ke.sum()) > 0
     np.testing.assert_allclose(retain_like.examples["uds"].dropna(), 1.0, atol=FLOAT_NOISE)
 
 
-def test_full_as_its_own_source_stays_exactly_zero_with_the_check(models, tiny_auditor):
-    bf16 = models["bfloat16"]
-    auditor = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2))
-    same = auditor.score(bf16["full"])
+def test_full_as_its_own_source_stays_exactly_zero_with_the_check(models, checked):
+    same = checked["fast"].score(models["bfloat16"]["full"])
     assert same.precision["n_fp32_examples"] > 0  # the fp32 path ran, and still gives 0
     assert same.uds == 0.0 and (same.layers["d2"].dropna() == 0.0).all()  # the same runs, the same numbers
 
@@ -197,19 +214,15 @@ def test_fp16_audit_with_the_check(models, fp32_result, tiny_auditor):
 
 
 def test_without_memory_for_fp32_copies_the_cells_are_counted_not_re_decided(
-    models, tiny_auditor, monkeypatch
+    models, unchecked, tiny_auditor, monkeypatch
 ):
     bf16 = models["bfloat16"]
     monkeypatch.setattr("uds_lens.precision.available_memory_bytes", lambda device: 1 << 10)
-    config = UDSConfig(dtype="bfloat16", batch_size=2)
-    result = tiny_auditor(bf16, config).score(bf16["unlearned"])
-    off = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2, precision_check=False)).score(
-        bf16["unlearned"]
-    )
+    result = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2)).score(bf16["unlearned"])
     record = result.precision
     assert "full" in record["not_redecided"] and "GiB free" in record["not_redecided"]["full"]
     assert record["n_redecided_cells"] == 0 and record["n_fp32_examples"] == 0
-    np.testing.assert_array_equal(_per_example(result), _per_example(off))  # the same bf16 runs
+    np.testing.assert_array_equal(_per_example(result), _per_example(unchecked["fast"]))  # the same bf16 runs
 
 
 def test_the_fp32_stage1_is_cached_with_its_digest(tiny, models, tmp_path):
