@@ -543,14 +543,15 @@ class UDSAuditor:
         finally:
             if check is not None:
                 check.release("unlearned")
-        s2_seconds = time.perf_counter() - started
+        precision_timings = {} if check is None else check.timings_since(spent)
+        # the fp32 copies the check made are a load, as the unlearned model's own is: not part of Stage 2
+        s2_seconds = time.perf_counter() - started - precision_timings.get("s2_precision_copy_seconds", 0.0)
         timings = {
             "s1_seconds": stage.seconds,
             "s2_seconds": s2_seconds,
             # the part of S2 spent in the unlearned model's own forward (the rest is the patched runs)
             "s2_source_forward_seconds": clock.get("source_forward_seconds", 0.0),
-            # bf16/fp16: the fp32 runs of the precision check, and the fp32 copies it made (a load, not S2)
-            **({} if check is None else check.timings_since(spent)),
+            **precision_timings,  # bf16/fp16: the check's fp32 runs (part of S2) and copies (not)
             "s1_cached": stage.cached,
             "n_examples": len(self.examples),
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),
