@@ -405,8 +405,9 @@ class UDSAuditor:
             s1=s1,
             batches=self.batches,
             seconds=time.perf_counter() - started,
-            **(check.finish_stage1() if check is not None else {}),
         )
+        if check is not None:
+            check.finish_stage1(stage)  # its fp32 baseline and S1 join it
         if self.cache is not None and key is not None and payload is not None:
             self.cache.save(key, payload, stage)
         return stage

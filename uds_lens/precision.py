@@ -214,7 +214,8 @@ def reference_model(model: TLModel, device: str) -> Reference:
         return Reference(reference, "stored", time.perf_counter() - started)
     config = copy.deepcopy(hf.config)
     state = {name: tensor.detach().to(torch.float32) for name, tensor in named_weights(model)}
-    upcast = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+    loader: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the family's own class, as models.read_hf_model
+    upcast = loader.from_pretrained(
         None, config=config, state_dict=state, dtype=torch.float32, **SAFE_LOAD_KWARGS
     )
     del state
@@ -306,7 +307,7 @@ class PrecisionCheck:
         if kept is not None and kept[0]() is model:
             return kept[1].model
         needed, free = weight_bytes_fp32(model), available_memory_bytes(self.device)
-        if hf_model_of(model) is None:  # type: ignore[arg-type]
+        if hf_model_of(model) is None:
             self.unavailable[role] = "it is not a TransformerBridge"
         elif needed > 0.9 * free:
             self.unavailable[role] = (
@@ -369,11 +370,13 @@ class PrecisionCheck:
         _synchronize(self.device)
         self.seconds["retain"] = self.seconds.get("retain", 0.0) + time.perf_counter() - started
 
-    def finish_stage1(self) -> dict[str, Tensor]:
-        """``StageOne``'s ``baseline_fp32`` and ``s1_fp32`` (none when no batch ran); the retain copy is dropped."""
+    def finish_stage1(self, stage: StageOne) -> None:
+        """Give ``stage`` the fp32 baseline and S1 of the batches run (none when no batch ran); the retain copy is
+        dropped."""
         self.release("retain")
         kept, self.stage1_fp32 = self.stage1_fp32, None
-        return {} if kept is None else {"baseline_fp32": kept[0], "s1_fp32": kept[1]}
+        if kept is not None:
+            stage.baseline_fp32, stage.s1_fp32 = kept
 
     def fp32_rows(self, stage: StageOne, members: list[int] | slice) -> Bool[np.ndarray, " row"]:
         """The examples among ``members`` whose Stage 2 runs in fp32 from the start: with a tolerance, those whose
