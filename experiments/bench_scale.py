@@ -12,10 +12,10 @@ prints one line per config:
 S2 is the figure ``score`` itself reports (``timings["s2_seconds"]``: the batch loop, each batch ending in a copy to
 the CPU, so CUDA is synchronised), measured after what ``score`` also does and is timed apart: hashing the unlearned
 weights for the fingerprint (``fingerprint_seconds``) and the device's first-call warm-up (``warm_up_seconds``: the
-first batch's Stage 2, run once and thrown away); ``score_outside_s2_seconds`` is the rest of the call (results,
-tables). In bf16/fp16 the precision check runs as ``score`` runs it (``--no-precision-check`` to leave it out); its
-fp32 runs are inside S2 and also given apart (``s2_precision_seconds``, the fp32 copies' load in
-``s2_precision_copy_seconds``). Peak resident memory is the kernel's high-water mark (``VmHWM``, reset through
+first example's Stage 2, run once and thrown away); ``score_outside_s2_seconds`` is the rest of the call (results,
+tables, and in bf16/fp16 the precision check's fp32 copies: a load). In bf16/fp16 the precision check runs as
+``score`` runs it (``--no-precision-check`` to leave it out); its fp32 runs are inside S2 and also given apart
+(``s2_precision_seconds``; the copies' load in ``s2_precision_copy_seconds``). Peak resident memory is the kernel's high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each phase), so short spikes count. The floor of one unlearned model is one forward
 of the source on the examples plus ``sum_i T_i * L(L-1)/2`` token-block evaluations of the target (``T_i`` =
 patched window tokens), priced by the source's forward timed on the same device over the auditor's batches after
@@ -281,10 +281,10 @@ def floor_seconds(auditor, source) -> float:
 
 def warm_up_seconds(auditor, source) -> float:
     """The first Stage 2 work on this device, timed and thrown away: the source forward and patched runs of the
-    first batch (CUDA's context, cuBLAS handles and kernel choices are made on first use: about 0.8 s, issue 46),
+    first example (CUDA's context, cuBLAS handles and kernel choices are made on first use: about 0.8 s, issue 46),
     so that the Stage 2 timed after it is the work itself."""
     device = auditor.full.cfg.device
-    batch = auditor._batch(auditor.batches[0])
+    batch = auditor._batch(auditor.batches[0][:1])
     sync(device)
     started = time.perf_counter()
     with torch.no_grad():
