@@ -9,10 +9,17 @@ prints one line per config:
     config dtype device shape | weights held (full + retain + unlearned) | peak RSS (CPU) or peak allocated (CUDA)
     | peak / weights | peak while loading full / its weights | s/example S1, S2 | S2 / floor
 
-Peak resident memory is the kernel's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before
-each phase), so short spikes count. The floor of one unlearned model is one forward of the source on the examples
-plus ``sum_i T_i * L(L-1)/2`` token-block evaluations of the target (``T_i`` = patched window tokens), costed
-from a measured forward (DESIGN.md, "Speed is part of correctness").
+S2 is the figure ``score`` itself reports (``timings["s2_seconds"]``: the batch loop, each batch ending in a copy to
+the CPU, so CUDA is synchronised), measured after what ``score`` also does and is timed apart: hashing the unlearned
+weights for the fingerprint (``fingerprint_seconds``) and the device's first-call warm-up (``warm_up_seconds``: the
+first example's Stage 2, run once and thrown away); ``score_outside_s2_seconds`` is the rest of the call (results,
+tables, and in bf16/fp16 the precision check's fp32 copies: a load). In bf16/fp16 the precision check runs as
+``score`` runs it (``--no-precision-check`` to leave it out); its fp32 runs are inside S2 and also given apart
+(``s2_precision_seconds``; the copies' load in ``s2_precision_copy_seconds``). Peak resident memory is the kernel's high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each phase), so short spikes count. The floor of one unlearned model is one forward
+of the source on the examples plus ``sum_i T_i * L(L-1)/2`` token-block evaluations of the target (``T_i`` =
+patched window tokens), priced by the source's forward timed on the same device over the auditor's batches after
+an untimed first call (DESIGN.md, "Speed is part of correctness").
 
     python experiments/bench_scale.py --shape llama32_1b --dtype float32 --examples 20      # CPU, ~5 GB a model
     python experiments/bench_scale.py --shape llama32_1b --dtype bfloat16 --examples 367 --device cuda
@@ -253,20 +260,37 @@ def weight_bytes(*models: torch.nn.Module) -> int:
 
 
 def floor_seconds(auditor, source) -> float:
-    """One source forward of every example plus sum_i T_i * L(L-1)/2 token-block evaluations of the target."""
-    from uds_lens.patching.batch import pad_batch
-
-    batch = pad_batch(auditor.encoded, auditor.pad_id).to(auditor.full.cfg.device)
+    """One source forward of every example plus sum_i T_i * L(L-1)/2 token-block evaluations of the target, priced
+    on this device: the source's forward timed over the auditor's own batches (cut as the engine cuts them), after
+    one untimed forward of the first batch, synchronised on CUDA."""
+    device = auditor.full.cfg.device
+    batches = [auditor._batch(members) for members in auditor.batches]
     n_layers = auditor.full.cfg.n_layers
     with torch.no_grad():
-        sync(auditor.full.cfg.device)
+        source(batches[0].tokens, return_type=None)  # the kernels' first call is warm-up, not forward
+        sync(device)
         started = time.perf_counter()
-        source(batch.tokens, return_type=None)
-        sync(auditor.full.cfg.device)
+        for batch in batches:
+            source(batch.tokens, return_type=None)
+        sync(device)
         forward = time.perf_counter() - started
-    per_token_block = forward / (batch.tokens.numel() * n_layers)
+    per_token_block = forward / (sum(batch.tokens.numel() for batch in batches) * n_layers)
     windows = sum(len(example.window(auditor.config.patch_scope)) for example in auditor.encoded)
     return forward + windows * n_layers * (n_layers - 1) / 2 * per_token_block
+
+
+def warm_up_seconds(auditor, source) -> float:
+    """The first Stage 2 work on this device, timed and thrown away: the source forward and patched runs of the
+    first example (CUDA's context, cuBLAS handles and kernel choices are made on first use: about 0.8 s, issue 46),
+    so that the Stage 2 timed after it is the work itself."""
+    device = auditor.full.cfg.device
+    batch = auditor._batch(auditor.batches[0][:1])
+    sync(device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        auditor.engine.source_scores(auditor.full, source, batch)
+    sync(device)
+    return time.perf_counter() - started
 
 
 def sync(device: str | torch.device) -> None:
@@ -287,7 +311,15 @@ def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
     return paths
 
 
-def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir: Path, engine: str) -> dict:
+def run(
+    shape_name: str,
+    dtype_name: str,
+    device: str,
+    n_examples: int,
+    workdir: Path,
+    engine: str,
+    precision_check: bool = True,
+) -> dict:
     from uds_lens.auditor import UDSAuditor
     from uds_lens.checkpoints.checkpoint import Checkpoint
     from uds_lens.checkpoints.loader import load_model
@@ -307,21 +339,30 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
             full,
             paths["retain"],
             records,
-            UDSConfig(dtype=dtype_name, device=device, engine=engine),
+            UDSConfig(dtype=dtype_name, device=device, engine=engine, precision_check=precision_check),
             tokenizer=__import__("uds_lens").load_tokenizer(paths["full"]),
             cache_dir=workdir / "s1_cache",
             progress=False,
         )
         # the fingerprints are part of S1's cache key: force a fresh S1 so its time is measured every run
-        for stale in (workdir / "s1_cache").glob("s1_*.pt"):
+        for stale in (workdir / "s1_cache").glob("s1_*.safetensors"):
             stale.unlink()
         stage1 = auditor.stage1
     with HighWater(device) as s2_peak:
         unlearned = auditor.load(paths["unlearned"])
+        # What score() does besides Stage 2, timed apart: hashing the unlearned weights for the result's
+        # fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score itself reports.
+        started = time.perf_counter()
+        auditor.fingerprint(unlearned)
+        fingerprint_seconds = time.perf_counter() - started
+        warm_up = warm_up_seconds(auditor, unlearned)
         started = time.perf_counter()
         result = auditor.score(unlearned, name=Checkpoint.resolve(paths["unlearned"]).name)
-        s2_seconds = time.perf_counter() - started
+        score_wall = time.perf_counter() - started
         held = weight_bytes(auditor.full, auditor.retain, unlearned)
+    timings = result.meta["timings"]
+    # score's own Stage 2 figure: the batch loop, whose every batch ends in a copy to the CPU (a CUDA sync)
+    s2_seconds = timings["s2_seconds"]
     floor = floor_seconds(auditor, unlearned)
     n = max(1, len(auditor.encoded))
     line = {
@@ -340,7 +381,15 @@ def run(shape_name: str, dtype_name: str, device: str, n_examples: int, workdir:
         "s1_s_per_example": stage1.seconds / n,
         "s2_s_per_example": s2_seconds / n,
         "s2_over_floor": s2_seconds / floor,
-        "batches": len(auditor._batches),
+        "floor_s_per_example": floor / n,
+        "fingerprint_seconds": fingerprint_seconds,
+        "warm_up_seconds": warm_up,
+        "score_wall_seconds": score_wall,
+        "score_outside_s2_seconds": score_wall - s2_seconds,
+        "s2_precision_seconds": timings.get("s2_precision_seconds"),
+        "s2_precision_copy_seconds": timings.get("s2_precision_copy_seconds"),
+        "n_fp32_examples": (result.precision or {}).get("n_fp32_examples"),
+        "batches": len(auditor.batches),
         "log_softmax_dtype": result.summary.get("log_softmax_dtype"),
         "uds": result.uds,
     }
@@ -499,6 +548,12 @@ def main() -> None:
     parser.add_argument("--engine", default="fast", choices=["fast", "naive"])
     parser.add_argument("--workdir", type=Path, default=Path("~/.cache/uds_lens/bench_scale").expanduser())
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--precision-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16/fp16: the auditor's precision check (uds_lens.precision), as score runs it by default",
+    )
     parser.add_argument("--clean", action="store_true", help="delete the written checkpoints afterwards")
     parser.add_argument(
         "--prepare-only", action="store_true", help="only write the checkpoints (little memory)"
@@ -526,7 +581,9 @@ def main() -> None:
             if args.prepare_only:
                 print(json.dumps({str(k): str(v) for k, v in prepare(shape, dtype, args.workdir).items()}))
                 continue
-            line = run(shape, dtype, args.device, args.examples, args.workdir, args.engine)
+            line = run(
+                shape, dtype, args.device, args.examples, args.workdir, args.engine, args.precision_check
+            )
             print(json.dumps(line), flush=True)
             if args.clean:
                 shutil.rmtree(args.workdir / f"{shape}-{dtype}", ignore_errors=True)

@@ -56,11 +56,12 @@ from uds_lens.patching.planning import (
     plan_batches,
     run_batches,
 )
+from uds_lens.precision import PrecisionCheck
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
 from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
-from uds_lens.uds import deltas, ke_mask
+from uds_lens.uds import ke_mask
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,10 @@ class UDSAuditor:
         # Clean runs are kept for the next stage only within a budget: a fraction of the memory left once the
         # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
         self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
+        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32; its fp32 clean runs get a budget too)
+        self.precision = PrecisionCheck.for_run(
+            self.engine, self.full, self.target_device, self.config, self.clean_cache_bytes
+        )
         self._stage1: StageOne | None = None
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
@@ -292,6 +297,8 @@ class UDSAuditor:
         def on_split() -> None:
             self._clean.clear()
             self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
+            if self.precision is not None:
+                self.precision.forget_clean_runs()
 
         run_batches(self._batches, work, self.target_device, desc, self.progress, on_split)
 
@@ -347,8 +354,11 @@ class UDSAuditor:
         loading read, or of the tensors of a model given in memory or fetched from the hub), the tokenizer, the
         token layout, the layers, the settings and the dtype."""
         settings = self.config.to_dict()
-        for volatile in ("tau", "batch_size", "device", "stage2_cells"):
+        # Stage 1 never reads the tolerance; the check itself only acts in bf16/fp16
+        for volatile in ("tau", "batch_size", "device", "stage2_cells", "precision_tolerance"):
             settings.pop(volatile)
+        if self.precision is None:
+            settings.pop("precision_check")
         retain = self.inputs.retain
         return {
             "full": _weights_digest(self.inputs.full, self.full),
@@ -389,6 +399,7 @@ class UDSAuditor:
         s0 = torch.full((n,), float("nan"))
         baseline = torch.full((n, n_layers), float("nan"))
         s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
+        check = self.precision if s1 is not None else None
 
         def stage_one_batch(number: int, members: list[int]) -> None:
             batch = self._batch(members)
@@ -404,6 +415,8 @@ class UDSAuditor:
                 self._require_finite(
                     s1[members], members, self.retain, "retain", self.retain_name, "patched score (S1)"
                 )
+                if check is not None:  # bf16/fp16: what rounding could decide, decided in fp32
+                    check.stage1_batch(self.retain, batch, number, members, (n, n_layers))
 
         self._each_batch("S1 (retain -> full)", stage_one_batch)
         stage = StageOne(
@@ -414,6 +427,8 @@ class UDSAuditor:
             batches=self.batches,
             seconds=time.perf_counter() - started,
         )
+        if check is not None:
+            check.finish_stage1(stage)  # its fp32 baseline and S1 join it
         if self.cache is not None and key is not None and payload is not None:
             self.cache.save(key, payload, stage)
         return stage
@@ -480,11 +495,9 @@ class UDSAuditor:
         raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
-        """``d1 = baseline - s1`` of Stage 1 ([`uds.deltas`][uds_lens.uds.deltas]), ``[example, layer]``; None in retain-free mode."""
-        stage = self.stage1
-        return (
-            None if stage.s1 is None else torch.from_numpy(deltas(stage.baseline.numpy(), stage.s1.numpy()))
-        )
+        """``d1 = baseline - s1`` of Stage 1, ``[example, layer]`` (fp32 where the precision check re-decided it);
+        None in retain-free mode."""
+        return self.stage1.decided_d1()
 
     # -- Stage 2 -----------------------------------------------------------------------------------------------
 
@@ -522,37 +535,48 @@ class UDSAuditor:
         s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
         clock: dict[str, float] = {}
         cells = self.stage2_cells()
+        check = self.precision if stage.s1 is not None else None  # retain-free: no decision to check
+        d2_fp32 = torch.full_like(s2, float("nan"))
 
         def stage_two_batch(number: int, members: list[int]) -> None:
-            if cells is None:
-                s2[members] = self._source_scores(source, self._batch(members), number, clock).float().cpu()
-                self._require_finite(
-                    s2[members], members, source, "unlearned", source_label, "patched score (S2)"
-                )
-                return
-            batch_cells = cells[members]
-            if not batch_cells.any():
+            batch_cells = None if cells is None else cells[members]
+            if batch_cells is not None and not batch_cells.any():
                 return  # no KE cell in this batch: UDS reads none of its d2
             batch = self._batch(members)
-            s2[members] = self.engine.cell_scores(
-                self.full, source, batch, batch_cells, self._clean_run(number, batch), clock
+            # bf16/fp16 with the check: an example rounding could move by more than the tolerance runs in fp32
+            reduced = (
+                batch_cells if check is None else check.reduced_cells(source, stage, members, batch_cells)
             )
+            if reduced is None:
+                s2[members] = self._source_scores(source, batch, number, clock).float().cpu()
+            elif reduced.any():
+                s2[members] = self.engine.cell_scores(
+                    self.full, source, batch, reduced, self._clean_run(number, batch), clock
+                )
+            ran = torch.ones_like(s2[members], dtype=torch.bool) if reduced is None else reduced
             self._require_finite(
-                s2[members].where(batch_cells, 0.0),
-                members,
-                source,
-                "unlearned",
-                source_label,
-                "patched score (S2)",
+                s2[members].where(ran, 0.0), members, source, "unlearned", source_label, "patched score (S2)"
             )
+            if check is not None:
+                d2_fp32[members] = check.stage2_batch(
+                    source, batch, number, stage, members, batch_cells, s2[members]
+                )
 
-        self._each_batch(f"S2 ({checkpoint.name} -> full)", stage_two_batch)
-        s2_seconds = time.perf_counter() - started
+        spent = {} if check is None else check.clock()
+        try:
+            self._each_batch(f"S2 ({checkpoint.name} -> full)", stage_two_batch)
+        finally:
+            if check is not None:
+                check.release("unlearned")
+        precision_timings = {} if check is None else check.timings_since(spent)
+        # the fp32 copies the check made are a load, as the unlearned model's own is: not part of Stage 2
+        s2_seconds = time.perf_counter() - started - precision_timings.get("s2_precision_copy_seconds", 0.0)
         timings = {
             "s1_seconds": stage.seconds,
             "s2_seconds": s2_seconds,
             # the part of S2 spent in the unlearned model's own forward (the rest is the patched runs)
             "s2_source_forward_seconds": clock.get("source_forward_seconds", 0.0),
+            **precision_timings,  # bf16/fp16: the check's fp32 runs (part of S2) and copies (not)
             "s1_cached": stage.cached,
             "n_examples": len(self.examples),
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),
@@ -564,8 +588,9 @@ class UDSAuditor:
             layers=self.layers,
             s0=stage.s0,
             baseline=stage.baseline,
-            s1=stage.s1,
-            s2=s2,
+            s1=stage.decided_s1(),
+            # at a cell re-decided in fp32 the table's d2 (baseline - s2) is the fp32 one
+            s2=s2 if check is None else torch.where(torch.isnan(d2_fp32), s2, stage.baseline - d2_fp32),
             # retain-free mode has no d1, hence no KE cell: every cell ran, whatever was asked
             config=self.config if cells is not None else dataclasses.replace(self.config, stage2_cells="all"),
             meta={
@@ -580,6 +605,7 @@ class UDSAuditor:
                 "engine": self.config.engine,
                 "timings": timings,
                 "stage2": self.stage2_plan(cells),
+                **({} if check is None else {"precision": check.record(stage, s2, d2_fp32)}),
                 "fingerprint": self.fingerprint(checkpoint),
             },
             records=self.examples,

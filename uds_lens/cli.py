@@ -104,7 +104,10 @@ SiteOption = Annotated[str, typer.Option(help=f"Hook site: {' | '.join(SITES)}."
 # DTYPE_NAMES lists each dtype's name followed by its short spelling
 _DTYPE_CHOICES = " | ".join(f"{name} ({short})" for name, short in zip(DTYPE_NAMES[::2], DTYPE_NAMES[1::2]))
 DtypeOption = Annotated[
-    str | None, typer.Option(help=f"{_DTYPE_CHOICES} (default: fp32 on CPU, bf16 on CUDA).")
+    str | None, typer.Option(help=f"{_DTYPE_CHOICES} (default fp32; on CUDA bf16, fp32 with --dtype fp32).")
+]
+PrecisionCheckOption = Annotated[
+    bool, typer.Option(help="bf16/fp16: decide in fp32 where rounding could (off: count fragile cells only).")
 ]
 DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
 BatchSizeOption = Annotated[
@@ -143,6 +146,7 @@ _SETTING_OPTIONS = {
     "device": "device",
     "engine": "engine",
     "stage2_cells": "stage2_cells",
+    "precision_check": "precision_check",
 }
 
 
@@ -192,6 +196,7 @@ def score(
     engine: EngineOption = DEFAULTS.engine,
     stage2_cells: ScoreStage2Option = "all",
     allow_outside_weights: OutsideWeightsOption = False,
+    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
     force: Annotated[
         bool,
         typer.Option(
@@ -304,6 +309,7 @@ def sweep(
     engine: EngineOption = DEFAULTS.engine,
     stage2_cells: SweepStage2Option = "ke",
     allow_outside_weights: OutsideWeightsOption = False,
+    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -600,14 +606,7 @@ def annotate(
         )
     config = AnnotateConfig(batch_size=batch_size)  # checked before anything is read
     result = annotate_records(
-        data,
-        full,
-        retain,
-        overwrite=overwrite,
-        config=config,
-        dtype=dtype,
-        device=device,
-        out=out,
+        data, full, retain, overwrite=overwrite, config=config, dtype=dtype, device=device, out=out
     )
     summary = result.summary
     counts = ", ".join(f"{status} {n}" for status, n in summary["counts"].items())

@@ -36,6 +36,9 @@ STAGE2_CELLS: tuple[Stage2Cells, ...] = get_args(Stage2Cells)
 DEFAULT_TAU = 0.05
 """KE threshold on ``d1`` in nats (strict ``>``), the paper's value; also the logit lens's."""
 
+DEFAULT_PRECISION_TOLERANCE = 1e-3
+"""How far rounding may move a per-example UDS of a bf16/fp16 run from the fp32 run's (``precision_tolerance``)."""
+
 
 class ConfigError(ValueError):
     """An audit setting is out of range; the message names the option and what it accepts."""
@@ -134,6 +137,11 @@ class UDSConfig:
             raise tau), or None: the entry point's default, ``all`` for ``score``/``UDSAuditor`` (a person looks
             at one model's curves), ``ke`` for ``sweep`` (many models, one number each). Retain-free mode has no
             KE cells and always runs ``all``.
+        precision_check: in bf16/fp16 (``uds_lens.precision``), re-decide in fp32 every KE decision and ``d1`` UDS
+            reads (Stage 1, once) and every clip decision inside the rounding band (Stage 2); False counts the
+            fragile cells without re-deciding them. Nothing to do in fp32.
+        precision_tolerance: with the check on, run Stage 2 in fp32 for the examples whose UDS the rounding band
+            could move by more than this (None or ``inf``: only the fragile decisions are fp32).
     """
 
     tau: float = DEFAULT_TAU
@@ -146,9 +154,26 @@ class UDSConfig:
     device: str | None = None
     engine: Engine = "fast"
     stage2_cells: Stage2Cells | None = None
+    precision_check: bool = True
+    precision_tolerance: float | None = DEFAULT_PRECISION_TOLERANCE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tau", check_tau(self.tau))
+        if not isinstance(self.precision_check, bool):
+            raise ConfigError(f"precision_check must be True or False, got {self.precision_check!r}.")
+        tolerance = self.precision_tolerance
+        if isinstance(tolerance, float) and tolerance == math.inf:  # any UDS difference tolerated: no bound
+            object.__setattr__(self, "precision_tolerance", tolerance := None)
+        if tolerance is not None and (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, numbers.Real)
+            or not math.isfinite(tolerance)
+            or tolerance <= 0
+        ):
+            raise ConfigError(
+                f"precision_tolerance (--precision-tolerance) must be a number > 0 (a UDS difference) or None, "
+                f"got {tolerance!r}."
+            )
         if self.stage2_cells is not None:
             check_choice("stage2_cells (--stage2-cells)", self.stage2_cells, STAGE2_CELLS)
         check_choice("patch_scope (--scope)", self.patch_scope, SCOPES)
@@ -223,6 +248,7 @@ def as_config(config: Any) -> UDSConfig:
 
 
 __all__ = [
+    "DEFAULT_PRECISION_TOLERANCE",
     "DEFAULT_TAU",
     "DTYPE_NAMES",
     "ENGINES",

@@ -60,8 +60,8 @@ def examples_fingerprint(examples: Sequence[Example]) -> str:
 
 def settings_fingerprint(config: UDSConfig, model: ModelLike | None = None) -> dict[str, Any]:
     """The settings a result depends on: the config without tau (re-applied to saved deltas), batch size (results
-    are invariant to it), device and the Stage 2 cells (`stage2_fingerprint` keys those); plus the dtype the full
-    model runs in (``model``'s, the full model as loaded or given in memory, else the config's on its device)."""
+    are invariant to it), device and the Stage 2 cells (`stage2_fingerprint` keys those), and the precision
+    check's settings where it does nothing (fp32); plus the dtype the full model runs in."""
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "device", "stage2_cells"):
         settings.pop(volatile)
@@ -69,6 +69,9 @@ def settings_fingerprint(config: UDSConfig, model: ModelLike | None = None) -> d
         settings["dtype"] = str(as_source(model).dtype)
     else:
         settings["dtype"] = str(resolve_dtype(config.dtype, config.device or default_device()))
+    if settings["dtype"] not in ("torch.bfloat16", "torch.float16"):  # the precision check acts on these only
+        settings.pop("precision_check")
+        settings.pop("precision_tolerance")
     return settings
 
 

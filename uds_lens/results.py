@@ -331,6 +331,14 @@ class UDSResult:
         )
 
     @property
+    def precision(self) -> dict[str, Any] | None:
+        """A bf16/fp16 run's precision record (``uds_lens.precision``): the band, the fragile cells and those
+        re-decided in fp32 (``n_fragile_cells``, ``n_redecided_cells``; per example in ``per_example[idx]``, with
+        ``uds_bound``, how far rounding could still move its UDS) and the precision of each decision; None in
+        fp32."""
+        return self.meta.get("precision")
+
+    @property
     def summary(self) -> dict[str, Any]:
         status = self.examples["status"].value_counts()
         reasons = self.examples.loc[self.examples["status"] == "skipped", "skip_reason"].value_counts()
@@ -379,6 +387,7 @@ class UDSResult:
             "log_softmax_dtype",
             "engine",
             "timings",
+            "precision",
         ):
             if key in self.meta:
                 out[key] = self.meta[key]

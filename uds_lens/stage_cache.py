@@ -48,6 +48,9 @@ class StageOne:
             (S0 recomputed the way the engine patches, equal to it up to float noise).
         s1: S1, the full model's score with the retain model's activations patched in ``[example, layer]``; None in
             retain-free mode.
+        baseline_fp32 / s1_fp32: a reduced-precision run's baseline and S1 recomputed in fp32 by its precision
+            check (``uds_lens.precision``) at the cells it re-decides ``d1`` at, NaN elsewhere; None when none was
+            (an fp32 run, retain-free mode, the check off).
     """
 
     idx: list[int]
@@ -57,6 +60,29 @@ class StageOne:
     batches: list[list[int]]  # the batch plan it was computed in (indices into the encoded examples)
     seconds: float = 0.0
     cached: bool = False
+    baseline_fp32: Float[Tensor, "example layer"] | None = None
+    s1_fp32: Float[Tensor, "example layer"] | None = None
+
+    def d1_fp32(self) -> Float[Tensor, "example layer"] | None:
+        """``d1`` re-decided in fp32 (NaN where it was not), or None."""
+        if self.baseline_fp32 is None or self.s1_fp32 is None:
+            return None
+        return self.baseline_fp32 - self.s1_fp32
+
+    def decided_d1(self) -> Float[Tensor, "example layer"] | None:
+        """``d1 = baseline - s1``, the fp32 one where the precision check re-decided it; None in retain-free mode."""
+        if self.s1 is None:
+            return None
+        d1, exact = self.baseline - self.s1, self.d1_fp32()
+        return d1 if exact is None else torch.where(torch.isnan(exact), d1, exact)
+
+    def decided_s1(self) -> Float[Tensor, "example layer"] | None:
+        """S1 as results show it: where the precision check re-decided ``d1``, ``baseline`` minus the fp32 ``d1``
+        (so the table's ``d1 = baseline - s1`` is the fp32 one), S1 itself elsewhere."""
+        exact = self.d1_fp32()
+        if self.s1 is None or exact is None:
+            return self.s1
+        return torch.where(torch.isnan(exact), self.s1, self.baseline - exact)
 
 
 def stage_digest(stage: StageOne) -> str:
@@ -70,7 +96,11 @@ def stage_digest(stage: StageOne) -> str:
     digest = hashlib.sha256()
     # S0 is hashed under its former name, "s_full": the digest of the same values stays the same, so results saved
     # before the rename are still reused (their fingerprint's "s1" is this digest).
-    for name, tensor in (("s_full", stage.s0), ("baseline", stage.baseline), ("s1", stage.s1)):
+    named = [("s_full", stage.s0), ("baseline", stage.baseline), ("s1", stage.s1)]
+    for name, tensor in (("baseline_fp32", stage.baseline_fp32), ("s1_fp32", stage.s1_fp32)):
+        if tensor is not None:  # hashed only where present: the digest of a stage without them is unchanged
+            named.append((name, tensor))
+    for name, tensor in named:
         digest.update(name.encode() + b"\0")
         if tensor is None:
             digest.update(b"none")
@@ -155,10 +185,26 @@ class S1Cache:
                 raise ValueError("tensor shapes do not fit the examples and layers")
             if not all(bool(torch.isfinite(t).all()) for t in (s0, baseline, s1) if t is not None):
                 raise ValueError("it holds non-finite scores")
+            # NaN where the precision check recomputed nothing, both at the same cells
+            exact = [tensors.get("baseline_fp32"), tensors.get("s1_fp32")]
+            if any(t is not None for t in exact) and (
+                any(t is None or t.shape != baseline.shape or bool(torch.isinf(t).any()) for t in exact)
+                or not torch.equal(torch.isnan(exact[0]), torch.isnan(exact[1]))  # type: ignore[arg-type]
+            ):
+                raise ValueError("its fp32 baseline and S1 do not fit the examples and layers")
             batches = [[int(i) for i in members] for members in header["batches"]]
             if sorted(i for members in batches for i in members) != list(range(len(idx))):
                 raise ValueError("its batch plan does not cover every example exactly once")
-            stage = StageOne(idx=idx, s0=s0, baseline=baseline, s1=s1, batches=batches, cached=True)
+            stage = StageOne(
+                idx=idx,
+                s0=s0,
+                baseline=baseline,
+                s1=s1,
+                batches=batches,
+                cached=True,
+                baseline_fp32=exact[0],
+                s1_fp32=exact[1],
+            )
             if header.get("digest") != stage_digest(stage):
                 raise ValueError(
                     "its scores or batch plan do not match the digest in its header (the file was changed after "
@@ -192,6 +238,8 @@ class S1Cache:
         tensors = {"s0": stage.s0, "baseline": stage.baseline}
         if stage.s1 is not None:
             tensors["s1"] = stage.s1
+        if stage.baseline_fp32 is not None and stage.s1_fp32 is not None:
+            tensors["baseline_fp32"], tensors["s1_fp32"] = stage.baseline_fp32, stage.s1_fp32
         header = {
             "format": CACHE_FORMAT,
             "payload": payload,

@@ -91,7 +91,8 @@ def test_uds_option_defaults_are_the_configs(command):
     config = UDSConfig()
     expected = {"tau": config.tau, "scope": config.patch_scope, "site": config.site, "engine": config.engine,
                 "published_compat": config.published_compat, "batch_size": config.batch_size,
-                "dtype": config.dtype, "device": config.device}  # fmt: skip
+                "dtype": config.dtype, "device": config.device,
+                "precision_check": config.precision_check}  # fmt: skip
     assert {name: defaults[name] for name in expected} == expected
 
 
@@ -241,3 +242,20 @@ def test_score_stage2_cells_switch(tiny, tmp_path):
     assert abs(summaries["all"]["uds"] - summaries["ke"]["uds"]) <= 1e-6
     bad = runner.invoke(app, [*score_argv(tiny, tmp_path / "x", tmp_path / "c"), "--stage2-cells", "some"])
     assert bad.exit_code != 0 and "stage2_cells" in str(bad.exception) + bad.output
+
+
+def test_score_precision_check_switch(tiny, tmp_path):
+    """In bf16 ``score`` decides in fp32 where rounding could (the default); ``--no-precision-check`` only counts."""
+    runner = CliRunner()
+    argv = [*score_argv(tiny, tmp_path / "on", tmp_path / "c"), "--dtype", "bf16", "--batch-size", "2"]
+    checked = runner.invoke(app, argv)
+    argv = [*score_argv(tiny, tmp_path / "off", tmp_path / "c"), "--dtype", "bf16", "--batch-size", "2"]
+    counted = runner.invoke(app, [*argv, "--no-precision-check"])
+    assert checked.exit_code == 0 and counted.exit_code == 0, checked.output + counted.output
+    on, off = (
+        json.loads((tmp_path / name / "unlearned" / "summary.json").read_text())["precision"]
+        for name in ("on", "off")
+    )
+    assert on["check"] and on["decisions"]["ke"]["bfloat16"] == 0 and on["decisions"]["ke"]["float32"] > 0
+    assert not off["check"] and off["n_redecided_cells"] == 0 and off["decisions"]["ke"]["float32"] == 0
+    assert off["n_fragile_cells"] > 0 and set(off["per_example"]) == set(on["per_example"])

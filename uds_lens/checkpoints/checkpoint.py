@@ -39,7 +39,7 @@ from uds_lens.checkpoints.folder import (
     explain_load_error,
     read_folder,
     refuse_code,
-    tensor_shapes,
+    tensor_headers,
 )
 from uds_lens.checkpoints.hub import hub_error, hub_or_cache, hub_revision
 from uds_lens.data import looks_like_local_path
@@ -231,10 +231,24 @@ class Checkpoint:
         return AutoConfig.from_pretrained(first, **kwargs)
 
     @functools.cached_property
+    def tensor_headers(self) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """``{name: (shape, safetensors dtype)}`` of the tensors its weight files hold, from the headers alone (read
+        once); None where they cannot be read without loading (pickled weights, ``.gguf``, a hub id, a model in
+        memory)."""
+        return tensor_headers(self.files) if self.kind == "directory" else None
+
+    @property
     def tensor_shapes(self) -> dict[str, tuple[int, ...]] | None:
-        """``{name: shape}`` of the tensors its weight files hold, from the headers alone; None where they cannot
-        be read without loading (pickled weights, ``.gguf``, a hub id, a model in memory)."""
-        return tensor_shapes(self.files) if self.kind == "directory" else None
+        """``{name: shape}`` of the tensors its weight files hold (`tensor_headers`)."""
+        headers = self.tensor_headers
+        return None if headers is None else {name: shape for name, (shape, _) in headers.items()}
+
+    @property
+    def stored_dtypes(self) -> set[str] | None:
+        """The safetensors dtypes its weight files store (``"F32"``, ``"BF16"`` ...; `tensor_headers`), or None
+        where the headers cannot tell."""
+        headers = self.tensor_headers
+        return None if headers is None else {dtype for _, dtype in headers.values()}
 
     @functools.cached_property
     def tokenizer_files(self) -> str | None:

@@ -319,21 +319,22 @@ def _header(file: Path) -> dict[str, Any]:
     return header
 
 
-def tensor_shapes(files: CheckpointFiles) -> dict[str, tuple[int, ...]] | None:
-    """``{tensor name: shape}`` of the weights, from the safetensors headers only (no tensor bytes); None for
-    pickled (``.bin``) weights, whose headers need unpickling.
+def tensor_headers(files: CheckpointFiles) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """``{tensor name: (shape, safetensors dtype)}`` of the weights, from the safetensors headers only (no tensor
+    bytes); None for pickled (``.bin``) weights, whose headers need unpickling.
 
     Raises:
         ModelLoadError: a header that is truncated, longer than safetensors allows, or not JSON.
     """
     if files.format != "safetensors":
         return None
-    shapes: dict[str, tuple[int, ...]] = {}
+    entries: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files.weights:
         for name, entry in _header(file).items():
             if name != "__metadata__" and isinstance(entry, dict):
-                shapes[name] = tuple(int(size) for size in entry.get("shape", ()))
-    return shapes
+                shape = tuple(int(size) for size in entry.get("shape", ()))
+                entries[name] = (shape, str(entry.get("dtype", "")))
+    return entries
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -496,5 +497,5 @@ __all__ = [
     "read_folder",
     "refuse_code",
     "stage",
-    "tensor_shapes",
+    "tensor_headers",
 ]
