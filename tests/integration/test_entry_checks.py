@@ -26,6 +26,7 @@ from uds_lens.checkpoints import loader
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataError, TokenizerError, load_examples
+from uds_lens.inputs import RunInputs
 from uds_lens.result_store import ResultNameError
 from uds_lens.scoring import score_models
 from uds_lens.sweep.lists import SweepError, load_registry, read_model_list
@@ -108,7 +109,8 @@ def test_wrong_types_through_the_api_are_one_line_before_any_model_loads(
     forbid_model_loading(monkeypatch)
     arguments = {"data": tiny.data, **given}
     # The suite's run-time type checker answers a wrong type first, in its own words; a user's Python has none
-    # and reaches the functions themselves, as these calls do.
+    # and reaches the functions themselves, as these calls do (the door, RunInputs.resolve, unwrapped too).
+    monkeypatch.setattr(RunInputs, "resolve", classmethod(inspect.unwrap(RunInputs.resolve.__func__)))
     with pytest.raises(error, match=message) as raised:
         inspect.unwrap(score_models)(tiny.full, tiny.retain, [tiny.unlearned], progress=False, **arguments)
     assert "\n" not in str(raised.value)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints.checkpoint import Checkpoint
@@ -285,12 +286,15 @@ def test_fp32_copies_hold_the_weights_the_fp32_run_holds(tiny, tmp_path):
     bf16_dir = tmp_path / "bf16"
     load_hf_model(tiny.full, dtype="bfloat16", device="cpu").save_pretrained(bf16_dir)
     load_tokenizer(tiny.tokenizer).save_pretrained(bf16_dir)
-    assert stored_float_dtypes(str(bf16_dir)) == {torch.bfloat16}
+    assert stored_float_dtypes(Checkpoint.resolve(bf16_dir)) == {torch.bfloat16}
     upcast = reference_model(load_model(bf16_dir, dtype="bfloat16"), "cpu")
     assert upcast.weights == "upcast-exact"
     as_fp32 = dict(named_weights(load_model(bf16_dir, dtype="float32")))
     for name, value in named_weights(upcast.model):
         assert value.dtype == torch.float32 and torch.equal(value, as_fp32[name]), name
 
-    in_memory = hooked_from_hf(load_hf_model(tiny.full, dtype="bfloat16", device="cpu"))
-    assert reference_model(in_memory, "cpu").weights == "upcast-rounded"
+    # a plain model uds_lens loaded knows its checkpoint: read again; one built elsewhere is upcast (rounded)
+    loaded_here = hooked_from_hf(load_hf_model(tiny.full, dtype="bfloat16", device="cpu"))
+    assert reference_model(loaded_here, "cpu").weights == "stored"
+    elsewhere = AutoModelForCausalLM.from_pretrained(tiny.full, dtype=torch.bfloat16)
+    assert reference_model(hooked_from_hf(elsewhere), "cpu").weights == "upcast-rounded"

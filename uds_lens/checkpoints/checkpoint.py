@@ -641,7 +641,6 @@ def split_named(value: str) -> tuple[str, str] | None:
 __all__ = [
     "SAFE_LOAD_KWARGS",
     "TOKENIZER_FILES",
-    "ZOO_PREFIX",
     "Checkpoint",
     "CheckpointRef",
     "Kind",
