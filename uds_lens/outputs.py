@@ -180,8 +180,9 @@ def check_annotation_output(
 ) -> None:
     """Refuse an ``annotate`` output it could not write or would write over what it does not own: ``out`` a
     directory, under a file or a name the filesystem cannot hold, the ``data`` input as ``out`` or as the
-    ``summary`` written beside it, either inside a checkpoint of ``models`` (full, retain), or a ``summary`` path
-    holding a file that is not an earlier annotate summary.
+    ``summary`` written beside it, either inside a checkpoint of ``models`` (full, retain), a ``summary`` path
+    holding a file that is not an earlier annotate summary, or an ``out`` file that an earlier annotate did not
+    write (none of its summaries beside it).
 
     Raises:
         ConfigError: naming the path and the fix.
@@ -202,6 +203,11 @@ def check_annotation_output(
         raise ConfigError(
             f"annotate writes its summary to {summary}, which holds something else (not an earlier annotate "
             "summary): move it, or pass another --out."
+        )
+    if path.is_file() and not (summary.is_file() and _is_annotation_summary(summary)):
+        raise ConfigError(
+            f"annotate would write its records over {path}, a file no earlier annotate wrote (no annotate summary "
+            f"{summary.name} beside it): move it, or pass another --out."
         )
 
 

@@ -264,6 +264,17 @@ def test_annotate_never_writes_its_summary_over_its_input_or_a_foreign_file(tmp_
     annotate(tmp_path / "in.json", out=tmp_path / "again.json")  # an earlier summary is replaced
 
 
+def test_annotate_never_writes_its_records_over_a_file_it_did_not_write(tmp_path):
+    """Before: ``--out`` naming any existing JSON (another run's forget set, notes) was replaced with records."""
+    foreign = tmp_path / "forget.json"
+    foreign.write_text('[{"question": "q", "answer": "a"}]')
+    before = foreign.read_bytes()
+    with pytest.raises(ConfigError, match="a file no earlier annotate wrote"):
+        annotate(raw_records(tmp_path / "in.json"), out=foreign)
+    assert foreign.read_bytes() == before
+    assert not (tmp_path / "forget.summary.json").exists()
+
+
 @pytest.mark.parametrize("where", ["directory", "under_a_file"])
 def test_annotate_out_that_cannot_be_a_file_is_refused_before_anything_runs(tmp_path, where):
     (tmp_path / "file").write_text("x")
