@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
@@ -131,34 +134,85 @@ _STAGE2_HELP = (
     f"{' | '.join(STAGE2_CELLS)}: Stage 2 on every (example, layer) cell (the layer curves) or only on the KE cells "
     "d1 > tau, the only ones UDS reads (same UDS, less work; d2 NaN elsewhere). Default here: "
 )
-ScoreStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "all.")]
-SweepStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "ke.")]
 
 
-# The options of `score` and `sweep` that are UDSConfig fields: option name -> field.
-_SETTING_OPTIONS = {
-    "tau": "tau",
-    "scope": "patch_scope",
-    "site": "site",
-    "published_compat": "published_compat",
-    "batch_size": "batch_size",
-    "dtype": "dtype",
-    "device": "device",
-    "engine": "engine",
-    "stage2_cells": "stage2_cells",
-    "precision_check": "precision_check",
-}
+@dataclass(frozen=True)
+class RunOptions:
+    """The options `score` and `sweep` share, declared once: each field is an option of both commands (its help in
+    the annotation, its default here), listed in this order where the command's ``run`` parameter stands
+    (`_takes_run_options`: typer has no option groups, so the fields join the command's signature).
+    ``stage2_cells`` takes each command's own default, named in its help."""
+
+    tau: TauOption = DEFAULTS.tau
+    scope: ScopeOption = DEFAULTS.patch_scope
+    site: SiteOption = DEFAULTS.site
+    dtype: DtypeOption = DEFAULTS.dtype
+    device: DeviceOption = DEFAULTS.device
+    batch_size: BatchSizeOption = DEFAULTS.batch_size
+    limit: LimitOption = None
+    published_compat: PublishedCompatOption = DEFAULTS.published_compat
+    cache_dir: CacheDirOption = None
+    no_retain: NoRetainOption = False
+    engine: EngineOption = DEFAULTS.engine
+    stage2_cells: str | None = DEFAULTS.stage2_cells  # each command gives its own (`_takes_run_options`)
+    allow_outside_weights: OutsideWeightsOption = False
+    precision_check: PrecisionCheckOption = DEFAULTS.precision_check
+
+    def config(self, retain: str | None) -> UDSConfig:
+        """The run's UDSConfig (UDSConfig checks the settings), after checking that retain is given or explicitly
+        omitted."""
+        if retain is None and not self.no_retain:
+            raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
+        # the command line's strings as they are: UDSConfig is their one check (a ConfigError naming the option)
+        settings: dict[str, Any] = {
+            "tau": self.tau,
+            "patch_scope": self.scope,
+            "site": self.site,
+            "published_compat": self.published_compat,
+            "batch_size": self.batch_size,
+            "dtype": self.dtype,
+            "device": self.device,
+            "engine": self.engine,
+            "stage2_cells": self.stage2_cells,
+            "precision_check": self.precision_check,
+        }
+        return UDSConfig(**settings)
 
 
-def _uds_config(options: Mapping[str, Any]) -> UDSConfig:
-    """The UDSConfig of a `score` or `sweep` run from the command's options (its ``locals()``; UDSConfig checks
-    them), after checking that retain is given or explicitly omitted."""
-    if options["retain"] is None and not options["no_retain"]:
-        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    return UDSConfig(**{field: options[option] for option, field in _SETTING_OPTIONS.items()})
+Command = Callable[..., None]
+
+
+def _takes_run_options(stage2_default: str) -> Callable[[Command], Command]:
+    """Give the decorated command the options of `RunOptions` in place of its ``run`` parameter (typer reads the
+    signature: ``--help`` lists them there), and call it with the `RunOptions` they make as ``run``."""
+    hints = get_type_hints(RunOptions, include_extras=True)
+    hints["stage2_cells"] = Annotated[
+        str, typer.Option("--stage2-cells", help=f"{_STAGE2_HELP}{stage2_default}.")
+    ]
+    defaults = {field.name: field.default for field in fields(RunOptions)} | {"stage2_cells": stage2_default}
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hints[name])
+        for name, default in defaults.items()
+    ]
+
+    def decorate(command: Command) -> Command:
+        own = list(inspect.signature(command, eval_str=True).parameters.values())
+        at = [parameter.name for parameter in own].index("run")
+        parameters = [*own[:at], *shared, *own[at + 1 :]]
+
+        @functools.wraps(command)
+        def with_run_options(**options: Any) -> None:
+            command(run=RunOptions(**{name: options.pop(name) for name in defaults}), **options)
+
+        with_run_options.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+        with_run_options.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+        return with_run_options
+
+    return decorate
 
 
 @app.command()
+@_takes_run_options(stage2_default="all")
 def score(
     *,
     full: Annotated[
@@ -183,20 +237,7 @@ def score(
             "saying why."
         ),
     ],
-    tau: TauOption = DEFAULTS.tau,
-    scope: ScopeOption = DEFAULTS.patch_scope,
-    site: SiteOption = DEFAULTS.site,
-    dtype: DtypeOption = DEFAULTS.dtype,
-    device: DeviceOption = DEFAULTS.device,
-    batch_size: BatchSizeOption = DEFAULTS.batch_size,
-    limit: LimitOption = None,
-    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
-    cache_dir: CacheDirOption = None,
-    no_retain: NoRetainOption = False,
-    engine: EngineOption = DEFAULTS.engine,
-    stage2_cells: ScoreStage2Option = "all",
-    allow_outside_weights: OutsideWeightsOption = False,
-    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
+    run: RunOptions,
     force: Annotated[
         bool,
         typer.Option(
@@ -217,20 +258,27 @@ def score(
     under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
     _setup_logging(verbose)
-    config = _uds_config(locals())
+    config = run.config(retain)
     # The door: every checkpoint made a Checkpoint before the model libraries are imported (a mistyped path fails
     # in a second, in one line) and handed on as it is; score_models checks --out, --cache-dir and --limit next.
     from uds_lens.checkpoints.checkpoint import Checkpoint
 
     def door(path: str, role: str) -> Checkpoint:
-        return Checkpoint.resolve(path, outside_weights=allow_outside_weights, role=role)
+        return Checkpoint.resolve(path, outside_weights=run.allow_outside_weights, role=role)
 
-    checkpoints = door(full, "full"), None if no_retain or retain is None else door(retain, "retain")
+    checkpoints = door(full, "full"), None if run.no_retain or retain is None else door(retain, "retain")
     models = {name: door(path, "unlearned") for name, path in _unlearned_models(unlearned).items()}
     from uds_lens.scoring import score_models
 
     results = score_models(
-        *checkpoints, models, data, out_dir=out, config=config, cache_dir=cache_dir, limit=limit, force=force
+        *checkpoints,
+        models,
+        data,
+        out_dir=out,
+        config=config,
+        cache_dir=run.cache_dir,
+        limit=run.limit,
+        force=force,
     )
     from uds_lens.plotting.report import record_roles, result_role
 
@@ -243,16 +291,17 @@ def score(
 
     rows = [table_row(name, result.summary) for name, result in results.items()]
     columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
-    if no_retain:
+    if run.no_retain:
         columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
         typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
     _print_table(rows, columns)
-    if not no_retain:
+    if not run.no_retain:
         typer.echo(SPLIT_LEGEND)
     typer.echo(f"results in {out}")
 
 
 @app.command()
+@_takes_run_options(stage2_default="ke")
 def sweep(
     *,
     full: Annotated[str, typer.Option(help="Full model: local HF directory or hub id (the patch target).")],
@@ -296,20 +345,7 @@ def sweep(
             help="Recompute every model, even when its stored result is current, and replace other runs' results."
         ),
     ] = False,
-    tau: TauOption = DEFAULTS.tau,
-    scope: ScopeOption = DEFAULTS.patch_scope,
-    site: SiteOption = DEFAULTS.site,
-    dtype: DtypeOption = DEFAULTS.dtype,
-    device: DeviceOption = DEFAULTS.device,
-    batch_size: BatchSizeOption = DEFAULTS.batch_size,
-    limit: LimitOption = None,
-    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
-    cache_dir: CacheDirOption = None,
-    no_retain: NoRetainOption = False,
-    engine: EngineOption = DEFAULTS.engine,
-    stage2_cells: SweepStage2Option = "ke",
-    allow_outside_weights: OutsideWeightsOption = False,
-    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
+    run: RunOptions,
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -322,10 +358,10 @@ def sweep(
     from uds_lens.sweep.driver import sweep as run_sweep
 
     _setup_logging(verbose)
-    config = _uds_config(locals())
+    config = run.config(retain)
     table = run_sweep(
         full,
-        None if no_retain else retain,
+        None if run.no_retain else retain,
         data,
         out,
         models_to_score=models,
@@ -337,11 +373,11 @@ def sweep(
         gpus_per_worker=gpus_per_worker,
         cpus_per_worker=cpus_per_worker,
         max_retries=max_retries,
-        cache_dir=cache_dir,
-        limit=limit,
+        cache_dir=run.cache_dir,
+        limit=run.limit,
         force=force,
         compare_published=compare_published,
-        outside_weights=allow_outside_weights,
+        outside_weights=run.allow_outside_weights,
     )
     columns = ["name", "status", "uds", "ci_low", "ci_high", "uds_clipped", "excess_disruption"]
     columns += ["n_scored", "s2_seconds"]
