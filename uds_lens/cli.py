@@ -7,26 +7,22 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-# The settings' defaults and vocabularies, read from the one place they are written (config.py imports no torch, so
-# `--help` stays instant); the checks are UDSConfig's.
-from uds_lens.config import (
-    DTYPE_NAMES,
-    ENGINES,
-    SCOPES,
-    SITES,
-    STAGE2_CELLS,
-    ConfigError,
-    UDSConfig,
-    check_choice,
+from uds_lens.cli_options import (
+    DEFAULTS,
+    DataOption,
+    DeviceOption,
+    DtypeOption,
+    RetainOption,
+    RunOptions,
+    VerboseOption,
+    takes_run_options,
 )
-
-DEFAULTS = UDSConfig()
+from uds_lens.config import ConfigError, check_choice
 
 app = typer.Typer(
     help="Audit LLM unlearning from the inside: the Unlearning Depth Score and layer diagnostics.",
@@ -90,75 +86,8 @@ def _unlearned_models(values: list[str]) -> dict[str, str]:
     return {**automatic, **named}
 
 
-# Options shared by `score` and `sweep` (the UDS settings and the inputs both take), declared once. Defaults stay at
-# the parameters (typer's rule for Annotated options) and are read from DEFAULTS; the choices from config's tuples.
-RetainOption = Annotated[
-    str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
-]
-DataOption = Annotated[
-    str, typer.Option(help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, or a hub dataset id.")
-]
-TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
-ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
-SiteOption = Annotated[str, typer.Option(help=f"Hook site: {' | '.join(SITES)}.")]
-# DTYPE_NAMES lists each dtype's name followed by its short spelling
-_DTYPE_CHOICES = " | ".join(f"{name} ({short})" for name, short in zip(DTYPE_NAMES[::2], DTYPE_NAMES[1::2]))
-DtypeOption = Annotated[
-    str | None, typer.Option(help=f"{_DTYPE_CHOICES} (default fp32; on CUDA bf16, fp32 with --dtype fp32).")
-]
-PrecisionCheckOption = Annotated[
-    bool, typer.Option(help="bf16/fp16: decide in fp32 where rounding could (off: count fragile cells only).")
-]
-DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
-BatchSizeOption = Annotated[
-    int | None, typer.Option(help="Examples per batch (default: chosen from free memory).")
-]
-LimitOption = Annotated[int | None, typer.Option(help="Score only the first N examples.")]
-PublishedCompatOption = Annotated[
-    bool, typer.Option(help="Reproduce the published implementation's numbers.")
-]
-CacheDirOption = Annotated[Path | None, typer.Option(help="S1 cache directory (default ~/.cache/uds_lens).")]
-NoRetainOption = Annotated[bool, typer.Option("--no-retain", help="Retain-free mode: d2 only, unnormalised.")]
-OutsideWeightsOption = Annotated[
-    bool,
-    typer.Option("--allow-outside-weights", help="Accept weight shards an index names outside its folder."),
-]
-EngineOption = Annotated[str, typer.Option(help=f"{' | '.join(ENGINES)} (the one-forward-per-layer oracle).")]
-VerboseOption = Annotated[bool, typer.Option("--verbose", "-v")]
-
-
-_STAGE2_HELP = (
-    f"{' | '.join(STAGE2_CELLS)}: Stage 2 on every (example, layer) cell (the layer curves) or only on the KE cells "
-    "d1 > tau, the only ones UDS reads (same UDS, less work; d2 NaN elsewhere). Default here: "
-)
-ScoreStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "all.")]
-SweepStage2Option = Annotated[str, typer.Option("--stage2-cells", help=_STAGE2_HELP + "ke.")]
-
-
-# The options of `score` and `sweep` that are UDSConfig fields: option name -> field.
-_SETTING_OPTIONS = {
-    "tau": "tau",
-    "scope": "patch_scope",
-    "site": "site",
-    "published_compat": "published_compat",
-    "batch_size": "batch_size",
-    "dtype": "dtype",
-    "device": "device",
-    "engine": "engine",
-    "stage2_cells": "stage2_cells",
-    "precision_check": "precision_check",
-}
-
-
-def _uds_config(options: Mapping[str, Any]) -> UDSConfig:
-    """The UDSConfig of a `score` or `sweep` run from the command's options (its ``locals()``; UDSConfig checks
-    them), after checking that retain is given or explicitly omitted."""
-    if options["retain"] is None and not options["no_retain"]:
-        raise typer.BadParameter("give --retain, or --no-retain for the retain-free (unnormalised) mode.")
-    return UDSConfig(**{field: options[option] for option, field in _SETTING_OPTIONS.items()})
-
-
 @app.command()
+@takes_run_options(stage2_default="all")
 def score(
     *,
     full: Annotated[
@@ -183,20 +112,7 @@ def score(
             "saying why."
         ),
     ],
-    tau: TauOption = DEFAULTS.tau,
-    scope: ScopeOption = DEFAULTS.patch_scope,
-    site: SiteOption = DEFAULTS.site,
-    dtype: DtypeOption = DEFAULTS.dtype,
-    device: DeviceOption = DEFAULTS.device,
-    batch_size: BatchSizeOption = DEFAULTS.batch_size,
-    limit: LimitOption = None,
-    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
-    cache_dir: CacheDirOption = None,
-    no_retain: NoRetainOption = False,
-    engine: EngineOption = DEFAULTS.engine,
-    stage2_cells: ScoreStage2Option = "all",
-    allow_outside_weights: OutsideWeightsOption = False,
-    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
+    run: RunOptions,
     force: Annotated[
         bool,
         typer.Option(
@@ -217,20 +133,27 @@ def score(
     under a lock. A model that needs its own Python code (an auto_map) is refused: uds_lens never runs it.
     """
     _setup_logging(verbose)
-    config = _uds_config(locals())
+    config = run.config(retain)
     # The door: every checkpoint made a Checkpoint before the model libraries are imported (a mistyped path fails
     # in a second, in one line) and handed on as it is; score_models checks --out, --cache-dir and --limit next.
     from uds_lens.checkpoints.checkpoint import Checkpoint
 
     def door(path: str, role: str) -> Checkpoint:
-        return Checkpoint.resolve(path, outside_weights=allow_outside_weights, role=role)
+        return Checkpoint.resolve(path, outside_weights=run.allow_outside_weights, role=role)
 
-    checkpoints = door(full, "full"), None if no_retain or retain is None else door(retain, "retain")
+    checkpoints = door(full, "full"), None if run.no_retain or retain is None else door(retain, "retain")
     models = {name: door(path, "unlearned") for name, path in _unlearned_models(unlearned).items()}
     from uds_lens.scoring import score_models
 
     results = score_models(
-        *checkpoints, models, data, out_dir=out, config=config, cache_dir=cache_dir, limit=limit, force=force
+        *checkpoints,
+        models,
+        data,
+        out_dir=out,
+        config=config,
+        cache_dir=run.cache_dir,
+        limit=run.limit,
+        force=force,
     )
     from uds_lens.plotting.report import record_roles, result_role
 
@@ -243,16 +166,17 @@ def score(
 
     rows = [table_row(name, result.summary) for name, result in results.items()]
     columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
-    if no_retain:
+    if run.no_retain:
         columns = ["model", "mean_d2", "scored", "skipped", "s2_s"]
         typer.echo("retain-free mode: d2 is unnormalised and not comparable with UDS.")
     _print_table(rows, columns)
-    if not no_retain:
+    if not run.no_retain:
         typer.echo(SPLIT_LEGEND)
     typer.echo(f"results in {out}")
 
 
 @app.command()
+@takes_run_options(stage2_default="ke")
 def sweep(
     *,
     full: Annotated[str, typer.Option(help="Full model: local HF directory or hub id (the patch target).")],
@@ -296,20 +220,7 @@ def sweep(
             help="Recompute every model, even when its stored result is current, and replace other runs' results."
         ),
     ] = False,
-    tau: TauOption = DEFAULTS.tau,
-    scope: ScopeOption = DEFAULTS.patch_scope,
-    site: SiteOption = DEFAULTS.site,
-    dtype: DtypeOption = DEFAULTS.dtype,
-    device: DeviceOption = DEFAULTS.device,
-    batch_size: BatchSizeOption = DEFAULTS.batch_size,
-    limit: LimitOption = None,
-    published_compat: PublishedCompatOption = DEFAULTS.published_compat,
-    cache_dir: CacheDirOption = None,
-    no_retain: NoRetainOption = False,
-    engine: EngineOption = DEFAULTS.engine,
-    stage2_cells: SweepStage2Option = "ke",
-    allow_outside_weights: OutsideWeightsOption = False,
-    precision_check: PrecisionCheckOption = DEFAULTS.precision_check,
+    run: RunOptions,
     verbose: VerboseOption = False,
 ) -> None:
     """Score many unlearned models (a model list or a registry) on Ray workers, or in-process with --workers 1.
@@ -322,10 +233,10 @@ def sweep(
     from uds_lens.sweep.driver import sweep as run_sweep
 
     _setup_logging(verbose)
-    config = _uds_config(locals())
+    config = run.config(retain)
     table = run_sweep(
         full,
-        None if no_retain else retain,
+        None if run.no_retain else retain,
         data,
         out,
         models_to_score=models,
@@ -337,11 +248,11 @@ def sweep(
         gpus_per_worker=gpus_per_worker,
         cpus_per_worker=cpus_per_worker,
         max_retries=max_retries,
-        cache_dir=cache_dir,
-        limit=limit,
+        cache_dir=run.cache_dir,
+        limit=run.limit,
         force=force,
         compare_published=compare_published,
-        outside_weights=allow_outside_weights,
+        outside_weights=run.allow_outside_weights,
     )
     columns = ["name", "status", "uds", "ci_low", "ci_high", "uds_clipped", "excess_disruption"]
     columns += ["n_scored", "s2_seconds"]

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -41,7 +41,7 @@ from uds_lens.baselines.fisher import FISHER_FRACTIONS
 from uds_lens.baselines.layerwise import LayerwiseErasure, pooled_layerwise
 from uds_lens.baselines.references import References, json_score
 from uds_lens.checkpoints.loader import ModelArg, load
-from uds_lens.config import DEFAULT_TAU, UDSConfig, check_choice, check_positive_int
+from uds_lens.config import DEFAULT_TAU, UDSConfig, as_site, check_choice, check_positive_int
 from uds_lens.data import DataArg
 from uds_lens.files import write_atomic
 from uds_lens.metrics import registry
@@ -241,14 +241,7 @@ def diagnose(
                 main.full,
                 main.retain,
                 main.examples,
-                config=UDSConfig(
-                    tau=tau,
-                    site=site,
-                    published_compat=published_compat,
-                    batch_size=batch_size,
-                    dtype=dtype,
-                    device=device,
-                ),
+                config=replace(config, site=as_site(site)),
                 tokenizer=main.tokenizer,
                 cache_dir=cache_dir,
                 progress=progress,

@@ -183,39 +183,19 @@ def layer_heatmap(
 
     if mark_ke:
         mostly_ke = ke.to_numpy().mean() > 0.5
-        rows, cols = np.nonzero(~ke.to_numpy() if mostly_ke else ke.to_numpy())
         marker = (
             {"symbol": "circle", "size": 4, "color": "rgba(0,0,0,0.6)"}
             if mostly_ke
             else {"symbol": "square-open", "size": 6, "color": "rgba(0,0,0,0.55)", "line": {"width": 1}}
         )
         share = f"{ke.to_numpy().mean():.0%} of cells are KE"
-        fig.add_trace(
-            go.Scatter(
-                x=[labels[j] for j in cols],
-                y=[layer_ids[i] for i in rows],
-                mode="markers",
-                marker=marker,
-                name=f"not KE (d1 ≤ τ; {share})" if mostly_ke else f"KE layer (d1 > τ; {share})",
-                hoverinfo="skip",
-                showlegend=True,
-            )
-        )
+        name = f"not KE (d1 ≤ τ; {share})" if mostly_ke else f"KE layer (d1 > τ; {share})"
+        _mark_cells(fig, ~ke.to_numpy() if mostly_ke else ke.to_numpy(), labels, layer_ids, marker, name)
     if mark_clipped and {"d1", "d2"} <= set(layers.columns):
         clipped = ke.to_numpy() & (grid("d2").to_numpy() > grid("d1").to_numpy())
-        rows, cols = np.nonzero(clipped)
         share = clipped.sum() / max(int(ke.to_numpy().sum()), 1)
-        fig.add_trace(
-            go.Scatter(
-                x=[labels[j] for j in cols],
-                y=[layer_ids[i] for i in rows],
-                mode="markers",
-                marker=CLIPPED_MARK,
-                name=f"clipped: d2 > d1, LER cut to 1 ({share:.0%} of KE cells)",
-                hoverinfo="skip",
-                showlegend=True,
-            )
-        )
+        name = f"clipped: d2 > d1, LER cut to 1 ({share:.0%} of KE cells)"
+        _mark_cells(fig, clipped, labels, layer_ids, CLIPPED_MARK, name)
     if np.isnan(z.to_numpy()).any():
         fig.add_trace(
             go.Scatter(
@@ -279,6 +259,29 @@ def _fmt(grid: np.ndarray | None, i: int, j: int) -> str:
     if grid is None or not np.isfinite(grid[i, j]):
         return "–"
     return f"{grid[i, j]:.3f}"
+
+
+def _mark_cells(
+    fig: go.Figure,
+    cells: np.ndarray,
+    labels: list[str],
+    layer_ids: list[Any],
+    marker: dict[str, Any],
+    name: str,
+) -> None:
+    """A marker on every true cell of ``cells`` (``[layer, example]``), one legend entry ``name``, no hover."""
+    rows, cols = np.nonzero(cells)
+    fig.add_trace(
+        go.Scatter(
+            x=[labels[j] for j in cols],
+            y=[layer_ids[i] for i in rows],
+            mode="markers",
+            marker=marker,
+            name=name,
+            hoverinfo="skip",
+            showlegend=True,
+        )
+    )
 
 
 def _mark_groups(fig: go.Figure, order: list[Any], info: pd.DataFrame) -> None:

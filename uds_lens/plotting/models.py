@@ -159,6 +159,18 @@ def model_frame(
     return frame
 
 
+def _ci_bars(frame: pd.DataFrame, **style: Any) -> dict[str, Any]:
+    """Error bars from each model's UDS to its 95% CI bounds (``model_frame``'s ``ci_low``/``ci_high``), styled
+    with ``style``."""
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": (frame["ci_high"] - frame["uds"]).clip(lower=0).to_numpy(),
+        "arrayminus": (frame["uds"] - frame["ci_low"]).clip(lower=0).to_numpy(),
+        **style,
+    }
+
+
 def _basis(frame: pd.DataFrame, what: str) -> list[str]:
     """A model figure's basis: the scored examples per model, the KE threshold(s), and ``what`` else it rests on."""
     counts = frame["n_scored"].dropna() if "n_scored" in frame.columns else pd.Series(dtype=float)
@@ -256,13 +268,7 @@ def uds_bar(
             y=frame["uds"],
             mode="markers",
             marker={"size": 1, "color": "rgba(0,0,0,0)"},
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": (frame["ci_high"] - frame["uds"]).clip(lower=0).to_numpy(),
-                "arrayminus": (frame["uds"] - frame["ci_low"]).clip(lower=0).to_numpy(),
-                "color": "#333333",
-            },
+            error_y=_ci_bars(frame, color="#333333"),
             hoverinfo="skip",
             showlegend=False,
         )
@@ -353,14 +359,7 @@ def depth_vs_damage(
                 "color": [model_colour(str(model)) for model in frame["model"]],
                 "line": {"width": 1, "color": "#333333"},
             },
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": (frame["ci_high"] - frame["uds"]).clip(lower=0).to_numpy(),
-                "arrayminus": (frame["uds"] - frame["ci_low"]).clip(lower=0).to_numpy(),
-                "color": "#999999",
-                "thickness": 1,
-            },
+            error_y=_ci_bars(frame, color="#999999", thickness=1),
             customdata=np.column_stack([100 * share * np.ones(len(frame)), role.to_numpy()]),
             hovertemplate="%{text} %{customdata[1]}<br>UDS %{y:.3f}<br>excess disruption %{x:.2f}<br>"
             "from clipped cells: %{customdata[0]:.0f}% of UDS<extra></extra>",
