@@ -32,9 +32,9 @@ from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.digests import model_fingerprint
 from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
 from uds_lens.component_result import ComponentResult
-from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
+from uds_lens.components import patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
-from uds_lens.data import DataArg, EncodedExample, build_prompt, check_ids_in_vocabulary, encode, fit_context
+from uds_lens.data import DataArg, check_ids_in_vocabulary, encode, fit_context
 from uds_lens.failures import nonfinite_error
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
@@ -45,7 +45,7 @@ from uds_lens.fingerprints import (
     with_unlearned,
 )
 from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
-from uds_lens.memory import available_memory_bytes, retry_out_of_memory
+from uds_lens.memory import available_memory_bytes, release_memory, retry_out_of_memory
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
 from uds_lens.patching.engines import PatchEngine, engine_class, engine_for
@@ -60,13 +60,14 @@ from uds_lens.precision import PrecisionCheck
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
+from uds_lens.tl_compat import ModelLike, TLModel, check_unhooked
 from uds_lens.uds import ke_mask
+from uds_lens.workbench import Workbench
 
 logger = logging.getLogger(__name__)
 
 
-class UDSAuditor:
+class UDSAuditor(Workbench):
     """Score any number of unlearned models against one (full, retain, forget set) with S1 computed once.
 
     Examples:
@@ -107,9 +108,12 @@ class UDSAuditor:
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
 
-    For hooks of your own: [`example`][uds_lens.auditor.UDSAuditor.example] (one example's tensors), [`tokens`][uds_lens.auditor.UDSAuditor.tokens], [`metric`][uds_lens.auditor.UDSAuditor.metric] (a
-    tensor-valued patching metric), [`run_with_cache`][uds_lens.auditor.UDSAuditor.run_with_cache] (the clean run's activations); for finer patching:
-    [`patch_heads`][uds_lens.auditor.UDSAuditor.patch_heads], [`patch_tokens`][uds_lens.auditor.UDSAuditor.patch_tokens], [`patch_positions`][uds_lens.auditor.UDSAuditor.patch_positions] (``uds_lens.components``).
+    For hooks of your own (`workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one example's
+    tensors), [`tokens`][uds_lens.workbench.Workbench.tokens], [`metric`][uds_lens.workbench.Workbench.metric] (a
+    tensor-valued patching metric), [`run_with_cache`][uds_lens.workbench.Workbench.run_with_cache] (the clean run's
+    activations); for finer patching: [`patch_heads`][uds_lens.auditor.UDSAuditor.patch_heads],
+    [`patch_tokens`][uds_lens.auditor.UDSAuditor.patch_tokens],
+    [`patch_positions`][uds_lens.auditor.UDSAuditor.patch_positions] (``uds_lens.components``).
     """
 
     def __init__(
@@ -170,7 +174,9 @@ class UDSAuditor:
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
         # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
-        self.retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        self._retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        self._retain_dropped = False
+        self._retain_digest: str | None = None
         if retain_name is None and inputs.retain is not None:
             retain_name = inputs.retain.label
         self.retain_name = retain_name
@@ -184,7 +190,7 @@ class UDSAuditor:
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
         n_ctx = min(
-            as_source(model).context_length for model in (self.full, self.retain) if model is not None
+            as_source(model).context_length for model in (self.full, self._retain) if model is not None
         )
         self.encoded, too_long = fit_context(self.encoded, n_ctx)
         self.skipped = self.skipped + too_long
@@ -215,15 +221,42 @@ class UDSAuditor:
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
 
+    @property
+    def retain(self) -> TLModel | None:
+        """The retain model (Stage 1's source); None in retain-free mode and once dropped (`drop_retain`).
+
+        It is held while Stage 1 is computed. Once Stage 1 is computed, read from the cache or adopted
+        (`use_stage1`), a retain model this auditor loaded itself (from a path, hub id, ``zoo:`` name or
+        `Checkpoint`) is released, so Stage 2 holds full and one unlearned model only; asking for it again here
+        (component patching does) loads it again and holds it. A model given as an object is the caller's: the
+        auditor cannot free it and keeps it.
+        """
+        if self._retain is None and not self._retain_dropped and self.inputs.retain is not None:
+            self._retain = self._load_target(self.inputs.retain, "retain")
+        return self._retain
+
     def drop_retain(self) -> None:
-        """Release the retain model once Stage 1 is computed (computing it first if it is not yet).
+        """Let go of the retain model for good once Stage 1 is computed (computing it first if it is not yet).
 
         Stage 1 is all the retain model is needed for; results keep naming it (``retain_name``) and fingerprinting
-        it (from the source it was given), so a sweep worker frees its memory before it scores the unlearned
-        models. Component patching (``patch_heads`` ...) needs the retain model and raises once it is dropped.
+        it (from the source it was given). Unlike the release after Stage 1 (`retain`), a dropped retain model is
+        not loaded again: component patching (``patch_heads`` ...) then raises.
         """
         _ = self.stage1
-        self.retain = None
+        checkpoint = self.inputs.retain
+        if checkpoint is not None and not checkpoint.local and self._retain_digest is None:
+            self._retain_digest = self._retain_weights_digest(checkpoint)  # its tensors: taken while they are here
+        self._retain_dropped = True
+        self._retain = None
+        release_memory(self.device)
+
+    def _release_retain(self) -> None:
+        """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
+        checkpoint = self.inputs.retain
+        if self._retain is None or checkpoint is None or checkpoint.model is not None or checkpoint in self.sources:
+            return
+        self._retain = None
+        release_memory(self.device)
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
@@ -266,11 +299,6 @@ class UDSAuditor:
     def engine_spec(self) -> EngineSpec:
         """What the patching engines need of these settings, over the layers this auditor patches."""
         return self.config.engine_spec(tuple(self.layers))
-
-    @property
-    def upcast(self) -> bool:
-        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
-        return self.engine_spec.upcast
 
     @property
     def log_softmax_dtype(self) -> str:
@@ -362,9 +390,7 @@ class UDSAuditor:
         retain = self.inputs.retain
         return {
             "full": _weights_digest(self.inputs.full, self.full),
-            "retain": _weights_digest(retain, self.retain)
-            if retain is not None and self.retain is not None
-            else None,
+            "retain": None if retain is None else self._retain_weights_digest(retain),
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
@@ -372,17 +398,31 @@ class UDSAuditor:
             "dtype": str(self.full.cfg.dtype),
         }
 
+    def _retain_weights_digest(self, checkpoint: Checkpoint) -> str:
+        """`_weights_digest` of the retain model, remembered when it was released (a hub model's tensors)."""
+        if self._retain_digest is not None:
+            return self._retain_digest
+        if checkpoint.local:
+            return checkpoint.digest
+        model = self.retain  # a hub model released with the S1 cache off: loaded again to hash its tensors
+        if model is None:
+            raise ValueError(f"The retain model {checkpoint.label} was dropped before it was fingerprinted.")
+        return _weights_digest(checkpoint, model)
+
     @property
     def stage1(self) -> StageOne:
-        """S0, each engine's per-layer baseline and S1 (retain patched in), from the cache when possible."""
+        """S0, each engine's per-layer baseline and S1 (retain patched in), from the cache when possible; the
+        retain model is released then (`retain`)."""
         if self._stage1 is None:
             self._stage1 = self._compute_stage1()
+            self._release_retain()
         return self._stage1
 
     def _compute_stage1(self) -> StageOne:
         payload = key = None
         if self.cache is not None:
             payload = self.fingerprint_payload()
+            self._retain_digest = payload["retain"]  # what a payload asked for after the release reads
             key = json_digest(payload)
             cached = self.cache.load(key, payload)
             if cached is not None and cached.idx == [e.idx for e in self.encoded]:
@@ -473,6 +513,7 @@ class UDSAuditor:
             self._base_fingerprint = {
                 key: value for key, value in inputs_fingerprint.items() if key != "unlearned"
             }
+        self._release_retain()  # Stage 1 is here: what the retain model was held for
 
     def _require_finite(
         self,
@@ -525,9 +566,11 @@ class UDSAuditor:
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
         source = self._load(checkpoint, "unlearned")
-        self.last_source = (
-            source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
-        )
+        # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
+        # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
+        given = checkpoint.model is not None or checkpoint in self.sources
+        if given:
+            self.last_source = source
         check_unhooked(self.full, "full")
         check_unhooked(source, "unlearned")
         stage = self.stage1
@@ -568,6 +611,10 @@ class UDSAuditor:
         finally:
             if check is not None:
                 check.release("unlearned")
+        del stage_two_batch  # its closure holds the source
+        if not given:
+            del source
+            release_memory(self.device)
         precision_timings = {} if check is None else check.timings_since(spent)
         # the fp32 copies the check made are a load, as the unlearned model's own is: not part of Stage 2
         s2_seconds = time.perf_counter() - started - precision_timings.get("s2_precision_copy_seconds", 0.0)
@@ -610,91 +657,6 @@ class UDSAuditor:
             },
             records=self.examples,
         )
-
-    # -- hooks of your own ------------------------------------------------------------------------------------
-
-    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
-        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
-        if idxs is None:
-            return list(self.encoded)
-        by_idx = {e.idx: e for e in self.encoded}
-        skipped = {s.idx: s.reason for s in self.skipped}
-        out = []
-        for idx in idxs:
-            if idx in by_idx:
-                out.append(by_idx[idx])
-            elif idx in skipped:
-                raise KeyError(
-                    f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch."
-                )
-            else:
-                raise KeyError(
-                    f"No example with idx {idx} in {self.data_name}; scored idx are "
-                    f"{[e.idx for e in self.encoded][:20]}..."
-                )
-        return out
-
-    def example(self, idx: int) -> ExampleInputs:
-        """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
-
-        ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
-        through ``to_tokens``), ``read_positions``/``labels`` are where the entity tokens are predicted and which
-        they are, ``patch_positions`` what UDS patches under this auditor's scope.
-        """
-
-        encoded = self.select([idx])[0]
-        record = next(e for e in self.examples if e.idx == idx)
-        prompt, reference = build_prompt(record, self.config.published_compat) or ("", "")
-        device = self.full.cfg.device
-        return ExampleInputs(
-            idx=idx,
-            question=record.question,
-            entity=record.entity,
-            prompt=prompt,
-            reference=reference,
-            tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[str(self.tokenizer.decode([token])) for token in encoded.input_ids],
-            read_positions=torch.tensor(list(encoded.read_positions), device=device),
-            labels=torch.tensor(encoded.labels, device=device),
-            patch_positions=torch.tensor(
-                list(encoded.patch_positions(self.config.patch_scope)), device=device
-            ),
-        )
-
-    def tokens(self, idxs: int | Sequence[int]) -> Tensor:
-        """``[batch, pos]`` right-padded tokens of these examples (the layout [`metric`][uds_lens.auditor.UDSAuditor.metric] reads)."""
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(
-            self.full.cfg.device
-        )
-
-    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
-        """A tensor-valued patching metric for logits of [`tokens`][uds_lens.auditor.UDSAuditor.tokens] ``(idxs)``: the mean entity log-prob.
-
-        Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
-        ``get_act_patch_*`` (they call ``.item()`` on it, so it must return a tensor, never a float).
-
-        Examples:
-            >>> ex, metric = auditor.example(3), auditor.metric(3)
-            >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
-        """
-
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        batch = pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False)
-        return entity_metric(
-            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
-        )
-
-    def run_with_cache(
-        self,
-        idxs: int | Sequence[int],
-        model: ModelArg | None = None,
-        names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
-    ) -> tuple[Tensor, ActivationCache]:
-        """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full if model is None else as_source(self.load_source(model)).model
-        with torch.no_grad():
-            return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
     def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""

@@ -470,8 +470,9 @@ def window_source_activations(
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
     (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
 
-    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
-    run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
+    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the
+    target's clean run, so a source identical to the target gives back its clean activations bit for bit (deltas of
+    exactly 0); it keeps no joined weights (``kernels.layer_weights``): each block's are made for the forward only.
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """
     site, layers = spec.site, list(spec.layers)
@@ -484,7 +485,7 @@ def window_source_activations(
     on_source = batch.to(wrapped.device)
     rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
     with torch.no_grad():
-        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
+        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows, keep_joined=False)
         per_layer = [captured[site][layer] for layer in layers]
         if spec.published_compat:
             per_layer = [

@@ -101,6 +101,9 @@ class _BlockWeights:
 
     ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
     tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
+    Only a patch target's are kept (it runs every layer of every batch); a source's forward joins a block, runs
+    it and lets the copy go (``keep=False``: one block's copy at a time, the same values), so a source model holds
+    its own weights and nothing more.
     """
 
     pre_attn: Float[Tensor, " d_model"] | None
@@ -130,7 +133,7 @@ class _BlockWeights:
     layer_type: str | None = None
 
     @classmethod
-    def of(cls, block: Any, config: Any, index: int) -> _BlockWeights:
+    def of(cls, block: Any, config: Any, index: int, keep: bool = True) -> _BlockWeights:
         params = list(block.parameters())
         versions = [p._version for p in params]
         cached = _JOINED.get(block)
@@ -142,7 +145,8 @@ class _BlockWeights:
         ):
             return cached[2]
         weights = cls._join(block, config, index)
-        _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
+        if keep:
+            _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
         return weights
 
     @classmethod
@@ -252,8 +256,16 @@ def _require_fast(model: ModelLike) -> None:
         raise ValueError(f"The fast engine cannot run {model_label(model)}: {reason}. Use engine='naive'.")
 
 
-def layer_weights(model: TLModel, index: int) -> _BlockWeights:
-    return _BlockWeights.of(model.blocks[index], wrapped_model(model).config, index)
+def layer_weights(model: TLModel, index: int, keep: bool = True) -> _BlockWeights:
+    """Block ``index``'s weights as the packed runs multiply by them (`_BlockWeights`): kept with the model, or
+    with ``keep=False`` (a source's forward) made for this call only unless they are kept already."""
+    return _BlockWeights.of(model.blocks[index], wrapped_model(model).config, index, keep)
+
+
+def kept_joined_blocks(model: TLModel) -> int:
+    """How many of ``model``'s blocks have joined weights kept with them (0 for a model only ever run as a
+    source; its number of layers once it ran as a patch target, unless its family stores them fused)."""
+    return sum(1 for block in model.blocks if block in _JOINED)
 
 
 def final_softcap(model: TLModel) -> float | None:
@@ -556,6 +568,7 @@ def packed_forward(
     n_blocks: int,
     rows: Int[Tensor, " row"],
     keep_kv: bool = False,
+    keep_joined: bool = True,
 ) -> tuple[Float[Tensor, "seq_row d_model"], dict[str, list[Tensor]], list[Tensor]]:
     """A forward of the batch's sequences (through the last read position) packed into rows, no padding.
 
@@ -564,12 +577,13 @@ def packed_forward(
     longest``. Returns the residual after ``n_blocks`` blocks at every row (``WindowPacking.sequences`` order), each
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
     keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
+    ``keep_joined=False`` (a source) keeps no joined weights with the model (`layer_weights`).
     """
     _require_fast(model)
     packing = WindowPacking.sequences(batch)
     dtype = next(model.parameters()).dtype
     layout = attention_layout(model, packing, dtype, batch.input_length)
-    first = layer_weights(model, 0)
+    first = layer_weights(model, 0, keep_joined)
     empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
     captured: dict[str, list[Tensor]] = {name: [] for name in sites}
     kv: list[Tensor] = []
@@ -580,7 +594,7 @@ def packed_forward(
 
     resid = model.embed(batch.tokens[packing.example, packing.position][None])
     for block_index in range(n_blocks):
-        weights = layer_weights(model, block_index)
+        weights = layer_weights(model, block_index, keep_joined)
         record("resid_pre", resid)
         attn_out = block_attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
         record("attn_out", attn_out)
@@ -598,6 +612,7 @@ __all__ = [
     "attention_output_norm",
     "fast_engine_refusal",
     "final_softcap",
+    "kept_joined_blocks",
     "packed_forward",
     "read_scores",
 ]

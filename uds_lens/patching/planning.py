@@ -88,7 +88,7 @@ def joined_copy_bytes(model: TLModel) -> int:
     """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
     Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
     zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
-    the model lives."""
+    the model lives for the patch target only (a source's forward makes one block's at a time and lets it go)."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -105,14 +105,14 @@ def choose_batch_size(
     engine: Engine,
     budget_fraction: float = 0.25,
     cap: int = 64,
-    joined_models: int = 3,
+    joined_models: int = 1,
 ) -> int:
     """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1): the engine's
     ``bytes_per_example`` at the longest sequence and window.
 
-    The fast engine's joined matrices (`joined_copy_bytes`) are made when a model first runs, after the batch
-    size is chosen, and are kept while it lives: ``joined_models`` of them (full, retain and the source being
-    scored) are taken from the free memory first. The naive engine joins nothing.
+    The fast engine's joined matrices (`joined_copy_bytes`) are made when the patch target first runs, after the
+    batch size is chosen, and are kept while it lives: ``joined_models`` of them (full; a source keeps none) are
+    taken from the free memory first. The naive engine joins nothing.
     """
     if not examples:
         return 1
