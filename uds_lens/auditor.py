@@ -31,11 +31,9 @@ from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.digests import model_fingerprint
 from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
-from uds_lens.component_result import ComponentResult
-from uds_lens.components import patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
 from uds_lens.data import DataArg, check_ids_in_vocabulary, encode, fit_context
-from uds_lens.failures import nonfinite_error
+from uds_lens.failures import require_finite
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
     inputs_fingerprint,
@@ -49,10 +47,12 @@ from uds_lens.memory import available_memory_bytes, release_memory, retry_out_of
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
 from uds_lens.patching.engines import PatchEngine, engine_class, engine_for
+from uds_lens.patching.kernels import hold_joined_weights
 from uds_lens.patching.planning import (
     CLEAN_CACHE_FRACTION,
     choose_batch_size,
     clean_run_bytes,
+    holds_joined_copies,
     plan_batches,
     run_batches,
 )
@@ -107,13 +107,19 @@ class UDSAuditor(Workbench):
             [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
+        holds_joined: whether the fast engine keeps full's joined Q/K/V and gate/up copies between runs
+            (``planning.holds_joined_copies``: when memory allows; else a block's at a time, the same numbers).
+
+    What it holds when: full for its whole life; the retain model through Stage 1 only and each unlearned model
+    through its own Stage 2 only, when the auditor loaded them itself (a model passed as an object is the caller's
+    and stays); joined weight copies for full alone, and only where they fit (``holds_joined``).
 
     For hooks of your own (`workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one example's
     tensors), [`tokens`][uds_lens.workbench.Workbench.tokens], [`metric`][uds_lens.workbench.Workbench.metric] (a
     tensor-valued patching metric), [`run_with_cache`][uds_lens.workbench.Workbench.run_with_cache] (the clean run's
-    activations); for finer patching: [`patch_heads`][uds_lens.auditor.UDSAuditor.patch_heads],
-    [`patch_tokens`][uds_lens.auditor.UDSAuditor.patch_tokens],
-    [`patch_positions`][uds_lens.auditor.UDSAuditor.patch_positions] (``uds_lens.components``).
+    activations); for finer patching: [`patch_heads`][uds_lens.workbench.Workbench.patch_heads],
+    [`patch_tokens`][uds_lens.workbench.Workbench.patch_tokens],
+    [`patch_positions`][uds_lens.workbench.Workbench.patch_positions] (``uds_lens.components``).
     """
 
     def __init__(
@@ -176,7 +182,6 @@ class UDSAuditor(Workbench):
         # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
         self._retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
         self._retain_dropped = False
-        self._retain_digest: str | None = None
         if retain_name is None and inputs.retain is not None:
             retain_name = inputs.retain.label
         self.retain_name = retain_name
@@ -202,6 +207,9 @@ class UDSAuditor(Workbench):
                 f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1})."
             )
         self.engine: PatchEngine = engine_for(self.engine_spec)  # chosen once, after the refusal above
+        # the target's joined weights are held between runs only where they leave Stage 2 room (planning)
+        self.holds_joined = holds_joined_copies(self.full, self.config.engine)
+        hold_joined_weights(self.full, self.holds_joined)
         self.cache = (
             None
             if inputs.cache_dir is False
@@ -243,9 +251,6 @@ class UDSAuditor(Workbench):
         not loaded again: component patching (``patch_heads`` ...) then raises.
         """
         _ = self.stage1
-        checkpoint = self.inputs.retain
-        if checkpoint is not None and not checkpoint.local and self._retain_digest is None:
-            self._retain_digest = self._retain_weights_digest(checkpoint)  # its tensors: taken while they are here
         self._retain_dropped = True
         self._retain = None
         release_memory(self.device)
@@ -253,7 +258,12 @@ class UDSAuditor(Workbench):
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
-        if self._retain is None or checkpoint is None or checkpoint.model is not None or checkpoint in self.sources:
+        if (
+            self._retain is None
+            or checkpoint is None
+            or checkpoint.model is not None
+            or checkpoint in self.sources
+        ):
             return
         self._retain = None
         release_memory(self.device)
@@ -313,7 +323,11 @@ class UDSAuditor(Workbench):
         if not self.encoded:
             return []
         size = self.config.batch_size or choose_batch_size(
-            self.full, self.encoded, self.config.patch_scope, self.config.engine
+            self.full,
+            self.encoded,
+            self.config.patch_scope,
+            self.config.engine,
+            joined_models=int(self.holds_joined),
         )
         return plan_batches(self.encoded, self.config.patch_scope, size, engine=self.config.engine)
 
@@ -388,26 +402,19 @@ class UDSAuditor(Workbench):
         if self.precision is None:
             settings.pop("precision_check")
         retain = self.inputs.retain
+        retain_model = None if retain is None or retain.local else self.retain
         return {
             "full": _weights_digest(self.inputs.full, self.full),
-            "retain": None if retain is None else self._retain_weights_digest(retain),
+            # a hub model released after Stage 1 is loaded again to hash its tensors; a dropped one is not
+            "retain": None
+            if retain is None or (retain_model is None and not retain.local)
+            else _weights_digest(retain, retain_model),
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
             "settings": settings,
             "dtype": str(self.full.cfg.dtype),
         }
-
-    def _retain_weights_digest(self, checkpoint: Checkpoint) -> str:
-        """`_weights_digest` of the retain model, remembered when it was released (a hub model's tensors)."""
-        if self._retain_digest is not None:
-            return self._retain_digest
-        if checkpoint.local:
-            return checkpoint.digest
-        model = self.retain  # a hub model released with the S1 cache off: loaded again to hash its tensors
-        if model is None:
-            raise ValueError(f"The retain model {checkpoint.label} was dropped before it was fingerprinted.")
-        return _weights_digest(checkpoint, model)
 
     @property
     def stage1(self) -> StageOne:
@@ -422,7 +429,6 @@ class UDSAuditor(Workbench):
         payload = key = None
         if self.cache is not None:
             payload = self.fingerprint_payload()
-            self._retain_digest = payload["retain"]  # what a payload asked for after the release reads
             key = json_digest(payload)
             cached = self.cache.load(key, payload)
             if cached is not None and cached.idx == [e.idx for e in self.encoded]:
@@ -524,16 +530,8 @@ class UDSAuditor(Workbench):
         label: str | None,
         what: str,
     ) -> None:
-        """Raise `nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
-        bad = ~torch.isfinite(values)
-        if not bad.any():
-            return
-        rows = bad.reshape(len(members), -1).any(-1)
-        first_row = int(torch.nonzero(rows)[0, 0])
-        idx = [self.encoded[members[row]].idx for row in torch.nonzero(rows)[:, 0].tolist()]
-        columns = torch.nonzero(bad.reshape(len(members), -1).any(0))[:, 0].tolist()
-        score_layer = self.layers[columns[0]] if values.dim() == 2 else None
-        raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
+        """`require_finite` on a batch of this auditor's examples (``members``), checked per batch: fail early."""
+        require_finite(values, [self.encoded[m] for m in members], self.layers, model, role, label, what)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
         """``d1 = baseline - s1`` of Stage 1, ``[example, layer]`` (fp32 where the precision check re-decided it);
@@ -658,18 +656,6 @@ class UDSAuditor(Workbench):
             records=self.examples,
         )
 
-    def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""
-        return patch_heads(self, unlearned, **kwargs)
-
-    def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Per-entity-token UDS ``[example, layer, token]``: see [`uds_lens.components.patch_tokens`][uds_lens.components.patch_tokens]."""
-        return patch_tokens(self, unlearned, **kwargs)
-
-    def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """One patched position at a time ``[example, layer, position]``: [`uds_lens.components.patch_positions`][uds_lens.components.patch_positions]."""
-        return patch_positions(self, unlearned, **kwargs)
-
     def __repr__(self) -> str:
         return (
             "UDSAuditor("
@@ -682,10 +668,12 @@ class UDSAuditor(Workbench):
         return display.html_table("UDSAuditor", ["", ""], [list(row) for row in display.auditor_rows(self)])
 
 
-def _weights_digest(checkpoint: Checkpoint, model: ModelLike) -> str:
+def _weights_digest(checkpoint: Checkpoint, model: ModelLike | None) -> str:
     """The identity of a loaded model's weights without hashing them again: a local checkpoint's digest (computed
     in the pass that read it for loading), else the digest of the tensors (a model given in memory, a hub id)."""
-    return checkpoint.digest if checkpoint.local else model_fingerprint(model)
+    if checkpoint.local or model is None:
+        return checkpoint.digest
+    return model_fingerprint(model)
 
 
 __all__ = ["UDSAuditor"]

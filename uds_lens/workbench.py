@@ -1,5 +1,6 @@
 """The auditor's workbench for hooks of your own: one example's tensors, padded tokens, a tensor-valued patching
-metric and the clean run's activations, all in the token layout UDS scores in.
+metric and the clean run's activations, all in the token layout UDS scores in; and component patching
+(``uds_lens.components``) on the auditor's models and examples.
 
 `Workbench` is a mixin of [`UDSAuditor`][uds_lens.auditor.UDSAuditor] (``auditor.example(3)``, ``auditor.metric(3)``
 ...): it reads what the auditor set up (the encoded examples, the settings, the full model, the tokenizer) and never
@@ -9,13 +10,22 @@ runs a stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from uds_lens.checkpoints.loader import ModelArg
-from uds_lens.components import ExampleInputs, entity_metric
+from uds_lens.component_result import ComponentResult
+from uds_lens.components import (
+    ExampleInputs,
+    PatchContext,
+    entity_metric,
+    patch_heads,
+    patch_positions,
+    patch_tokens,
+)
 from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample, Example, Skip, build_prompt
 from uds_lens.patching.batch import pad_batch
@@ -128,6 +138,18 @@ class Workbench:
         target = self.full if model is None else as_source(self.load_source(model)).model
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
+
+    def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""
+        return patch_heads(cast("PatchContext", self), unlearned, **kwargs)
+
+    def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """Per-entity-token UDS ``[example, layer, token]``: see [`uds_lens.components.patch_tokens`][uds_lens.components.patch_tokens]."""
+        return patch_tokens(cast("PatchContext", self), unlearned, **kwargs)
+
+    def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """One patched position at a time ``[example, layer, position]``: [`uds_lens.components.patch_positions`][uds_lens.components.patch_positions]."""
+        return patch_positions(cast("PatchContext", self), unlearned, **kwargs)
 
 
 __all__ = ["Workbench"]

@@ -472,7 +472,7 @@ def window_source_activations(
 
     A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the
     target's clean run, so a source identical to the target gives back its clean activations bit for bit (deltas of
-    exactly 0); it keeps no joined weights (``kernels.layer_weights``): each block's are made for the forward only.
+    exactly 0); a source's joined weights are made a block at a time and let go (``kernels.layer_weights``).
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """
     site, layers = spec.site, list(spec.layers)
@@ -485,7 +485,7 @@ def window_source_activations(
     on_source = batch.to(wrapped.device)
     rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
     with torch.no_grad():
-        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows, keep_joined=False)
+        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
         per_layer = [captured[site][layer] for layer in layers]
         if spec.published_compat:
             per_layer = [

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 # The share of the memory free after loading that the auditor's kept clean runs may take (a quarter is budgeted for
 # one batch's activations, choose_batch_size).
 CLEAN_CACHE_FRACTION = 0.1
+# The share of the memory free after loading that the patch target's joined weights may take to be held between
+# runs (`holds_joined_copies`); past it each run makes a block's at a time (the same values, some copying more).
+JOINED_FRACTION = 0.25
 
 
 def clean_run_bytes(run: CleanRun) -> int:
@@ -88,7 +91,7 @@ def joined_copy_bytes(model: TLModel) -> int:
     """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
     Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
     zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
-    the model lives for the patch target only (a source's forward makes one block's at a time and lets it go)."""
+    the model lives where its joins are held (`holds_joined_copies`); otherwise one block's at a time."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -96,6 +99,17 @@ def joined_copy_bytes(model: TLModel) -> int:
     qkv = (cfg.n_heads + 2 * n_kv) * cfg.d_head
     per_block = cfg.d_model * (qkv + 2 * d_mlp) + qkv + 2 * d_mlp + 2 * cfg.d_model
     return int(cfg.n_layers * per_block * itemsize)
+
+
+def holds_joined_copies(model: TLModel, engine: Engine) -> bool:
+    """Whether the patch target's joined weights are held between runs (``kernels.hold_joined_weights``): with
+    the fast engine, when they take at most `JOINED_FRACTION` of the memory free now (full and retain loaded: what
+    full and one unlearned model will hold in Stage 2). An 8B model on a 48 GB card does not hold them, on an
+    80 GB card it does."""
+    if not engine_class(engine).joins_weights:
+        return False
+    free = memory.available_memory_bytes(as_source(model).device)
+    return joined_copy_bytes(model) <= JOINED_FRACTION * free
 
 
 def choose_batch_size(
@@ -111,8 +125,9 @@ def choose_batch_size(
     ``bytes_per_example`` at the longest sequence and window.
 
     The fast engine's joined matrices (`joined_copy_bytes`) are made when the patch target first runs, after the
-    batch size is chosen, and are kept while it lives: ``joined_models`` of them (full; a source keeps none) are
-    taken from the free memory first. The naive engine joins nothing.
+    batch size is chosen, and are kept while it lives where they are held: ``joined_models`` of them (full, when
+    `holds_joined_copies`; a source keeps none) are taken from the free memory first. The naive engine joins
+    nothing.
     """
     if not examples:
         return 1
@@ -180,9 +195,11 @@ def run_batches(
 
 __all__ = [
     "CLEAN_CACHE_FRACTION",
+    "JOINED_FRACTION",
     "choose_batch_size",
     "clean_run_bytes",
     "consecutive_batches",
+    "holds_joined_copies",
     "joined_copy_bytes",
     "plan_batches",
     "run_batches",
