@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from uds_lens import memory
 from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints import loader
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import UDSConfig
 from uds_lens.patching.kernels import kept_joined_blocks
+from uds_lens.patching.planning import joined_copy_bytes
 
 
 @pytest.fixture
@@ -99,3 +101,21 @@ def test_only_the_patch_target_keeps_joined_weights(tiny):
     # a source identical to the target reuses the target's copies: deltas of exactly 0 still
     same = auditor.score(full)
     assert (same.layers["d2"].abs() == 0).all()
+
+
+def test_a_target_whose_joined_copies_do_not_fit_holds_none_and_scores_the_same(tiny, monkeypatch):
+    full = loader.load_model(tiny.full, device="cpu")
+    retain = loader.load_model(tiny.retain, device="cpu")
+    unlearned = loader.load_model(tiny.unlearned, device="cpu")
+    roomy = _auditor(tiny, full, retain, batch_size=4)
+    reference = roomy.score(unlearned)
+    assert roomy.holds_joined and kept_joined_blocks(full) == full.cfg.n_layers
+    # a card where full's joined copies would take more than their share of the memory left
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: joined_copy_bytes(full))
+    tight = _auditor(tiny, full, retain, batch_size=4)
+    assert not tight.holds_joined and kept_joined_blocks(full) == 0  # the copies kept so far went too
+    result = tight.score(unlearned)
+    assert kept_joined_blocks(full) == 0
+    # each block joined for the run that needs it: the same values, the same products, equal by construction
+    assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()
+    assert torch.equal(tight.stage1.s1, roomy.stage1.s1)  # type: ignore[arg-type]
