@@ -305,7 +305,7 @@ def compute_dtype(model: TLModel) -> torch.dtype:
 
 def _upcast(weights: _BlockWeights, dtype: torch.dtype) -> _BlockWeights:
     """A block's weights in ``dtype`` (a new copy of each floating tensor that is not in it already)."""
-    changes = {
+    changes: dict[str, Any] = {
         item.name: value.to(dtype)
         for item in dataclasses.fields(weights)
         if isinstance(value := getattr(weights, item.name), Tensor) and value.is_floating_point()
