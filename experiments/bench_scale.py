@@ -393,7 +393,7 @@ def run(
         # What score() does besides Stage 2, timed apart: hashing the unlearned weights for the result's
         # fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score itself reports.
         started = time.perf_counter()
-        auditor.fingerprint(unlearned)
+        auditor.fingerprint(auditor.inputs.admit(unlearned))
         fingerprint_seconds = time.perf_counter() - started
         warm_up = warm_up_seconds(auditor, unlearned)
         started = time.perf_counter()

@@ -95,3 +95,64 @@ def test_only_the_fast_engine_outside_published_compat_runs_lean(bf16_models):
     naive = engine_for(EngineSpec("resid_post", layers, engine="naive"))
     compat = engine_for(EngineSpec("resid_post", layers, published_compat=True))
     assert not lean_reference(full, naive) and not lean_reference(full, compat)  # type: ignore[arg-type]
+
+
+def test_the_precision_check_runs_lean_on_bf16_checkpoints_and_decides_as_whole_copies(
+    tiny, tmp_path, monkeypatch
+):
+    from transformers import AutoModelForCausalLM
+
+    from uds_lens import precision
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
+
+    paths = {}
+    for role in ("full", "retain", "unlearned"):  # checkpoints that store bf16, as most 8B ones do
+        paths[role] = tmp_path / role
+        AutoModelForCausalLM.from_pretrained(getattr(tiny, role), dtype=torch.bfloat16).save_pretrained(
+            paths[role]
+        )
+    tokenizer = load_tokenizer(tiny.tokenizer)
+
+    def score() -> object:
+        auditor = UDSAuditor(
+            paths["full"],
+            paths["retain"],
+            tiny.data,
+            UDSConfig(dtype="bfloat16", batch_size=4),
+            tokenizer=tokenizer,
+            cache_dir=False,
+            progress=False,
+        )
+        return auditor.score(paths["unlearned"])
+
+    made: list[bool] = []
+    real = precision.reference_model
+
+    def spy(*args: object, **kwargs: object) -> precision.Reference:
+        reference = real(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(reference.lean)
+        return reference
+
+    monkeypatch.setattr(precision, "reference_model", spy)
+    lean = score()
+    assert made and all(made)  # full, retain and unlearned: no fp32 copy made
+    monkeypatch.setattr(precision, "LEAN_MODEL_TYPES", frozenset())
+    made.clear()
+    whole = score()
+    assert made and not any(made)
+    record, whole_record = lean.meta["precision"], whole.meta["precision"]  # type: ignore[attr-defined]
+    assert (
+        record["weights"]
+        == whole_record["weights"]
+        == {
+            "full": "upcast-exact",
+            "retain": "upcast-exact",
+            "unlearned": "upcast-exact",
+        }
+    )
+    assert record["n_fp32_examples"] == whole_record["n_fp32_examples"] > 0
+    # the same fp32 runs on the same values: every decision and score equal by construction
+    for column in ("d1", "d2", "s2_score"):
+        assert lean.layers[column].tolist() == whole.layers[column].tolist(), column  # type: ignore[attr-defined]
+    assert lean.uds == whole.uds  # type: ignore[attr-defined]
