@@ -38,6 +38,8 @@ Run anything over 4 GB under ``flock /tmp/bigmem.lock`` on a shared machine. Che
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import random
@@ -229,6 +231,12 @@ class HighWater:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
+            # what earlier phases freed goes back to the system first, so the phase's peak is its own
+            gc.collect()
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass  # not glibc: freed memory may stay counted (an upper bound)
             try:
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
