@@ -572,7 +572,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     * per phase (``stage1``/``stage2``, precision check on and off): what the code holds then (`phase_peak`),
       with the rules the auditor applies on a ``gpu_gb`` GPU: the memory free once full and retain are loaded sets
       whether full's joined copies are held (``planning.holds_joined_copies``), the clean-run budget
-      (``CLEAN_CACHE_FRACTION``; the precision check's fp32 clean runs get the same) and the batch size.
+      (``CLEAN_CACHE_FRACTION``; halved between the run's and the fp32 ones with the check on) and the batch size.
     """
     from uds_lens.checkpoints.loader import load_tokenizer
     from uds_lens.config import EngineSpec
@@ -643,20 +643,24 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     unembed = shape.vocab * shape.d_model * 4
     phases = {}
     for check in (False, True):
+        checking = check and dtype != torch.float32
+        share = (
+            budget - budget // 2 if checking else budget
+        )  # the check's fp32 clean runs keep the other half
         counted = phase_peak(
             weights,
             planned_joined,
             held_joined,
             shape.n_layers,
-            min(budget, clean_all),
-            min(budget, fp32_clean_all),
+            min(share, clean_all),
+            min(budget // 2, fp32_clean_all),
             batch_on_gpu,
             work_per_example(meta, seq_len, window),
             work_per_example(meta32, seq_len, window),
             block + planned_joined * 4 // itemsize // shape.n_layers,
             unembed if dtype != torch.float32 else 0,
             readout_bytes("cuda"),
-            check and dtype != torch.float32,
+            checking,
         )
         phases[f"check_{'on' if check else 'off'}"] = counted
     gib = 2**30

@@ -106,7 +106,8 @@ class UDSAuditor(Workbench):
         sources / last_source: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source] (by `Checkpoint`) and the model the last
             [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
-        clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
+        clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none);
+            with the precision check on, half the clean-run budget (its fp32 clean runs keep the other half).
         holds_joined: whether the fast engine keeps full's joined Q/K/V and gate/up copies between runs
             (``planning.holds_joined_copies``: when memory allows; else a block's at a time, the same numbers).
 
@@ -220,11 +221,14 @@ class UDSAuditor(Workbench):
         self._clean: dict[int, CleanRun] = {}
         # Clean runs are kept for the next stage only within a budget: a fraction of the memory left once the
         # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
-        self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
-        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32; its fp32 clean runs get a budget too)
+        budget = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
+        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32); with the check on, its fp32 clean runs
+        # and the run's own share the budget
         self.precision = PrecisionCheck.for_run(
-            self.engine, self.full, self.target_device, self.config, self.clean_cache_bytes
+            self.engine, self.full, self.target_device, self.config, budget // 2
         )
+        checking = self.precision is not None and self.precision.enabled
+        self.clean_cache_bytes = budget - budget // 2 if checking else budget
         self._stage1: StageOne | None = None
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}

@@ -21,8 +21,9 @@ from uds_lens.tl_compat import TLModel
 
 logger = logging.getLogger(__name__)
 
-# The share of the memory free after loading that the auditor's kept clean runs may take (a quarter is budgeted for
-# one batch's activations, choose_batch_size).
+# The share of the memory free after loading that the auditor's kept clean runs may take, the precision check's fp32
+# ones included (half each when the check is on; a quarter is budgeted for one batch's activations,
+# choose_batch_size).
 CLEAN_CACHE_FRACTION = 0.1
 # The share of the memory free after loading that the patch target's joined weights may take to be held between
 # runs (`holds_joined_copies`); past it each run makes a block's at a time (the same values, some copying more).
