@@ -397,13 +397,14 @@ def run(
     s1_accounted = accounted_stage(auditor, held_s1 // 2, device)
     with HighWater(device) as load2_peak:
         unlearned = auditor.load(paths["unlearned"])
-    with HighWater(device) as s2_peak:
-        # What score() does besides Stage 2, timed apart: hashing the unlearned weights for the result's
-        # fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score itself reports.
+    with HighWater(device) as prep_peak:
+        # What score() does besides Stage 2, timed (and measured) apart: hashing the unlearned weights for the
+        # result's fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score reports.
         started = time.perf_counter()
         auditor.fingerprint(auditor.inputs.admit(unlearned))
         fingerprint_seconds = time.perf_counter() - started
         warm_up = warm_up_seconds(auditor, unlearned)
+    with HighWater(device) as s2_peak:
         started = time.perf_counter()
         result = auditor.score(unlearned, name=Checkpoint.resolve(paths["unlearned"]).name)
         score_wall = time.perf_counter() - started
@@ -421,7 +422,8 @@ def run(
         "shape": asdict(shape),
         "examples": len(auditor.encoded),
         "weights_held_gb": held / gib,
-        "peak_gb": max(setup_peak.bytes, s1_peak.bytes, load2_peak.bytes, s2_peak.bytes) / gib,
+        "peak_gb": max(setup_peak.bytes, s1_peak.bytes, load2_peak.bytes, prep_peak.bytes, s2_peak.bytes)
+        / gib,
         # each stage measured against what --account counts for it (above the process before any model)
         "s1_measured_above_start_gib": (s1_peak.bytes - above) / gib,
         "s1_accounted_gib": s1_accounted / gib,
@@ -430,6 +432,7 @@ def run(
         "s1_peak_over_resident": (s1_peak.bytes - above) / held_s1,
         "s2_peak_over_resident": (s2_peak.bytes - above) / held,
         "load_unlearned_peak_over_resident": (load2_peak.bytes - above) / held,
+        "fingerprint_and_warm_up_peak_over_resident": (prep_peak.bytes - above) / held,
         "peak_over_weights": max(s1_peak.bytes, s2_peak.bytes) / held,
         "process_before_models_gb": base_rss / 2**30,
         "load_peak_over_full_weights": (load_peak.bytes - (base_rss if device != "cuda" else 0)) / full_bytes,
