@@ -38,6 +38,8 @@ Run anything over 4 GB under ``flock /tmp/bigmem.lock`` on a shared machine. Che
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import random
@@ -229,6 +231,12 @@ class HighWater:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
+            # what earlier phases freed goes back to the system first, so the phase's peak is its own
+            gc.collect()
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass  # not glibc: freed memory may stay counted (an upper bound)
             try:
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
@@ -298,6 +306,40 @@ def sync(device: str | torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def accounted_stage(auditor, weights: int, device: str) -> int:
+    """What `phase_peak` counts for a stage of this run: two models of ``weights`` bytes, full's joined copies if
+    held, the clean runs kept now (the auditor's and the precision check's fp32 ones), and the transient of its
+    largest batch."""
+    from uds_lens.patching.planning import clean_run_bytes, joined_copy_bytes
+
+    full = auditor.full
+    itemsize = torch.empty((), dtype=full.cfg.dtype).element_size()
+    seq_len = max(example.read_positions.stop for example in auditor.encoded)
+    window = max(len(example.window(auditor.config.patch_scope)) for example in auditor.encoded)
+    joined = joined_copy_bytes(full)
+    check = auditor.precision is not None and auditor.precision.enabled
+    work = work_per_example(full, seq_len, window)
+    block = (
+        sum(p.numel() for p in full.blocks[0].parameters()) * 4 + joined * 4 // itemsize // full.cfg.n_layers
+    )
+    counted = phase_peak(
+        weights,
+        joined,
+        auditor.holds_joined,
+        full.cfg.n_layers,
+        sum(clean_run_bytes(run) for run in auditor._clean.values()),
+        sum(clean_run_bytes(run) for run in auditor.precision.clean.values()) if check else 0,
+        max(len(members) for members in auditor.batches),
+        work,
+        work * 4 // itemsize,
+        block,
+        full.W_U.numel() * 4 if itemsize < 4 else 0,
+        readout_bytes(device),
+        check,
+    )
+    return int(counted["peak"])
+
+
 def prepare(shape_name: str, dtype_name: str, workdir: Path) -> dict[str, Path]:
     """The three checkpoints of a config on disk (written once, then reused)."""
     shape = SHAPES[shape_name]
@@ -334,7 +376,7 @@ def run(
     with HighWater(device) as load_peak:
         full = load_model(paths["full"], dtype=dtype, device=device)
     full_bytes = weight_bytes(full)
-    with HighWater(device) as s1_peak:
+    with HighWater(device) as setup_peak:  # loading retain, encoding, planning
         auditor = UDSAuditor(
             full,
             paths["retain"],
@@ -347,35 +389,51 @@ def run(
         # the fingerprints are part of S1's cache key: force a fresh S1 so its time is measured every run
         for stale in (workdir / "s1_cache").glob("s1_*.safetensors"):
             stale.unlink()
+    held_s1 = weight_bytes(
+        auditor.full, auditor._retain
+    )  # the retain model it loaded (never loaded again here)
+    with HighWater(device) as s1_peak:
         stage1 = auditor.stage1
-    with HighWater(device) as s2_peak:
+    s1_accounted = accounted_stage(auditor, held_s1 // 2, device)
+    with HighWater(device) as load2_peak:
         unlearned = auditor.load(paths["unlearned"])
-        # What score() does besides Stage 2, timed apart: hashing the unlearned weights for the result's
-        # fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score itself reports.
+    with HighWater(device) as prep_peak:
+        # What score() does besides Stage 2, timed (and measured) apart: hashing the unlearned weights for the
+        # result's fingerprint, and the device's first-call warm-up; Stage 2 is then the figure score reports.
         started = time.perf_counter()
-        auditor.fingerprint(unlearned)
+        auditor.fingerprint(auditor.inputs.admit(unlearned))
         fingerprint_seconds = time.perf_counter() - started
         warm_up = warm_up_seconds(auditor, unlearned)
+    with HighWater(device) as s2_peak:
         started = time.perf_counter()
         result = auditor.score(unlearned, name=Checkpoint.resolve(paths["unlearned"]).name)
         score_wall = time.perf_counter() - started
-        held = weight_bytes(auditor.full, auditor.retain, unlearned)
+        held = weight_bytes(auditor.full, unlearned)
+    s2_accounted = accounted_stage(auditor, held // 2, device)
     timings = result.meta["timings"]
     # score's own Stage 2 figure: the batch loop, whose every batch ends in a copy to the CPU (a CUDA sync)
     s2_seconds = timings["s2_seconds"]
     floor = floor_seconds(auditor, unlearned)
     n = max(1, len(auditor.encoded))
+    above = base_rss if device != "cuda" else 0
+    gib = 2**30
     line = {
         "config": f"{shape_name}/{dtype_name}/{device}/{engine}",
         "shape": asdict(shape),
         "examples": len(auditor.encoded),
-        "weights_held_gb": held / 2**30,
-        "peak_gb": max(s1_peak.bytes, s2_peak.bytes) / 2**30,
+        "weights_held_gb": held / gib,
+        "peak_gb": max(setup_peak.bytes, s1_peak.bytes, load2_peak.bytes, prep_peak.bytes, s2_peak.bytes)
+        / gib,
+        # each stage measured against what --account counts for it (above the process before any model)
+        "s1_measured_above_start_gib": (s1_peak.bytes - above) / gib,
+        "s1_accounted_gib": s1_accounted / gib,
+        "s2_measured_above_start_gib": (s2_peak.bytes - above) / gib,
+        "s2_accounted_gib": s2_accounted / gib,
+        "s1_peak_over_resident": (s1_peak.bytes - above) / held_s1,
+        "s2_peak_over_resident": (s2_peak.bytes - above) / held,
+        "load_unlearned_peak_over_resident": (load2_peak.bytes - above) / held,
+        "fingerprint_and_warm_up_peak_over_resident": (prep_peak.bytes - above) / held,
         "peak_over_weights": max(s1_peak.bytes, s2_peak.bytes) / held,
-        "peak_above_start_over_weights": (
-            max(s1_peak.bytes, s2_peak.bytes) - (base_rss if device != "cuda" else 0)
-        )
-        / held,
         "process_before_models_gb": base_rss / 2**30,
         "load_peak_over_full_weights": (load_peak.bytes - (base_rss if device != "cuda" else 0)) / full_bytes,
         "s1_s_per_example": stage1.seconds / n,
@@ -448,6 +506,61 @@ def engine_owned_bytes(weights, params: list[torch.Tensor]) -> int:
     return owned
 
 
+def work_per_example(model, seq_len: int, window: int) -> int:
+    """What one example of a batch holds while its runs go through the blocks: the planner's estimate
+    (``FastEngine.bytes_per_example``: keys/values, source activations, the runs twice over) without its read-out
+    term, which the read-out never holds (it takes the vocabulary a slice at a time: `readout_bytes`)."""
+    from uds_lens.patching.engines import FastEngine
+
+    cfg = model.cfg
+    logits = cfg.n_layers * window * cfg.d_vocab * 4 * 2  # the planner's upper bound for the read-out
+    return FastEngine.bytes_per_example(model, seq_len, window) - logits
+
+
+def readout_bytes(device: str) -> int:
+    """The read-out's vocabulary slice (``readout.unembedded_label_logprobs``: about a million logits a slice on a
+    CPU, 64 times that on a GPU), counted three times: the logits, their fp32 copy and the log-sum-exp's work."""
+    from uds_lens.readout import _LOGIT_SLICE_ELEMENTS
+
+    elements = _LOGIT_SLICE_ELEMENTS if device == "cpu" else 64 * _LOGIT_SLICE_ELEMENTS
+    return 3 * 4 * elements
+
+
+def phase_peak(
+    weights: int,
+    joined: int,
+    held_joined: bool,
+    n_layers: int,
+    clean_held: int,
+    fp32_clean_held: int,
+    batch: int,
+    work_reduced: int,
+    work_fp32: int,
+    block_fp32: int,
+    unembed_fp32: int,
+    readout: int,
+    check: bool,
+) -> dict:
+    """One stage's memory as the code holds it (Stage 1: full + retain; Stage 2: full + one unlearned): the two
+    models' weights (``weights`` each), full's joined copies where they are held, the kept clean runs (and the
+    precision check's fp32 ones), and the largest transient: a batch's runs in the model's dtype with one block's
+    joined copy (when they are not held), or, with the check, its fp32 runs on the lean references (one block's
+    weights and joined copy upcast, the unembedding upcast for the read-out)."""
+    resident = 2 * weights
+    held = joined if held_joined else 0
+    reduced = batch * work_reduced + readout + (0 if held_joined else joined // n_layers)
+    fp32 = batch * work_fp32 + readout + block_fp32 + unembed_fp32 if check else 0
+    peak = resident + held + clean_held + (fp32_clean_held if check else 0) + max(reduced, fp32)
+    return {
+        "resident_weights": resident,
+        "held_joined": held,
+        "clean_runs": clean_held,
+        "fp32_clean_runs": fp32_clean_held if check else 0,
+        "transient": max(reduced, fp32),
+        "peak": peak,
+    }
+
+
 def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, cache_examples: int) -> dict:
     """What a UDS audit holds at ``shape_name`` in ``dtype_name``, counted rather than run at full size.
 
@@ -458,8 +571,11 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
       layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
       on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
     * per batch: the planner's estimate per example (``FastEngine.bytes_per_example``) and the
-      batch ``choose_batch_size`` would take on a ``gpu_gb`` GPU holding full, retain and one unlearned model and
-      the joined copies of all three.
+      batch ``choose_batch_size`` takes on a ``gpu_gb`` GPU;
+    * per phase (``stage1``/``stage2``, precision check on and off): what the code holds then (`phase_peak`),
+      with the rules the auditor applies on a ``gpu_gb`` GPU: the memory free once full and retain are loaded sets
+      whether full's joined copies are held (``planning.holds_joined_copies``), the clean-run budget
+      (``CLEAN_CACHE_FRACTION``; halved between the run's and the fp32 ones with the check on) and the batch size.
     """
     from uds_lens.checkpoints.loader import load_tokenizer
     from uds_lens.config import EngineSpec
@@ -468,6 +584,8 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     from uds_lens.patching.engines import FastEngine, engine_for
     from uds_lens.patching.kernels import layer_weights
     from uds_lens.patching.planning import (
+        CLEAN_CACHE_FRACTION,
+        JOINED_FRACTION,
         clean_run_bytes,
         joined_copy_bytes,
         plan_batches,
@@ -510,12 +628,53 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
         per_cache_example.append(held / len(members))
     cache_per_example = cache / len(sample)
 
-    # choose_batch_size's rule on a GPU holding full, retain and one unlearned model, the three joined copies
-    # (planning.joined_copy_bytes, checked here against the count above) taken from its free memory first
+    # the auditor's rules on a GPU of gpu_gb once full and retain are loaded (what full and one unlearned model
+    # hold in Stage 2 too): full's joined copies held where they fit, the clean-run budget, the batch size
     planned_joined = joined_copy_bytes(meta)
-    free = gpu_gb * 2**30 - 3 * weights - 3 * planned_joined
-    batch_on_gpu = max(1, min(64, int(0.25 * free // per_example))) if free > 0 else 0
+    free = gpu_gb * 2**30 - 2 * weights
+    held_joined = planned_joined <= JOINED_FRACTION * free
+    batch_on_gpu = (
+        max(1, min(64, len(encoded), int(0.25 * (free - held_joined * planned_joined) // per_example)))
+        if free > 0
+        else 0
+    )
+    budget = int(CLEAN_CACHE_FRACTION * max(0, free))
+    clean_all = int(cache_per_example * len(encoded))
+    fp32_clean_all = int(cache_per_example * len(encoded) * 4 / itemsize)  # the fp32 runs' keys and values
+    meta32 = bridge_of(hf_config(shape), torch.float32, "meta")
+    block = sum(p.numel() for p in meta.blocks[0].parameters()) * 4  # one block's weights in fp32
+    unembed = shape.vocab * shape.d_model * 4
+    phases = {}
+    for check in (False, True):
+        checking = check and dtype != torch.float32
+        share = (
+            budget - budget // 2 if checking else budget
+        )  # the check's fp32 clean runs keep the other half
+        counted = phase_peak(
+            weights,
+            planned_joined,
+            held_joined,
+            shape.n_layers,
+            min(share, clean_all),
+            min(budget // 2, fp32_clean_all),
+            batch_on_gpu,
+            work_per_example(meta, seq_len, window),
+            work_per_example(meta32, seq_len, window),
+            block + planned_joined * 4 // itemsize // shape.n_layers,
+            unembed if dtype != torch.float32 else 0,
+            readout_bytes("cuda"),
+            checking,
+        )
+        phases[f"check_{'on' if check else 'off'}"] = counted
     gib = 2**30
+    out_phases = {
+        name: {
+            **{key: value / gib for key, value in counted.items()},
+            "peak_over_resident": counted["peak"] / counted["resident_weights"],
+            "under_40_gib": counted["peak"] < 40 * gib,
+        }
+        for name, counted in phases.items()
+    }
     return {
         "shape": shape_name,
         "dtype": dtype_name,
@@ -523,8 +682,6 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
         "joined_copies_per_model_run_gib": joined / gib,
         "joined_over_weights": joined / weights,
         "planner_joined_copies_gib": planned_joined / gib,
-        "score_holds_gib_joined_for_every_model": 3 * (weights + joined) / gib,
-        "score_holds_gib_joined_for_the_target_only": (3 * weights + joined) / gib,
         "clean_cache_per_example_mib": cache_per_example / 2**20,
         "clean_cache_per_example_range_mib": [min(per_cache_example) / 2**20, max(per_cache_example) / 2**20],
         "clean_cache_all_examples_gib": cache_per_example * len(encoded) / gib,
@@ -534,6 +691,9 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
         "batch_estimate_per_example_mib": per_example / 2**20,
         f"batch_chosen_on_{gpu_gb:g}gb": batch_on_gpu,
         f"batch_bytes_on_{gpu_gb:g}gb_gib": batch_on_gpu * per_example / gib,
+        "joined_held": held_joined,
+        # Stage 1 (full + retain) and Stage 2 (full + one unlearned) hold the same counts: two models of the shape
+        "stage_gib": out_phases,
     }
 
 

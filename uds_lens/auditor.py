@@ -31,11 +31,9 @@ from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.digests import model_fingerprint
 from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
-from uds_lens.component_result import ComponentResult
-from uds_lens.components import ExampleInputs, entity_metric, patch_heads, patch_positions, patch_tokens
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
-from uds_lens.data import DataArg, EncodedExample, build_prompt, check_ids_in_vocabulary, encode, fit_context
-from uds_lens.failures import nonfinite_error
+from uds_lens.data import DataArg, check_ids_in_vocabulary, encode, fit_context
+from uds_lens.failures import require_finite
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
     inputs_fingerprint,
@@ -45,14 +43,16 @@ from uds_lens.fingerprints import (
     with_unlearned,
 )
 from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
-from uds_lens.memory import available_memory_bytes, retry_out_of_memory
+from uds_lens.memory import available_memory_bytes, release_memory, retry_out_of_memory
 from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
 from uds_lens.patching.engines import PatchEngine, engine_class, engine_for
+from uds_lens.patching.kernels import hold_joined_weights
 from uds_lens.patching.planning import (
     CLEAN_CACHE_FRACTION,
     choose_batch_size,
     clean_run_bytes,
+    holds_joined_copies,
     plan_batches,
     run_batches,
 )
@@ -60,13 +60,14 @@ from uds_lens.precision import PrecisionCheck
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
+from uds_lens.tl_compat import ModelLike, TLModel, check_unhooked
 from uds_lens.uds import ke_mask
+from uds_lens.workbench import Workbench
 
 logger = logging.getLogger(__name__)
 
 
-class UDSAuditor:
+class UDSAuditor(Workbench):
     """Score any number of unlearned models against one (full, retain, forget set) with S1 computed once.
 
     Examples:
@@ -105,11 +106,21 @@ class UDSAuditor:
         sources / last_source: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source] (by `Checkpoint`) and the model the last
             [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
-        clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none).
+        clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none);
+            with the precision check on, half the clean-run budget (its fp32 clean runs keep the other half).
+        holds_joined: whether the fast engine keeps full's joined Q/K/V and gate/up copies between runs
+            (``planning.holds_joined_copies``: when memory allows; else a block's at a time, the same numbers).
 
-    For hooks of your own: [`example`][uds_lens.auditor.UDSAuditor.example] (one example's tensors), [`tokens`][uds_lens.auditor.UDSAuditor.tokens], [`metric`][uds_lens.auditor.UDSAuditor.metric] (a
-    tensor-valued patching metric), [`run_with_cache`][uds_lens.auditor.UDSAuditor.run_with_cache] (the clean run's activations); for finer patching:
-    [`patch_heads`][uds_lens.auditor.UDSAuditor.patch_heads], [`patch_tokens`][uds_lens.auditor.UDSAuditor.patch_tokens], [`patch_positions`][uds_lens.auditor.UDSAuditor.patch_positions] (``uds_lens.components``).
+    What it holds when: full for its whole life; the retain model through Stage 1 only and each unlearned model
+    through its own Stage 2 only, when the auditor loaded them itself (a model passed as an object is the caller's
+    and stays); joined weight copies for full alone, and only where they fit (``holds_joined``).
+
+    For hooks of your own (`workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one example's
+    tensors), [`tokens`][uds_lens.workbench.Workbench.tokens], [`metric`][uds_lens.workbench.Workbench.metric] (a
+    tensor-valued patching metric), [`run_with_cache`][uds_lens.workbench.Workbench.run_with_cache] (the clean run's
+    activations); for finer patching: [`patch_heads`][uds_lens.workbench.Workbench.patch_heads],
+    [`patch_tokens`][uds_lens.workbench.Workbench.patch_tokens],
+    [`patch_positions`][uds_lens.workbench.Workbench.patch_positions] (``uds_lens.components``).
     """
 
     def __init__(
@@ -170,7 +181,8 @@ class UDSAuditor:
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
         # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
-        self.retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        self._retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        self._retain_dropped = False
         if retain_name is None and inputs.retain is not None:
             retain_name = inputs.retain.label
         self.retain_name = retain_name
@@ -184,7 +196,7 @@ class UDSAuditor:
         # An example longer than a model's context would crash the whole run: cut it after its last read position,
         # or skip it with a counted reason.
         n_ctx = min(
-            as_source(model).context_length for model in (self.full, self.retain) if model is not None
+            as_source(model).context_length for model in (self.full, self._retain) if model is not None
         )
         self.encoded, too_long = fit_context(self.encoded, n_ctx)
         self.skipped = self.skipped + too_long
@@ -196,6 +208,9 @@ class UDSAuditor:
                 f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1})."
             )
         self.engine: PatchEngine = engine_for(self.engine_spec)  # chosen once, after the refusal above
+        # the target's joined weights are held between runs only where they leave Stage 2 room (planning)
+        self.holds_joined = holds_joined_copies(self.full, self.config.engine)
+        hold_joined_weights(self.full, self.holds_joined)
         self.cache = (
             None
             if inputs.cache_dir is False
@@ -206,24 +221,56 @@ class UDSAuditor:
         self._clean: dict[int, CleanRun] = {}
         # Clean runs are kept for the next stage only within a budget: a fraction of the memory left once the
         # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
-        self.clean_cache_bytes = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
-        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32; its fp32 clean runs get a budget too)
+        budget = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
+        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32); with the check on, its fp32 clean runs
+        # and the run's own share the budget
         self.precision = PrecisionCheck.for_run(
-            self.engine, self.full, self.target_device, self.config, self.clean_cache_bytes
+            self.engine, self.full, self.target_device, self.config, budget // 2
         )
+        checking = self.precision is not None and self.precision.enabled
+        self.clean_cache_bytes = budget - budget // 2 if checking else budget
         self._stage1: StageOne | None = None
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
 
+    @property
+    def retain(self) -> TLModel | None:
+        """The retain model (Stage 1's source); None in retain-free mode and once dropped (`drop_retain`).
+
+        It is held while Stage 1 is computed. Once Stage 1 is computed, read from the cache or adopted
+        (`use_stage1`), a retain model this auditor loaded itself (from a path, hub id, ``zoo:`` name or
+        `Checkpoint`) is released, so Stage 2 holds full and one unlearned model only; asking for it again here
+        (component patching does) loads it again and holds it. A model given as an object is the caller's: the
+        auditor cannot free it and keeps it.
+        """
+        if self._retain is None and not self._retain_dropped and self.inputs.retain is not None:
+            self._retain = self._load_target(self.inputs.retain, "retain")
+        return self._retain
+
     def drop_retain(self) -> None:
-        """Release the retain model once Stage 1 is computed (computing it first if it is not yet).
+        """Let go of the retain model for good once Stage 1 is computed (computing it first if it is not yet).
 
         Stage 1 is all the retain model is needed for; results keep naming it (``retain_name``) and fingerprinting
-        it (from the source it was given), so a sweep worker frees its memory before it scores the unlearned
-        models. Component patching (``patch_heads`` ...) needs the retain model and raises once it is dropped.
+        it (from the source it was given). Unlike the release after Stage 1 (`retain`), a dropped retain model is
+        not loaded again: component patching (``patch_heads`` ...) then raises.
         """
         _ = self.stage1
-        self.retain = None
+        self._retain_dropped = True
+        self._retain = None
+        release_memory(self.device)
+
+    def _release_retain(self) -> None:
+        """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
+        checkpoint = self.inputs.retain
+        if (
+            self._retain is None
+            or checkpoint is None
+            or checkpoint.model is not None
+            or checkpoint in self.sources
+        ):
+            return
+        self._retain = None
+        release_memory(self.device)
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
@@ -268,11 +315,6 @@ class UDSAuditor:
         return self.config.engine_spec(tuple(self.layers))
 
     @property
-    def upcast(self) -> bool:
-        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
-        return self.engine_spec.upcast
-
-    @property
     def log_softmax_dtype(self) -> str:
         """The dtype entity log-probs are computed in: fp32 by default, the model's own dtype in
         published-compat mode (as the published code does); recorded in every result's metadata."""
@@ -285,7 +327,11 @@ class UDSAuditor:
         if not self.encoded:
             return []
         size = self.config.batch_size or choose_batch_size(
-            self.full, self.encoded, self.config.patch_scope, self.config.engine
+            self.full,
+            self.encoded,
+            self.config.patch_scope,
+            self.config.engine,
+            joined_models=int(self.holds_joined),
         )
         return plan_batches(self.encoded, self.config.patch_scope, size, engine=self.config.engine)
 
@@ -360,11 +406,13 @@ class UDSAuditor:
         if self.precision is None:
             settings.pop("precision_check")
         retain = self.inputs.retain
+        retain_model = None if retain is None or retain.local else self.retain
         return {
             "full": _weights_digest(self.inputs.full, self.full),
-            "retain": _weights_digest(retain, self.retain)
-            if retain is not None and self.retain is not None
-            else None,
+            # a hub model released after Stage 1 is loaded again to hash its tensors; a dropped one is not
+            "retain": None
+            if retain is None or (retain_model is None and not retain.local)
+            else _weights_digest(retain, retain_model),
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
@@ -374,9 +422,11 @@ class UDSAuditor:
 
     @property
     def stage1(self) -> StageOne:
-        """S0, each engine's per-layer baseline and S1 (retain patched in), from the cache when possible."""
+        """S0, each engine's per-layer baseline and S1 (retain patched in), from the cache when possible; the
+        retain model is released then (`retain`)."""
         if self._stage1 is None:
             self._stage1 = self._compute_stage1()
+            self._release_retain()
         return self._stage1
 
     def _compute_stage1(self) -> StageOne:
@@ -473,6 +523,7 @@ class UDSAuditor:
             self._base_fingerprint = {
                 key: value for key, value in inputs_fingerprint.items() if key != "unlearned"
             }
+        self._release_retain()  # Stage 1 is here: what the retain model was held for
 
     def _require_finite(
         self,
@@ -483,16 +534,8 @@ class UDSAuditor:
         label: str | None,
         what: str,
     ) -> None:
-        """Raise `nonfinite_error` when a batch's scores hold NaN/inf (checked per batch: fail early)."""
-        bad = ~torch.isfinite(values)
-        if not bad.any():
-            return
-        rows = bad.reshape(len(members), -1).any(-1)
-        first_row = int(torch.nonzero(rows)[0, 0])
-        idx = [self.encoded[members[row]].idx for row in torch.nonzero(rows)[:, 0].tolist()]
-        columns = torch.nonzero(bad.reshape(len(members), -1).any(0))[:, 0].tolist()
-        score_layer = self.layers[columns[0]] if values.dim() == 2 else None
-        raise nonfinite_error(model, role, label, what, idx, self.encoded[members[first_row]], score_layer)
+        """`require_finite` on a batch of this auditor's examples (``members``), checked per batch: fail early."""
+        require_finite(values, [self.encoded[m] for m in members], self.layers, model, role, label, what)
 
     def d1(self) -> Float[Tensor, "example layer"] | None:
         """``d1 = baseline - s1`` of Stage 1, ``[example, layer]`` (fp32 where the precision check re-decided it);
@@ -525,9 +568,11 @@ class UDSAuditor:
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
         source = self._load(checkpoint, "unlearned")
-        self.last_source = (
-            source  # kept for hooks of one's own after scoring (auditor.load_source keeps many)
-        )
+        # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
+        # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
+        given = checkpoint.model is not None or checkpoint in self.sources
+        if given:
+            self.last_source = source
         check_unhooked(self.full, "full")
         check_unhooked(source, "unlearned")
         stage = self.stage1
@@ -568,6 +613,10 @@ class UDSAuditor:
         finally:
             if check is not None:
                 check.release("unlearned")
+        del stage_two_batch  # its closure holds the source
+        if not given:
+            del source
+            release_memory(self.device)
         precision_timings = {} if check is None else check.timings_since(spent)
         # the fp32 copies the check made are a load, as the unlearned model's own is: not part of Stage 2
         s2_seconds = time.perf_counter() - started - precision_timings.get("s2_precision_copy_seconds", 0.0)
@@ -611,103 +660,6 @@ class UDSAuditor:
             records=self.examples,
         )
 
-    # -- hooks of your own ------------------------------------------------------------------------------------
-
-    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
-        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
-        if idxs is None:
-            return list(self.encoded)
-        by_idx = {e.idx: e for e in self.encoded}
-        skipped = {s.idx: s.reason for s in self.skipped}
-        out = []
-        for idx in idxs:
-            if idx in by_idx:
-                out.append(by_idx[idx])
-            elif idx in skipped:
-                raise KeyError(
-                    f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch."
-                )
-            else:
-                raise KeyError(
-                    f"No example with idx {idx} in {self.data_name}; scored idx are "
-                    f"{[e.idx for e in self.encoded][:20]}..."
-                )
-        return out
-
-    def example(self, idx: int) -> ExampleInputs:
-        """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
-
-        ``tokens`` is ``[1, pos]`` (prompt + reference, BOS included: pass it to ``run_with_hooks`` as is, never
-        through ``to_tokens``), ``read_positions``/``labels`` are where the entity tokens are predicted and which
-        they are, ``patch_positions`` what UDS patches under this auditor's scope.
-        """
-
-        encoded = self.select([idx])[0]
-        record = next(e for e in self.examples if e.idx == idx)
-        prompt, reference = build_prompt(record, self.config.published_compat) or ("", "")
-        device = self.full.cfg.device
-        return ExampleInputs(
-            idx=idx,
-            question=record.question,
-            entity=record.entity,
-            prompt=prompt,
-            reference=reference,
-            tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[str(self.tokenizer.decode([token])) for token in encoded.input_ids],
-            read_positions=torch.tensor(list(encoded.read_positions), device=device),
-            labels=torch.tensor(encoded.labels, device=device),
-            patch_positions=torch.tensor(
-                list(encoded.patch_positions(self.config.patch_scope)), device=device
-            ),
-        )
-
-    def tokens(self, idxs: int | Sequence[int]) -> Tensor:
-        """``[batch, pos]`` right-padded tokens of these examples (the layout [`metric`][uds_lens.auditor.UDSAuditor.metric] reads)."""
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(
-            self.full.cfg.device
-        )
-
-    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
-        """A tensor-valued patching metric for logits of [`tokens`][uds_lens.auditor.UDSAuditor.tokens] ``(idxs)``: the mean entity log-prob.
-
-        Works with ``run_with_hooks`` and as the ``patching_metric`` of ``transformer_lens.patching``'s
-        ``get_act_patch_*`` (they call ``.item()`` on it, so it must return a tensor, never a float).
-
-        Examples:
-            >>> ex, metric = auditor.example(3), auditor.metric(3)
-            >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
-        """
-
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        batch = pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False)
-        return entity_metric(
-            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
-        )
-
-    def run_with_cache(
-        self,
-        idxs: int | Sequence[int],
-        model: ModelArg | None = None,
-        names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
-    ) -> tuple[Tensor, ActivationCache]:
-        """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full if model is None else as_source(self.load_source(model)).model
-        with torch.no_grad():
-            return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
-
-    def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""
-        return patch_heads(self, unlearned, **kwargs)
-
-    def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """Per-entity-token UDS ``[example, layer, token]``: see [`uds_lens.components.patch_tokens`][uds_lens.components.patch_tokens]."""
-        return patch_tokens(self, unlearned, **kwargs)
-
-    def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
-        """One patched position at a time ``[example, layer, position]``: [`uds_lens.components.patch_positions`][uds_lens.components.patch_positions]."""
-        return patch_positions(self, unlearned, **kwargs)
-
     def __repr__(self) -> str:
         return (
             "UDSAuditor("
@@ -720,10 +672,12 @@ class UDSAuditor:
         return display.html_table("UDSAuditor", ["", ""], [list(row) for row in display.auditor_rows(self)])
 
 
-def _weights_digest(checkpoint: Checkpoint, model: ModelLike) -> str:
+def _weights_digest(checkpoint: Checkpoint, model: ModelLike | None) -> str:
     """The identity of a loaded model's weights without hashing them again: a local checkpoint's digest (computed
     in the pass that read it for loading), else the digest of the tensors (a model given in memory, a hub id)."""
-    return checkpoint.digest if checkpoint.local else model_fingerprint(model)
+    if checkpoint.local or model is None:
+        return checkpoint.digest
+    return model_fingerprint(model)
 
 
 __all__ = ["UDSAuditor"]

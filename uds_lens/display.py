@@ -192,7 +192,8 @@ def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
     layers = auditor.layers
     return [
         ("full", str(auditor.full_name)),
-        ("retain", str(auditor.retain_name) if auditor.retain is not None else "none (retain-free)"),
+        # the name, never the model: asking an auditor for a released retain model loads it again
+        ("retain", str(auditor.retain_name) if auditor.retain_name is not None else "none (retain-free)"),
         (
             "forget set",
             f"{auditor.data_name}: {len(auditor.encoded)} examples encoded, {len(auditor.skipped)} skipped",

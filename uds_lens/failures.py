@@ -37,6 +37,28 @@ def _first_nonfinite_parameter(model: ModelLike) -> str | None:
     return None
 
 
+def require_finite(
+    values: torch.Tensor,
+    examples: Sequence[EncodedExample],
+    layers: Sequence[int],
+    model: ModelLike,
+    role: str,
+    label: str | None,
+    what: str,
+) -> None:
+    """Raise `nonfinite_error` when a batch's scores (``values``: ``[example]`` or ``[example, layer of
+    layers]``, one row per example of ``examples``) hold NaN/inf."""
+    bad = ~torch.isfinite(values)
+    if not bad.any():
+        return
+    rows = bad.reshape(len(examples), -1).any(-1)
+    first_row = int(torch.nonzero(rows)[0, 0])
+    idx = [examples[row].idx for row in torch.nonzero(rows)[:, 0].tolist()]
+    columns = torch.nonzero(bad.reshape(len(examples), -1).any(0))[:, 0].tolist()
+    score_layer = layers[columns[0]] if values.dim() == 2 else None
+    raise nonfinite_error(model, role, label, what, idx, examples[first_row], score_layer)
+
+
 def nonfinite_error(
     model: ModelLike,
     role: str,

@@ -39,9 +39,13 @@ The per-example error is mostly not made by the decisions: on the measured model
 per-example differences of up to 1e-2 (SmolLM2: 2.5e-2), and meeting 1e-3 takes fp32 for nearly every example, at
 about what an fp32 Stage 2 costs (``docs/DESIGN.md``, "bf16 and fp16").
 
-The fp32 copies (`reference_model`) hold the weights the fp32 run holds: the checkpoint re-read in fp32 when it
+The fp32 references (`reference_model`) hold the weights the fp32 run holds: the checkpoint re-read in fp32 when it
 stores them wider than they were loaded (or in a form only its loader reads: GGUF), else the loaded weights upcast,
-which are then the stored ones exactly. A result records, per model and per example, how many cells were fragile and
+which are then the stored ones exactly. The upcast is *lean* where it can be (`lean_reference`: the fast engine,
+a family in `LEAN_MODEL_TYPES`, not published-compat): no copy of the model is made, the model itself runs inside
+``patching.kernels.computing_in(float32)``, each block's weights upcast when it runs, bit for bit the run of a
+whole fp32 copy (``tests/unit/test_lean_references.py``), for the memory of one block. An 8B audit in bf16 then
+holds its two bf16 models and no fp32 one (``experiments/bench_scale.py --account``). A result records, per model and per example, how many cells were fragile and
 how many were re-decided, the band, and the precision each decision was taken in (``meta["precision"]``, in
 ``summary.json``).
 """
@@ -67,6 +71,7 @@ from uds_lens.config import UDSConfig
 from uds_lens.memory import available_memory_bytes
 from uds_lens.patching.batch import CleanRun, PatchBatch
 from uds_lens.patching.engines import PatchEngine
+from uds_lens.patching.kernels import computing_in
 from uds_lens.patching.planning import clean_run_bytes
 from uds_lens.stage_cache import StageOne
 from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of
@@ -162,11 +167,32 @@ def uds_bound(
 
 @dataclass
 class Reference:
-    """An fp32 copy of a model for re-decisions, where its weights came from, and the seconds it took."""
+    """An fp32 reference of a model for re-decisions, where its weights came from, and the seconds it took;
+    ``lean``: ``model`` is the model itself, run in fp32 inside ``kernels.computing_in`` (no copy)."""
 
     model: TLModel
     weights: ReferenceWeights
     seconds: float
+    lean: bool = False
+
+
+LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2"})
+"""The families whose fast-engine run inside ``computing_in(float32)`` is the whole fp32 copy's run bit for bit
+(tested per family). Gemma scales its embeddings in the model's dtype and Phi-3's rotary tables differ: they get
+whole copies."""
+
+
+def lean_reference(model: ModelLike, engine: PatchEngine) -> bool:
+    """Whether ``model``'s fp32 reference can be the model itself run in fp32 (`Reference.lean`): the fast
+    engine outside published-compat, a family of `LEAN_MODEL_TYPES`, and weights that are the stored ones or whose
+    stored ones are unknown (a checkpoint stored wider is re-read instead)."""
+    hf = hf_model_of(model)
+    if hf is None or engine.name != "fast" or engine.spec.published_compat:
+        return False
+    if getattr(hf.config, "model_type", None) not in LEAN_MODEL_TYPES:
+        return False
+    checkpoint: Checkpoint | None = getattr(hf, "uds_checkpoint", None)
+    return checkpoint is None or stored_float_dtypes(checkpoint) == {next(hf.parameters()).dtype}
 
 
 # safetensors' names of the floating dtypes
@@ -185,10 +211,11 @@ def weight_bytes_fp32(model: ModelLike) -> int:
     return 4 * sum(int(tensor.numel()) for _, tensor in named_weights(model))
 
 
-def reference_model(model: TLModel, device: str) -> Reference:
-    """An fp32 copy of ``model`` holding the weights the fp32 run would hold (see `ReferenceWeights`): its
+def reference_model(model: TLModel, device: str, engine: PatchEngine | None = None) -> Reference:
+    """An fp32 reference of ``model`` holding the weights the fp32 run would hold (see `ReferenceWeights`): its
     checkpoint read again in fp32 when the checkpoint stores other weights than were loaded (an fp32 checkpoint run
-    in bf16), else its own weights upcast (exact when they are the stored ones).
+    in bf16), else its own weights upcast (exact when they are the stored ones): lean where ``engine`` runs it so
+    (`lean_reference`: the model itself, no copy), else a whole fp32 copy.
 
     Raises:
         ValueError: ``model`` is not a ``TransformerBridge`` (a HookedTransformer has no Hugging Face model to copy).
@@ -203,6 +230,9 @@ def reference_model(model: TLModel, device: str) -> Reference:
         )
     loaded = next(hf.parameters()).dtype
     checkpoint: Checkpoint | None = getattr(hf, "uds_checkpoint", None)
+    weights: ReferenceWeights = "upcast-exact" if checkpoint is not None else "upcast-rounded"
+    if engine is not None and lean_reference(model, engine):
+        return Reference(model, weights, time.perf_counter() - started, lean=True)
     if checkpoint is not None and stored_float_dtypes(checkpoint) != {loaded}:
         reference = build_model(checkpoint, dtype=torch.float32, device=device)
         return Reference(cast(TLModel, reference), "stored", time.perf_counter() - started)
@@ -215,7 +245,6 @@ def reference_model(model: TLModel, device: str) -> Reference:
     del state
     upcast.to(device).eval()
     bridge = hooked_from_hf(upcast, name=f"{model_label(model)} (fp32)", keep=False)
-    weights: ReferenceWeights = "upcast-exact" if checkpoint is not None else "upcast-rounded"
     return Reference(bridge, weights, time.perf_counter() - started)
 
 
@@ -231,8 +260,9 @@ def _synchronize(device: str) -> None:
 class PrecisionCheck:
     """The auditor's precision check of one reduced-precision run.
 
-    It holds the fp32 copies of the models (made when first needed; the retain and each unlearned copy are dropped
-    when their stage ends, the full one is kept for every stage) and the fp32 clean runs of full per batch (within
+    It holds the fp32 references of the models (made when first needed, lean where they can be: no copy; the retain
+    and each unlearned one are dropped when their stage ends, the full one is kept for every stage; its fp32 runs
+    go inside ``computing_in(float32)``) and the fp32 clean runs of full per batch (within
     ``clean_budget`` bytes, like the auditor's own). Build with `for_run` (None in fp32: nothing to check).
     With ``enabled=False`` (``precision_check=False``) results still count the fragile cells, under the prior band,
     so that they say where they are fragile either way; none is re-decided.
@@ -300,7 +330,9 @@ class PrecisionCheck:
         kept = self.references.get(role)
         if kept is not None and kept[0]() is model:
             return kept[1].model
-        needed, free = weight_bytes_fp32(model), available_memory_bytes(self.device)
+        lean = lean_reference(model, self.engine)
+        needed = 0 if lean else weight_bytes_fp32(model)
+        free = available_memory_bytes(self.device)
         if hf_model_of(model) is None:
             self.unavailable[role] = "it is not a TransformerBridge"
         elif needed > 0.9 * free:
@@ -308,7 +340,7 @@ class PrecisionCheck:
                 f"an fp32 copy needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
             )
         else:
-            made = reference_model(model, self.device)  # type: ignore[arg-type]
+            made = reference_model(model, self.device, self.engine)  # type: ignore[arg-type]
             self.references[role] = (weakref.ref(model), made)
             self.weights[role] = made.weights
             self.seconds["copies"] = self.seconds.get("copies", 0.0) + made.seconds
@@ -357,7 +389,7 @@ class PrecisionCheck:
         if self.stage1_fp32 is None:
             self.stage1_fp32 = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
         started = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), computing_in(torch.float32):  # a lean reference runs in fp32 here
             clean = self._clean_run(full, batch, number)
             self.stage1_fp32[0][members] = self.engine.baseline_scores(full, batch, clean).float().cpu()
             self.stage1_fp32[1][members] = self.engine.source_scores(full, other, batch, clean).float().cpu()
@@ -431,7 +463,7 @@ class PrecisionCheck:
             return torch.full(s2.shape, float("nan"))
         full, other = models
         started = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), computing_in(torch.float32):  # a lean reference runs in fp32 here
             clean = self._clean_run(full, batch, number)
             patched = self.engine.cell_scores(full, other, batch, chosen, clean)
         _synchronize(self.device)
@@ -505,6 +537,7 @@ def _decided(stage: StageOne) -> tuple[Float[Tensor, "example layer"], Bool[Tens
 
 
 __all__ = [
+    "LEAN_MODEL_TYPES",
     "PRIOR_SCALE",
     "REDUCED_DTYPES",
     "SAFETY",
@@ -516,6 +549,7 @@ __all__ = [
     "dtype_eps",
     "fragile_clip",
     "fragile_ke",
+    "lean_reference",
     "measured_scale",
     "reference_model",
     "uds_bound",

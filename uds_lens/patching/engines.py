@@ -470,8 +470,9 @@ def window_source_activations(
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
     (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
 
-    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the target's clean
-    run, so a source identical to the target gives back its clean activations bit for bit (deltas of exactly 0).
+    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the
+    target's clean run, so a source identical to the target gives back its clean activations bit for bit (deltas of
+    exactly 0); a source's joined weights are made a block at a time and let go (``kernels.layer_weights``).
     Other sources run ``source_activations`` on the batch, gathered at the window rows.
     """
     site, layers = spec.site, list(spec.layers)

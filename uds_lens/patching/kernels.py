@@ -10,8 +10,11 @@ padding; the patched runs of ``engines.fast_patched_scores`` use the same kernel
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +104,9 @@ class _BlockWeights:
 
     ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
     tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
+    They are kept only for a model whose joins are held (`hold_joined_weights`: the auditor's patch target, when
+    memory allows); any other model's run joins a block, runs it and lets the copy go (one block's copy at a time,
+    the same values), so a source model holds its own weights and nothing more.
     """
 
     pre_attn: Float[Tensor, " d_model"] | None
@@ -130,7 +136,7 @@ class _BlockWeights:
     layer_type: str | None = None
 
     @classmethod
-    def of(cls, block: Any, config: Any, index: int) -> _BlockWeights:
+    def of(cls, block: Any, config: Any, index: int, keep: bool = True) -> _BlockWeights:
         params = list(block.parameters())
         versions = [p._version for p in params]
         cached = _JOINED.get(block)
@@ -142,7 +148,12 @@ class _BlockWeights:
         ):
             return cached[2]
         weights = cls._join(block, config, index)
-        _JOINED[block] = (params, versions, weights)  # the parameters themselves: their ids cannot be reused
+        if keep:
+            _JOINED[block] = (
+                params,
+                versions,
+                weights,
+            )  # the parameters themselves: their ids cannot be reused
         return weights
 
     @classmethod
@@ -252,8 +263,68 @@ def _require_fast(model: ModelLike) -> None:
         raise ValueError(f"The fast engine cannot run {model_label(model)}: {reason}. Use engine='naive'.")
 
 
+# The models whose joined weights are kept between runs (`hold_joined_weights`).
+_HELD: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def hold_joined_weights(model: TLModel, hold: bool = True) -> None:
+    """Keep ``model``'s joined weights between runs (a second copy of about 57% of a Llama's weights, made once)
+    or, with ``hold=False``, make each block's for the run that needs it and let it go (the copies kept so far go
+    now). The same values either way: holding saves the copying, not a number."""
+    if hold:
+        _HELD.add(model)
+        return
+    _HELD.discard(model)
+    for block in model.blocks:
+        _JOINED.pop(block, None)
+
+
+# The dtype the fast engine computes in where it is not the model's own (`computing_in`).
+_COMPUTE_DTYPE: ContextVar[torch.dtype | None] = ContextVar("uds_lens_compute_dtype", default=None)
+
+
+@contextmanager
+def computing_in(dtype: torch.dtype) -> Iterator[None]:
+    """Run the fast engine's kernels in ``dtype`` on models stored narrower: each block's weights are upcast when
+    the block runs (one block's copy at a time, never kept), the embeddings after the lookup, the unembedding for
+    the read-out. Upcasting is exact, so a bf16 model run so is the fp32 run of its weights, without an fp32 copy
+    of the model (the precision check's lean reference, ``uds_lens.precision``)."""
+    token = _COMPUTE_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _COMPUTE_DTYPE.reset(token)
+
+
+def compute_dtype(model: TLModel) -> torch.dtype:
+    """The dtype the fast engine computes ``model`` in: the model's own, or the wider one of `computing_in`."""
+    own = next(model.parameters()).dtype
+    wider = _COMPUTE_DTYPE.get()
+    return own if wider is None else wider
+
+
+def _upcast(weights: _BlockWeights, dtype: torch.dtype) -> _BlockWeights:
+    """A block's weights in ``dtype`` (a new copy of each floating tensor that is not in it already)."""
+    changes: dict[str, Any] = {
+        item.name: value.to(dtype)
+        for item in dataclasses.fields(weights)
+        if isinstance(value := getattr(weights, item.name), Tensor) and value.is_floating_point()
+    }
+    return dataclasses.replace(weights, **changes)
+
+
 def layer_weights(model: TLModel, index: int) -> _BlockWeights:
-    return _BlockWeights.of(model.blocks[index], wrapped_model(model).config, index)
+    """Block ``index``'s weights as the packed runs multiply by them (`_BlockWeights`): kept with a model whose
+    joins are held (`hold_joined_weights`), else made for this call (or read where they are kept already); inside
+    `computing_in` a wider dtype, upcast for this call."""
+    wider = _COMPUTE_DTYPE.get()
+    weights = _BlockWeights.of(model.blocks[index], wrapped_model(model).config, index, model in _HELD)
+    return weights if wider is None or weights.qkv.dtype == wider else _upcast(weights, wider)
+
+
+def kept_joined_blocks(model: TLModel) -> int:
+    """How many of ``model``'s blocks have joined weights kept with them: 0 unless its joins are held."""
+    return sum(1 for block in model.blocks if block in _JOINED)
 
 
 def final_softcap(model: TLModel) -> float | None:
@@ -293,7 +364,10 @@ def read_scores(
     cap = final_softcap(model)
     if upcast:
         rows = einops.rearrange(model.ln_final(resid), "run entity d_model -> (run entity) d_model")
-        picked = unembedded_label_logprobs(rows, model.W_U, model.b_U, labels.repeat(n_runs), cap)
+        w_u, b_u = model.W_U, model.b_U
+        if w_u.dtype != rows.dtype:  # computing_in a wider dtype: the unembedding upcast for this read-out
+            w_u, b_u = w_u.to(rows.dtype), b_u.to(rows.dtype)
+        picked = unembedded_label_logprobs(rows, w_u, b_u, labels.repeat(n_runs), cap)
         return segment_mean(picked, run_segment, n_runs * n_segments).reshape(n_runs, n_segments)
     chunk = max(1, (1 << 24) // max(1, n_read * model.cfg.d_vocab))
     scores = []
@@ -567,7 +641,7 @@ def packed_forward(
     """
     _require_fast(model)
     packing = WindowPacking.sequences(batch)
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     layout = attention_layout(model, packing, dtype, batch.input_length)
     first = layer_weights(model, 0)
     empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
@@ -578,7 +652,7 @@ def packed_forward(
         if name in captured:
             captured[name].append(value[0, rows])
 
-    resid = model.embed(batch.tokens[packing.example, packing.position][None])
+    resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
     for block_index in range(n_blocks):
         weights = layer_weights(model, block_index)
         record("resid_pre", resid)
@@ -596,8 +670,12 @@ def packed_forward(
 __all__ = [
     "FAST_MODEL_TYPES",
     "attention_output_norm",
+    "compute_dtype",
+    "computing_in",
     "fast_engine_refusal",
     "final_softcap",
+    "hold_joined_weights",
+    "kept_joined_blocks",
     "packed_forward",
     "read_scores",
 ]

@@ -21,9 +21,13 @@ from uds_lens.tl_compat import TLModel
 
 logger = logging.getLogger(__name__)
 
-# The share of the memory free after loading that the auditor's kept clean runs may take (a quarter is budgeted for
-# one batch's activations, choose_batch_size).
+# The share of the memory free after loading that the auditor's kept clean runs may take, the precision check's fp32
+# ones included (half each when the check is on; a quarter is budgeted for one batch's activations,
+# choose_batch_size).
 CLEAN_CACHE_FRACTION = 0.1
+# The share of the memory free after loading that the patch target's joined weights may take to be held between
+# runs (`holds_joined_copies`); past it each run makes a block's at a time (the same values, some copying more).
+JOINED_FRACTION = 0.25
 
 
 def clean_run_bytes(run: CleanRun) -> int:
@@ -88,7 +92,7 @@ def joined_copy_bytes(model: TLModel) -> int:
     """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
     Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
     zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
-    the model lives."""
+    the model lives where its joins are held (`holds_joined_copies`); otherwise one block's at a time."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -98,6 +102,17 @@ def joined_copy_bytes(model: TLModel) -> int:
     return int(cfg.n_layers * per_block * itemsize)
 
 
+def holds_joined_copies(model: TLModel, engine: Engine) -> bool:
+    """Whether the patch target's joined weights are held between runs (``kernels.hold_joined_weights``): with
+    the fast engine, when they take at most `JOINED_FRACTION` of the memory free now (full and retain loaded: what
+    full and one unlearned model will hold in Stage 2). An 8B model on a 48 GB card does not hold them, on an
+    80 GB card it does."""
+    if not engine_class(engine).joins_weights:
+        return False
+    free = memory.available_memory_bytes(as_source(model).device)
+    return joined_copy_bytes(model) <= JOINED_FRACTION * free
+
+
 def choose_batch_size(
     model: TLModel,
     examples: Sequence[EncodedExample],
@@ -105,14 +120,15 @@ def choose_batch_size(
     engine: Engine,
     budget_fraction: float = 0.25,
     cap: int = 64,
-    joined_models: int = 3,
+    joined_models: int = 1,
 ) -> int:
     """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1): the engine's
     ``bytes_per_example`` at the longest sequence and window.
 
-    The fast engine's joined matrices (`joined_copy_bytes`) are made when a model first runs, after the batch
-    size is chosen, and are kept while it lives: ``joined_models`` of them (full, retain and the source being
-    scored) are taken from the free memory first. The naive engine joins nothing.
+    The fast engine's joined matrices (`joined_copy_bytes`) are made when the patch target first runs, after the
+    batch size is chosen, and are kept while it lives where they are held: ``joined_models`` of them (full, when
+    `holds_joined_copies`; a source keeps none) are taken from the free memory first. The naive engine joins
+    nothing.
     """
     if not examples:
         return 1
@@ -180,9 +196,11 @@ def run_batches(
 
 __all__ = [
     "CLEAN_CACHE_FRACTION",
+    "JOINED_FRACTION",
     "choose_batch_size",
     "clean_run_bytes",
     "consecutive_batches",
+    "holds_joined_copies",
     "joined_copy_bytes",
     "plan_batches",
     "run_batches",
