@@ -8,31 +8,13 @@ from __future__ import annotations
 import pytest
 from helpers.edits import copy_checkpoint, edit_json, swap_two_tokens
 from helpers.families import build_family, family_configs
+from helpers.runs import forbid_stage1, score_tiny
 from helpers.tiny import FORGET_SET, make_tiny_tokenizer
 
 from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ArchitectureSignature, ModelMismatchError
 from uds_lens.inputs import RunInputs
-from uds_lens.scoring import score_models
-
-
-def _score(tiny, tmp_path, **models_given):
-    arguments = {"full": tiny.full, "retain": tiny.retain, "unlearned": {"u": tiny.unlearned}, **models_given}
-    return score_models(
-        arguments["full"],
-        arguments["retain"],
-        arguments["unlearned"],
-        tiny.data,
-        out_dir=tmp_path / "out",
-        cache_dir=tmp_path / "cache",
-        progress=False,
-    )
-
-
-def forbid_stage1(monkeypatch):
-    """Any Stage 1 computation fails the test: a refusal must come before it."""
-    monkeypatch.setattr(UDSAuditor, "_compute_stage1", lambda self: pytest.fail("Stage 1 was computed"))
 
 
 @pytest.mark.parametrize("role", ["unlearned", "retain"])
@@ -42,7 +24,7 @@ def test_a_tokenizer_of_the_same_size_but_another_vocabulary_is_refused(tiny, tm
     forbid_stage1(monkeypatch)
     given = {"unlearned": {"u": other}} if role == "unlearned" else {"retain": other}
     with pytest.raises(ModelMismatchError, match="vocabularies differ.*2 tokens have another id") as error:
-        _score(tiny, tmp_path, **given)
+        score_tiny(tiny, tmp_path / "out", tmp_path / "cache", **given)
     assert str(other) in str(error.value) and "\n" not in str(error.value)
 
 

@@ -9,24 +9,11 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers.runs import score_tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from uds_lens.scoring import score_models
 from uds_lens.stage_cache import StageOne
-
-
-def _score(tiny, out, cache, retain=None, force=False, names=("u",)):
-    return score_models(
-        tiny.full,
-        tiny.retain if retain is None else retain,
-        {name: tiny.unlearned for name in names},
-        tiny.data,
-        out_dir=out,
-        cache_dir=cache,
-        progress=False,
-        force=force,
-    )
 
 
 def _cache_file(cache: Path) -> Path:
@@ -60,24 +47,24 @@ def _shift_s1(path: Path, shift: float, fix_digest: bool) -> None:
 
 def test_a_tampered_s1_cache_is_rebuilt_and_never_gives_a_wrong_uds(tiny, tmp_path):
     cache = tmp_path / "cache"
-    truth = _score(tiny, tmp_path / "first", cache)["u"].uds
+    truth = score_tiny(tiny, tmp_path / "first", cache)["u"].uds
     _shift_s1(_cache_file(cache), -5.0, fix_digest=False)  # scores shifted, header intact
     with pytest.warns(UserWarning, match="digest"):
-        again = _score(tiny, tmp_path / "second", cache)["u"]
+        again = score_tiny(tiny, tmp_path / "second", cache)["u"]
     assert again.uds == truth
     assert not again.meta["timings"]["s1_cached"]
 
 
 def test_a_repaired_cache_invalidates_results_computed_from_a_bad_one(tiny, tmp_path, caplog):
     cache, out = tmp_path / "cache", tmp_path / "out"
-    truth = _score(tiny, tmp_path / "reference", cache)["u"].uds
+    truth = score_tiny(tiny, tmp_path / "reference", cache)["u"].uds
     good = _cache_file(cache).read_bytes()
     _shift_s1(_cache_file(cache), -5.0, fix_digest=True)  # wrong but self-consistent
-    wrong = _score(tiny, out, cache)["u"].uds
+    wrong = score_tiny(tiny, out, cache)["u"].uds
     assert wrong != pytest.approx(truth)
     _cache_file(cache).write_bytes(good)  # repaired
     with caplog.at_level(logging.WARNING, logger="uds_lens.auditor"):
-        again = _score(tiny, out, cache)["u"]
+        again = score_tiny(tiny, out, cache)["u"]
     assert again.uds == truth and "reused" not in again.meta
     assert "Stage 1 values" in again.meta["recomputed"] and "Stage 1 values" in caplog.text
     assert json.loads((out / "u" / "summary.json").read_text())["uds"] == truth

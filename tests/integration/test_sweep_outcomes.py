@@ -9,26 +9,13 @@ import json
 
 import pandas as pd
 import pytest
+from helpers.runs import score_tiny
 from typer.testing import CliRunner
 
 from uds_lens.checkpoints import loader
 from uds_lens.cli import app
-from uds_lens.scoring import score_models
 from uds_lens.sweep.driver import sweep as run_sweep
 from uds_lens.sweep.lists import SweepError, resolve_models
-
-
-def _score(tiny, out, cache, retain=None, force=False, names=("u",)):
-    return score_models(
-        tiny.full,
-        tiny.retain if retain is None else retain,
-        {name: tiny.unlearned for name in names},
-        tiny.data,
-        out_dir=out,
-        cache_dir=cache,
-        progress=False,
-        force=force,
-    )
 
 
 @pytest.mark.parametrize("name", ["sweep.csv", "sweep_eval.json", "published_scatter.html", "Sweep.CSV"])
@@ -69,7 +56,7 @@ def test_sweep_csv_holds_the_saved_results_own_values_when_reused(tiny, tmp_path
 
 def test_a_sweep_into_another_runs_results_is_refused_before_any_model_loads(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    _score(tiny, out, tmp_path / "cache")
+    score_tiny(tiny, out, tmp_path / "cache")
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SweepError, match="retain differs"):
         run_sweep(tiny.full, tiny.unlearned, tiny.data, out, {"u": str(tiny.unlearned)}, use_ray=False)

@@ -7,32 +7,13 @@ from __future__ import annotations
 
 import pytest
 from helpers.edits import copy_checkpoint, edit_json, edit_weights
+from helpers.runs import forbid_stage1, score_tiny
 
-from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints import loader
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.folder import ModelLoadError
-from uds_lens.scoring import score_models
 
 DROPPED = "model.layers.2.mlp.down_proj.weight"
-
-
-def _score(tiny, tmp_path, **models_given):
-    arguments = {"full": tiny.full, "retain": tiny.retain, "unlearned": {"u": tiny.unlearned}, **models_given}
-    return score_models(
-        arguments["full"],
-        arguments["retain"],
-        arguments["unlearned"],
-        tiny.data,
-        out_dir=tmp_path / "out",
-        cache_dir=tmp_path / "cache",
-        progress=False,
-    )
-
-
-def forbid_stage1(monkeypatch):
-    """Any Stage 1 computation fails the test: a refusal must come before it."""
-    monkeypatch.setattr(UDSAuditor, "_compute_stage1", lambda self: pytest.fail("Stage 1 was computed"))
 
 
 def test_a_checkpoint_missing_a_weight_is_refused_naming_the_tensor(tiny, tmp_path, monkeypatch):
@@ -45,9 +26,9 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_the_tensor(tiny, tmp_pa
     with pytest.raises(
         ModelMismatchError, match=f"full's weight files lack {DROPPED}"
     ):  # as full: before Stage 1
-        _score(tiny, tmp_path, full=missing)
+        score_tiny(tiny, tmp_path / "out", tmp_path / "cache", full=missing)
     with pytest.raises(ModelMismatchError, match=f"lack {DROPPED}"):  # as unlearned: found before Stage 1 too
-        _score(tiny, tmp_path, unlearned={"u": missing})
+        score_tiny(tiny, tmp_path / "out", tmp_path / "cache", unlearned={"u": missing})
 
 
 def test_a_checkpoint_with_a_tensor_its_model_has_no_place_for_is_refused(tiny, tmp_path):
@@ -70,7 +51,9 @@ def test_a_config_of_a_billion_layers_is_refused_before_the_model_is_built(tiny,
     with pytest.raises(ModelLoadError, match="1000000000 layers.*weight files hold"):
         loader.load_model(bomb, device="cpu")
     with pytest.raises(ModelLoadError, match="does not belong to these weights"):
-        _score(tiny, tmp_path, unlearned={"u": bomb})  # found with the other checkpoints, before any load
+        score_tiny(
+            tiny, tmp_path / "out", tmp_path / "cache", unlearned={"u": bomb}
+        )  # found with the other checkpoints, before any load
     assert not built
 
 
