@@ -69,12 +69,13 @@ demo: setup
 	$(VENV)/bin/uds-lens demo --out $(DEMO_OUT) --threads $(THREADS)
 
 # The core tests: every module a UDS number passes through (loading, sources, both engines, the auditor and its
-# published-compat mode, components, KE-only Stage 2) and the real SmolLM2. The notebooks run on 4.x only: they call
-# the same library functions, and executing them twice cost about six CI minutes.
+# published-compat mode, components, KE-only Stage 2, the models' lifetimes and the lean fp32 references) and the
+# real SmolLM2. The notebooks run on 4.x only: they call the same library functions, and executing them twice cost
+# about six CI minutes.
 CORE_TESTS := tests/unit/checkpoints tests/unit/test_sources.py tests/unit/test_patching.py \
 	tests/unit/test_uds.py tests/unit/test_auditor.py tests/unit/test_components.py tests/unit/test_dtypes.py \
-	tests/unit/test_families.py tests/unit/test_stage2_cells.py \
-	tests/integration/test_pretrained_llama.py
+	tests/unit/test_families.py tests/unit/test_stage2_cells.py tests/unit/test_lifetimes.py \
+	tests/unit/test_lean_references.py tests/integration/test_pretrained_llama.py
 
 # The whole suite on the default environment (TransformerLens 4.x), then the core tests on TransformerLens 3.9.
 test: lint
