@@ -262,15 +262,15 @@ class UDSAuditor(Workbench):
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
-        if (
-            self._retain is None
-            or checkpoint is None
-            or checkpoint.model is not None
-            or checkpoint in self.sources
-        ):
+        if self._retain is None or checkpoint is None or self._callers(checkpoint):
             return
         self._retain = None
         release_memory(self.device)
+
+    def _callers(self, checkpoint: Checkpoint) -> bool:
+        """Whether ``checkpoint``'s model is the caller's (given as an object, or kept by `load_source`): the
+        auditor never releases it."""
+        return checkpoint.model is not None or checkpoint in self.sources
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
@@ -570,7 +570,7 @@ class UDSAuditor(Workbench):
         source = self._load(checkpoint, "unlearned")
         # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
         # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
-        given = checkpoint.model is not None or checkpoint in self.sources
+        given = self._callers(checkpoint)
         if given:
             self.last_source = source
         check_unhooked(self.full, "full")

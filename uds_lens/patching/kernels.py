@@ -148,12 +148,8 @@ class _BlockWeights:
         ):
             return cached[2]
         weights = cls._join(block, config, index)
-        if keep:
-            _JOINED[block] = (
-                params,
-                versions,
-                weights,
-            )  # the parameters themselves: their ids cannot be reused
+        if keep:  # the parameters themselves are kept: their ids cannot be reused
+            _JOINED[block] = (params, versions, weights)
         return weights
 
     @classmethod
