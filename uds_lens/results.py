@@ -50,16 +50,18 @@ from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
 from uds_lens.files import bytes_digest, write_atomic
 from uds_lens.result_store import (
-    INPUT_KEYS,
     RESULT_FILES,
     RESULT_FORMAT,
     ResultIntegrityError,
     atomic_result_dir,
+    check_result_target,
     conflict_error,
     fingerprint_difference,
+    input_conflicts,
     json_default,
     normal_json,
     read_verified,
+    result_inputs,
 )
 from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, model_uds, mostly_clipped, rescore
 
@@ -424,15 +426,18 @@ class UDSResult:
 
         A ``directory`` holding the result of another run (other inputs: another full, retain, unlearned model,
         data set or setting; or a result whose inputs cannot be compared with this one's) is refused, under the
-        lock, as ``uds-lens score`` refuses it; the same result again, or one of the same inputs, replaces it.
+        lock, as ``uds-lens score`` refuses it; the same result again, or one of the same inputs, replaces it. A
+        ``directory`` that is, holds or lies inside one of the result's inputs, or that holds anything but a result
+        this package wrote, is refused whatever ``force`` says (`result_store.check_result_target`).
 
         Args:
             force: replace another run's result too (``--force``).
 
         Raises:
             OutputConflictError: ``directory`` holds another run's result and ``force`` is off.
+        ResultTargetError / ConfigError: ``directory`` is no result of this package's, or is among its inputs.
         """
-        target = Path(directory)
+        target = check_result_target(directory, result_inputs(self.meta))  # the guard `score` and `sweep` use
         fingerprint = self.meta.get("fingerprint")
         check = None if force else _refuse_others(fingerprint if isinstance(fingerprint, dict) else None)
         with atomic_result_dir(target, check=check) as staging:
@@ -620,7 +625,7 @@ def check_saved(
         key for key in set(saved) | set(wanted) if key not in ignore and saved.get(key) != wanted.get(key)
     )
     if differ:
-        conflicts = tuple(key for key in INPUT_KEYS if key in differ)
+        conflicts = input_conflicts(differ, saved, wanted)
         return SavedCheck(
             None,
             "; ".join(fingerprint_difference(key, saved.get(key), wanted.get(key)) for key in differ),
