@@ -27,7 +27,11 @@ RetainOption = Annotated[
     str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
 ]
 DataOption = Annotated[
-    str, typer.Option(help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, or a hub dataset id.")
+    str,
+    typer.Option(
+        help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, a hub dataset id, or a benchmark's set by name "
+        "(hf:DATASET/CONFIG:SPLIT, a hub id or a local copy: hf:muse-bench/MUSE-News/knowmem:forget_qa)."
+    ),
 ]
 TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
 ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
