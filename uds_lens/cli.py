@@ -162,7 +162,7 @@ def score(
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
-    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, table_row
+    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, span_notes, table_row
 
     rows = [table_row(name, result.summary) for name, result in results.items()]
     columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
@@ -172,6 +172,8 @@ def score(
     _print_table(rows, columns)
     if not run.no_retain:
         typer.echo(SPLIT_LEGEND)
+    for note in span_notes(sorted({form for r in results.values() for form in r.meta.get("forms", [])})):
+        typer.echo(note)
     typer.echo(f"results in {out}")
 
 

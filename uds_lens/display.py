@@ -61,6 +61,20 @@ SPLIT_LEGEND = (
 """What the terminal tables' ``clipped_part`` and ``excess`` columns are, printed under them."""
 
 
+SPAN_NOTES = {
+    "choice": "multiple choice: each item's scored span is its correct letter, as lm-evaluation-harness scores it; "
+    "a letter is a weaker signal than an answer's text (one token, which a model that never saw the fact still "
+    "predicts by chance a quarter of the time)",
+    "completion": "passages: each one's scored span is the first sentence of its continuation",
+}
+"""What a result's scored spans are where they are not answer entities (its ``summary["forms"]``)."""
+
+
+def span_notes(forms: Sequence[str]) -> list[str]:
+    """The `SPAN_NOTES` of a result's prompt forms (``summary.get("forms", [])``), printed under its table."""
+    return [SPAN_NOTES[form] for form in forms if form in SPAN_NOTES]
+
+
 UDS_COLUMNS = ("uds", "ci95", "clipped_part", "excess")
 """The UDS columns of the terminal tables, as `uds_cells` fills them."""
 
@@ -146,7 +160,7 @@ RESULT_NOTE = (
 def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     """A ``UDSResult``'s notebook view from its ``summary``, as (label, value) pairs: UDS and its CI, the split of
     UDS into its measured and clipped parts, the excess disruption (retain-free mode: the mean d2 instead), the
-    counts, the clipped cells and the settings."""
+    counts, the clipped cells, the settings and what the scored spans are (`span_notes`)."""
     rows: list[tuple[str, str]] = []
     if summary.get("retain_free"):
         mean_d2 = (summary.get("d2_summary") or {}).get("mean_d2")
@@ -182,6 +196,7 @@ def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             "settings",
             f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}",
         ),
+        *(("scored span", note) for note in span_notes(summary.get("forms") or [])),
     ]
 
 
@@ -219,6 +234,8 @@ __all__ = [
     "RESULT_NOTE",
     "result_rows",
     "share",
+    "SPAN_NOTES",
+    "span_notes",
     "split_text",
     "SPLIT_LEGEND",
     "table_row",

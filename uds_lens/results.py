@@ -182,6 +182,9 @@ class UDSResult:
         info["question"] = [by_idx[i].question if i in by_idx else None for i in info["idx"]]
         info["entity"] = [by_idx[i].entity if i in by_idx else None for i in info["idx"]]
         meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s0.tolist())}
+        forms = sorted({record.form for record in records} - {"qa"})
+        if forms:  # spans other than TOFU's answer entities: a passage's sentence, a multiple-choice letter
+            meta["forms"] = forms
         settings = config.to_dict()
         result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)
         return result.with_tau(config.tau)
@@ -388,6 +391,7 @@ class UDSResult:
             "engine",
             "timings",
             "precision",
+            "forms",
         ):
             if key in self.meta:
                 out[key] = self.meta[key]

@@ -31,6 +31,7 @@ from uds_lens.config import DEFAULT_TAU
 from uds_lens.display import number, split_text
 from uds_lens.files import write_atomic
 from uds_lens.outputs import REPORT_MARKER, check_report_output
+from uds_lens.plotting import retain_free
 from uds_lens.plotting.tables import SavedResult, count_text
 from uds_lens.result_store import DIAGNOSE_FILES, REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
@@ -333,7 +334,8 @@ def write_report(
 
     The page holds a table of models (name, role, UDS, 95% CI, counts), the UDS bar chart with CIs, the per-example
     UDS distribution, the mean S1/S2 delta curves, the shared S1 heatmap (d1) and one LER heatmap per model, and, when
-    ``diagnose`` ran, the prompt-type, tau-sensitivity, component-patching and logit-lens sections.
+    ``diagnose`` ran, the prompt-type, tau-sensitivity, component-patching and logit-lens sections. When every result
+    is retain-free, the page is [`retain_free`][uds_lens.plotting.retain_free]'s instead: d2 alone, never named UDS.
 
     Args:
         results_dir: directory with one sub-directory per model (``summary.json, examples.csv, layers.csv``).
@@ -385,6 +387,11 @@ def write_report(
     plotting.set_model_colours(
         order=ordered
     )  # one colour per model in every figure below (kept if already drawn)
+    if retain_free.all_retain_free(ordered):  # d2 alone: its own page, which never calls it UDS
+        page = _Page(title or retain_free.TITLE.format(name=root.resolve().name))
+        page.heading(page.title, level=1)
+        retain_free.write_sections(page, root, ordered, roles, incomplete)
+        return _write_page(page, out)
     scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
     with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
     page = _Page(title or f"UDS report: {root.resolve().name}")
@@ -501,7 +508,10 @@ def write_report(
             caption="Mean LER per layer on KE cells; dashed lines mark each RMU model's target layer.",
         )
     _diagnostics_sections(page, root, ordered, with_layers)
+    return _write_page(page, out)
 
+
+def _write_page(page: _Page, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, page.render().encode("utf-8"))
     logger.info("wrote %s (%d figures)", out, page.n_figures)
