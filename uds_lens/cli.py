@@ -124,6 +124,14 @@ def score(
 ) -> None:
     """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files.
 
+    UDS (0 = the knowledge is as recoverable as in full, 1 = its layers carry no more of it than retain's) =
+    measured part + clipped part: the measured part comes from the knowledge-encoding layers where the unlearned
+    model's patch removes at most what the retain model's removes (d2 <= d1, each at its ratio d2/d1), the clipped
+    part from those where it removes more (d2 > d1, each counted as 1).
+    A 1 is erasure like retain only when it comes from the measured part; from the clipped part it is
+    over-disruption of the forget answer, which is damage only where a control (utility) shows it. The table
+    prints both parts, their 95% CIs and the excess disruption; bf16/fp16 runs say what ran in fp32 and why.
+
     OUT/NAME is reused, not recomputed, only when it was computed from identical inputs (the same full, retain and
     unlearned weights by content, the same data and --limit, the same settings; tau is re-applied to the saved
     deltas; the same Stage 1 values, by digest): the run then says "reusing NAME: identical inputs". A result of
@@ -162,7 +170,7 @@ def score(
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
-    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, table_row
+    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, precision_text, table_row
 
     rows = [table_row(name, result.summary) for name, result in results.items()]
     columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
@@ -172,6 +180,10 @@ def score(
     _print_table(rows, columns)
     if not run.no_retain:
         typer.echo(SPLIT_LEGEND)
+    for name, result in results.items():  # bf16/fp16: what ran in fp32, why, and what it cost
+        precision = precision_text(result.precision, result.summary.get("timings"))
+        if precision:
+            typer.echo(f"precision of {name}: {precision}")
     typer.echo(f"results in {out}")
 
 

@@ -61,7 +61,16 @@ from uds_lens.result_store import (
     normal_json,
     read_verified,
 )
-from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, model_uds, mostly_clipped, rescore
+from uds_lens.uds import (
+    bootstrap_ci,
+    clipped_summary,
+    deltas,
+    ke_mask,
+    model_uds,
+    mostly_clipped,
+    rescore,
+    split_ci,
+)
 
 if TYPE_CHECKING:  # type names only: this module never imports torch
     from jaxtyping import Float
@@ -318,6 +327,13 @@ class UDSResult:
             "n_mostly_clipped": len(self.mostly_clipped_examples()),
         }
 
+    @property
+    def split_ci95(self) -> dict[str, tuple[float, float]]:
+        """Bootstrap 95% CIs of [`split`][uds_lens.results.UDSResult.split]'s means over the scored examples:
+        ``uds_unclipped``, ``uds_clipped`` and ``excess_disruption`` (``uds.split_ci``: the same resampling as
+        [`ci95`][uds_lens.results.UDSResult.ci95], column by column; the parts' bounds do not add up to UDS's)."""
+        return split_ci(self.examples)
+
     def mostly_clipped_examples(self) -> pd.DataFrame:
         """The scored examples whose ``UDS_i`` rests mostly on clipped cells (``uds_clipped > uds_unclipped``, so
         more than half of it: ``uds.mostly_clipped``), largest clipped part first: their score says the unlearned
@@ -355,6 +371,9 @@ class UDSResult:
             **{
                 key: value if key.startswith("n_") else _none_if_nan(value)
                 for key, value in self.split.items()
+            },
+            "split_ci95": {
+                key: [_none_if_nan(low), _none_if_nan(high)] for key, (low, high) in self.split_ci95.items()
             },
             "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"]
             .astype(int)
@@ -556,16 +575,20 @@ class UDSResult:
         if self.retain_free:
             score = f"retain-free, mean d2 {display.number(self.d2_summary['mean_d2'])} (unnormalised)"
         else:
-            split = self.split
+            split, cis = self.split, self.split_ci95
             score = (
-                f"UDS {display.number(self.uds)} {display.interval(self.ci95)}, from clipped cells "
-                f"{display.split_text(split['uds_clipped'], split['uds_clipped_share'])}, excess disruption "
-                f"{display.number(split['excess_disruption'], 2)}"
+                f"UDS {display.with_interval(self.uds, self.ci95)} = measured "
+                f"{display.with_interval(split['uds_unclipped'], cis['uds_unclipped'])} + clipped "
+                f"{display.split_text(split['uds_clipped'], split['uds_clipped_share'], cis['uds_clipped'])}, "
+                f"excess disruption {display.with_interval(split['excess_disruption'], cis['excess_disruption'], 2)}"
             )
         clipped = self.clipped
+        precision = display.precision_short(self.precision)
         return (
             f"UDSResult({self.name!r}: {score}; {scored} scored, {no_ke} no KE, {skipped} skipped; "
-            f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells)"
+            f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells"
+            + (f"; {precision}" if precision else "")
+            + ")"
         )
 
     def _repr_html_(self) -> str:

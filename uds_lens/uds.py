@@ -228,6 +228,28 @@ def bootstrap_ci(
     return (float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha)))
 
 
+SPLIT_COLUMNS = ("uds_unclipped", "uds_clipped", "excess_disruption")
+"""The per-example figures beside UDS that [`split_ci`][uds_lens.uds.split_ci] gives intervals for."""
+
+
+def split_ci(
+    per_example: pd.DataFrame, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> dict[str, tuple[float, float]]:
+    """Bootstrap CIs of the model means of UDS's two parts and of the excess disruption.
+
+    ``per_example`` holds the columns of `SPLIT_COLUMNS` (an examples table, or ``rescore``'s per-example one);
+    each column gets [`bootstrap_ci`][uds_lens.uds.bootstrap_ci] over its defined values, with the same
+    resamples, level and seed as the model UDS's CI. The intervals are marginal: the parts' bounds do not add up
+    to UDS's.
+    """
+    return {
+        column: bootstrap_ci(
+            pd.to_numeric(per_example[column], errors="coerce").to_numpy(dtype=float), n_boot, level, seed
+        )
+        for column in SPLIT_COLUMNS
+    }
+
+
 def rescore(
     layers: pd.DataFrame, tau: float = DEFAULT_TAU, by: Sequence[str] = ("idx",)
 ) -> tuple[pd.DataFrame, pd.DataFrame]:

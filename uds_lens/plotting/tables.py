@@ -6,7 +6,8 @@ several of them (`Results`: a list or ``{name: result}``). They are typed with t
 imports no plotting, so plotting may import it) and read by attribute (``.layers`` / ``.examples`` / ``.summary``).
 The tables:
 
-- examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (+ ``question``, ``entity``);
+- examples: ``idx, prompt_type, n_entity_tokens, n_ke, n_clipped, uds, uds_unclipped, uds_clipped,
+  excess_disruption, status, skip_reason`` (+ ``question``, ``entity``; ``uds = uds_unclipped + uds_clipped``);
 - layers (long, one row per example x layer x site): ``idx, layer, site, s0, baseline_score, s1_score, s2_score,
   d1, d2, ke, ler``; lens tables have the same ``idx, layer, d1, d2, ke, ler`` columns.
 
