@@ -138,7 +138,9 @@ def source_problems(files: Iterable[Path], root: Path = ROOT) -> list[Problem]:
 
 def markdown_files(root: Path = ROOT) -> list[Path]:
     """The Markdown the site and the repository render: ``README.md``, ``docs/**/*.md`` and the notebooks."""
-    docs = [p for p in sorted((root / "docs").rglob("*.md")) if "tutorials" not in p.relative_to(root).parts[1:2]]
+    docs = [
+        p for p in sorted((root / "docs").rglob("*.md")) if "tutorials" not in p.relative_to(root).parts[1:2]
+    ]
     readme = [root / "README.md"] if (root / "README.md").is_file() else []
     return readme + docs + sorted((root / "notebooks").glob("*.ipynb"))
 

@@ -347,9 +347,13 @@ def demo(
     columns = ["model", "role", "seen_forget_fraction", *UDS_COLUMNS, "n_scored", "n_no_ke", "n_skipped"]
 
     def show(table) -> None:
-        parts = zip(table.uds, zip(table.ci_low, table.ci_high), table.uds_clipped, table.uds_clipped_share,
-                    table.excess_disruption)  # fmt: skip
-        rows = [{**row, **uds_cells(*part)} for row, part in zip(table.to_dict("records"), parts)]
+        def cells(row: dict) -> dict:
+            cis = {key: (row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high"))
+                   for key in ("uds_unclipped", "uds_clipped", "excess_disruption")}  # fmt: skip
+            return uds_cells(row["uds"], (row["ci_low"], row["ci_high"]), row["uds_clipped"],
+                             row["uds_clipped_share"], row["excess_disruption"], row.get("uds_unclipped"), cis)  # fmt: skip
+
+        rows = [{**row, **cells(row)} for row in table.to_dict("records")]
         _print_table(rows, columns)
         typer.echo(SPLIT_LEGEND)
 
@@ -423,11 +427,23 @@ def report(
     results_dir: Path = typer.Argument(..., help="Directory written by `score`, `diagnose` or `demo`."),
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
     force: bool = typer.Option(False, "--force", help="Replace a file at --out that is not a report."),
+    figures: list[str] | None = typer.Option(
+        None,
+        help="Also write every figure as png, pdf or svg (repeat for several) to REPORT_figures/ beside the page, "
+        "numbered as on it, with captions.txt; rendered by kaleido (the figures extra) or a local Chrome/Chromium.",
+    ),
 ) -> None:
-    """One self-contained HTML page (Plotly figures + tables) from saved results; never over another file."""
+    """One self-contained HTML page (Plotly figures + tables, provenance, every caption with its basis) from saved
+    results; never over another file."""
+    from uds_lens.plotting.export import STATIC_FORMATS
     from uds_lens.plotting.report import write_report
 
-    typer.echo(str(write_report(results_dir, out, force=force)))
+    for form in figures or ():
+        check_choice("--figures", form, STATIC_FORMATS)  # before any result is read
+    page = write_report(results_dir, out, force=force, figures=tuple(figures or ()))
+    typer.echo(str(page))
+    if figures:
+        typer.echo(f"figures in {page.with_name(f'{page.stem}_figures')}")
 
 
 @app.command()

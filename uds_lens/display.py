@@ -146,7 +146,9 @@ def bound_text(bound: Any) -> str:
     return number(bound)
 
 
-def precision_text(precision: Mapping[str, Any] | None, timings: Mapping[str, Any] | None = None) -> str | None:
+def precision_text(
+    precision: Mapping[str, Any] | None, timings: Mapping[str, Any] | None = None
+) -> str | None:
     """What a bf16/fp16 run's precision record (``meta["precision"]``) says, in words: how many examples ran Stage 2
     in fp32 and why, the decisions re-decided in fp32, what the fp32 runs cost (``timings``), how far rounding could
     still move an example's UDS (capped: `bound_text`); with the check off, the fragile cells left undecided.
@@ -169,7 +171,9 @@ def precision_text(precision: Mapping[str, Any] | None, timings: Mapping[str, An
         )
     tolerance = precision.get("tolerance")
     why = (
-        f" (in {dtype} rounding could move their UDS by more than {tolerance:g})" if tolerance is not None else ""
+        f" (in {dtype} rounding could move their UDS by more than {tolerance:g})"
+        if tolerance is not None
+        else ""
     )
     parts = [
         f"{dtype}, precision check on: Stage 2 of {int(precision.get('n_fp32_examples') or 0)}{of} examples ran "
@@ -195,9 +199,13 @@ def precision_text(precision: Mapping[str, Any] | None, timings: Mapping[str, An
     skipped = precision.get("not_redecided") or {}
     if skipped:
         parts.append("not re-decided: " + ", ".join(f"{role} ({reason})" for role, reason in skipped.items()))
-    rounded = [role for role, source in (precision.get("weights") or {}).items() if source == "upcast-rounded"]
+    rounded = [
+        role for role, source in (precision.get("weights") or {}).items() if source == "upcast-rounded"
+    ]
     if rounded:
-        parts.append(f"the fp32 runs of {', '.join(rounded)} used its {dtype} weights upcast (the stored ones unknown)")
+        parts.append(
+            f"the fp32 runs of {', '.join(rounded)} used its {dtype} weights upcast (the stored ones unknown)"
+        )
     return "; ".join(parts) + "."
 
 
@@ -277,13 +285,21 @@ def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         cis = summary.get("split_ci95") or {}
         rows += [
             ("UDS [95% CI]", with_interval(summary.get("uds"), summary.get("ci95"))),
-            ("measured part (d2 ≤ d1)", with_interval(summary.get("uds_unclipped"), cis.get("uds_unclipped"))),
+            (
+                "measured part (d2 ≤ d1)",
+                with_interval(summary.get("uds_unclipped"), cis.get("uds_unclipped")),
+            ),
             (
                 "clipped part (d2 > d1)",
-                split_text(summary.get("uds_clipped"), summary.get("uds_clipped_share"), cis.get("uds_clipped"))
+                split_text(
+                    summary.get("uds_clipped"), summary.get("uds_clipped_share"), cis.get("uds_clipped")
+                )
                 + (f"; {mostly} examples rest mostly on it" if mostly else ""),
             ),
-            ("excess disruption", with_interval(summary.get("excess_disruption"), cis.get("excess_disruption"), 2)),
+            (
+                "excess disruption",
+                with_interval(summary.get("excess_disruption"), cis.get("excess_disruption"), 2),
+            ),
         ]
     settings = summary.get("settings") or {}
     precision = precision_text(summary.get("precision"), summary.get("timings"))
@@ -308,6 +324,31 @@ def result_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"site {settings.get('site')}, tau {settings.get('tau')} nats, scope {settings.get('patch_scope')}",
         ),
     ]
+
+
+def result_text(summary: Mapping[str, Any]) -> str:
+    """A ``UDSResult``'s repr from its ``summary``: ``"UDS 0.884 [0.805, 0.949] = measured 0.192 [0.103, 0.284] +
+    clipped 0.692 [0.548, 0.828] (78% of UDS), excess disruption 2.27 [1.07, 3.64]; 29 scored, 1 no KE, 0 skipped;
+    clipped d2 > d1: 72% of 116 KE cells"``, then `precision_short` in bf16/fp16; retain-free mode's mean d2
+    instead of UDS."""
+    if summary.get("retain_free"):
+        score = (
+            f"retain-free, mean d2 {number((summary.get('d2_summary') or {}).get('mean_d2'))} (unnormalised)"
+        )
+    else:
+        cis = summary.get("split_ci95") or {}
+        score = (
+            f"UDS {with_interval(summary.get('uds'), summary.get('ci95'))} = measured "
+            f"{with_interval(summary.get('uds_unclipped'), cis.get('uds_unclipped'))} + clipped "
+            f"{split_text(summary.get('uds_clipped'), summary.get('uds_clipped_share'), cis.get('uds_clipped'))}, "
+            f"excess disruption {with_interval(summary.get('excess_disruption'), cis.get('excess_disruption'), 2)}"
+        )
+    precision = precision_short(summary.get("precision"))
+    return (
+        f"{score}; {summary.get('n_scored')} scored, {summary.get('n_no_ke')} no KE, {summary.get('n_skipped')} "
+        f"skipped; clipped d2 > d1: {share(summary.get('clipped_share'))} of {summary.get('n_ke_cells')} KE cells"
+        + (f"; {precision}" if precision else "")
+    )
 
 
 def auditor_rows(auditor: Any) -> list[tuple[str, str]]:
@@ -347,6 +388,7 @@ __all__ = [
     "precision_text",
     "RESULT_NOTE",
     "result_rows",
+    "result_text",
     "share",
     "SHARES_NOTE",
     "split_text",

@@ -570,26 +570,9 @@ class UDSResult:
         return self.layers.pivot(index="idx", columns="layer", values=column)
 
     def __repr__(self) -> str:
-        counts = self.examples["status"].value_counts()
-        scored, no_ke, skipped = (int(counts.get(key, 0)) for key in ("scored", "no_ke", "skipped"))
-        if self.retain_free:
-            score = f"retain-free, mean d2 {display.number(self.d2_summary['mean_d2'])} (unnormalised)"
-        else:
-            split, cis = self.split, self.split_ci95
-            score = (
-                f"UDS {display.with_interval(self.uds, self.ci95)} = measured "
-                f"{display.with_interval(split['uds_unclipped'], cis['uds_unclipped'])} + clipped "
-                f"{display.split_text(split['uds_clipped'], split['uds_clipped_share'], cis['uds_clipped'])}, "
-                f"excess disruption {display.with_interval(split['excess_disruption'], cis['excess_disruption'], 2)}"
-            )
-        clipped = self.clipped
-        precision = display.precision_short(self.precision)
-        return (
-            f"UDSResult({self.name!r}: {score}; {scored} scored, {no_ke} no KE, {skipped} skipped; "
-            f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells"
-            + (f"; {precision}" if precision else "")
-            + ")"
-        )
+        """One line from the summary (``display.result_text``): UDS and its two parts with their CIs, the counts,
+        the clipped cells and, in bf16/fp16, what ran in fp32."""
+        return f"UDSResult({self.name!r}: {display.result_text(self.summary)})"
 
     def _repr_html_(self) -> str:
         """The notebook view, one field a row (narrow enough for a notebook column): ``display.result_rows``."""

@@ -259,3 +259,12 @@ def test_score_precision_check_switch(tiny, tmp_path):
     assert on["check"] and on["decisions"]["ke"]["bfloat16"] == 0 and on["decisions"]["ke"]["float32"] > 0
     assert not off["check"] and off["n_redecided_cells"] == 0 and off["decisions"]["ke"]["float32"] == 0
     assert off["n_fragile_cells"] > 0 and set(off["per_example"]) == set(on["per_example"])
+    # what ran in fp32, and why, is printed, not only saved
+    n_fp32, n_examples = on["n_fp32_examples"], len(on["per_example"])
+    assert f"precision of unlearned: bfloat16, precision check on: Stage 2 of {n_fp32} of {n_examples} " in (
+        checked.output
+    )
+    assert "the fp32 runs took" in checked.output
+    assert f"precision check off: {off['n_fragile_cells']} cells lie inside bfloat16's rounding band" in (
+        counted.output
+    )
