@@ -182,7 +182,7 @@ def precision_text(
     ]
     decisions = precision.get("decisions") or {}
     taken = [
-        f"{int(counts.get('float32') or 0)} of {sum(int(v or 0) for v in counts.values())} {kind}"
+        f"{int(counts.get('float32') or 0)} of {sum(int(v or 0) for v in counts.values())} {kind.replace('ke', 'KE')}"
         for kind, counts in decisions.items()
         if isinstance(counts, Mapping)
     ]

@@ -331,7 +331,7 @@ class UDSResult:
     def split_ci95(self) -> dict[str, tuple[float, float]]:
         """Bootstrap 95% CIs of [`split`][uds_lens.results.UDSResult.split]'s means over the scored examples:
         ``uds_unclipped``, ``uds_clipped`` and ``excess_disruption`` (``uds.split_ci``: the same resampling as
-        [`ci95`][uds_lens.results.UDSResult.ci95], column by column; the parts' bounds do not add up to UDS's)."""
+        ``ci95``, column by column; the parts' bounds do not add up to UDS's)."""
         return split_ci(self.examples)
 
     def mostly_clipped_examples(self) -> pd.DataFrame:

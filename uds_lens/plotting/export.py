@@ -106,6 +106,37 @@ Plotly.newPlot("figure", figure.data || [], layout, {{staticPlot: true}});
         raise RuntimeError(f"{browser} printed no PDF of {target.name}: {done.stderr.strip()[-300:]}")
 
 
+def static_renderer(formats: Sequence[str]) -> str:
+    """What renders ``formats`` here: ``"kaleido"`` when it is installed, else the path of a local Chrome/Chromium.
+
+    Raises:
+        ConfigError: a format not in `STATIC_FORMATS`, or nothing here to render with (the message says what to
+            install): ``uds-lens report --figures`` says so in one line, before it writes anything.
+    """
+    from uds_lens.config import ConfigError
+
+    unknown = [form for form in formats if form not in STATIC_FORMATS]
+    if unknown:
+        raise ConfigError(f"cannot export figures as {', '.join(unknown)}: use {' / '.join(STATIC_FORMATS)}")
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        from uds_lens.zoo.notebook_html import find_browser
+
+        browser = find_browser()
+        if browser is None:
+            raise ConfigError(
+                "exporting figures needs kaleido (pip install 'uds_lens[figures]') or a local Chrome/Chromium "
+                "(apt-get install chromium, or set UDS_LENS_BROWSER)"
+            ) from None
+        if "svg" in formats:
+            raise ConfigError(
+                "SVG export needs kaleido (pip install 'uds_lens[figures]'); a browser renders PNG and PDF"
+            ) from None
+        return browser
+    return "kaleido"
+
+
 def write_figures(
     figures: Sequence[tuple[str, go.Figure]],
     directory: str | Path,
@@ -124,42 +155,24 @@ def write_figures(
         The paths written, figure by figure, in the order of ``formats``.
 
     Raises:
-        ValueError: a format not in `STATIC_FORMATS`.
-        RuntimeError: neither kaleido nor a browser can render (the message says what to install), or the
-            browser failed.
+        ConfigError: a format not in `STATIC_FORMATS`, or nothing to render with (`static_renderer`).
+        RuntimeError: the browser failed to draw a figure.
     """
-    unknown = [f for f in formats if f not in STATIC_FORMATS]
-    if unknown:
-        raise ValueError(f"cannot export figures as {unknown}: use {' / '.join(STATIC_FORMATS)}")
+    renderer = static_renderer(formats)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     sized = [(name, fig, int(fig.layout.height or height or 525)) for name, fig in figures]
-    try:
-        import kaleido  # noqa: F401
-    except ImportError:
-        kaleido_found = False
-    else:
-        kaleido_found = True
     written: list[Path] = []
-    if kaleido_found:
+    if renderer == "kaleido":
         for name, fig, fig_height in sized:
             for form in formats:
                 target = out / f"{name}.{form}"
                 fig.write_image(target, width=width, height=fig_height, scale=2 if form == "png" else 1)
                 written.append(target)
         return written
-    from uds_lens.zoo.notebook_html import find_browser, render_pngs
+    from uds_lens.zoo.notebook_html import render_pngs
 
-    browser = find_browser()
-    if browser is None:
-        raise RuntimeError(
-            "exporting figures needs kaleido (pip install 'uds_lens[figures]') or a local Chrome/Chromium "
-            "(apt-get install chromium, or set UDS_LENS_BROWSER)"
-        )
-    if "svg" in formats:
-        raise RuntimeError(
-            "SVG export needs kaleido (pip install 'uds_lens[figures]'); PNG and PDF need a browser"
-        )
+    browser = renderer
     pngs: list[bytes | None] = []
     if "png" in formats:
         dicts = []

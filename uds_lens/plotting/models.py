@@ -275,9 +275,9 @@ def uds_bar(
             "symmetric": False,
             "array": (frame["uds_unclipped_ci_high"] - frame["uds_unclipped"]).clip(lower=0).to_numpy(),
             "arrayminus": (frame["uds_unclipped"] - frame["uds_unclipped_ci_low"]).clip(lower=0).to_numpy(),
-            "color": "#555555",
+            "color": "#444444",
             "thickness": 1.5,
-            "width": 10,
+            "width": 16,
         }
         fig.add_trace(go.Bar(y=frame["uds"] - frame["uds_clipped"], name="from measured ratios",
                              marker={"color": colours}, error_y=measured_ci, **common))  # fmt: skip
@@ -341,20 +341,28 @@ def uds_bar(
     return set_title(fig, title or "UDS per model, split by where it comes from", _basis(frame, what))
 
 
+LABEL_SIDES = ("middle right", "middle left", "top right", "bottom left", "bottom right", "top left")
+"""The places a point's label takes in turn while the points before it sit too close (`_label_sides`)."""
+
+
 def _label_sides(x: np.ndarray, y: np.ndarray) -> list[str]:
-    """Text positions for point labels: right of each point, alternately above and below it where a neighbour
-    (in the order of ``y``) sits close enough for the labels to overlap."""
+    """Text positions for point labels: right of each point, and where points sit close enough for their labels to
+    overlap (within 0.06 in y and 15% of the x span of one placed before, in the order of ``y``), the next free one
+    of `LABEL_SIDES` among those neighbours."""
     sides = ["middle right"] * len(x)
     span_x = max(float(np.nanmax(x) - np.nanmin(x)), 1e-9) if len(x) else 1.0
-    previous = None
+    placed: list[int] = []
     for position in np.argsort(y, kind="stable"):
-        if (
-            previous is not None
-            and abs(y[position] - y[previous]) < 0.06
-            and abs(x[position] - x[previous]) < 0.15 * span_x
-        ):
-            sides[position] = "top right" if sides[previous] != "top right" else "bottom right"
-        previous = position
+        near = [
+            other
+            for other in placed
+            if abs(y[position] - y[other]) < 0.06 and abs(x[position] - x[other]) < 0.15 * span_x
+        ]
+        taken = {sides[other] for other in near}
+        sides[position] = next(
+            (side for side in LABEL_SIDES if side not in taken), LABEL_SIDES[len(near) % 6]
+        )
+        placed.append(position)
     return sides
 
 
@@ -465,18 +473,15 @@ def depth_vs_damage(
     fig.update_layout(
         xaxis={
             "title": "excess disruption (extra nats of drop per nat of d1, past retain)",
-            "range": [-0.05 * right, right],
+            "range": [-0.12 * right, right],  # room for a label left of a point at 0
         },
-        yaxis={"title": "measured part of UDS (d2 ≤ d1); line up to UDS", "range": [-0.05, 1.12]},
+        yaxis={"title": "measured part of UDS (d2 ≤ d1)", "range": [-0.05, 1.12]},
         legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0.0, "xanchor": "left"},
     )
-    what = (
-        "filled: the measured part of UDS; open: UDS, the line between them its clipped part (d2 > d1); bars: 95% "
-        "bootstrap CIs over examples"
-    )
+    what = "filled: measured part; open: UDS (the line: its clipped part, d2 > d1); bars: 95% bootstrap CIs"
     return set_title(
         fig,
-        title or "Depth vs over-disruption: the measured part of UDS against excess disruption",
+        title or "Depth vs over-disruption: measured UDS, excess disruption",
         _basis(frame, what),
     )
 

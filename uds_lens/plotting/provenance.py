@@ -87,8 +87,8 @@ def _seconds(summary: Mapping[str, Any]) -> str | None:
     stage1, stage2 = timings.get("s1_seconds"), timings.get("s2_seconds")
     if stage1 is None and stage2 is None:
         return None
-    cached = " (Stage 1 from the cache)" if timings.get("s1_cached") else ""
-    return f"Stage 1 {float(stage1 or 0):.1f} s, Stage 2 {float(stage2 or 0):.1f} s{cached}"
+    first = "Stage 1 from the cache" if timings.get("s1_cached") else f"Stage 1 {float(stage1 or 0):.1f} s"
+    return f"{first}, Stage 2 {float(stage2 or 0):.1f} s"
 
 
 SHARED_ROWS = ("full model", "retain model", "forget set", "settings", "dtype, device", "software")

@@ -313,10 +313,12 @@ class _Page:
         caption_html = f"<figcaption>{caption}</figcaption>" if caption else ""
         self.parts.append(f'<figure class="plot">{body}{caption_html}</figure>')
 
-    def table(self, frame: pd.DataFrame, caption: str | None = None, max_rows: int = 200) -> None:
+    def table(
+        self, frame: pd.DataFrame, caption: str | None = None, max_rows: int = 200, classes: str = "data"
+    ) -> None:
         shown = frame.head(max_rows)
         body = shown.to_html(
-            index=False, classes="data", na_rep="–", float_format=lambda v: f"{v:.3f}", border=0
+            index=False, classes=classes, na_rep="–", float_format=lambda v: f"{v:.3f}", border=0
         )
         note = f" (first {max_rows} of {len(frame)} rows)" if len(frame) > max_rows else ""
         caption_html = f"<p class='caption'>{html.escape(caption)}{note}</p>" if caption else ""
@@ -343,6 +345,7 @@ table.data th, table.data td { padding: 4px 10px; border-bottom: 1px solid #e5e5
 table.data th { background: #f3f3f3; } table.data td:first-child, table.data th:first-child { text-align: left; }
 p.caption { font-size: 13px; color: #555; margin-bottom: 2px; }
 code { background: #f3f3f3; padding: 1px 4px; border-radius: 3px; }
+table.provenance th, table.provenance td { text-align: left; }
 """
 
 
@@ -504,7 +507,7 @@ def write_report(
         shared, per_model = provenance_html(scored)
         page.parts.append(shared)
         page.table(per_model, caption="Per model: the unlearned checkpoint, the examples, what was skipped and why, "
-                   "the precision, the time and when the result was saved.")  # fmt: skip
+                   "the precision, the time and when the result was saved.", classes="data provenance")  # fmt: skip
     if with_layers:
         page.heading("Layers")
         # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
@@ -559,7 +562,12 @@ def write_report(
     logger.info("wrote %s (%d figures)", out, page.n_figures)
     if figures:
         folder = out.with_name(f"{out.stem}_figures")
-        written = write_figures([(name, fig) for name, fig, _ in page.figures], folder, list(figures))
+        white = pio.templates["plotly_white"]  # the page's look, as _Page.figure gives it
+        written = write_figures(
+            [(name, go.Figure(fig).update_layout(template=white)) for name, fig, _ in page.figures],
+            folder,
+            list(figures),
+        )
         lines = [f"{name}: {caption or '(no caption)'}" for name, _, caption in page.figures]
         write_atomic(folder / "captions.txt", ("\n\n".join(lines) + "\n").encode("utf-8"))
         logger.info("wrote %d figure files to %s", len(written), folder)
