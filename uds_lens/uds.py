@@ -17,7 +17,8 @@ For every example ``i`` and layer ``l`` (one patch per layer, see ``uds_lens.pat
 0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it disrupts the full
 model's answer at least as much as a model that never saw the fact. A cell reaches ``ler = 1`` in two ways: the
 unlearned model's activation disrupts exactly as much as retain's (erasure), or more (``d2 > d1``, clipped: the
-activation is damaged, not cleaned). Two figures say which, beside UDS (they never change it):
+activation disrupts beyond removing the fact: over-disruption, which is damage only where a control such as the
+model's utility shows it). Two figures say which, beside UDS (they never change it):
 
 * **the split** ``UDS_i = uds_unclipped_i + uds_clipped_i`` ([`uds_parts`][uds_lens.uds.uds_parts]), both over
   the same denominator: ``uds_unclipped_i = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1`` (the cells whose ratio is the
@@ -157,8 +158,8 @@ def uds_parts(
 
     ``unclipped = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1``: the part whose ratio is measured (the unlearned model
     disrupts at most as much as retain); ``clipped = sum_{KE, d2 > d1} d1 / sum_KE d1``: the part from clipped cells,
-    each counted as fully erased although the unlearned activation disrupts more than retain's (damage, or erasure
-    plus damage). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
+    each counted as fully erased although the unlearned activation disrupts more than retain's (over-disruption:
+    erasure, or not, plus more). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
     (to float64 rounding: the same terms summed in two groups).
 
     Examples:

@@ -34,7 +34,9 @@ def test_score_writes_every_file(tiny, tmp_path):
     assert result.exit_code == 0, result.output
     assert "unlearned" in result.output
     # the table (after the progress bars, which end without a newline): UDS with its split and excess beside it
-    assert re.search(r"model +uds +ci95 +clipped_part +excess +scored", result.output), result.output
+    assert re.search(r"model +uds +ci95 +measured +clipped_part +excess +scored", result.output), (
+        result.output
+    )
     for name in ("unlearned", "full"):
         summary = json.loads((out / name / "summary.json").read_text())
         for key in ("uds", "ci95", "n_scored", "n_no_ke", "n_skipped", "settings", "versions", "timings"):

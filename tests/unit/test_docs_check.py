@@ -151,7 +151,7 @@ def test_a_sentence_wrapped_at_a_number_is_caught(tmp_path):
     page.write_text("# Page\n\n" + stray)
     problems = [str(p) for p in check.markdown_problems([page], root=tmp_path)]
     assert problems[0].startswith(
-        "docs/page.md:5: a wrapped sentence renders as a list item here: \"1. Patching"
+        'docs/page.md:5: a wrapped sentence renders as a list item here: "1. Patching'
     )
 
 

@@ -195,21 +195,6 @@ def write_figures(
     return written
 
 
-PLOTLYJS_MARK = "uds-lens-plotlyjs"
-"""The id of the script that carries plotly.js in a notebook (`keep_figures_in_notebooks`), for those that take it
-out again (the docs' copies: the site ships plotly.js itself)."""
-
-
-def plotlyjs_script() -> str:
-    """plotly.js inline, in one ``<script id="uds-lens-plotlyjs">``: what a notebook carries to draw offline."""
-    from plotly.offline import get_plotlyjs
-
-    return (
-        f'<script type="text/javascript" id="{PLOTLYJS_MARK}">window.PlotlyConfig = {{MathJaxConfig: "local"}};\n'
-        f"{get_plotlyjs()}</script>"
-    )
-
-
 def keep_figures_in_notebooks(offline: bool = True) -> str:
     """Store every figure a notebook displays also as HTML, so that it survives sharing the notebook, offline too.
 
@@ -233,6 +218,8 @@ def keep_figures_in_notebooks(offline: bool = True) -> str:
     """
     import plotly.io as pio
     from plotly.io.base_renderers import HtmlRenderer
+
+    from uds_lens.zoo.notebook_html import plotlyjs_script
 
     pio.renderers[HTML_RENDERER] = HtmlRenderer(connected=not offline, include_plotlyjs=False)
     pio.renderers.default = NOTEBOOK_RENDERER

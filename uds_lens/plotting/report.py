@@ -648,7 +648,7 @@ def _diagnostics_sections(
             clipped.drop(columns=[c for c in ("question",) if c in clipped.columns]),
             caption="clipped_examples.csv: the examples whose UDS_i comes more than half from clipped KE cells "
             "(d2 > d1): there the unlearned model disrupts the full model's answer more than retain does, so their "
-            "score says damage, not erasure like retain.",
+            "score says over-disruption, not erasure like retain.",
             max_rows=60,
         )
     if layerwise:

@@ -221,11 +221,25 @@ def offline_html(notebook: Any, plotly_js: str = PLOTLY_JS) -> str:
     return page[: head.end()] + loader + page[head.end() :]
 
 
-def without_embedded_plotlyjs(notebook: Any) -> int:
-    """Remove the plotly.js a notebook carries (`plotting.export.keep_figures_in_notebooks`'s output, in place),
-    for a copy shown where plotly.js is loaded otherwise (the docs' pages); returns how many outputs went."""
-    from uds_lens.plotting.export import PLOTLYJS_MARK
+PLOTLYJS_MARK = "uds-lens-plotlyjs"
+"""The id of the script that carries plotly.js in a notebook (`keep_figures_in_notebooks`), for those that take it
+out again (the docs' copies: the site ships plotly.js itself)."""
 
+
+def plotlyjs_script() -> str:
+    """plotly.js inline, in one ``<script id="uds-lens-plotlyjs">``: what a notebook carries to draw offline."""
+    from plotly.offline import get_plotlyjs
+
+    return (
+        f'<script type="text/javascript" id="{PLOTLYJS_MARK}">window.PlotlyConfig = {{MathJaxConfig: "local"}};\n'
+        f"{get_plotlyjs()}</script>"
+    )
+
+
+def without_embedded_plotlyjs(notebook: Any) -> int:
+    """Remove the plotly.js a notebook carries (`plotlyjs_script`, as `plotting.export.keep_figures_in_notebooks`
+    displays it; in place),
+    for a copy shown where plotly.js is loaded otherwise (the docs' pages); returns how many outputs went."""
     removed = 0
     for cell in notebook.cells:
         if cell.cell_type != "code" or not cell.get("outputs"):
@@ -298,11 +312,13 @@ def write_offline_html(notebooks: Sequence[Path], out_dir: Path) -> list[Path]:
 __all__ = [
     "BROWSER_ENV",
     "PLOTLY_JS",
+    "PLOTLYJS_MARK",
     "add_static_figures",
     "find_browser",
     "has_static_figures",
     "offline_html",
     "plotly_js_path",
+    "plotlyjs_script",
     "render_pngs",
     "share_notebook",
     "with_static_image",
