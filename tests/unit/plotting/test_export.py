@@ -100,6 +100,7 @@ def test_a_notebook_rendered_to_html_shows_its_figures(tmp_path, monkeypatch):
     assert page.index('id="uds-lens-plotlyjs"') < page.index(divs[0])
 
 
+@pytest.mark.slow  # a kernel and three browser runs: about 20 s
 @pytest.mark.filterwarnings("ignore:Your element with mimetype")
 @pytest.mark.skipif(find_browser() is None, reason="no Chrome/Chromium (apt-get install chromium)")
 def test_a_users_executed_notebook_shows_its_figures_offline(tmp_path, monkeypatch):
