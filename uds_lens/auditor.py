@@ -252,11 +252,8 @@ class UDSAuditor(Workbench):
         if self._retain is None and not self._retain_dropped and checkpoint is not None:
             try:  # held to the bytes Stage 1 was computed from
                 model = self._load_target(checkpoint, "retain")
-                why = (
-                    "its files now hold other weights"
-                    if checkpoint.weights_digest(model) != self._retain_weights
-                    else ""
-                )
+                same = checkpoint.weights_digest(model) == self._retain_weights
+                why = "" if same else "its files now hold other weights"
             except ModelLoadError as error:
                 why = str(error)
             if why:
@@ -414,13 +411,8 @@ class UDSAuditor(Workbench):
                 "s1": stage_digest(self.stage1),
             }
         # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
-        return with_unlearned(
-            self._base_fingerprint,
-            unlearned,
-            self.config,
-            retain_free=self.stage1.s1 is None,
-            identity=identity,
-        )
+        base, retain_free = self._base_fingerprint, self.stage1.s1 is None
+        return with_unlearned(base, unlearned, self.config, retain_free=retain_free, identity=identity)
 
     def fingerprint_payload(self) -> dict[str, Any]:
         """What the S1 cache is keyed by: full's and retain's weights (the digest of the checkpoint bytes their
@@ -598,9 +590,7 @@ class UDSAuditor(Workbench):
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
         source = self._load(checkpoint, "unlearned")
-        identity = checkpoint.loaded_fingerprint(
-            source
-        )  # the bytes this load read, never the files as they are later
+        identity = checkpoint.loaded_fingerprint(source)  # the bytes this load read, not the files now
         # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
         # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
         given = self._callers(checkpoint)

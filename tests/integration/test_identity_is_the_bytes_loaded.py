@@ -164,6 +164,7 @@ def test_a_model_replaced_between_the_reuse_decision_and_its_load_is_saved_under
     """``score`` decides reuse from the files as they are, then loads: a model replaced in between is scored and
     saved under the digest of the bytes loaded, so the next run does not "reuse" a number of other weights."""
     import uds_lens.scoring as scoring
+    from uds_lens.results import load_reusable
 
     model = _copy(tiny.unlearned, tmp_path / "model")
     other = tiny.variant(tmp_path / "other", seed=25, base=tiny.full, noise=0.15)
@@ -171,7 +172,7 @@ def test_a_model_replaced_between_the_reuse_decision_and_its_load_is_saved_under
     _settle()
     score_tiny(tiny, out, cache, unlearned={"u": model})
     (out / "u" / "examples.csv").write_text("damaged")  # so the rerun decides, then recomputes
-    decide = scoring.load_reusable
+    decide = load_reusable  # the name `scoring` calls
 
     def decide_then_replace(target, fingerprint):
         decided = decide(target, fingerprint)
@@ -181,7 +182,7 @@ def test_a_model_replaced_between_the_reuse_decision_and_its_load_is_saved_under
 
     monkeypatch.setattr(scoring, "load_reusable", decide_then_replace)
     again = score_tiny(tiny, out, cache, unlearned={"u": model})["u"]
-    monkeypatch.setattr(scoring, "load_reusable", decide)
+    monkeypatch.setattr(scoring, "load_reusable", load_reusable)
     truth = score_tiny(tiny, tmp_path / "out-truth", cache, unlearned={"u": other})["u"]
     assert again.meta["fingerprint"]["unlearned"] == "files:" + _digest_of_bytes(other, tmp_path)
     assert again.uds == pytest.approx(truth.uds, abs=1e-6)
