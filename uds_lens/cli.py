@@ -269,8 +269,12 @@ def sweep(
 
 @zoo_app.command("build")
 def zoo_build(
-    out: Path = typer.Option(..., help="Zoo directory (resumable: valid models are reused)."),
-    size: str = typer.Option("test", help="test | default."),
+    out: Path | None = typer.Option(
+        None, help="Zoo directory (resumable: valid models are reused; default ~/.cache/uds_lens/zoo-SIZE)."
+    ),
+    size: str = typer.Option(
+        "test", help="test | default | notebook | smollm2 (fine-tuned from the pretrained SmolLM2-135M)."
+    ),
     seed: int = typer.Option(0),
     threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
     retain_data: Path | None = typer.Option(None, help="Your own retain QA set (published schema)."),
@@ -279,6 +283,14 @@ def zoo_build(
         None, help="Your own holdout QA set (default: carved from retain)."
     ),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
+    pool_size: int | None = typer.Option(
+        None, min=1, help="Models in each pool (P and N; default: the size's). The paper used 30 + 30."
+    ),
+    sweep: list[float] | None = typer.Option(
+        None,
+        help="Learning-rate factor of an unlearning sweep for the robustness pool (repeat the option; "
+        "default: the size's).",
+    ),
     overwrite: bool = typer.Option(
         False, help="Replace a zoo in OUT built from other data or another shape."
     ),
@@ -290,8 +302,10 @@ def zoo_build(
     ),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
+    from uds_lens.files import zoo_root
     from uds_lens.zoo.build import build_zoo
 
+    out = out if out is not None else zoo_root(size)
     zoo = build_zoo(
         out,
         size=size,
@@ -303,6 +317,8 @@ def zoo_build(
         pools=pools,
         overwrite=overwrite,
         base=base,
+        pool_size=pool_size,
+        sweep=sweep or None,
     )
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")

@@ -36,7 +36,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
 
+from .bases import pretrained_base
 from .checks import check, evaluate
 from .recipe import (
     SIZES,
@@ -62,7 +63,7 @@ from .recipe import (
     ZooSize,
     plan_models,
 )
-from .tokenizer import CHAT_TEMPLATE, train_tokenizer
+from .tokenizer import chat_template_for, train_tokenizer
 from .train import QASequence, encode_qa, init_model, make_config, train_lm
 from .training_data import ZooData, load_data, subset_fraction, tokenizer_corpus, training_sequences
 from .unlearn import unlearn, unlearning_steps
@@ -172,6 +173,8 @@ def build_zoo(
     strict: bool = True,
     overwrite: bool = False,
     base: str | os.PathLike | None = None,
+    pool_size: int | None = None,
+    sweep: Sequence[float] | None = None,
 ) -> Zoo:
     """Build (or resume building) a model zoo in ``out_dir``; see the module docstring for the recipe and layout.
 
@@ -193,7 +196,12 @@ def build_zoo(
             default that is refused, so a typo in ``size`` or ``seed`` cannot wipe a built zoo).
         base: A pretrained Llama checkpoint (directory, ``.gguf`` or hub id) to fine-tune every model from, with
             its own tokenizer, instead of a base trained from scratch with a trained tokenizer. The size's
-            architecture is then ignored (the base's is used); its recipe (epochs, learning rates) is kept.
+            architecture is then ignored (the base's is used); its recipe (epochs, learning rates) is kept. A size
+            that names its own base (``"smollm2"``) finds it without this (`uds_lens.zoo.bases`).
+        pool_size: Models in each meta-evaluation pool (P and N), instead of the size's ``pool_variants``: a few
+            on a CPU, the paper's 30 on a GPU.
+        sweep: Learning-rate factors of the unlearning sweep (role ``sweep``: every method again at each factor, for
+            the meta-evaluation's robustness pool), instead of the size's ``unlearning_sweep``; ``()`` for none.
 
     Returns:
         The loaded `Zoo`.
@@ -208,6 +216,13 @@ def build_zoo(
         size_spec, size_name = SIZES[size], size
     else:
         raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)} or pass a ZooSize")
+    if pool_size is not None:
+        size_spec = replace(size_spec, pool_variants=pool_size)
+    if sweep is not None:
+        size_spec = replace(size_spec, unlearning_sweep=tuple(sweep))
+    base_name = None
+    if base is None and size_spec.base is not None:
+        base_name, base = size_spec.base, pretrained_base(size_spec.base)
     root = Path(out_dir)
     # before anything is trained: the zoo never holds or lies inside the data or the base it is built from
     check_outputs_apart(
@@ -235,6 +250,7 @@ def build_zoo(
             strict,
             overwrite,
             base,
+            base_name,
         )
     return load_zoo(root)
 
@@ -297,13 +313,14 @@ def _build_locked(
     strict: bool,
     overwrite: bool,
     base: str | os.PathLike | None = None,
+    base_name: str | None = None,
 ) -> None:
     """The build, step by step: data, tokenizer, fingerprints, then each model (reused or trained), then the
     manifest."""
     started = time.perf_counter()
     data = load_data(size, seed, retain_data, forget_data, holdout_data)
     paths = _write_data(root, data, size, size_name, seed, overwrite)
-    base_identity = _base_identity(base) if base is not None else None
+    base_identity = _base_identity(base, base_name) if base is not None else None
     tokenizer = _prepare_tokenizer(root / "tokenizer", data, size, base, base_identity)
     context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity)
     specs = _plan(size, seed, pools, data, base_identity)
@@ -378,9 +395,10 @@ def _prepare_tokenizer(
             train_tokenizer(tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(tokenizer_dir)
             write_atomic(stamp, corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **SAFE_LOAD_KWARGS)
-    if tokenizer.chat_template != CHAT_TEMPLATE:
-        # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
-        tokenizer.chat_template = CHAT_TEMPLATE
+    template = chat_template_for(tokenizer)
+    if tokenizer.chat_template != template:
+        # a base's own template, or a zoo built by an older version: same vocabulary (so its models stay valid)
+        tokenizer.chat_template = template
         tokenizer.save_pretrained(tokenizer_dir)
     return tokenizer
 
@@ -437,7 +455,7 @@ def _reuse(build: _Build, spec: ModelSpec, fingerprint: str) -> dict[str, Any] |
     logger.info("zoo: reusing %s", spec.name)
     _refresh_tokenizer_files(build.tokenizer_dir, model_dir)
     if spec.name in ("full", "retain"):
-        check(spec, meta["metrics"], build.checks, build.strict)
+        check(spec, meta["metrics"], build.checks, build.strict, build.size.full_min_forget_accuracy)
     return meta
 
 
@@ -454,7 +472,7 @@ def _build_model(
     model, sequences, steps = _starting_point(build, spec, in_memory, children)
     computed = _train(build, spec, model, sequences, steps)
     metrics = evaluate(model, build.tokenizer, build.data)
-    check(spec, metrics, build.checks, build.strict)
+    check(spec, metrics, build.checks, build.strict, build.size.full_min_forget_accuracy)
     model_dir = build.model_dir(spec.name)
     _save(model, build.tokenizer, model_dir)
     meta = {
@@ -618,11 +636,12 @@ def _refuse_to_replace(
         )
 
 
-def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
-    """What the zoo's fingerprints record about a pretrained base: where it is, its files, its architecture."""
+def _base_identity(base: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
+    """What the zoo's fingerprints record about a pretrained base: where it is (a named base: its name, so the zoo
+    does not depend on where the cache root is), its files, its architecture."""
     checkpoint = Checkpoint.resolve(base)
     signature = asdict(ArchitectureSignature.of_config(checkpoint.config))  # a supported family (config says)
-    return {"source": str(base), "stamp": checkpoint.digest, "shape": signature}
+    return {"source": name or str(base), "stamp": checkpoint.digest, "shape": signature}
 
 
 def _load_pretrained_base(base: str | os.PathLike) -> LlamaForCausalLM:
