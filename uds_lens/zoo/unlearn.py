@@ -90,13 +90,24 @@ def answer_positions(labels: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch p
     return mask
 
 
+class _StopForward(Exception):
+    """Raised by `capture_block_output`'s hook once it has the block's output: nothing after it is needed."""
+
+
 @contextmanager
-def capture_block_output(model: LlamaForCausalLM, layer: int):
-    """Record the raw residual stream after decoder block ``layer`` (before any final norm) in ``store["h"]``."""
+def capture_block_output(model: LlamaForCausalLM, layer: int, stop: bool = False):
+    """Record the raw residual stream after decoder block ``layer`` (before any final norm) in ``store["h"]``.
+
+    With ``stop``, the forward pass ends there (the hook raises, and the block's caller gets the exception): the
+    blocks above ``layer`` and the unembedding are not run, which is most of the cost for an early layer of a deep
+    model. The output recorded is the same either way (the blocks up to ``layer`` compute it alone).
+    """
     store: dict[str, Tensor] = {}
 
     def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
         store["h"] = output[0] if isinstance(output, tuple) else output
+        if stop:
+            raise _StopForward
 
     handle = model.model.layers[layer].register_forward_hook(hook)
     try:
@@ -106,9 +117,12 @@ def capture_block_output(model: LlamaForCausalLM, layer: int):
 
 
 def block_output(model: LlamaForCausalLM, input_ids: Int[Tensor, "batch pos"], layer: int) -> Tensor:
-    """The residual stream after block ``layer``, shape ``(batch, pos, d_model)``."""
-    with capture_block_output(model, layer) as store:
-        model(input_ids=input_ids)
+    """The residual stream after block ``layer``, shape ``(batch, pos, d_model)`` (the blocks above it not run)."""
+    with capture_block_output(model, layer, stop=True) as store:
+        try:
+            model(input_ids=input_ids)
+        except _StopForward:
+            pass
     return store["h"]
 
 

@@ -19,6 +19,7 @@ from uds_lens.zoo.train import (
 from uds_lens.zoo.unlearn import (
     answer_positions,
     block_output,
+    capture_block_output,
     graddiff_loss,
     idknll_loss,
     npo_loss,
@@ -139,6 +140,28 @@ def test_rmu_moves_forget_activations_and_trains_only_its_window(unlearning_inpu
         after = block_output(unlearned, forget[0], 1)[mask]
         original = block_output(model, forget[0], 1)[mask]
     assert after.norm(dim=-1).mean() > original.norm(dim=-1).mean()
+
+
+def test_block_output_stops_after_its_block_with_the_same_values(unlearning_inputs):
+    model, forget, *_ = unlearning_inputs
+    ran = []
+    handles = [
+        block.register_forward_hook(lambda *_, i=i: ran.append(i))
+        for i, block in enumerate(model.model.layers)
+    ]
+    handles.append(model.lm_head.register_forward_hook(lambda *_: ran.append("lm_head")))
+    try:
+        early = block_output(model, forget[0], 0)
+        assert ran == [0]  # neither the blocks above nor the unembedding ran
+        ran.clear()
+        with torch.no_grad(), capture_block_output(model, 0) as store:
+            model(input_ids=forget[0])
+        assert ran == [0, 1, 2, "lm_head"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the same blocks on the same input: the values do not depend on whether the forward goes on
+    assert torch.equal(early.detach(), store["h"])
 
 
 @pytest.mark.parametrize("method", ["graddiff", "npo", "simnpo", "idknll"])
