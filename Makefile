@@ -85,7 +85,8 @@ test: lint
 
 # The documentation site into site/ (open site/index.html from disk), warnings as errors, offline. It shows the
 # notebooks executed with FAST = True on the zoo DOCS_ZOO names (test: the 4-layer test zoo; notebook: the 8-layer
-# zoo the notebooks use on their own; or a zoo directory), into docs/tutorials/ (ignored by git): a copy whose
+# zoo the notebooks use on their own; smollm2: the 30-layer zoo fine-tuned from SmolLM2-135M, built first when it is
+# missing; or a zoo directory), into docs/tutorials/ (ignored by git): a copy whose
 # inputs did not change (notebook, package, libraries, zoo) is reused, the others are executed first (a cell that
 # fails stops the build). Then docs/check_docs.py: no Sphinx role, dead reference or machine path on any page.
 # docs/maintainers/docs.md has the details and timings.

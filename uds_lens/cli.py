@@ -267,6 +267,19 @@ def sweep(
         raise typer.Exit(1)
 
 
+def _build_threads(threads: int | None, size: str) -> int:
+    """The threads a zoo is built with: the ones asked for, else the size's own (`ZooSize.threads`), else 2.
+
+    A zoo's models are reused only when built with the same threads, so the default has to be the one its size is
+    built with everywhere (the notebooks and the docs build the smollm2 zoo with one thread)."""
+    if threads is not None:
+        return threads
+    from uds_lens.zoo.recipe import SIZES
+
+    known = SIZES.get(size)
+    return known.threads if known is not None and known.threads is not None else 2
+
+
 @zoo_app.command("build")
 def zoo_build(
     out: Path | None = typer.Option(
@@ -276,7 +289,10 @@ def zoo_build(
         "test", help="test | default | notebook | smollm2 (fine-tuned from the pretrained SmolLM2-135M)."
     ),
     seed: int = typer.Option(0),
-    threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
+    threads: int | None = typer.Option(
+        None,
+        help="torch threads during the build (results depend on it; default 2, or the size's own: 1 for smollm2).",
+    ),
     retain_data: Path | None = typer.Option(None, help="Your own retain QA set (published schema)."),
     forget_data: Path | None = typer.Option(None, help="Your own forget QA set (published schema)."),
     holdout_data: Path | None = typer.Option(
@@ -310,7 +326,7 @@ def zoo_build(
         out,
         size=size,
         seed=seed,
-        threads=threads,
+        threads=_build_threads(threads, size),
         retain_data=retain_data,
         forget_data=forget_data,
         holdout_data=holdout_data,
@@ -329,7 +345,9 @@ def demo(
     out: Path = typer.Option(Path("demo_out"), help="Where results and report.html go."),
     zoo_dir: Path | None = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
     size: str = typer.Option("default", help="Zoo size: test | default."),
-    threads: int = typer.Option(2),
+    threads: int | None = typer.Option(
+        None, help="torch threads (default 2, or the size's own: 1 for smollm2)."
+    ),
     no_preview: bool = typer.Option(
         False, "--no-preview", help="Do not score the test-size zoo first while the requested zoo is unbuilt."
     ),
@@ -365,7 +383,11 @@ def demo(
         show(table)
 
     table = run_demo(
-        out, zoo_dir=zoo_dir, size=size, threads=threads, on_preview=None if no_preview else preview
+        out,
+        zoo_dir=zoo_dir,
+        size=size,
+        threads=_build_threads(threads, size),
+        on_preview=None if no_preview else preview,
     )
     typer.echo(f"UDS on the {size} zoo, after {time.perf_counter() - started:.0f} s:")
     show(table)

@@ -42,7 +42,9 @@ class ZooSize:
     architecture and tokenizer replace ``shape`` and the trained tokenizer; ``base_epochs`` / ``base_lr`` are then
     unused); None trains a base from scratch. ``forget_fraction`` is the share of the trained authors in the forget
     split (TOFU forget10: 0.1). ``full_min_forget_accuracy`` is the build check's bound on how many forget entities
-    ``full`` must get right (`uds_lens.zoo.checks`).
+    ``full`` must get right (`uds_lens.zoo.checks`). ``threads``: the torch threads ``uds-lens zoo build`` and
+    ``uds-lens demo`` build the size with when none are asked for (None: 2); a zoo's models are reused only when
+    built with the same threads.
     """
 
     n_authors: int
@@ -60,6 +62,7 @@ class ZooSize:
     forget_fraction: float = FORGET_FRACTION
     base: str | None = None
     full_min_forget_accuracy: float = 0.95
+    threads: int | None = None
 
 
 def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
@@ -137,6 +140,9 @@ SIZES: dict[str, ZooSize] = {
         finetune_lr=4e-4,
         batch_size=4,
         full_min_forget_accuracy=0.9,
+        # One thread, as build_zoo, the notebooks and the docs build it: on a small shared CPU two threads that
+        # cannot both be scheduled trained it 1.8x slower (measured), and a zoo is reused only at the same threads.
+        threads=1,
         unlearning=_pretrained_unlearning_settings(),
         rmu_layers=(9, 19, 29),
         pool_variants=3,

@@ -60,3 +60,46 @@ def test_the_cli_reports_a_missing_base_package_in_one_line(monkeypatch, capsys,
     line = one_line_error(monkeypatch, capsys, "zoo", "build", "--size", "smollm2", "--out", tmp_path / "zoo")
     assert "no-such-distribution-x" in line and "pip install" in line
     assert not (tmp_path / "zoo").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "threads"),
+    [
+        (["--size", "smollm2"], 1),  # the size's own: the notebooks and the docs build it with one thread
+        (["--size", "test"], 2),  # the command line's default, as before
+        (["--size", "smollm2", "--threads", "2"], 2),
+    ],
+)
+def test_zoo_build_threads_default_to_the_sizes_own(monkeypatch, tmp_path, argv, threads):
+    from typer.testing import CliRunner
+
+    from uds_lens.cli import app
+
+    asked = {}
+
+    def build_zoo(out, **kwargs):
+        asked.update(kwargs, out=out)
+        raise ZooBuildError("stop here")
+
+    monkeypatch.setattr("uds_lens.zoo.build.build_zoo", build_zoo)
+    result = CliRunner().invoke(
+        app, ["zoo", "build", "--out", str(tmp_path / "z"), *argv, "--pool-size", "4"]
+    )
+    assert isinstance(result.exception, ZooBuildError)
+    assert asked["threads"] == threads and asked["pool_size"] == 4 and asked["sweep"] is None
+
+
+def test_zoo_build_passes_a_sweep(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from uds_lens.cli import app
+
+    asked = {}
+
+    def build_zoo(out, **kwargs):
+        asked.update(kwargs)
+        raise ZooBuildError("stop here")
+
+    monkeypatch.setattr("uds_lens.zoo.build.build_zoo", build_zoo)
+    CliRunner().invoke(app, ["zoo", "build", "--out", str(tmp_path / "z"), "--sweep", "0.5", "--sweep", "2"])
+    assert asked["sweep"] == [0.5, 2.0]
