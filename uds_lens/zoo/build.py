@@ -548,6 +548,7 @@ def _train(
                 pad_id=tokenizer.pad_token_id,
                 batch_size=int(spec.hyperparams["batch_size"]),
                 on_step=bar.update,
+                mixed_precision=bool(spec.hyperparams.get("mixed_precision", False)),
             )
             computed["final_train_loss"] = round(losses[-1], 5)
         else:

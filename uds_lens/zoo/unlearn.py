@@ -18,6 +18,7 @@ Each step pairs a forget batch with a retain batch drawn at random. Every loss f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -138,12 +139,12 @@ def rmu_loss(
     """RMU: push forget activations at ``layer`` toward ``control`` (= c u), keep retain activations where they were."""
     forget_mask = answer_positions(forget[1])
     retain_mask = answer_positions(retain[1])
-    forget_hidden = block_output(model, forget[0], layer)
+    forget_hidden = block_output(model, forget[0], layer).float()  # fp32 sums under a bf16 autocast too
     forget_error = ((forget_hidden - control) ** 2).mean(dim=-1)
     forget_loss = (forget_error * forget_mask).sum() / forget_mask.sum().clamp(min=1.0)
-    retain_hidden = block_output(model, retain[0], layer)
+    retain_hidden = block_output(model, retain[0], layer).float()
     with torch.no_grad():
-        retain_reference = block_output(frozen, retain[0], layer)
+        retain_reference = block_output(frozen, retain[0], layer).float()
     retain_error = ((retain_hidden - retain_reference) ** 2).mean(dim=-1)
     retain_loss = (retain_error * retain_mask).sum() / retain_mask.sum().clamp(min=1.0)
     return forget_loss + alpha * retain_loss
@@ -180,7 +181,8 @@ def unlearn(
         forget: Forget sequences (question + true answer).
         retain: Retain sequences; one random retain batch accompanies each forget batch.
         hyperparams: ``lr``, ``epochs``, ``batch_size``, ``alpha`` and the method's own (``beta``; ``gamma``,
-            ``delta``; ``layer``, ``steering_coef_rel``, ``layers_below``).
+            ``delta``; ``layer``, ``steering_coef_rel``, ``layers_below``); ``mixed_precision``: the losses'
+            forward passes under bf16 autocast (weights and updates stay fp32).
         seed: Batch order, retain pairing and RMU's random direction.
         pad_id: Padding token id.
         forget_idk: For IdkNLL, the forget questions with refusal answers (same order as ``forget``).
@@ -218,6 +220,12 @@ def unlearn(
         extra = {"steering_coef": round(coef, 4), "trained_layers": list(range(first, layer + 1))}
     optimizer = torch.optim.AdamW(trainable, lr=float(hyperparams["lr"]), weight_decay=0.0)
     source = forget_idk if method == "idknll" else forget
+    device_type = next(model.parameters()).device.type
+    autocast = (
+        (lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+        if hyperparams.get("mixed_precision")
+        else contextlib.nullcontext
+    )
     model.train()
     for _ in range(epochs):
         permutation = torch.randperm(len(forget), generator=generator).tolist()
@@ -226,30 +234,10 @@ def unlearn(
             forget_batch = collate([source[i] for i in chosen], pad_id)
             retain_pick = torch.randint(len(retain), (len(chosen),), generator=generator).tolist()
             retain_batch = collate([retain[i] for i in retain_pick], pad_id)
-            if method == "graddiff":
-                loss = graddiff_loss(model, forget_batch, retain_batch, alpha)
-            elif method == "npo":
-                with torch.no_grad():
-                    reference, _ = sequence_logprobs(
-                        frozen(input_ids=forget_batch[0]).logits, forget_batch[1]
-                    )
-                loss = npo_loss(
-                    model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha
+            with autocast():
+                loss = _loss(
+                    method, model, frozen, forget_batch, retain_batch, hyperparams, layer, control, alpha
                 )
-            elif method == "simnpo":
-                loss = simnpo_loss(
-                    model,
-                    forget_batch,
-                    retain_batch,
-                    float(hyperparams["beta"]),
-                    float(hyperparams["gamma"]),
-                    float(hyperparams["delta"]),
-                    alpha,
-                )
-            elif method == "idknll":
-                loss = idknll_loss(model, forget_batch, retain_batch, alpha)
-            else:
-                loss = rmu_loss(model, frozen, forget_batch, retain_batch, layer, control, alpha)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -260,6 +248,39 @@ def unlearn(
         parameter.requires_grad_(True)
     model.eval()
     return extra
+
+
+def _loss(
+    method: str,
+    model: LlamaForCausalLM,
+    frozen: LlamaForCausalLM,
+    forget_batch: Batch,
+    retain_batch: Batch,
+    hyperparams: dict[str, Any],
+    layer: int,
+    control: Tensor,
+    alpha: float,
+) -> Tensor:
+    """One step's loss of ``method`` on a forget and a retain batch (the module docstring's objectives)."""
+    if method == "graddiff":
+        return graddiff_loss(model, forget_batch, retain_batch, alpha)
+    if method == "npo":
+        with torch.no_grad():
+            reference, _ = sequence_logprobs(frozen(input_ids=forget_batch[0]).logits, forget_batch[1])
+        return npo_loss(model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha)
+    if method == "simnpo":
+        return simnpo_loss(
+            model,
+            forget_batch,
+            retain_batch,
+            float(hyperparams["beta"]),
+            float(hyperparams["gamma"]),
+            float(hyperparams["delta"]),
+            alpha,
+        )
+    if method == "idknll":
+        return idknll_loss(model, forget_batch, retain_batch, alpha)
+    return rmu_loss(model, frozen, forget_batch, retain_batch, layer, control, alpha)
 
 
 def unlearning_steps(n_forget: int, hyperparams: dict[str, Any]) -> int:

@@ -164,6 +164,25 @@ def test_block_output_stops_after_its_block_with_the_same_values(unlearning_inpu
     assert torch.equal(early.detach(), store["h"])
 
 
+@pytest.mark.parametrize("method", ["npo", "rmu"])
+def test_unlearning_in_mixed_precision_runs_its_losses_in_bf16(unlearning_inputs, method):
+    model, _, _, _, (forget_seqs, retain_seqs, _, pad) = unlearning_inputs
+    hyperparams = {"lr": 1e-3, "epochs": 1, "batch_size": 4, "alpha": 1.0, "beta": 0.1}
+    hyperparams |= {"layer": 1, "steering_coef_rel": 2.0, "mixed_precision": True}
+    unlearned = copy.deepcopy(model)
+    dtypes = set()
+    unlearned.model.layers[1].mlp.register_forward_hook(
+        lambda module, inputs, output: dtypes.add(output.dtype)
+    )
+    before = copy.deepcopy(unlearned.state_dict())
+    unlearn(unlearned, method, forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad)
+    # (RMU also reads its frozen copy's activation norm once, in fp32, to scale its steering vector)
+    assert torch.bfloat16 in dtypes and (method == "rmu" or dtypes == {torch.bfloat16})
+    state = unlearned.state_dict()
+    assert all(state[k].dtype == torch.float32 for k in state)
+    assert any(not torch.equal(state[k], before[k]) for k in state)
+
+
 @pytest.mark.parametrize("method", ["graddiff", "npo", "simnpo", "idknll"])
 def test_unlearn_moves_forget_likelihood(unlearning_inputs, method):
     model, forget, _, idk, (forget_seqs, retain_seqs, idk_seqs, pad) = unlearning_inputs
