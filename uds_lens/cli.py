@@ -307,6 +307,7 @@ def zoo_build(
         help="Learning-rate factor of an unlearning sweep for the robustness pool (repeat the option; "
         "default: the size's).",
     ),
+    device: str = typer.Option("cpu", help="Where the models train: cpu, or cuda (a GPU)."),
     overwrite: bool = typer.Option(
         False, help="Replace a zoo in OUT built from other data or another shape."
     ),
@@ -335,6 +336,7 @@ def zoo_build(
         base=base,
         pool_size=pool_size,
         sweep=sweep or None,
+        device=device,
     )
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")

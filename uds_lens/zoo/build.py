@@ -19,8 +19,9 @@ the zoo's QA chat template is attached to it); steps 2-4 fine-tune from it with 
 world or the user's QA data. That is the realistic small-scale analogue of the paper's setting (TOFU models
 fine-tuned from Llama-3.2-1B): a real pretrained model whose prior knowledge the forget facts sit next to. Measured:
 from the test zoo's 4-layer base with ``size="test", pools=False`` the 11 models take ~2 min on 2 CPU threads
-(``tests/integration/test_zoo_pretrained_base.py``); from SmolLM2-135M, use a GPU and a ``ZooSize`` whose learning
-rates suit a pretrained model (the test size's are for training a tiny model from scratch).
+(``tests/integration/test_zoo_pretrained_base.py``). The ``smollm2`` size is that with SmolLM2-135M and learning
+rates that suit a pretrained model (``uds-lens zoo build --size smollm2``; it names its base itself,
+`uds_lens.zoo.bases`); its build time, memory and disk are on the docs page "UDS on a real model".
 
 Builds are resumable: a model directory whose ``zoo_meta.json`` records the same fingerprint (hyperparameters, data,
 tokenizer, parent, shape, threads) is reused. A file lock (``.zoo.lock``) serialises concurrent builders of one directory.
@@ -175,6 +176,7 @@ def build_zoo(
     base: str | os.PathLike | None = None,
     pool_size: int | None = None,
     sweep: Sequence[float] | None = None,
+    device: str = "cpu",
 ) -> Zoo:
     """Build (or resume building) a model zoo in ``out_dir``; see the module docstring for the recipe and layout.
 
@@ -202,6 +204,8 @@ def build_zoo(
             on a CPU, the paper's 30 on a GPU.
         sweep: Learning-rate factors of the unlearning sweep (role ``sweep``: every method again at each factor, for
             the meta-evaluation's robustness pool), instead of the size's ``unlearning_sweep``; ``()`` for none.
+        device: Where the models train (``"cuda"``: a GPU); saved the same way. A device other than the CPU is part
+            of every model's fingerprint (its numbers differ), so a zoo built on a GPU is not mistaken for this one.
 
     Returns:
         The loaded `Zoo`.
@@ -251,6 +255,7 @@ def build_zoo(
             overwrite,
             base,
             base_name,
+            device,
         )
     return load_zoo(root)
 
@@ -269,6 +274,7 @@ class _Build:
     strict: bool
     base: str | os.PathLike | None
     sequences: _UnlearningSequences
+    device: str = "cpu"
     checks: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -314,6 +320,7 @@ def _build_locked(
     overwrite: bool,
     base: str | os.PathLike | None = None,
     base_name: str | None = None,
+    device: str = "cpu",
 ) -> None:
     """The build, step by step: data, tokenizer, fingerprints, then each model (reused or trained), then the
     manifest."""
@@ -322,7 +329,7 @@ def _build_locked(
     paths = _write_data(root, data, size, size_name, seed, overwrite)
     base_identity = _base_identity(base, base_name) if base is not None else None
     tokenizer = _prepare_tokenizer(root / "tokenizer", data, size, base, base_identity)
-    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity)
+    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity, device)
     specs = _plan(size, seed, pools, data, base_identity)
     build = _Build(
         root,
@@ -335,6 +342,7 @@ def _build_locked(
         strict,
         base,
         _UnlearningSequences.encode(data, tokenizer, seed),
+        device,
     )
     fingerprints: dict[str, str] = {}
     in_memory: dict[str, LlamaForCausalLM] = {}
@@ -409,8 +417,10 @@ def _fingerprint_context(
     size: ZooSize,
     threads: int,
     base_identity: dict[str, Any] | None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base)."""
+    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base,
+    and a device other than the CPU)."""
     context = {
         "data": files_digest([paths["forget"], paths["retain"], paths["holdout"]], length=16),
         "tokenizer": files_digest([tokenizer_dir / "tokenizer.json"], length=16),
@@ -421,6 +431,8 @@ def _fingerprint_context(
         # Only with a base: the default and test zoos' fingerprints (and so the shared caches) stay as they were.
         context["base"] = base_identity
         context["shape"] = base_identity["shape"]
+    if device != "cpu":
+        context["device"] = device
     return context
 
 
@@ -470,6 +482,7 @@ def _build_model(
     ``zoo_meta.json``; that meta and the model."""
     model_started = time.perf_counter()
     model, sequences, steps = _starting_point(build, spec, in_memory, children)
+    model = model.to(build.device)  # made on the CPU (seeded there), trained where the build runs
     computed = _train(build, spec, model, sequences, steps)
     metrics = evaluate(model, build.tokenizer, build.data)
     check(spec, metrics, build.checks, build.strict, build.size.full_min_forget_accuracy)

@@ -82,16 +82,17 @@ def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
 
 
 def _pretrained_unlearning_settings() -> dict[str, dict[str, Any]]:
-    """Per-method settings for a zoo fine-tuned from a pretrained base (SmolLM2-135M): learning rates of the paper's
-    order for a pretrained model, tuned on a reduced build so that the forget answers change and the retain answers
-    stay; RMU trains its target block and the two below it, as the paper's RMU does."""
+    """Per-method settings for a zoo fine-tuned from a pretrained base (SmolLM2-135M): 20 steps (5 passes over the
+    forget set) whose learning rate moves the weights by about 4% of what fine-tuning moved them (lr x steps), the
+    share that unlearns the test zoo; alpha 1 (the paper's grid) keeps the retain answers. RMU trains its target
+    block and the two below it, as the paper's RMU does, at three times the rate (three blocks instead of all)."""
     common = {"epochs": 5, "batch_size": 8, "mixed_precision": True}
     return {
-        "graddiff": {**common, "lr": 5e-5, "alpha": 1.0},
-        "npo": {**common, "lr": 5e-5, "alpha": 1.0, "beta": 0.1},
-        "simnpo": {**common, "lr": 5e-5, "alpha": 1.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
-        "idknll": {**common, "lr": 5e-5, "alpha": 1.0},
-        "rmu": {**common, "lr": 1e-4, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 2},
+        "graddiff": {**common, "lr": 1e-4, "alpha": 1.0},
+        "npo": {**common, "lr": 1e-4, "alpha": 1.0, "beta": 0.1},
+        "simnpo": {**common, "lr": 1e-4, "alpha": 1.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "idknll": {**common, "lr": 1e-4, "alpha": 1.0},
+        "rmu": {**common, "lr": 3e-4, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 2},
     }
 
 

@@ -405,7 +405,7 @@ def entity_accuracy(
         input_ids = torch.full((len(chunk), length), tokenizer.pad_token_id, dtype=torch.long)
         for row, probe in enumerate(chunk):
             input_ids[row, : len(probe.input_ids)] = torch.tensor(probe.input_ids)
-        predictions = model(input_ids=input_ids).logits.argmax(dim=-1)
+        predictions = model(input_ids=input_ids.to(model.device)).logits.argmax(dim=-1).cpu()
         for row, probe in enumerate(chunk):
             hits = [
                 int(predictions[row, pos].item()) == label

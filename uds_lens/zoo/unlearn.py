@@ -86,7 +86,7 @@ def idknll_loss(model: LlamaForCausalLM, forget_idk: Batch, retain: Batch, alpha
 
 def answer_positions(labels: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos"]:
     """1.0 at the positions whose next token is an answer token (the positions UDS reads), else 0.0."""
-    mask = torch.zeros(labels.shape, dtype=torch.float32)
+    mask = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     mask[:, :-1] = (labels[:, 1:] != IGNORE_INDEX).float()
     return mask
 
@@ -155,7 +155,8 @@ def mean_activation_norm(
     model: LlamaForCausalLM, sequences: Sequence[QASequence], layer: int, pad_id: int
 ) -> float:
     """Mean L2 norm of the residual after ``layer`` at answer-predicting positions (scales RMU's coefficient)."""
-    input_ids, labels = collate(sequences, pad_id)
+    device = next(model.parameters()).device
+    input_ids, labels = (tensor.to(device) for tensor in collate(sequences, pad_id))
     mask = answer_positions(labels)
     norms = block_output(model, input_ids, layer).norm(dim=-1)
     return float((norms * mask).sum() / mask.sum().clamp(min=1.0))
@@ -200,6 +201,7 @@ def unlearn(
     epochs = int(hyperparams["epochs"])
     alpha = float(hyperparams["alpha"])
     extra: dict[str, Any] = {}
+    device = next(model.parameters()).device  # the batches are made on the CPU and moved to the model
     frozen = copy.deepcopy(model).eval()
     for parameter in frozen.parameters():
         parameter.requires_grad_(False)
@@ -216,13 +218,12 @@ def unlearn(
         direction = torch.rand(model.config.hidden_size, generator=generator)
         direction = direction / direction.norm()
         coef = float(hyperparams["steering_coef_rel"]) * mean_activation_norm(frozen, forget, layer, pad_id)
-        control = coef * direction
+        control = (coef * direction).to(device)
         extra = {"steering_coef": round(coef, 4), "trained_layers": list(range(first, layer + 1))}
     optimizer = torch.optim.AdamW(trainable, lr=float(hyperparams["lr"]), weight_decay=0.0)
     source = forget_idk if method == "idknll" else forget
-    device_type = next(model.parameters()).device.type
     autocast = (
-        (lambda: torch.autocast(device_type, dtype=torch.bfloat16))
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         if hyperparams.get("mixed_precision")
         else contextlib.nullcontext
     )
@@ -231,9 +232,9 @@ def unlearn(
         permutation = torch.randperm(len(forget), generator=generator).tolist()
         for begin in range(0, len(permutation), batch_size):
             chosen = permutation[begin : begin + batch_size]
-            forget_batch = collate([source[i] for i in chosen], pad_id)
+            forget_batch = _on(device, collate([source[i] for i in chosen], pad_id))
             retain_pick = torch.randint(len(retain), (len(chosen),), generator=generator).tolist()
-            retain_batch = collate([retain[i] for i in retain_pick], pad_id)
+            retain_batch = _on(device, collate([retain[i] for i in retain_pick], pad_id))
             with autocast():
                 loss = _loss(
                     method, model, frozen, forget_batch, retain_batch, hyperparams, layer, control, alpha
@@ -248,6 +249,10 @@ def unlearn(
         parameter.requires_grad_(True)
     model.eval()
     return extra
+
+
+def _on(device: torch.device, batch: tuple[Tensor, Tensor]) -> Batch:
+    return batch[0].to(device), batch[1].to(device)
 
 
 def _loss(

@@ -310,3 +310,26 @@ def test_model_fingerprints_are_the_ones_built_zoos_recorded():
         "pos_qa_std": "01c4216beca8880f",
         "neg_bio_weak": "524b38ec4031b149",
     }
+
+
+def test_a_device_other_than_the_cpu_is_part_of_every_fingerprint(micro_zoo):
+    from uds_lens.zoo.build import _fingerprint_context
+
+    zoo, _ = micro_zoo
+    paths = {split: zoo.data_path(split) for split in ("forget", "retain", "holdout")}
+    on_cpu = _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None)
+    assert _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None, "cpu") == on_cpu
+    assert "device" not in on_cpu  # the zoos built before (all on the CPU) keep their fingerprints
+    assert _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None, "cuda") == {
+        **on_cpu,
+        "device": "cuda",
+    }
+
+
+@pytest.mark.gpu
+def test_a_zoo_trains_on_a_gpu(cuda_device, tmp_path):
+    zoo = build_zoo(
+        tmp_path, size=MICRO, threads=1, progress=False, strict=False, pools=False, device=cuda_device
+    )
+    assert zoo.info("npo")["metrics"]["forget_entity_token"] >= 0.0
+    assert LlamaForCausalLM.from_pretrained(zoo.path("rmu_l2")).device.type == "cpu"  # saved like any zoo
