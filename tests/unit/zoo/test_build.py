@@ -333,3 +333,19 @@ def test_a_zoo_trains_on_a_gpu(cuda_device, tmp_path):
     )
     assert zoo.info("npo")["metrics"]["forget_entity_token"] >= 0.0
     assert LlamaForCausalLM.from_pretrained(zoo.path("rmu_l2")).device.type == "cpu"  # saved like any zoo
+
+
+def test_a_parent_leaves_memory_after_its_last_child(tmp_path, monkeypatch):
+    import uds_lens.zoo.build as build_module
+
+    held = {}
+    original = build_module._build_model
+
+    def recording(build, spec, fingerprint, in_memory, children):
+        held[spec.name] = sorted(in_memory)
+        return original(build, spec, fingerprint, in_memory, children)
+
+    monkeypatch.setattr(build_module, "_build_model", recording)
+    build_zoo(tmp_path, size=MICRO, threads=1, progress=False, strict=False, pools=False)
+    assert held["retain50"] == ["base", "full"]  # the base's last child: base still there
+    assert held["graddiff"] == ["full"] and held["rmu_l2"] == ["full"]  # the unlearned models need full only
