@@ -107,6 +107,17 @@ def ke_numbers(result: UDSResult) -> dict[str, Any]:
     }
 
 
+def _no_nan(value: Any) -> Any:
+    """``value`` with every NaN float as None, so measured.json is strict JSON (null where a share is undefined)."""
+    if isinstance(value, float) and np.isnan(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _no_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(item) for item in value]
+    return value
+
+
 def _first(mask: pd.Series) -> int | None:
     hits = mask[mask]
     return int(hits.index[0]) if len(hits) else None
@@ -361,7 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--figures", type=Path, default=Path("docs/guides/real-model"))
     parser.add_argument("--meta", type=Path, default=None, help="a `uds-lens meta-eval --out` directory")
     parser.add_argument("--heads-model", default="npo")
-    parser.add_argument("--heads-layers", default="10-19", help="first-last layer of the component map")
+    parser.add_argument(
+        "--heads-layers",
+        default="20-29",
+        help="first-last layer of the component map (where the KE cells are)",
+    )
     parser.add_argument("--heads-examples", type=int, default=12)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -377,8 +392,11 @@ def main(argv: list[str] | None = None) -> None:
         onsets[name]["trained_layers"] = zoo.info(name)["hyperparams"].get("trained_layers")
     example_model = args.heads_model if args.heads_model in results else next(iter(unlearned))
     examples = results[example_model].examples
-    # a typical example: its number of KE layers is the median one (the first such by idx)
+    # a typical example the model erased a visible part of (UDS >= 0.1, else any): its number of KE layers is the
+    # median one (the first such by idx)
     scored = examples[examples["status"] == "scored"]
+    if (scored["uds"] >= 0.1).any():
+        scored = scored[scored["uds"] >= 0.1]
     median = scored["n_ke"].median()
     typical = scored.assign(gap=(scored["n_ke"] - median).abs()).sort_values(["gap", "idx"])
     example_idx = int(typical["idx"].iloc[0])
@@ -427,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     for fig in figures.values():
         fig.update_layout(template="plotly_white")
     args.figures.mkdir(parents=True, exist_ok=True)
-    (args.figures / "measured.json").write_text(json.dumps(measured, indent=1, default=float) + "\n")
+    text = json.dumps(_no_nan(measured), indent=1, default=float, allow_nan=False)
+    (args.figures / "measured.json").write_text(text + "\n")
     for path in write_pngs(figures, args.figures):
         logger.info("wrote %s", path)
     print(json.dumps({k: measured[k] for k in ("ranking", "example")}, indent=1))
