@@ -5,6 +5,7 @@ ends hold (full scores 0, retain 1)."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pandas as pd
@@ -83,3 +84,4 @@ def test_a_reduced_smollm2_zoo_builds_resumes_and_scores(tmp_path, monkeypatch):
     assert summaries["retain"]["uds"] == pytest.approx(1.0, abs=1e-6)
     layers = pd.read_csv(out / "full" / "layers.csv")
     assert layers["layer"].nunique() == 30
+    shutil.rmtree(root)  # ten 135M models, 5 GB: not left in pytest's kept temporary folders
