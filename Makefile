@@ -92,7 +92,7 @@ test: lint
 # docs/maintainers/docs.md has the details and timings.
 DOCS_ZOO ?= test
 docs: setup-docs
-	$(PY) -m uds_lens.zoo.executed_notebooks --notebooks notebooks --out docs/tutorials --zoo $(DOCS_ZOO)
+	$(PY) docs/executed_notebooks.py --notebooks notebooks --out docs/tutorials --zoo $(DOCS_ZOO)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 	$(PY) docs/check_docs.py --site site
 

@@ -7,7 +7,7 @@
   the tutorial pages lose the CDN scripts their figures name, so every figure draws offline.
 - `notebooks/NAME.html` is each executed notebook (`docs/tutorials/NAME.ipynb`, outputs and static figures
   included; mkdocs-jupyter puts the `.ipynb` itself at `tutorials/NAME.ipynb`) as a standalone HTML page that opens
-  offline, with plotly.js beside it (`uds_lens.zoo.notebook_html`).
+  offline, with plotly.js beside it (`uds_lens.plotting.notebook_html`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
     import nbformat
     from mkdocs.structure.files import File
 
-    from uds_lens.zoo.notebook_html import PLOTLY_JS as PAGE_PLOTLY_JS
-    from uds_lens.zoo.notebook_html import offline_html, plotly_js_path
+    from uds_lens.plotting.notebook_html import PLOTLY_JS as PAGE_PLOTLY_JS
+    from uds_lens.plotting.notebook_html import offline_html, plotly_js_path
 
     bundled = str(plotly_js_path())
     files.append(File.generated(config, PLOTLY_JS, abs_src_path=bundled))
@@ -73,6 +73,6 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
 def on_post_page(output: str, page: Any, **kwargs: Any) -> str:
     if not page.file.src_uri.endswith(".ipynb"):
         return output
-    from uds_lens.zoo.notebook_html import without_network
+    from uds_lens.plotting.notebook_html import without_network
 
     return without_network(output)

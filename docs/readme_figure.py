@@ -5,7 +5,7 @@
 Scores one unlearned model of the test zoo (``zoo:test/...``, built by `make demo` or the test suite; SimNPO by
 default, whose erasure is partial), picks the example that is nearest half erased among those with every layer KE and
 no clipped layer, and draws ``result.example(idx).figure()`` to a PNG with a local headless Chrome/Chromium
-(`uds_lens.zoo.notebook_html`).
+(`uds_lens.plotting.notebook_html`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     from uds_lens import UDSAuditor
-    from uds_lens.zoo.notebook_html import find_browser, render_pngs
+    from uds_lens.plotting.notebook_html import find_browser, render_pngs
 
     browser = find_browser()
     if browser is None:

@@ -8,7 +8,7 @@
    three target layers (``OUT/NAME``, reused on a rerun, as ``uds-lens demo --size smollm2 --out OUT`` lays them out).
 2. Head-level patching of one unlearned model over one layer range (the component map).
 3. Writes ``FIGURES/measured.json`` (every number the page quotes, with the paper's beside it) and the six figures
-   as PNG beside the page, drawn by the local Chrome/Chromium that `uds_lens.zoo.notebook_html` uses (kaleido is
+   as PNG beside the page, drawn by the local Chrome/Chromium that `uds_lens.plotting.notebook_html` uses (kaleido is
    used instead when it is installed and can render).
 4. With ``--meta`` (a ``uds-lens meta-eval --out`` directory of this zoo), adds its faithfulness and robustness rows.
 
@@ -305,7 +305,7 @@ def write_pngs(figures: Mapping[str, go.Figure], directory: Path) -> list[Path]:
         return written
     except Exception as err:  # no kaleido, or no browser it can drive
         logger.info("kaleido cannot render here (%s); using Chromium", err)
-    from uds_lens.zoo.notebook_html import find_browser, render_pngs
+    from uds_lens.plotting.notebook_html import find_browser, render_pngs
 
     browser = find_browser()
     if browser is None:

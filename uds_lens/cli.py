@@ -607,9 +607,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.meta_eval.attacks import QuantisationError
     from uds_lens.result_store import OutputConflictError, ResultIntegrityError, ResultNameError
     from uds_lens.sweep.lists import SweepError
-    from uds_lens.zoo.manifest import ManifestError
     from uds_lens.zoo.recipe import ZooBuildError
     from uds_lens.zoo.world import ZooDataError
+    from uds_lens.zoo_manifest import ManifestError
 
     return (
         DataError,

@@ -46,7 +46,7 @@ from typing import Any, Literal, TypeAlias
 from uds_lens.benchmarks import HF_PREFIX, BenchmarkDataError, benchmark_records, read_split
 from uds_lens.config import Scope
 from uds_lens.files import ZOO_PREFIX, zoo_search_roots
-from uds_lens.zoo.manifest import data_file, read_manifest
+from uds_lens.zoo_manifest import data_file, read_manifest
 
 logger = logging.getLogger(__name__)
 

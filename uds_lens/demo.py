@@ -24,7 +24,7 @@ from uds_lens.result_store import OutputConflictError
 from uds_lens.scoring import score_models
 from uds_lens.zoo.build import build_zoo
 from uds_lens.zoo.layout import Zoo, load_zoo
-from uds_lens.zoo.manifest import MANIFEST_FILE
+from uds_lens.zoo_manifest import MANIFEST_FILE
 
 logger = logging.getLogger(__name__)
 

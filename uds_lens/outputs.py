@@ -272,7 +272,7 @@ def check_zoo_complete(zoo: str | os.PathLike, out: str | os.PathLike | None = N
     """``zoo`` has a manifest and every model it lists is there: a missing directory is named before any model
     loads, never looked up on the hub. Given ``out`` (``--out`` of ``evaluate`` and ``meta-eval``), that it is
     apart from the zoo (`check_outputs_apart`) and can be written."""
-    from uds_lens.zoo.manifest import MANIFEST_FILE, model_paths
+    from uds_lens.zoo_manifest import MANIFEST_FILE, model_paths
 
     root = Path(zoo).expanduser()
     if out is not None:

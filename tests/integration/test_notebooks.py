@@ -8,14 +8,15 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from uds_lens.zoo.executed_notebooks import FAST_LINE, execute, write_copy
+from helpers.docs_tools import docs_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXECUTED_DIR = ROOT / "docs" / "tutorials"
 PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
+_tool = docs_tool("executed_notebooks")
+FAST_LINE, execute, write_copy = _tool.FAST_LINE, _tool.execute, _tool.write_copy
 
 
 def _ids(paths: list[Path]) -> list[str]:

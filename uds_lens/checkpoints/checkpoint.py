@@ -46,7 +46,7 @@ from uds_lens.checkpoints.hub import hub_error, hub_or_cache, hub_revision
 from uds_lens.data import looks_like_local_path
 from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from uds_lens.files import ZOO_PREFIX, zoo_search_roots
-from uds_lens.zoo.manifest import ManifestError, model_paths
+from uds_lens.zoo_manifest import ManifestError, model_paths
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -47,7 +47,7 @@ def save(
         import kaleido  # noqa: F401
     except ImportError:
         reason = "kaleido is not installed (pip install 'uds_lens[figures]')"
-        from uds_lens.zoo.notebook_html import find_browser
+        from uds_lens.plotting.notebook_html import find_browser
 
         if suffix in (".png", ".pdf") and find_browser() is not None:
             try:
@@ -80,7 +80,7 @@ def _figure_dict(fig: go.Figure) -> dict[str, Any]:
 
 def _browser_pdf(fig: go.Figure, target: Path, browser: str, width: int, height: int) -> None:
     """One figure printed to a one-page PDF of its own size by a headless Chrome/Chromium (vector, as drawn)."""
-    from uds_lens.zoo.notebook_html import headless, plotly_js_path
+    from uds_lens.plotting.notebook_html import headless, plotly_js_path
 
     page = f"""<!DOCTYPE html><html><head><meta charset="utf-8">
 <style>@page {{ size: {width}px {height}px; margin: 0 }} body {{ margin: 0 }}</style>
@@ -121,7 +121,7 @@ def static_renderer(formats: Sequence[str]) -> str:
     try:
         import kaleido  # noqa: F401
     except ImportError:
-        from uds_lens.zoo.notebook_html import find_browser
+        from uds_lens.plotting.notebook_html import find_browser
 
         browser = find_browser()
         if browser is None:
@@ -170,7 +170,7 @@ def write_figures(
                 fig.write_image(target, width=width, height=fig_height, scale=2 if form == "png" else 1)
                 written.append(target)
         return written
-    from uds_lens.zoo.notebook_html import render_pngs
+    from uds_lens.plotting.notebook_html import render_pngs
 
     browser = renderer
     pngs: list[bytes | None] = []
@@ -209,7 +209,7 @@ def keep_figures_in_notebooks(offline: bool = True) -> str:
             draws with it, so the saved notebook and the HTML nbconvert makes of it show their figures with no
             network. False: each figure loads plotly.js from its CDN (a few kB a figure; blank offline). A static
             image beside each figure, for viewers that run no JavaScript at all, is
-            [`share_notebook`][uds_lens.zoo.notebook_html.share_notebook]'s.
+            [`share_notebook`][uds_lens.plotting.notebook_html.share_notebook]'s.
 
     ``uds_lens.zoo.notebook.notebook_setup`` calls it; call it in the first cell of a notebook of your own.
 
@@ -219,7 +219,7 @@ def keep_figures_in_notebooks(offline: bool = True) -> str:
     import plotly.io as pio
     from plotly.io.base_renderers import HtmlRenderer
 
-    from uds_lens.zoo.notebook_html import plotlyjs_script
+    from uds_lens.plotting.notebook_html import plotlyjs_script
 
     pio.renderers[HTML_RENDERER] = HtmlRenderer(connected=not offline, include_plotlyjs=False)
     pio.renderers.default = NOTEBOOK_RENDERER

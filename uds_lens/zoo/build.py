@@ -53,7 +53,7 @@ from uds_lens.checkpoints.loader import load_hf_model, load_tokenizer
 from uds_lens.files import files_digest, json_digest, write_atomic
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.zoo.layout import Zoo, load_zoo
-from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
+from uds_lens.zoo_manifest import MANIFEST_FILE, read_manifest
 
 from .bases import pretrained_base
 from .checks import check, evaluate

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from uds_lens.zoo.manifest import MANIFEST_FILE, data_file, read_manifest
-from uds_lens.zoo.manifest import model_paths as model_paths  # re-exported: the reader lives in manifest.py
+from uds_lens.zoo_manifest import MANIFEST_FILE, data_file, read_manifest
+from uds_lens.zoo_manifest import model_paths as model_paths  # re-exported: the reader lives in manifest.py
 
 if TYPE_CHECKING:
     import torch

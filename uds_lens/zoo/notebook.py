@@ -26,7 +26,7 @@ from uds_lens.results import UDSResult
 from uds_lens.tl_compat import TransformerBridge
 from uds_lens.zoo.build import build_zoo
 from uds_lens.zoo.layout import Zoo, load_zoo
-from uds_lens.zoo.manifest import MANIFEST_FILE
+from uds_lens.zoo_manifest import MANIFEST_FILE
 
 # The zoo's unlearned model a notebook shows when none is named (NPO: a method whose erasure is partial).
 DEFAULT_UNLEARNED = "npo"

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 import pytest
 
 from uds_lens import plotting
-from uds_lens.zoo.notebook_html import find_browser
+from uds_lens.plotting.notebook_html import find_browser
 
 
 def test_save_writes_offline_html_and_falls_back_without_kaleido(result, tmp_path, monkeypatch):
@@ -31,7 +31,7 @@ def test_save_writes_offline_html_and_falls_back_without_kaleido(result, tmp_pat
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_kaleido)
-    monkeypatch.setattr("uds_lens.zoo.notebook_html.find_browser", lambda: None)  # nor a browser
+    monkeypatch.setattr("uds_lens.plotting.notebook_html.find_browser", lambda: None)  # nor a browser
     with pytest.warns(UserWarning, match="kaleido is not installed"):
         written = plotting.save(fig, tmp_path / "sub" / "fig.png")
     assert written == tmp_path / "sub" / "fig.html" and written.is_file()
@@ -110,7 +110,7 @@ def test_a_users_executed_notebook_shows_its_figures_offline(tmp_path, monkeypat
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
-    from uds_lens.zoo.notebook_html import headless, share_notebook
+    from uds_lens.plotting.notebook_html import headless, share_notebook
 
     root = str(Path(__file__).resolve().parents[3])
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))

@@ -300,7 +300,7 @@ def _bf16_record(n_fp32: int, n_examples: int, check: bool, bound: float = 0.0) 
 def test_the_report_exports_its_figures_in_one_call(tmp_path):
     """write_report(figures=...) (uds-lens report --figures png) writes every figure of the page beside it, numbered
     in page order, with their captions; rendered by kaleido or a local browser (one run for all the PNGs)."""
-    from uds_lens.zoo.notebook_html import find_browser
+    from uds_lens.plotting.notebook_html import find_browser
 
     try:
         import kaleido  # noqa: F401
@@ -323,7 +323,7 @@ def test_the_report_exports_its_figures_in_one_call(tmp_path):
 
 def test_a_figure_exports_as_a_vector_pdf(tmp_path):
     from uds_lens.plotting.export import write_figures
-    from uds_lens.zoo.notebook_html import find_browser
+    from uds_lens.plotting.notebook_html import find_browser
 
     try:
         import kaleido  # noqa: F401

@@ -5,15 +5,18 @@ import json
 
 import nbformat
 import pytest
+from helpers.docs_tools import docs_tool
 
-from uds_lens.zoo import executed_notebooks
-from uds_lens.zoo.executed_notebooks import (
-    copy_path,
-    ensure_executed,
-    inputs_path,
-    is_current,
-    shareable,
-    write_copy,
+executed_notebooks = docs_tool("executed_notebooks")
+copy_path, ensure_executed, inputs_path = (
+    executed_notebooks.copy_path,
+    executed_notebooks.ensure_executed,
+    executed_notebooks.inputs_path,
+)
+is_current, shareable, write_copy = (
+    executed_notebooks.is_current,
+    executed_notebooks.shareable,
+    executed_notebooks.write_copy,
 )
 
 

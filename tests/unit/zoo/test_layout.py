@@ -70,8 +70,8 @@ def test_the_manifest_reader_serves_the_loader_and_the_builder(tmp_path, monkeyp
     from uds_lens.checkpoints.checkpoint import resolve_zoo_name
     from uds_lens.checkpoints.folder import ModelLoadError
     from uds_lens.zoo.build import _refuse_to_replace
-    from uds_lens.zoo.manifest import model_paths, read_manifest
     from uds_lens.zoo.recipe import SIZES, ZooBuildError
+    from uds_lens.zoo_manifest import model_paths, read_manifest
 
     (tmp_path / "models" / "npo").mkdir(parents=True)
     manifest = {"models": [{"name": "npo", "path": "models/npo"}], "data": {}, "size": "test", "seed": 0}

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
-from uds_lens.zoo.notebook_html import (
+from uds_lens.plotting.notebook_html import (
     PLOTLY_JS,
     PLOTLY_MIMETYPE,
     add_static_figures,
@@ -119,7 +119,7 @@ def test_offline_page_draws_its_figure_with_the_network_off(tmp_path):
 def test_the_docs_copies_leave_out_the_plotly_js_a_notebook_carries():
     """A notebook run after keep_figures_in_notebooks() carries plotly.js once, in its own output; the docs' copies
     take it out (the site ships plotly.js) and keep every other output."""
-    from uds_lens.zoo.notebook_html import plotlyjs_script, without_embedded_plotlyjs
+    from uds_lens.plotting.notebook_html import plotlyjs_script, without_embedded_plotlyjs
 
     notebook = _figure_notebook()
     carrier = nbformat.v4.new_code_cell("plotting.keep_figures_in_notebooks()")

@@ -10,11 +10,11 @@ so an unchanged checkout builds its docs without running a notebook.
 
 Each copy is made shareable before it is written: the build machine's paths are removed from its outputs (the
 temporary directory a notebook ran in, the home directory written ``~``), and every Plotly figure gets a static
-image beside it (`uds_lens.zoo.notebook_html`; needs a local Chrome or Chromium, else the figures stay
+image beside it (`uds_lens.plotting.notebook_html`; needs a local Chrome or Chromium, else the figures stay
 interactive only). A notebook whose cell fails raises here, which fails ``make docs``. Execution needs the ``dev``
 or ``docs`` extra (nbclient, ipykernel).
 
-    python -m uds_lens.zoo.executed_notebooks [--zoo test|notebook|DIR] [--notebooks notebooks] [--out docs/tutorials]
+    python docs/executed_notebooks.py [--zoo test|notebook|DIR] [--notebooks notebooks] [--out docs/tutorials]
 
 ``--zoo test`` (the default) runs them on the 4-layer test zoo the test suite uses (about 2 minutes to build when
 it is not cached yet); ``--zoo notebook`` on the 8-layer zoo the notebooks use on their own (``build_zoo(...,
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from uds_lens.files import bytes_digest, cache_root, json_digest, write_atomic
-from uds_lens.zoo.manifest import read_manifest
+from uds_lens.zoo_manifest import read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ def inputs_path(source: Path, out_dir: Path) -> Path:
 
 def package_sources_digest() -> str:
     """SHA-256 over the package's files (path and bytes): its Python sources and the data it ships."""
-    root = Path(__file__).resolve().parents[1]
+    import uds_lens
+
+    root = Path(uds_lens.__file__).resolve().parent
     files = sorted(
         p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     )
@@ -172,7 +174,7 @@ def write_copy(
     file is replaced atomically, the record last: a copy is never taken as current before it is whole."""
     import nbformat
 
-    from uds_lens.zoo.notebook_html import add_static_figures, without_embedded_plotlyjs
+    from uds_lens.plotting.notebook_html import add_static_figures, without_embedded_plotlyjs
 
     if zoo_dir is None:
         zoo_dir = os.environ.get("UDS_LENS_ZOO")
@@ -202,7 +204,7 @@ def add_missing_figures(source: Path, out_dir: Path) -> bool:
     """Give a current copy the static figures it was written without (no browser then); True if it changed."""
     import nbformat
 
-    from uds_lens.zoo.notebook_html import add_static_figures, has_static_figures
+    from uds_lens.plotting.notebook_html import add_static_figures, has_static_figures
 
     target = copy_path(source, out_dir)
     try:

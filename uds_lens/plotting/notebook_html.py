@@ -15,7 +15,7 @@ Two things here keep it visible:
   which `write_offline_html` writes once next to the pages.
 
 Without a browser the notebook keeps its interactive figures only, and `add_static_figures` says so once.
-[`share_notebook`][uds_lens.zoo.notebook_html.share_notebook] does both for a notebook of your own, in one call.
+[`share_notebook`][uds_lens.plotting.notebook_html.share_notebook] does both for a notebook of your own, in one call.
 """
 
 from __future__ import annotations
