@@ -50,7 +50,7 @@ from uds_lens.patching.batch import PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
 from uds_lens.patching.engines import PatchEngine, engine_for
 from uds_lens.patching.kernels import hold_joined_weights
-from uds_lens.patching.planning import MemoryPlan, plan_batches, run_batches
+from uds_lens.patching.planning import MemoryPlan, run_batches
 from uds_lens.precision import PrecisionCheck
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
@@ -217,7 +217,10 @@ class UDSAuditor:
             else S1Cache(inputs.cache_dir if inputs.cache_dir is not True else None)
         )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._batches = self._make_batches()
+        # similar lengths together (less padding), as many as the plan's batch share fits; deterministic
+        self._batches = self.plan.batches(
+            self.full, self.encoded, self.config.patch_scope, self.engine.name, self.config.batch_size
+        )
         # what each stage computes per batch: in bf16/fp16 checked where rounding could decide, in fp32 plain
         runs = StageRuns(self.engine, self.full, self.plan, self._batch, self._require_finite, self.full_name)
         self.runs = PrecisionCheck.for_run(runs, self.config)
@@ -389,14 +392,6 @@ class UDSAuditor:
         return self.workbench.patch_positions(unlearned, **kwargs)
 
     # -- batching ----------------------------------------------------------------------------------------------
-
-    def _make_batches(self) -> list[list[int]]:
-        """Example indices per batch, similar lengths together (less padding); deterministic."""
-        if not self.encoded:
-            return []
-        scope, engine = self.config.patch_scope, self.engine.name
-        size = self.config.batch_size or self.plan.batch_size(self.full, self.encoded, scope, engine)
-        return plan_batches(self.encoded, scope, size, engine=engine)
 
     def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
         """``work(number, members)`` for every example batch (``planning.run_batches``): a batch that runs out of

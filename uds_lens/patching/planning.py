@@ -188,6 +188,20 @@ class MemoryPlan:
         held = self.joined_bytes * (int(self.holds_target_joins) + int(self.holds_source_joins))
         return choose_batch_size(model, examples, scope, engine, self.free, held)
 
+    def batches(
+        self,
+        model: TLModel,
+        examples: Sequence[EncodedExample],
+        scope: Scope,
+        engine: Engine,
+        batch_size: int | None = None,
+    ) -> list[list[int]]:
+        """The run's batches (`plan_batches`): ``batch_size`` examples at most, or as many as `batch_size` fits."""
+        if not examples:
+            return []
+        size = batch_size or self.batch_size(model, examples, scope, engine)
+        return plan_batches(examples, scope, size, engine=engine)
+
     def fp32_copy_fits(self, needed: int) -> tuple[bool, int]:
         """Whether a whole fp32 copy of ``needed`` bytes fits its share of the memory free now (measured again: a
         model was swapped in since the run was planned), and that free figure."""
