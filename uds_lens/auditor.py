@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from uds_lens.fingerprints import (
     with_unlearned,
 )
 from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
-from uds_lens.memory import release_memory, retry_out_of_memory
+from uds_lens.memory import release_dropped, retry_out_of_memory
 from uds_lens.patching.batch import PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
 from uds_lens.patching.engines import PatchEngine, engine_for
@@ -252,16 +253,19 @@ class UDSAuditor:
         """
         _ = self.stage1
         self._retain_dropped = True
+        dropped = None if self._retain is None else weakref.ref(self._retain)
         self._retain = None
-        release_memory(self.device)
+        if dropped is not None:
+            release_dropped(dropped, self.device)
 
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
         if self._retain is None or checkpoint is None or self._callers(checkpoint):
             return
+        dropped = weakref.ref(self._retain)
         self._retain = None
-        release_memory(self.device)
+        release_dropped(dropped, self.device)
 
     def _callers(self, checkpoint: Checkpoint) -> bool:
         """Whether ``checkpoint``'s model is the caller's (given as an object, or kept by `load_source`): the
@@ -594,8 +598,9 @@ class UDSAuditor:
         s2, stage_meta, stage_timings = run.scores(), run.meta(), run.timings()
         del run  # it holds the source
         if not given:
+            dropped = weakref.ref(source)
             del source
-            release_memory(self.device)
+            release_dropped(dropped, self.device)
         timings = {
             "s1_seconds": stage.seconds,
             "s2_seconds": s2_seconds,

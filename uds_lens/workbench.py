@@ -32,11 +32,16 @@ from uds_lens.tl_compat import ActivationCache
 
 
 class WorkbenchContext(PatchContext, Protocol):
-    """What the workbench reads of its auditor: what component patching reads, and the forget set's records."""
+    """What the workbench reads of its auditor: what component patching reads, the forget set's records and the
+    read-out's dtype rule."""
 
     @property
     def examples(self) -> list[Example]:
         """The forget set's records (an example's question and entity, for `Workbench.example`)."""
+
+    @property
+    def upcast(self) -> bool:
+        """Whether log-softmax runs in float32 (everywhere but published-compat)."""
 
 
 class Workbench:
@@ -44,12 +49,6 @@ class Workbench:
 
     def __init__(self, auditor: WorkbenchContext) -> None:
         self.auditor = auditor
-
-    @property
-    def upcast(self) -> bool:
-        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
-        auditor = self.auditor
-        return auditor.config.engine_spec(tuple(auditor.layers)).upcast
 
     def example(self, idx: int) -> ExampleInputs:
         """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
@@ -102,7 +101,7 @@ class Workbench:
         chosen = auditor.select([idxs] if isinstance(idxs, int) else idxs)
         batch = pad_batch(chosen, auditor.pad_id, auditor.config.patch_scope, cut=False)
         return entity_metric(
-            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
+            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=auditor.upcast
         )
 
     def run_with_cache(
