@@ -509,7 +509,7 @@ def fast_patched_scores(
     if acts is not None and acts.ndim == 4:  # [layer, batch, pos, d_model]: gather the window rows
         packing = WindowPacking.of(batch)
         acts = acts[:, packing.example.to(acts.device), packing.position.to(acts.device)]
-    return resumed_scores(full, batch, clean, LayerRuns.of(batch, spec), acts, spec)
+    return resumed_scores(LayerRuns.of(full, batch, spec), batch, clean, acts, spec)
 
 
 class FastEngine(PatchEngine):
@@ -596,8 +596,8 @@ class FastEngine(PatchEngine):
         cells: Bool[Tensor, "batch layer"],
     ) -> Float[Tensor, " cell"]:
         clean = clean or self.clean_run(full, batch)
-        runs = CellRuns.of(batch, cells.to(batch.tokens.device), source_rows, self.spec)
-        return resumed_scores(full, batch, clean, runs, acts, self.spec)
+        runs = CellRuns.of(full, batch, cells.to(batch.tokens.device), source_rows, self.spec)
+        return resumed_scores(runs, batch, clean, acts, self.spec)
 
     def axis_scores(
         self, full: TLModel, source: TLModel, batch: PatchBatch, patch: AxisPatch, point: str, width: int

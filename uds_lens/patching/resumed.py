@@ -71,6 +71,8 @@ class RunLayout(ABC):
     """The patched runs of one batch, their rows laid run by run on one flat axis (latest start first).
 
     Attributes:
+        full: the patch target.
+        packing: the batch's window rows (``WindowPacking.of``).
         start: each run's first block, descending.
         first_row: each run's first row on the flat axis.
         row_layer: ``[row]`` the layer the run of each row patches.
@@ -80,6 +82,7 @@ class RunLayout(ABC):
             d_model]``.
     """
 
+    full: TLModel
     packing: WindowPacking
     start: list[int]
     first_row: list[int]
@@ -89,22 +92,12 @@ class RunLayout(ABC):
     source_row: Int[Tensor, " row"]
 
     @abstractmethod
-    def attend(
-        self,
-        full: TLModel,
-        weights: Any,
-        active: Float[Tensor, "row d_model"],
-        first_run: int,
-        keys: Tensor,
-        values: Tensor,
-    ) -> Float[Tensor, "row d_model"]:
-        """What the attention of one block adds at the rows of the runs from ``first_run`` on (``keys``/
-        ``values``: the block's clean prefix, ``[batch, kv_head, prefix, d_head]``)."""
+    def attend(self, weights: Any, active: Tensor, first_run: int, keys: Tensor, values: Tensor) -> Tensor:
+        """What the attention of one block (``weights``) adds at the rows ``[row, d_model]`` of the runs from
+        ``first_run`` on (``keys``/``values``: the block's clean prefix, ``[batch, kv_head, prefix, d_head]``)."""
 
     @abstractmethod
-    def read(
-        self, full: TLModel, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool
-    ) -> Tensor:
+    def read(self, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool) -> Tensor:
         """The scores of the runs from the final residuals of their rows."""
 
 
@@ -118,7 +111,7 @@ class LayerRuns(RunLayout):
     input_length: int = 0  # the batch's whole input length (a length-dependent rotary embedding reads it)
 
     @classmethod
-    def of(cls, batch: PatchBatch, spec: EngineSpec) -> LayerRuns:
+    def of(cls, full: TLModel, batch: PatchBatch, spec: EngineSpec) -> LayerRuns:
         packing = WindowPacking.of(batch)
         layers = list(spec.layers)
         order = sorted(range(len(layers)), key=lambda i: -_first_block(layers[i], spec))
@@ -126,6 +119,7 @@ class LayerRuns(RunLayout):
         position = torch.tensor(order, device=device)
         row = torch.arange(rows, device=device).repeat(len(order))
         return cls(
+            full=full,
             packing=packing,
             start=[_first_block(layers[i], spec) for i in order],
             first_row=[run * rows for run in range(len(order))],
@@ -137,26 +131,21 @@ class LayerRuns(RunLayout):
             input_length=batch.input_length,
         )
 
-    def attend(
-        self,
-        full: TLModel,
-        weights: Any,
-        active: Float[Tensor, "row d_model"],
-        first_run: int,
-        keys: Tensor,
-        values: Tensor,
-    ) -> Float[Tensor, "row d_model"]:
+    def attend(self, weights: Any, active: Tensor, first_run: int, keys: Tensor, values: Tensor) -> Tensor:
         if self.layout is None:
-            self.layout = attention_layout(full, self.packing, active.dtype, self.input_length)
+            self.layout = attention_layout(self.full, self.packing, active.dtype, self.input_length)
         runs = active.view(len(self.start) - first_run, self.packing.rows, -1)
         return block_attention(weights, runs, self.layout, keys, values).flatten(0, 1)
 
-    def read(
-        self, full: TLModel, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool
-    ) -> Tensor:
+    def read(self, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool) -> Tensor:
         per_run = resid.view(len(self.start), self.packing.rows, -1)
         scores = read_scores(
-            full, per_run[:, self.packing.read_row], batch.read_label, batch.read_batch, batch.size, upcast
+            self.full,
+            per_run[:, self.packing.read_row],
+            batch.read_label,
+            batch.read_batch,
+            batch.size,
+            upcast,
         )
         result = torch.empty(batch.size, len(self.order), dtype=scores.dtype, device=scores.device)
         result[:, self.order] = scores.T
@@ -177,7 +166,12 @@ class CellRuns(RunLayout):
 
     @classmethod
     def of(
-        cls, batch: PatchBatch, cells: Bool[Tensor, "batch layer"], source_rows: list[int], spec: EngineSpec
+        cls,
+        full: TLModel,
+        batch: PatchBatch,
+        cells: Bool[Tensor, "batch layer"],
+        source_rows: list[int],
+        spec: EngineSpec,
     ) -> CellRuns:
         device = batch.tokens.device
         packing = WindowPacking.of(batch)
@@ -207,6 +201,7 @@ class CellRuns(RunLayout):
             start=batch.window_start.to(device)[run_example],
         )
         return cls(
+            full=full,
             packing=packing,
             start=run_start[order].tolist(),
             first_row=_starts(run_len).tolist(),
@@ -220,11 +215,11 @@ class CellRuns(RunLayout):
             input_length=batch.input_length,
         )
 
-    def _tail(self, full: TLModel, first_run: int, dtype: torch.dtype) -> AttentionLayout:
+    def _tail(self, first_run: int, dtype: torch.dtype) -> AttentionLayout:
         """The attention layout of the runs from ``first_run`` on (made on first use, kept for the batch)."""
         if self.layout is None:
             assert self.runs is not None  # made by `of`
-            self.layout = attention_layout(full, self.runs, dtype, self.input_length)
+            self.layout = attention_layout(self.full, self.runs, dtype, self.input_length)
         if first_run not in self.tails:
             layout, width = self.layout, self.packing.width
             first_slot = first_run * width
@@ -240,22 +235,12 @@ class CellRuns(RunLayout):
             )
         return self.tails[first_run]
 
-    def attend(
-        self,
-        full: TLModel,
-        weights: Any,
-        active: Float[Tensor, "row d_model"],
-        first_run: int,
-        keys: Tensor,
-        values: Tensor,
-    ) -> Float[Tensor, "row d_model"]:
+    def attend(self, weights: Any, active: Tensor, first_run: int, keys: Tensor, values: Tensor) -> Tensor:
         examples = self.run_example[first_run:]
-        tail = self._tail(full, first_run, active.dtype)
+        tail = self._tail(first_run, active.dtype)
         return block_attention(weights, active[None], tail, keys[examples], values[examples])[0]
 
-    def read(
-        self, full: TLModel, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool
-    ) -> Tensor:
+    def read(self, resid: Float[Tensor, "row d_model"], batch: PatchBatch, upcast: bool) -> Tensor:
         """Each run's entity tokens, from its example's read positions, ``_READ_ROWS`` read rows a call."""
         device, n_runs = resid.device, len(self.start)
         run_example, run_first = self.run_example, torch.tensor(self.first_row, device=device)
@@ -273,7 +258,7 @@ class CellRuns(RunLayout):
                 last += 1
             chosen = slice(done, read_end[last - 1])
             scores[first:last] = read_scores(
-                full,
+                self.full,
                 resid[read_row[chosen]][None],
                 batch.read_label.to(device)[entity[chosen]],
                 read_run[chosen] - first,
@@ -287,17 +272,17 @@ class CellRuns(RunLayout):
 
 
 def resumed_scores(
-    full: TLModel,
+    runs: RunLayout,
     batch: PatchBatch,
     clean: CleanRun,
-    runs: RunLayout,
     acts: Float[Tensor, "layer row d_model"] | None,
     spec: EngineSpec,
 ) -> Tensor:
     """The scores of the patched runs ``runs`` of ``batch`` (the module docstring): the source activations ``acts``
     (``[layer of spec.layers, row, d_model]``, at the rows ``runs`` says) written at the patched rows of each run,
-    or, with ``acts=None``, the clean ones written back (the engine's own unpatched baseline)."""
-    site = spec.site
+    or, with ``acts=None``, the clean ones written back (the engine's own unpatched baseline); ``clean`` is the
+    batch's clean run (``engines.FastEngine.clean_run``)."""
+    full, site = runs.full, spec.site
     if clean.site != site or not clean.keys:
         raise ValueError("The clean run was made for another site or without keys/values; rebuild it.")
     patch_rows = runs.packing.patched[runs.clean_row][:, None]
@@ -333,10 +318,10 @@ def resumed_scores(
             weights = layer_weights(full, block_index)
             active = resid[first_row:]
             active = active + runs.attend(
-                full, weights, active, first_run, clean.keys[block_index], clean.values[block_index]
+                weights, active, first_run, clean.keys[block_index], clean.values[block_index]
             )
             resid[first_row:] = mlp_half(weights, active)
-        return runs.read(full, resid, batch, spec.upcast)
+        return runs.read(resid, batch, spec.upcast)
 
 
 __all__ = ["CellRuns", "LayerRuns", "RunLayout", "resumed_scores"]
