@@ -114,7 +114,7 @@ test-fast: setup-dev
 	$(PY) -m pytest -q -m "not slow"
 
 # The core modules every UDS computation passes through are type-checked.
-MYPY_CORE := uds_lens/data.py uds_lens/checkpoints uds_lens/inputs.py uds_lens/sources.py uds_lens/patching uds_lens/uds.py \
+MYPY_CORE := uds_lens/data.py uds_lens/benchmarks.py uds_lens/checkpoints uds_lens/inputs.py uds_lens/sources.py uds_lens/patching uds_lens/uds.py \
 	uds_lens/auditor.py uds_lens/results.py uds_lens/config.py uds_lens/files.py uds_lens/readout.py \
 	uds_lens/result_store.py uds_lens/components.py \
 	uds_lens/component_result.py uds_lens/stage_cache.py uds_lens/fingerprints.py uds_lens/failures.py \

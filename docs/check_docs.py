@@ -11,7 +11,11 @@ The check fails, naming file and line, on:
   catches the ones it sees as links, not one inside a role, a code span or a page written by a hook);
 - an ``Example:`` docstring section holding ``>>>`` lines (it renders as nested quotes; ``Examples:`` as code);
 - a built page naming this machine's home directory or a temporary directory, citing the project's internal
-  ``SPEC`` (readers have neither), or loading a script or stylesheet from the network (the site reads offline).
+  ``SPEC`` (readers have neither), or loading a script or stylesheet from the network (the site reads offline);
+- in the Markdown the site and the repository render (``README.md``, ``docs/**/*.md``, the notebooks' text cells): a
+  line of prose that starts with a list marker (``1.``, ``2)``, ``-``, ``*``, ``+``) where a sentence wrapped, which
+  Markdown renders as a list item cutting the sentence; and a formula block (a ``text`` or ``math`` fence) with a
+  line wider than the docs column (`CODE_WIDTH` characters), which the page shows with a scroll bar.
 
 ``--convert`` rewrites every role into an mkdocstrings cross-reference when the site renders its target
 (``:class:`~uds_lens.results.UDSResult` `` -> ``[`UDSResult`][uds_lens.results.UDSResult]``), else into plain
@@ -71,6 +75,16 @@ SPEC_FORMS = (
 )
 
 
+# A line Markdown may read as the start of a list item: an ordered marker ("1.", "12)") or a bullet ("-", "*", "+").
+LIST_ITEM = re.compile(r"^(?P<indent> *)(?:\d{1,9}[.)]|[-*+])(?: +\S|$)")
+FENCE = re.compile(r"^ *(?P<fence>```+|~~~+) *(?P<language>[\w-]*)")
+FORMULA_LANGUAGES = ("text", "math")
+CODE_WIDTH = 80
+"""Characters of a code block's line the docs column shows without a scroll bar: the column is 688 px wide at a
+1280 px window (the widest it gets: Material's grid stops at 61rem), a code block pads it by 16 px on each side, and
+its monospace font is 8.2 px a character (13.6 px), measured in Chromium."""
+
+
 @dataclass(frozen=True)
 class Problem:
     where: str
@@ -119,6 +133,118 @@ def source_problems(files: Iterable[Path], root: Path = ROOT) -> list[Problem]:
                     "'Example:' section of >>> lines renders as quotes: name it 'Examples:' (run --convert)",
                 )
             )
+    return problems
+
+
+def markdown_files(root: Path = ROOT) -> list[Path]:
+    """The Markdown the site and the repository render: ``README.md``, ``docs/**/*.md`` and the notebooks."""
+    docs = [
+        p for p in sorted((root / "docs").rglob("*.md")) if "tutorials" not in p.relative_to(root).parts[1:2]
+    ]
+    readme = [root / "README.md"] if (root / "README.md").is_file() else []
+    return readme + docs + sorted((root / "notebooks").glob("*.ipynb"))
+
+
+def markdown_texts(path: Path) -> list[tuple[int, str]]:
+    """``(first line, text)`` of each Markdown text in ``path``: the whole file, or each text cell of a notebook
+    (numbered by cell, from 1)."""
+    if path.suffix != ".ipynb":
+        return [(1, path.read_text(encoding="utf-8"))]
+    import json
+
+    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    return [
+        (number, "".join(cell.get("source", "")))
+        for number, cell in enumerate(cells, 1)
+        if cell.get("cell_type") == "markdown"
+    ]
+
+
+def stray_list_items(text: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each line that starts with a list marker in the middle of a paragraph: the line before
+    it is text (not blank, not a table row, heading, quote or HTML, not ending with a colon) and no list item at its
+    indentation came before it in the same paragraph (a sibling item). That is a sentence wrapped at a number or a
+    dash (``- **damage**: ... the clip cuts it to\n  1. Patching ...``), which Markdown renders as a new, nested list
+    item cutting the sentence. A list nested under an item that ends with a colon is a list; fenced code is
+    skipped."""
+    found = []
+    fence: str | None = None
+    item_indents: set[int] = set()
+    previous = ""
+    for number, line in enumerate(text.split("\n"), 1):
+        opening = FENCE.match(line)
+        if fence is not None:
+            if opening and opening.group("fence").startswith(fence):
+                fence = None
+            previous = ""
+            continue
+        if opening:
+            fence = opening.group("fence")[:3]
+            previous, item_indents = "", set()
+            continue
+        if not line.strip():
+            previous, item_indents = "", set()
+            continue
+        item = LIST_ITEM.match(line)
+        if item:
+            indent = len(item.group("indent"))
+            prose_before = (
+                previous.strip()
+                and not previous.lstrip().startswith(("|", "<", "#", ">"))
+                and not previous.rstrip().endswith(":")
+            )
+            if prose_before and indent not in item_indents:
+                found.append((number, line.strip()))
+            item_indents.add(indent)
+        previous = line
+    return found
+
+
+def wide_formulas(text: str, width: int = CODE_WIDTH) -> list[tuple[int, int]]:
+    """``(line, characters)`` of each line of a formula block (a fence of `FORMULA_LANGUAGES`) wider than
+    ``width``."""
+    found = []
+    fence: str | None = None
+    formula = False
+    for number, line in enumerate(text.split("\n"), 1):
+        opening = FENCE.match(line)
+        if fence is None and opening:
+            fence, formula = opening.group("fence")[:3], opening.group("language") in FORMULA_LANGUAGES
+            continue
+        if fence is not None and opening and opening.group("fence").startswith(fence):
+            fence = None
+            continue
+        if fence is not None and formula and len(line.rstrip()) > width:
+            found.append((number, len(line.rstrip())))
+    return found
+
+
+def markdown_problems(files: Iterable[Path], root: Path = ROOT) -> list[Problem]:
+    """Stray list items and wide formula blocks (`stray_list_items`, `wide_formulas`) in Markdown files and the
+    text cells of notebooks (a notebook's "line" is its cell number, then the line in it)."""
+    problems = []
+    for path in files:
+        where = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+        for first, text in markdown_texts(path):
+            cell = "" if path.suffix != ".ipynb" else f"cell {first}, "
+            offset = first - 1 if path.suffix != ".ipynb" else 0
+            for line, item in stray_list_items(text):
+                problems.append(
+                    Problem(
+                        where,
+                        offset + line,
+                        f"{cell}a wrapped sentence renders as a list item here: {item[:60]!r} (rewrap the line)",
+                    )
+                )
+            for line, characters in wide_formulas(text):
+                problems.append(
+                    Problem(
+                        where,
+                        offset + line,
+                        f"{cell}formula line of {characters} characters overflows the docs column "
+                        f"({CODE_WIDTH}): break it",
+                    )
+                )
     return problems
 
 
@@ -346,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         inventory = read_inventory(args.inventory) if args.inventory else built_inventory()
         for path in convert(files, inventory):
             print(f"converted {path.relative_to(ROOT)}")
-    problems = source_problems(files)
+    problems = source_problems(files) + markdown_problems(markdown_files())
     if not args.convert and args.site.is_dir():
         problems += site_problems(args.site)
     for problem in problems:

@@ -124,6 +124,14 @@ def score(
 ) -> None:
     """Score unlearned models with UDS (S1 computed once and cached) and write summary/examples/layers files.
 
+    UDS (0 = the knowledge is as recoverable as in full, 1 = its layers carry no more of it than retain's) =
+    measured part + clipped part: the measured part comes from the knowledge-encoding layers where the unlearned
+    model's patch removes at most what the retain model's removes (d2 <= d1, each at its ratio d2/d1), the clipped
+    part from those where it removes more (d2 > d1, each counted as 1).
+    A 1 is erasure like retain only when it comes from the measured part; from the clipped part it is
+    over-disruption of the forget answer, which is damage only where a control (utility) shows it. The table
+    prints both parts, their 95% CIs and the excess disruption; bf16/fp16 runs say what ran in fp32 and why.
+
     OUT/NAME is reused, not recomputed, only when it was computed from identical inputs (the same full, retain and
     unlearned weights by content, the same data and --limit, the same settings; tau is re-applied to the saved
     deltas; the same Stage 1 values, by digest): the run then says "reusing NAME: identical inputs". A result of
@@ -162,7 +170,7 @@ def score(
     for name, result in results.items():
         if result.meta.get("reused"):
             typer.echo(f"reusing {name}: {result.meta['reused']}")
-    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, table_row
+    from uds_lens.display import SPLIT_LEGEND, UDS_COLUMNS, precision_text, span_notes, table_row
 
     rows = [table_row(name, result.summary) for name, result in results.items()]
     columns = ["model", *UDS_COLUMNS, "scored", "no_ke", "skipped", "s2_s"]
@@ -172,6 +180,12 @@ def score(
     _print_table(rows, columns)
     if not run.no_retain:
         typer.echo(SPLIT_LEGEND)
+    for note in span_notes(sorted({form for r in results.values() for form in r.meta.get("forms", [])})):
+        typer.echo(note)
+    for name, result in results.items():  # bf16/fp16: what ran in fp32, why, and what it cost
+        precision = precision_text(result.precision, result.summary.get("timings"))
+        if precision:
+            typer.echo(f"precision of {name}: {precision}")
     typer.echo(f"results in {out}")
 
 
@@ -335,9 +349,13 @@ def demo(
     columns = ["model", "role", "seen_forget_fraction", *UDS_COLUMNS, "n_scored", "n_no_ke", "n_skipped"]
 
     def show(table) -> None:
-        parts = zip(table.uds, zip(table.ci_low, table.ci_high), table.uds_clipped, table.uds_clipped_share,
-                    table.excess_disruption)  # fmt: skip
-        rows = [{**row, **uds_cells(*part)} for row, part in zip(table.to_dict("records"), parts)]
+        def cells(row: dict) -> dict:
+            cis = {key: (row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high"))
+                   for key in ("uds_unclipped", "uds_clipped", "excess_disruption")}  # fmt: skip
+            return uds_cells(row["uds"], (row["ci_low"], row["ci_high"]), row["uds_clipped"],
+                             row["uds_clipped_share"], row["excess_disruption"], row.get("uds_unclipped"), cis)  # fmt: skip
+
+        rows = [{**row, **cells(row)} for row in table.to_dict("records")]
         _print_table(rows, columns)
         typer.echo(SPLIT_LEGEND)
 
@@ -411,11 +429,23 @@ def report(
     results_dir: Path = typer.Argument(..., help="Directory written by `score`, `diagnose` or `demo`."),
     out: Path | None = typer.Option(None, help="HTML file (default RESULTS_DIR/report.html)."),
     force: bool = typer.Option(False, "--force", help="Replace a file at --out that is not a report."),
+    figures: list[str] | None = typer.Option(
+        None,
+        help="Also write every figure as png, pdf or svg (repeat for several) to REPORT_figures/ beside the page, "
+        "numbered as on it, with captions.txt; rendered by kaleido (the figures extra) or a local Chrome/Chromium.",
+    ),
 ) -> None:
-    """One self-contained HTML page (Plotly figures + tables) from saved results; never over another file."""
+    """One self-contained HTML page (Plotly figures + tables, provenance, every caption with its basis) from saved
+    results; never over another file."""
+    from uds_lens.plotting.export import STATIC_FORMATS
     from uds_lens.plotting.report import write_report
 
-    typer.echo(str(write_report(results_dir, out, force=force)))
+    for form in figures or ():
+        check_choice("--figures", form, STATIC_FORMATS)  # before any result is read
+    page = write_report(results_dir, out, force=force, figures=tuple(figures or ()))
+    typer.echo(str(page))
+    if figures:
+        typer.echo(f"figures in {page.with_name(f'{page.stem}_figures')}")
 
 
 @app.command()

@@ -27,7 +27,11 @@ RetainOption = Annotated[
     str | None, typer.Option(help="Retain model (Stage-1 source); omit with --no-retain.")
 ]
 DataOption = Annotated[
-    str, typer.Option(help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, or a hub dataset id.")
+    str,
+    typer.Option(
+        help="Forget set: JSON list / JSONL file, a zoo's zoo:forget, a hub dataset id, or a benchmark's set by name "
+        "(hf:DATASET/CONFIG:SPLIT, a hub id or a local copy: hf:muse-bench/MUSE-News/knowmem:forget_qa)."
+    ),
 ]
 TauOption = Annotated[float, typer.Option(help="KE threshold on d1, in nats (strict >).")]
 ScopeOption = Annotated[str, typer.Option(help=f"Patch scope: {' | '.join(SCOPES)}.")]
@@ -38,7 +42,12 @@ DtypeOption = Annotated[
     str | None, typer.Option(help=f"{_DTYPE_CHOICES} (default fp32; on CUDA bf16, fp32 with --dtype fp32).")
 ]
 PrecisionCheckOption = Annotated[
-    bool, typer.Option(help="bf16/fp16: decide in fp32 where rounding could (off: count fragile cells only).")
+    bool,
+    typer.Option(
+        help="bf16/fp16: take every KE and clip decision in fp32, and run in fp32 the examples whose UDS rounding "
+        f"could move by more than {DEFAULTS.precision_tolerance:g} (off: only count the decisions rounding could "
+        "flip; the result says how many)."
+    ),
 ]
 DeviceOption = Annotated[str | None, typer.Option(help="cpu | cuda (default: cuda when available).")]
 BatchSizeOption = Annotated[

@@ -19,6 +19,11 @@ the *read positions* ``[start + s, start + e)``. ``published_compat=True`` feeds
 feeds: the trailing space kept in the prompt (``"Answer: "`` + ``"Yes."``), and a space put before a reference that
 neither starts with one nor follows one.
 
+That is the ``qa`` form (TOFU's, MUSE's knowledge questions); `PROMPT_TEMPLATES` has two more: ``completion`` (MUSE's
+passages: the passage, a space, its continuation) and ``choice`` (lm-evaluation-harness's multiple choice: question,
+lettered options, ``"\\nAnswer:"``, a space, the letter). A ``context`` (a task description) and ``shots`` (in-context
+pairs in the example's own form, each followed by `SHOT_SEPARATOR`) may come before the prompt.
+
 An example that cannot be encoded is never dropped silently: it becomes a ``Skip`` with a reason string. So does one
 longer than the model's context (``fit_context``), unless cutting it after the last read position makes it fit.
 """
@@ -36,8 +41,9 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
+from uds_lens.benchmarks import HF_PREFIX, BenchmarkDataError, benchmark_records, read_split
 from uds_lens.config import Scope
 from uds_lens.files import ZOO_PREFIX, zoo_search_roots
 from uds_lens.zoo.manifest import data_file, read_manifest
@@ -47,6 +53,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_HUB_DATASET = "jaeunglee/uds-annotated-tofu"
 PROMPT_TEMPLATE = "Question: {question}\nAnswer: {prefix}"
 REQUIRED_FIELDS = ("question", "answer", "prefix", "entity")
+
+PromptForm: TypeAlias = Literal["qa", "completion", "choice"]
+PROMPT_TEMPLATES: dict[str, str] = {
+    "qa": PROMPT_TEMPLATE,
+    # MUSE's verbatim passages as open-unlearning feeds them: the passage, a space, the continuation
+    "completion": "{question} {prefix}",
+    # lm-evaluation-harness's multiple-choice prompt: its text ends in "Answer:", the target is " " + the letter
+    "choice": "{question}\nAnswer: {prefix}",
+}
+SHOT_SEPARATOR = "\n\n"
+"""What follows each in-context pair (open-unlearning's answer end tag, lm-evaluation-harness's few-shot delimiter)."""
 
 # Skip reasons (stable strings: they appear in examples.csv and summary.json).
 SKIP_PREFIX_MISMATCH = "answer_does_not_start_with_prefix"
@@ -77,6 +94,9 @@ class Example:
     prompt_type: str | None = None
     paraphrased_answer: str | None = None
     perturbed_answer: tuple[str, ...] | None = None
+    form: PromptForm = "qa"
+    context: str = ""
+    shots: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_record(cls, record: dict[str, Any], position: int = 0) -> Example:
@@ -112,6 +132,13 @@ class Example:
         perturbed = record.get("perturbed_answer")
         if isinstance(perturbed, str):
             perturbed = [perturbed]
+        form, context, shots = record.get("form", "qa"), record.get("context", ""), record.get("shots") or []
+        pairs = all(isinstance(s, (list, tuple)) and [type(t) for t in s] == [str, str] for s in shots)
+        if form not in PROMPT_TEMPLATES or not isinstance(context, str) or not pairs:
+            raise DataError(
+                f"{label}: form must be one of {list(PROMPT_TEMPLATES)}, context a string and shots a list of "
+                "[question, answer] strings."
+            )
         return cls(
             idx=_record_idx(record, position),
             question=record["question"],
@@ -121,6 +148,9 @@ class Example:
             prompt_type=record.get("prompt_type"),
             paraphrased_answer=record.get("paraphrased_answer"),
             perturbed_answer=tuple(perturbed) if perturbed else None,
+            form=form,
+            context=context,
+            shots=tuple((str(question), str(answer)) for question, answer in shots),
         )
 
     def to_record(self) -> dict[str, Any]:
@@ -137,6 +167,13 @@ class Example:
             record["paraphrased_answer"] = self.paraphrased_answer
         if self.perturbed_answer is not None:
             record["perturbed_answer"] = list(self.perturbed_answer)
+        # written only where they differ from TOFU's layout: a qa record keeps the fingerprint it always had
+        if self.form != "qa":
+            record["form"] = self.form
+        if self.context:
+            record["context"] = self.context
+        if self.shots:
+            record["shots"] = [list(shot) for shot in self.shots]
         return record
 
 
@@ -344,21 +381,11 @@ def looks_like_local_path(text: str) -> bool:
 
 
 def _load_hub_dataset(dataset_id: str, split: str) -> list[dict[str, Any]]:
+    """A plain hub id's records, in the published schema (an ``hf:`` spec reads other shapes too: `benchmarks`)."""
     try:
-        import datasets
-    except ImportError as err:  # pragma: no cover - datasets is a dependency
-        raise DataError("Loading a hub dataset needs the `datasets` package.") from err
-    try:
-        return [dict(row) for row in datasets.load_dataset(dataset_id, split=split)]
-    except Exception as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        raise DataError(
-            f"Could not load the dataset {dataset_id!r} (split {split!r}) from the Hugging Face hub "
-            f"({type(err).__name__}: {err}). "
-            + ("HF_HUB_OFFLINE is set. " if offline else "")
-            + "Pass a local file instead: a JSON list or JSON-lines file of records with idx, question, answer, "
-            "prefix, entity (e.g. the published forget10_filtered.json, or a zoo's data/forget.json)."
-        ) from err
+        return read_split(dataset_id, None, split)
+    except BenchmarkDataError as err:
+        raise DataError(f"{err} Or pass a local file of records (see README.md).") from None
 
 
 # The QA files of a built zoo, addressable as "zoo:forget" wherever a forget set is expected.
@@ -402,12 +429,13 @@ def load_examples(
     split: str = "train",
     limit: int | None = None,
 ) -> list[Example]:
-    """Load a forget set: a JSON list / JSONL file, a list of records, a zoo's ``zoo:forget``, or a hub dataset id.
+    """Load a forget set: a JSON list / JSONL file, a list of records, a zoo's ``zoo:forget``, a hub dataset id, or
+    a benchmark's set by name (``hf:DATASET/CONFIG:SPLIT``, a hub id or a local copy: `benchmarks`).
 
     Args:
-        source: path, records, Examples, ``zoo:forget`` (`zoo_data_path`), or hub id; None means the
+        source: path, records, Examples, ``zoo:forget`` (`zoo_data_path`), hub id or ``hf:`` spec; None means the
             published annotated set on the hub.
-        split: dataset split for hub ids.
+        split: dataset split for plain hub ids (an ``hf:`` spec names its own).
         limit: keep only the first ``limit`` examples.
 
     Raises:
@@ -418,10 +446,15 @@ def load_examples(
         source = DEFAULT_HUB_DATASET
     if isinstance(source, str) and source.startswith(ZOO_PREFIX):
         source = zoo_data_path(source)
-    if isinstance(source, (str, os.PathLike)):
+    if isinstance(source, str) and source.startswith(HF_PREFIX):
+        try:
+            records: Iterable[Any] = benchmark_records(source)
+        except BenchmarkDataError as err:
+            raise DataError(str(err)) from None
+    elif isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if path.is_file():
-            records: Iterable[Any] = read_records(path)
+            records = read_records(path)
         elif path.is_dir() or looks_like_local_path(str(source)):
             raise DataError(
                 f"No data file at {path}{' (it is a directory)' if path.is_dir() else ''}: pass a JSON "
@@ -467,25 +500,28 @@ def nfc(text: str) -> str:
 
 
 def needs_nfc(example: Example) -> bool:
-    """Whether the example's text (question, prefix, answer, entity) changes under NFC normalisation."""
-    return any(
-        text != nfc(text) for text in (example.question, example.prefix, example.answer, example.entity)
-    )
+    """Whether the example's text (question, prefix, answer, entity, context, shots) changes under NFC normalisation."""
+    texts = [example.question, example.prefix, example.answer, example.entity, example.context]
+    return any(text != nfc(text) for text in texts + list(sum(example.shots, ())))
 
 
 def build_prompt(example: Example, published_compat: bool = False) -> tuple[str, str] | None:
     """``(prompt, reference)`` strings for one example, or None when the answer does not start with the prefix.
 
-    The text is NFC-normalised first (so an entity typed with combining accents is found in an answer typed with
-    precomposed letters, and the model sees one spelling); ``published_compat`` keeps it as given, as the published
-    implementation does.
+    The prompt is the context, the in-context pairs (each in the example's form, then `SHOT_SEPARATOR`) and the
+    example's own prompt (`PROMPT_TEMPLATES`). The text is NFC-normalised first (so an entity typed with combining
+    accents is found in an answer typed with precomposed letters, and the model sees one spelling);
+    ``published_compat`` keeps it as given, as the published implementation does.
     """
-    question, prefix, answer = example.question, example.prefix, example.answer
+    texts = [example.question, example.prefix, example.answer, example.context, *sum(example.shots, ())]
     if not published_compat:
-        question, prefix, answer = nfc(question), nfc(prefix), nfc(answer)
+        texts = [nfc(text) for text in texts]
+    question, prefix, answer, context, *shots = texts
     if not answer.startswith(prefix):
         return None
-    prompt = PROMPT_TEMPLATE.format(question=question, prefix=prefix)
+    template = PROMPT_TEMPLATES[example.form]
+    shown = (template.format(question=q, prefix=a) + SHOT_SEPARATOR for q, a in zip(shots[::2], shots[1::2]))
+    prompt = context + "".join(shown) + template.format(question=question, prefix=prefix)
     reference = answer[len(prefix) :]
     if not published_compat:
         # prompt + reference is the template and the answer as written: nothing added between prefix and entity
@@ -641,12 +677,15 @@ def encode(
 
 __all__ = [
     "DEFAULT_HUB_DATASET",
+    "PROMPT_TEMPLATES",
+    "SHOT_SEPARATOR",
     "ZOO_DATA_SPLITS",
     "DataArg",
     "DataError",
     "EncodedExample",
     "Example",
     "Skip",
+    "PromptForm",
     "TokenizerError",
     "build_prompt",
     "check_data_source",

@@ -96,9 +96,15 @@ def score_zoo(
                 "uds": summary["uds"],
                 "ci_low": summary["ci95"][0],
                 "ci_high": summary["ci95"][1],
+                "uds_unclipped": summary["uds_unclipped"],
                 "uds_clipped": summary["uds_clipped"],
                 "uds_clipped_share": summary["uds_clipped_share"],
                 "excess_disruption": summary["excess_disruption"],
+                **{
+                    f"{key}_ci_{end}": bound
+                    for key, bounds in summary["split_ci95"].items()
+                    for end, bound in zip(("low", "high"), bounds, strict=True)
+                },
                 "n_scored": summary["n_scored"],
                 "n_no_ke": summary["n_no_ke"],
                 "n_skipped": summary["n_skipped"],
@@ -123,8 +129,9 @@ def run_demo(
     and scored first, into ``out_dir/preview/``, and ``on_preview(table, zoo_root)`` is called with its table, so a
     first scored table appears within a few minutes; the full run follows.
 
-    Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, uds_clipped,
-    uds_clipped_share, excess_disruption, n_scored, n_no_ke, n_skipped, s2_seconds`` (also written to
+    Returns the table ``model, role, seen_forget_fraction, method, uds, ci_low, ci_high, uds_unclipped, uds_clipped,
+    uds_clipped_share, excess_disruption``, their CI bounds (``uds_unclipped_ci_low`` ...), ``n_scored, n_no_ke,
+    n_skipped, s2_seconds`` (also written to
     ``out_dir/uds_table.csv``; ``uds_clipped`` is the part of UDS from clipped cells, ``uds_clipped_share`` its share
     of UDS, ``excess_disruption`` how far past retain the model disrupts: ``UDSResult.split``).
     """

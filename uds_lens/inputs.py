@@ -29,7 +29,7 @@ from uds_lens.checkpoints.compatibility import ModelIdentity, check_compatible, 
 from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.config import UDSConfig, as_config, check_positive_int
-from uds_lens.data import DataArg, Example, check_data_source, load_examples
+from uds_lens.data import DataArg, DataError, Example, check_data_source, load_examples
 from uds_lens.result_store import check_result_name
 from uds_lens.stage_cache import s1_cache_dir
 
@@ -102,7 +102,7 @@ class RunInputs:
 
         Args:
             full / retain: checkpoint references or models in memory (retain None: retain-free mode).
-            data: a JSON/JSONL path, a hub dataset id, records or ``Example``s.
+            data: a JSON/JSONL path, a hub dataset id, an ``hf:`` spec (`benchmarks`), records or ``Example``s.
             unlearned: models (named by `checkpoint.result_names`) or ``{name: model}``.
             config / limit / cache_dir / tokenizer: the settings, the first ``limit`` examples, the S1 cache
                 directory, a tokenizer of one's own.
@@ -114,7 +114,8 @@ class RunInputs:
         Raises:
             ModelLoadError: a checkpoint argument that names no checkpoint, or whose config cannot be read.
             ModelMismatchError: models that cannot be patched into each other.
-            DataError / ConfigError / ResultNameError: the forget set, ``limit`` or a result name.
+            DataError / ConfigError / ResultNameError: the forget set (multiple-choice items with a retain model
+                among its errors), ``limit`` or a result name.
             TypeError: ``retain`` or ``data`` not given with raw arguments, or given with a `RunInputs`.
         """
         if isinstance(full, RunInputs):
@@ -135,6 +136,12 @@ class RunInputs:
         data_path = Path(data).expanduser() if isinstance(data, (str, os.PathLike)) else None
         if data_name is None:
             data_name = str(data) if data_path is not None else "<records>"
+        if retain is not None and any(example.form == "choice" for example in examples):
+            raise DataError(
+                f"{data_name}: multiple-choice items are scored in retain-free mode only (--no-retain; retain=None): "
+                "UDS's scale rests on a retain model's disruption of an answer's text, and a letter, which a model "
+                "that never saw the fact still picks by chance, gives it none (docs: UDS on MUSE and WMDP)."
+            )
         inputs = cls(
             models["full"],
             models["retain"],

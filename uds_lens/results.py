@@ -61,7 +61,16 @@ from uds_lens.result_store import (
     normal_json,
     read_verified,
 )
-from uds_lens.uds import bootstrap_ci, clipped_summary, deltas, ke_mask, model_uds, mostly_clipped, rescore
+from uds_lens.uds import (
+    bootstrap_ci,
+    clipped_summary,
+    deltas,
+    ke_mask,
+    model_uds,
+    mostly_clipped,
+    rescore,
+    split_ci,
+)
 
 if TYPE_CHECKING:  # type names only: this module never imports torch
     from jaxtyping import Float
@@ -182,8 +191,9 @@ class UDSResult:
         info["question"] = [by_idx[i].question if i in by_idx else None for i in info["idx"]]
         info["entity"] = [by_idx[i].entity if i in by_idx else None for i in info["idx"]]
         meta["s0"] = {int(e.idx): float(v) for e, v in zip(encoded, s0.tolist())}
-        settings = config.to_dict()
-        result = cls(name=name, examples=info, layers=table, settings=settings, meta=meta)
+        if forms := sorted({record.form for record in records} - {"qa"}):
+            meta["forms"] = forms  # spans other than TOFU's answer entities: a passage's sentence, a letter
+        result = cls(name=name, examples=info, layers=table, settings=config.to_dict(), meta=meta)
         return result.with_tau(config.tau)
 
     def with_tau(self, tau: float) -> UDSResult:
@@ -318,6 +328,13 @@ class UDSResult:
             "n_mostly_clipped": len(self.mostly_clipped_examples()),
         }
 
+    @property
+    def split_ci95(self) -> dict[str, tuple[float, float]]:
+        """Bootstrap 95% CIs of [`split`][uds_lens.results.UDSResult.split]'s means over the scored examples:
+        ``uds_unclipped``, ``uds_clipped`` and ``excess_disruption`` (``uds.split_ci``: the same resampling as
+        ``ci95``, column by column; the parts' bounds do not add up to UDS's)."""
+        return split_ci(self.examples)
+
     def mostly_clipped_examples(self) -> pd.DataFrame:
         """The scored examples whose ``UDS_i`` rests mostly on clipped cells (``uds_clipped > uds_unclipped``, so
         more than half of it: ``uds.mostly_clipped``), largest clipped part first: their score says the unlearned
@@ -356,6 +373,9 @@ class UDSResult:
                 key: value if key.startswith("n_") else _none_if_nan(value)
                 for key, value in self.split.items()
             },
+            "split_ci95": {
+                key: [_none_if_nan(low), _none_if_nan(high)] for key, (low, high) in self.split_ci95.items()
+            },
             "skipped_indices": self.examples.loc[self.examples["status"] == "skipped", "idx"]
             .astype(int)
             .tolist(),
@@ -388,6 +408,7 @@ class UDSResult:
             "engine",
             "timings",
             "precision",
+            "forms",
         ):
             if key in self.meta:
                 out[key] = self.meta[key]
@@ -551,22 +572,9 @@ class UDSResult:
         return self.layers.pivot(index="idx", columns="layer", values=column)
 
     def __repr__(self) -> str:
-        counts = self.examples["status"].value_counts()
-        scored, no_ke, skipped = (int(counts.get(key, 0)) for key in ("scored", "no_ke", "skipped"))
-        if self.retain_free:
-            score = f"retain-free, mean d2 {display.number(self.d2_summary['mean_d2'])} (unnormalised)"
-        else:
-            split = self.split
-            score = (
-                f"UDS {display.number(self.uds)} {display.interval(self.ci95)}, from clipped cells "
-                f"{display.split_text(split['uds_clipped'], split['uds_clipped_share'])}, excess disruption "
-                f"{display.number(split['excess_disruption'], 2)}"
-            )
-        clipped = self.clipped
-        return (
-            f"UDSResult({self.name!r}: {score}; {scored} scored, {no_ke} no KE, {skipped} skipped; "
-            f"clipped d2 > d1: {display.share(clipped['clipped_share'])} of {clipped['n_ke_cells']} KE cells)"
-        )
+        """One line from the summary (``display.result_text``): UDS and its two parts with their CIs, the counts,
+        the clipped cells and, in bf16/fp16, what ran in fp32."""
+        return f"UDSResult({self.name!r}: {display.result_text(self.summary)})"
 
     def _repr_html_(self) -> str:
         """The notebook view, one field a row (narrow enough for a notebook column): ``display.result_rows``."""

@@ -17,7 +17,8 @@ For every example ``i`` and layer ``l`` (one patch per layer, see ``uds_lens.pat
 0 means the unlearned model still carries the knowledge exactly like the full model; 1 means it disrupts the full
 model's answer at least as much as a model that never saw the fact. A cell reaches ``ler = 1`` in two ways: the
 unlearned model's activation disrupts exactly as much as retain's (erasure), or more (``d2 > d1``, clipped: the
-activation is damaged, not cleaned). Two figures say which, beside UDS (they never change it):
+activation disrupts beyond removing the fact: over-disruption, which is damage only where a control such as the
+model's utility shows it). Two figures say which, beside UDS (they never change it):
 
 * **the split** ``UDS_i = uds_unclipped_i + uds_clipped_i`` ([`uds_parts`][uds_lens.uds.uds_parts]), both over
   the same denominator: ``uds_unclipped_i = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1`` (the cells whose ratio is the
@@ -157,8 +158,8 @@ def uds_parts(
 
     ``unclipped = sum_{KE, d2 <= d1} d1 * ler / sum_KE d1``: the part whose ratio is measured (the unlearned model
     disrupts at most as much as retain); ``clipped = sum_{KE, d2 > d1} d1 / sum_KE d1``: the part from clipped cells,
-    each counted as fully erased although the unlearned activation disrupts more than retain's (damage, or erasure
-    plus damage). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
+    each counted as fully erased although the unlearned activation disrupts more than retain's (over-disruption:
+    erasure, or not, plus more). Over one denominator, so ``unclipped + clipped`` is [`example_uds`][uds_lens.uds.example_uds]
     (to float64 rounding: the same terms summed in two groups).
 
     Examples:
@@ -226,6 +227,28 @@ def bootstrap_ci(
     means = array[rng.integers(0, array.size, size=(n_boot, array.size))].mean(axis=1)
     alpha = (1 - level) / 2
     return (float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha)))
+
+
+SPLIT_COLUMNS = ("uds_unclipped", "uds_clipped", "excess_disruption")
+"""The per-example figures beside UDS that [`split_ci`][uds_lens.uds.split_ci] gives intervals for."""
+
+
+def split_ci(
+    per_example: pd.DataFrame, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> dict[str, tuple[float, float]]:
+    """Bootstrap CIs of the model means of UDS's two parts and of the excess disruption.
+
+    ``per_example`` holds the columns of `SPLIT_COLUMNS` (an examples table, or ``rescore``'s per-example one);
+    each column gets [`bootstrap_ci`][uds_lens.uds.bootstrap_ci] over its defined values, with the same
+    resamples, level and seed as the model UDS's CI. The intervals are marginal: the parts' bounds do not add up
+    to UDS's.
+    """
+    return {
+        column: bootstrap_ci(
+            pd.to_numeric(per_example[column], errors="coerce").to_numpy(dtype=float), n_boot, level, seed
+        )
+        for column in SPLIT_COLUMNS
+    }
 
 
 def rescore(

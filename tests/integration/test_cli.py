@@ -34,7 +34,9 @@ def test_score_writes_every_file(tiny, tmp_path):
     assert result.exit_code == 0, result.output
     assert "unlearned" in result.output
     # the table (after the progress bars, which end without a newline): UDS with its split and excess beside it
-    assert re.search(r"model +uds +ci95 +clipped_part +excess +scored", result.output), result.output
+    assert re.search(r"model +uds +ci95 +measured +clipped_part +excess +scored", result.output), (
+        result.output
+    )
     for name in ("unlearned", "full"):
         summary = json.loads((out / name / "summary.json").read_text())
         for key in ("uds", "ci95", "n_scored", "n_no_ke", "n_skipped", "settings", "versions", "timings"):
@@ -259,3 +261,12 @@ def test_score_precision_check_switch(tiny, tmp_path):
     assert on["check"] and on["decisions"]["ke"]["bfloat16"] == 0 and on["decisions"]["ke"]["float32"] > 0
     assert not off["check"] and off["n_redecided_cells"] == 0 and off["decisions"]["ke"]["float32"] == 0
     assert off["n_fragile_cells"] > 0 and set(off["per_example"]) == set(on["per_example"])
+    # what ran in fp32, and why, is printed, not only saved
+    n_fp32, n_examples = on["n_fp32_examples"], len(on["per_example"])
+    assert f"precision of unlearned: bfloat16, precision check on: Stage 2 of {n_fp32} of {n_examples} " in (
+        checked.output
+    )
+    assert "the fp32 runs took" in checked.output
+    assert f"precision check off: {off['n_fragile_cells']} cells lie inside bfloat16's rounding band" in (
+        counted.output
+    )

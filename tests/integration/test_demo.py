@@ -105,7 +105,7 @@ def test_the_demo_table_shows_the_clipped_part_and_the_excess(test_zoo, tmp_path
     assert run.exit_code == 0, run.output
     lines = run.output.splitlines()
     header = next(line for line in lines if "ci95" in line)
-    assert "clipped_part" in header and "excess" in header
+    assert "measured" in header and "clipped_part" in header and "excess" in header
     for name in ("npo", "rmu_l0"):
         row = next(line for line in lines if line.split()[:1] == [name] and "%" in line)
         share = int(row.split("(")[1].split("%")[0])

@@ -108,7 +108,15 @@ def test_the_repr_splits_uds_into_its_measured_and_clipped_parts():
     assert split["excess_disruption"] == pytest.approx((1 / 3.5) / 2)
     assert split["n_mostly_clipped"] == 0  # example 3's clipped part (0.29) is under half its UDS (0.93)
     text = repr(_result())
-    assert "from clipped cells 0.143 (27% of UDS), excess disruption 0.14" in text
+    cis = _result().split_ci95
+    assert re.search(
+        r"UDS 0\.531 \[0\.\d{3}, 0\.\d{3}\] = measured 0\.388 \[0\.\d{3}, 0\.\d{3}\] \+ clipped 0\.143 ", text
+    )
+    assert f"clipped 0.143 [{cis['uds_clipped'][0]:.3f}, {cis['uds_clipped'][1]:.3f}] (27% of UDS)" in text
+    assert (
+        f"excess disruption 0.14 [{cis['excess_disruption'][0]:.2f}, {cis['excess_disruption'][1]:.2f}]"
+        in text
+    )
 
 
 def test_the_html_view_is_one_field_a_row_with_ci_split_counts_and_clipped_share():
@@ -117,15 +125,59 @@ def test_the_html_view_is_one_field_a_row_with_ci_split_counts_and_clipped_share
     assert html.count("<tr>") == 7 and "<thead>" not in html
     for cell in (
         "0.531 [0.133, 0.929]",
-        "0.388",  # from measured ratios
-        "0.143 (27% of UDS)",
-        "0.14",  # excess disruption
+        "0.388 [",  # the measured part, with its CI
+        "(27% of UDS)",
+        "0.14 [",  # excess disruption, with its CI
         "2 scored, 1 no KE, 1 skipped",
         "14% (1 of 7 KE cells, median d2/d1 2.00)",
         "tau 0.05 nats",
         "entity_not_found (1)",
     ):
         assert cell in html, cell
+
+
+def _bf16(check: bool, bound: float) -> dict:
+    """A precision record as a bf16 run writes it (``meta["precision"]``): three examples, two of them in fp32."""
+    return {
+        "dtype": "bfloat16",
+        "check": check,
+        "tolerance": 1e-3,
+        "band": {"scale": 8.0 if check else 55.0, "measured": check},
+        "weights": {"full": "stored"},
+        "not_redecided": {},
+        "n_fragile_cells": 4,
+        "n_fragile_ke": 3,
+        "n_fragile_clip": 2,
+        "n_redecided_cells": 4 if check else 0,
+        "n_fp32_examples": 2 if check else 0,
+        "decisions": {"ke": {"float32": 12, "bfloat16": 0}, "clip": {"float32": 7, "bfloat16": 0}},
+        "max_uds_bound": bound,
+        "per_example": {str(i): {"fragile": 1, "redecided": 1, "uds_bound": 0.0} for i in IDX},
+    }
+
+
+def test_a_bf16_result_says_how_many_examples_ran_in_fp32():
+    """The repr and the notebook view of a reduced-precision result say what ran in fp32 (and why, and its cost
+    where timed); with the check off, the fragile cells left, and a bound past UDS's range capped at 1."""
+    result = _result()
+    result.meta["precision"] = _bf16(check=True, bound=0.0)
+    result.meta["timings"] = {
+        "s2_seconds": 4.5,
+        "s2_precision_seconds": 3.7,
+        "s2_precision_copy_seconds": 0.9,
+    }
+    assert "bfloat16: Stage 2 of 2 of 3 examples in fp32, 4 decisions re-decided in fp32" in repr(result)
+    html = result._repr_html_()
+    assert (
+        "Stage 2 of 2 of 3 examples ran in fp32 (in bfloat16 rounding could move their UDS by more than"
+        in html
+    )
+    assert "the fp32 runs took 3.7 s of Stage 2&#x27;s 4.5 s, plus 0.9 s making fp32 copies" in html
+    result.meta["precision"] = _bf16(check=False, bound=5.31)
+    text = repr(result)
+    assert "precision check off: 4 fragile cells not re-decided" in text
+    assert "up to 1, its whole range (the band's bound, 5.31, exceeds it)" in text
+    assert "precision" not in repr(_result())  # fp32: nothing to say
 
 
 def test_an_example_view_names_its_model_question_and_clipped_layers():

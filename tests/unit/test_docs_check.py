@@ -120,3 +120,44 @@ def test_convert_writes_cross_references_the_site_renders():
     converted = check.convert_text(SOURCE, "uds_lens.tables", False, inventory)
     assert converted == EXPECTED
     assert check.convert_text(converted, "uds_lens.tables", False, inventory) == converted
+
+
+def test_the_docs_have_no_stray_list_item_or_wide_formula():
+    check = _check_docs()
+    assert [str(p) for p in check.markdown_problems(check.markdown_files())] == []
+
+
+def test_a_sentence_wrapped_at_a_number_is_caught(tmp_path):
+    """The concepts page once cut its definition of damage this way: a wrapped line starting "1." inside a list
+    item renders as a nested list item. Lists that are lists (after a colon, siblings, a list after a blank line)
+    are not flagged, nor is code."""
+    check = _check_docs()
+    stray = (
+        "- **erasure**: the unlearned model's hidden state disrupts the full model's answer as much as retain's;\n"
+        "- **damage**: it disrupts the answer *more* than retain's (`d2 > d1`). The ratio is above 1 and the clip cuts it to\n"
+        "  1. Patching in the unlearned model's state breaks the full model beyond removing the fact.\n"
+        "\n"
+        "A paragraph that wraps before a dash\n"
+        "- 1 and goes on.\n"
+    )
+    assert [line for line, _ in check.stray_list_items(stray)] == [3, 6]
+    lists = (
+        "Steps:\n1. one\n2. two\n   wrapped\n3. three\n\n- a\n- b, which\n  wraps\n- c:\n  - nested\n\n"
+        "Text.\n\n1. a list after a blank line\n\n```bash\nx = 1\n- 2\n```\n| a | b |\n|---|---|\n"
+    )
+    assert check.stray_list_items(lists) == []
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# Page\n\n" + stray)
+    problems = [str(p) for p in check.markdown_problems([page], root=tmp_path)]
+    assert problems[0].startswith(
+        'docs/page.md:5: a wrapped sentence renders as a list item here: "1. Patching'
+    )
+
+
+def test_a_formula_block_wider_than_the_docs_column_is_caught():
+    check = _check_docs()
+    wide = "x = " + "a + " * 30
+    text = f"```text\n{wide}\nshort\n```\n\n```bash\n{wide}\n```\n"
+    assert check.wide_formulas(text) == [(2, len(wide.rstrip()))]  # commands may scroll; formulas must not
+    assert check.wide_formulas("```text\n" + "x" * check.CODE_WIDTH + "\n```\n") == []

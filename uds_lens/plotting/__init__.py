@@ -5,9 +5,11 @@
 - [`heatmaps`][uds_lens.plotting.heatmaps]: ``layer_heatmap`` (y = layer, x = example, KE cells marked);
 - [`curves`][uds_lens.plotting.curves]: ``stage_curves``, ``example_curves``, ``tau_curves``, ``lens_vs_uds_example``,
   ``lens_vs_uds_models``, ``layerwise_methods``;
-- [`models`][uds_lens.plotting.models]: ``model_frame``, ``uds_bar`` (UDS split into its measured and clipped parts),
-  ``depth_vs_damage`` (UDS against excess disruption), ``uds_distribution``, ``prompt_type_bar``,
+- [`models`][uds_lens.plotting.models]: ``model_frame``, ``uds_bar`` (UDS split into its measured and clipped parts,
+  with their CIs), ``depth_vs_damage`` (the measured part of UDS, up to UDS, against excess disruption),
   ``rmu_layer_profile``;
+- [`distributions`][uds_lens.plotting.distributions]: ``uds_distribution`` (per-example UDS beside its measured
+  part), ``prompt_type_bar`` (mean UDS per prompt type, its clipped part hatched);
 - [`components`][uds_lens.plotting.components]: ``component_patching``, ``component_heatmap``, ``token_logprobs``;
 - `meta_eval`: ``pool_histograms``, ``robustness_scatter``, ``published_scatter``;
 - [`export`][uds_lens.plotting.export]: ``save`` (PNG/SVG/PDF or offline HTML), ``keep_figures_in_notebooks`` (figures
@@ -48,11 +50,11 @@ _EXPORTS = {
     "tau_curves": "curves",
     "model_frame": "models",
     "depth_vs_damage": "models",
-    "prompt_type_bar": "models",
+    "prompt_type_bar": "distributions",
     "rmu_layer_profile": "models",
     "rmu_target_layer": "models",
     "uds_bar": "models",
-    "uds_distribution": "models",
+    "uds_distribution": "distributions",
     "component_heatmap": "components",
     "component_patching": "components",
     "token_logprobs": "components",
@@ -114,6 +116,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         stage_curves,
         tau_curves,
     )
+    from uds_lens.plotting.distributions import prompt_type_bar, uds_distribution
     from uds_lens.plotting.export import IMAGE_SUFFIXES, keep_figures_in_notebooks, save
     from uds_lens.plotting.heatmaps import layer_heatmap
     from uds_lens.plotting.meta_eval import (
@@ -126,11 +129,9 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from uds_lens.plotting.models import (
         depth_vs_damage,
         model_frame,
-        prompt_type_bar,
         rmu_layer_profile,
         rmu_target_layer,
         uds_bar,
-        uds_distribution,
     )
     from uds_lens.plotting.style import (
         DELTA_SCALE,

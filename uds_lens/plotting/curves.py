@@ -40,6 +40,7 @@ from uds_lens.plotting.style import (
 from uds_lens.plotting.tables import (
     Result,
     Results,
+    clipped_part_by_layer,
     count_text,
     ke_cells,
     long_by_model,
@@ -341,9 +342,16 @@ def lens_vs_uds_example(
                        legendgroup=name, line={"color": colour, "dash": STAGE_DASH["d2"]}),
             row=1, col=1,
         )  # fmt: skip
-        ler = rows["ler"].where(ke_mask(rows["d1"].to_numpy(dtype=float), tau))
+        d1, d2 = rows["d1"].to_numpy(dtype=float), rows["d2"].to_numpy(dtype=float)
+        ke = ke_mask(d1, tau)
+        ler = rows["ler"].where(ke)
+        clipped = ke & (d2 > d1)
         fig.add_trace(
-            go.Bar(x=rows["layer"], y=ler, name=label, legendgroup=name, marker={"color": colour}),
+            go.Bar(x=rows["layer"], y=ler, name=label, legendgroup=name,
+                   marker={"color": colour, "pattern": {"shape": ["/" if c else "" for c in clipped],
+                                                        "fgcolor": "#ffffff", "solidity": 0.4}},
+                   customdata=np.where(clipped, "clipped: d2 > d1, LER cut to 1", "measured: d2 ≤ d1"),
+                   hovertemplate="layer %{x}: LER %{y:.3f}, %{customdata}<extra>" + name + "</extra>"),
             row=2, col=1,
         )  # fmt: skip
     fig.add_hline(y=tau, line=REFERENCE_LINE, annotation_text=tau_text(tau), row=1, col=1)
@@ -355,7 +363,11 @@ def lens_vs_uds_example(
     return set_title(
         fig,
         title or f"Observational vs causal, example {idx}",
-        [examples_text(1), f"KE for both readouts: d1 > {tau_text(tau)}"],
+        [
+            examples_text(1),
+            f"KE for both readouts: d1 > {tau_text(tau)}",
+            "hatched LER bars: clipped (d2 > d1, cut to 1: over-disruption)",
+        ],
     )
 
 
@@ -397,6 +409,15 @@ def lens_vs_uds_models(
                            showlegend=position == 0, line={"color": colour}),
                 **cell,
             )  # fmt: skip
+            if name != "UDS":
+                continue
+            part = clipped_part_by_layer(long[long["model"] == model], tau).reindex(mean.index)
+            fig.add_trace(
+                go.Scatter(x=part.index, y=part, mode="lines", name=f"{name}: from clipped cells",
+                           legendgroup=f"{name} clipped", showlegend=position == 0,
+                           line={"color": colour, "dash": "dot", "width": 1.5}),
+                **cell,
+            )  # fmt: skip
     fig.update_yaxes(range=[0, 1.05])
     fig.update_yaxes(title_text="mean LER (KE cells)", col=1)
     fig.update_xaxes(title_text="layer", **layer_ticks(uds_long["layer"]))
@@ -405,7 +426,11 @@ def lens_vs_uds_models(
     return set_title(
         fig,
         title or "Logit lens vs UDS: mean layer erasure ratio per model",
-        [f"{examples_text(n_examples)} per model", f"KE cells: d1 > {tau_text(tau)}"],
+        [
+            f"{examples_text(n_examples)} per model",
+            f"KE cells: d1 > {tau_text(tau)}",
+            "dotted: the part of UDS's mean LER from clipped cells (d2 > d1, each LER 1)",
+        ],
     )
 
 
@@ -416,12 +441,16 @@ def layerwise_methods(
     title: str | None = None,
     n_examples: int | str | None = None,
     tau: float = DEFAULT_TAU,
+    results: Results | None = None,
 ) -> go.Figure:
     """Per-layer erasure of several white-box methods, one panel per model (``diagnose``'s ``layerwise.csv``).
 
     Each method's score is the weighted mean of its per-layer erasure ``e_l`` (1 = retain-like) with weights ``w_l``;
     marker size shows the weight, so the layers that drive the score stand out. With ``methods=("uds",
-    "logit_lens")`` this is the observational-vs-causal comparison per model.
+    "logit_lens")`` this is the observational-vs-causal comparison per model. UDS's pooled erasure of a layer counts
+    each clipped KE cell (``d2 > d1``) as 1: with ``results`` (the models' UDS results), a dotted line under the
+    ``uds`` curve draws that part (`tables.clipped_part_by_layer`, d1-weighted as the pooling is); without them the
+    basis line says the clipped cells are not marked.
 
     Args:
         layerwise: ``{model: table}`` or a long table with a ``model`` column; tables have ``method, layer, erasure``
@@ -432,6 +461,7 @@ def layerwise_methods(
         n_examples: the examples the tables pool (``layerwise.csv`` does not hold it), for the figure's basis.
         tau: the KE threshold of UDS's rows (the lenses use the published 0.05 nats; CKA, RSA, SVCCA and PWCCA
             have none, Fisher its mask), for the basis.
+        results: ``{model: UDS result}`` whose layers tables mark the clipped part of the ``uds`` curves.
     """
     long = long_by_model(layerwise, attribute="layerwise")
     missing = {"method", "layer", "erasure"} - set(long.columns)
@@ -444,6 +474,8 @@ def layerwise_methods(
     models = list(dict.fromkeys(long["model"]))
     columns = min(max_columns, len(models))
     rows = -(-len(models) // columns)
+    uds_results = named_results(results) if results is not None else {}
+    marked = False
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=models, shared_yaxes=True)
     for position, model in enumerate(models):
         cell = {"row": position // columns + 1, "col": position % columns + 1}
@@ -473,6 +505,23 @@ def layerwise_methods(
                 ),
                 **cell,
             )
+            layers = getattr(uds_results.get(model), "layers", None)
+            if method == "uds" and isinstance(layers, pd.DataFrame) and not layers.empty:
+                from_clipped = clipped_part_by_layer(one_site(layers, None), tau, weighted=True)
+                fig.add_trace(
+                    go.Scatter(
+                        x=from_clipped.index,
+                        y=from_clipped,
+                        mode="lines",
+                        name="uds: from clipped cells",
+                        legendgroup="uds clipped",
+                        showlegend=not marked,
+                        line={"color": palette_colour(number), "dash": "dot", "width": 1.5},
+                        hovertemplate="layer %{x}: %{y:.3f} of UDS's erasure from clipped cells<extra></extra>",
+                    ),
+                    **cell,
+                )
+                marked = True
     fig.update_yaxes(range=[-0.05, 1.05])
     fig.update_yaxes(title_text="erasure e<sub>l</sub>", col=1)
     fig.update_xaxes(title_text="layer", **layer_ticks(long["layer"]))
@@ -486,5 +535,12 @@ def layerwise_methods(
         [
             n_text,
             f"UDS: KE at d1 > {tau_text(tau)}; logit lens at 0.05 nats; CKA, RSA, SVCCA, PWCCA: no threshold",
+            (
+                "dotted: the part of UDS's erasure from clipped cells (d2 > d1, each counted as 1)"
+                if marked
+                else "UDS's clipped cells (d2 > d1) not marked: pass results="
+            )
+            if "uds" in methods
+            else "",
         ],
     )

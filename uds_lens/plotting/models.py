@@ -1,11 +1,12 @@
-"""Figures that compare models: the model table behind them, UDS bars with CIs split into the part from measured
-ratios and the part from clipped cells, depth against damage, per-example distributions, prompt types, and the RMU
-layer profile.
+"""Figures that compare models: the model table behind them, UDS bars with CIs split into the measured part and the
+part from clipped cells, the measured part against the excess disruption (depth against over-disruption), and the
+RMU layer profile. The per-example distributions and prompt types are in
+[`distributions`][uds_lens.plotting.distributions].
 
 A model's UDS is the mean of its defined per-example scores and its 95% CI the bootstrap over examples, both as
-`uds_lens.uds` computes them (``model_uds``, ``bootstrap_ci``); its two parts (``uds_parts``) and its excess
-disruption (``excess_disruption``) likewise. A result's own ``summary`` is used when it has them, so a bar shows
-exactly the number the result reports.
+`uds_lens.uds` computes them (``model_uds``, ``bootstrap_ci``); its two parts (``uds_parts``), its excess disruption
+(``excess_disruption``) and their CIs (``split_ci``) likewise. A result's own ``summary`` is used when it has them,
+so a bar shows exactly the number the result reports.
 """
 
 from __future__ import annotations
@@ -32,17 +33,22 @@ from uds_lens.plotting.style import (
 from uds_lens.plotting.tables import (
     HasExamples,
     Results,
+    clipped_part_by_layer,
     count_text,
+    dtype_text,
     long_by_model,
     mean_ler_on_ke,
     named_results,
+    result_dtype,
     result_tau,
     tau_of,
 )
-from uds_lens.uds import bootstrap_ci, clipped_summary, model_uds, rescore
+from uds_lens.uds import SPLIT_COLUMNS, bootstrap_ci, clipped_summary, model_uds, rescore, split_ci
 
 SPLIT_KEYS = ("uds_unclipped", "uds_clipped", "uds_clipped_share", "excess_disruption")
 """The model table's columns that say where UDS comes from (``UDSResult.split``)."""
+SPLIT_CI_COLUMNS = tuple(f"{key}_ci_{end}" for key in SPLIT_COLUMNS for end in ("low", "high"))
+"""The model table's bounds of the 95% CIs of the two parts and of the excess (``UDSResult.split_ci95``)."""
 CLIPPED_PATTERN = {"shape": "/", "solidity": 0.45, "size": 8}
 """How the part of a UDS bar that comes from clipped cells is drawn: hatched over a pale fill of the model's colour."""
 
@@ -74,21 +80,38 @@ def _clipped(result: Any, summary: Mapping[str, Any]) -> dict[str, float]:
     return {key: float("nan") for key in keys}
 
 
-def _split(result: Any, summary: Mapping[str, Any], uds: float) -> dict[str, float]:
-    """A result's UDS split and excess disruption (its summary's, else from its examples or layers tables)."""
-    if "uds_clipped" in summary:
-        return {key: float("nan") if summary.get(key) is None else float(summary[key]) for key in SPLIT_KEYS}
+def _split_examples(result: Any) -> pd.DataFrame | None:
+    """A result's per-example split (its examples table, else rescored from its layers table), or None."""
     examples = getattr(result, "examples", None)
-    if not (isinstance(examples, pd.DataFrame) and "uds_clipped" in examples.columns):
-        layers = getattr(result, "layers", None)
-        if not (isinstance(layers, pd.DataFrame) and {"idx", "d1", "d2"} <= set(layers.columns)):
-            return {key: float("nan") for key in SPLIT_KEYS}
-        examples = rescore(one_site(layers, None), result_tau(result, DEFAULT_TAU))[1]
-    means = {
-        key: model_uds(pd.to_numeric(examples[key], errors="coerce").to_numpy(dtype=float))
-        for key in ("uds_unclipped", "uds_clipped", "excess_disruption")
-    }
-    means["uds_clipped_share"] = means["uds_clipped"] / uds if uds > 0 else float("nan")
+    if isinstance(examples, pd.DataFrame) and "uds_clipped" in examples.columns:
+        return examples
+    layers = getattr(result, "layers", None)
+    if not (isinstance(layers, pd.DataFrame) and {"idx", "d1", "d2"} <= set(layers.columns)):
+        return None
+    return rescore(one_site(layers, None), result_tau(result, DEFAULT_TAU))[1]
+
+
+def _split(result: Any, summary: Mapping[str, Any], uds: float, n_boot: int) -> dict[str, float]:
+    """A result's UDS split, excess disruption and their CIs (its summary's, else from its examples or layers
+    tables): `SPLIT_KEYS` and `SPLIT_CI_COLUMNS`."""
+    nan = float("nan")
+    cis = summary.get("split_ci95") if isinstance(summary.get("split_ci95"), Mapping) else None
+    if "uds_clipped" in summary and cis is not None:
+        means = {key: nan if summary.get(key) is None else float(summary[key]) for key in SPLIT_KEYS}
+        pairs = {key: _ci_pair(cis.get(key)) for key in SPLIT_COLUMNS}
+    else:
+        examples = _split_examples(result)
+        if examples is None:
+            return {key: nan for key in (*SPLIT_KEYS, *SPLIT_CI_COLUMNS)}
+        means = {
+            key: model_uds(pd.to_numeric(examples[key], errors="coerce").to_numpy(dtype=float))
+            for key in SPLIT_COLUMNS
+        }
+        means["uds_clipped_share"] = means["uds_clipped"] / uds if uds > 0 else nan
+        pairs = dict(split_ci(examples, n_boot=n_boot))
+    for key in SPLIT_COLUMNS:
+        low, high = pairs.get(key) or (nan, nan)
+        means[f"{key}_ci_low"], means[f"{key}_ci_high"] = low, high
     return means
 
 
@@ -105,12 +128,13 @@ def model_frame(
 
     Returns:
         DataFrame with columns ``model, uds, ci_low, ci_high, n_scored, n_no_ke, n_skipped, clipped_share,
-        clipped_median_ratio, uds_unclipped, uds_clipped, uds_clipped_share, excess_disruption, tau`` (+ ``role``):
-        ``clipped_share`` is the share of KE cells with ``d2 > d1``, whose LER the clip cut to 1 (over-disruption;
-        from the summary, else counted from ``.layers``); ``uds_unclipped + uds_clipped = uds``, the parts of UDS
-        from measured ratios and from clipped cells, ``uds_clipped_share`` the second's share of UDS, and
-        ``excess_disruption`` how far past retain's disruption the model's goes (``UDSResult.split``); ``tau`` the
-        KE threshold the model was scored with.
+        clipped_median_ratio, uds_unclipped, uds_clipped, uds_clipped_share, excess_disruption``, the CI bounds
+        `SPLIT_CI_COLUMNS` (``uds_unclipped_ci_low`` ...), ``tau`` and ``dtype`` (+ ``role``): ``clipped_share`` is
+        the share of KE cells with ``d2 > d1``, whose LER the clip cut to 1 (over-disruption; from the summary, else
+        counted from ``.layers``); ``uds_unclipped + uds_clipped = uds``, the parts of UDS from measured ratios and
+        from clipped cells, ``uds_clipped_share`` the second's share of UDS, and ``excess_disruption`` how far past
+        retain's disruption the model's goes (``UDSResult.split``, its CIs ``UDSResult.split_ci95``); ``tau`` the
+        KE threshold the model was scored with, ``dtype`` the format it ran in (``float32``, ``bfloat16`` ...).
     """
     if isinstance(results, pd.DataFrame):
         frame = results.copy()
@@ -149,8 +173,9 @@ def model_frame(
                     "ci_high": float("nan") if ci is None else ci[1],
                     **counts,
                     **_clipped(result, summary),
-                    **_split(result, summary, uds),
+                    **_split(result, summary, uds, n_boot),
                     "tau": result_tau(result, float("nan")),
+                    "dtype": result_dtype(result),
                 }
             )
         frame = pd.DataFrame(rows)
@@ -181,7 +206,8 @@ def _basis(frame: pd.DataFrame, what: str) -> list[str]:
         if len(taus) == 1
         else ("tau = " + ", ".join(f"{t:g}" for t in taus) + " nats")
     )
-    return [n_text, tau if len(taus) else tau_text(None), what]
+    dtype = dtype_text(frame["dtype"]) if "dtype" in frame.columns else None
+    return [n_text, (tau if len(taus) else tau_text(None)) + (f", {dtype}" if dtype else ""), what]
 
 
 def uds_bar(
@@ -193,10 +219,11 @@ def uds_bar(
     """Model UDS as bars with bootstrap 95% CIs, each bar split into where its score comes from.
 
     The lower, plain part of a bar is ``uds_unclipped`` (KE cells with ``d2 <= d1``: the unlearned model's patch
-    disrupts at most as much as retain's, a measured erasure ratio); the upper, hatched part is ``uds_clipped``
-    (KE cells with ``d2 > d1``, each read as fully erased although the unlearned activation disrupts *more* than
-    retain's: damage, or erasure plus damage), labelled with its share of UDS. A model table without the split
-    draws whole bars.
+    disrupts at most as much as retain's, a measured erasure ratio), with its own 95% CI at its top (wide caps);
+    the upper, hatched part is ``uds_clipped`` (KE cells with ``d2 > d1``, each read as fully erased although the
+    unlearned activation disrupts *more* than retain's: over-disruption), labelled with its share of UDS; UDS's CI
+    sits at the top of the bar (narrow caps). The hover gives every part's CI and the excess disruption's. A model
+    table without the split draws whole bars.
 
     Args:
         results: ``{name: result}``, one result, or a model table (``model, uds, ci_low, ci_high`` [, ``role``,
@@ -211,7 +238,7 @@ def uds_bar(
     if sort:
         frame = frame.sort_values("uds", na_position="last")
     frame = frame.reset_index(drop=True)
-    for key in SPLIT_KEYS:
+    for key in (*SPLIT_KEYS, *SPLIT_CI_COLUMNS):
         if key not in frame.columns:
             frame[key] = float("nan")
     split = bool(frame["uds_clipped"].notna().any())
@@ -224,14 +251,17 @@ def uds_bar(
                 float
             ),
             (100 * frame["uds_clipped_share"].fillna(0.0)).to_numpy(float),
+            frame[list(SPLIT_CI_COLUMNS)].to_numpy(float),
             role.to_numpy(),
         ]
     )
     hover = (
-        "%{x} %{customdata[7]}<br>UDS %{customdata[0]:.3f}, 95% CI [%{customdata[1]:.3f}, %{customdata[2]:.3f}]"
+        "%{x} %{customdata[13]}<br>UDS %{customdata[0]:.3f}, 95% CI [%{customdata[1]:.3f}, %{customdata[2]:.3f}]"
         + (
-            "<br>from measured ratios (d2 ≤ d1) %{customdata[3]:.3f}<br>from clipped cells (d2 > d1) "
-            "%{customdata[4]:.3f} (%{customdata[6]:.0f}% of UDS)<br>excess disruption %{customdata[5]:.2f}"
+            "<br>measured part (d2 ≤ d1) %{customdata[3]:.3f} [%{customdata[7]:.3f}, %{customdata[8]:.3f}]"
+            "<br>clipped part (d2 > d1) %{customdata[4]:.3f} [%{customdata[9]:.3f}, %{customdata[10]:.3f}] "
+            "(%{customdata[6]:.0f}% of UDS)<br>excess disruption %{customdata[5]:.2f} "
+            "[%{customdata[11]:.2f}, %{customdata[12]:.2f}]"
             if split
             else ""
         )
@@ -240,8 +270,17 @@ def uds_bar(
     fig = go.Figure()
     common = {"x": frame["model"], "customdata": custom, "hovertemplate": hover, "showlegend": False}
     if split:
+        measured_ci = {
+            "type": "data",
+            "symmetric": False,
+            "array": (frame["uds_unclipped_ci_high"] - frame["uds_unclipped"]).clip(lower=0).to_numpy(),
+            "arrayminus": (frame["uds_unclipped"] - frame["uds_unclipped_ci_low"]).clip(lower=0).to_numpy(),
+            "color": "#444444",
+            "thickness": 1.5,
+            "width": 16,
+        }
         fig.add_trace(go.Bar(y=frame["uds"] - frame["uds_clipped"], name="from measured ratios",
-                             marker={"color": colours}, **common))  # fmt: skip
+                             marker={"color": colours}, error_y=measured_ci, **common))  # fmt: skip
         fig.add_trace(
             go.Bar(
                 y=frame["uds_clipped"],
@@ -268,7 +307,7 @@ def uds_bar(
             y=frame["uds"],
             mode="markers",
             marker={"size": 1, "color": "rgba(0,0,0,0)"},
-            error_y=_ci_bars(frame, color="#333333"),
+            error_y=_ci_bars(frame, color="#222222", width=4),
             hoverinfo="skip",
             showlegend=False,
         )
@@ -293,223 +332,157 @@ def uds_bar(
             "traceorder": "normal",
         },
     )
-    what = "95% bootstrap CI over examples" + (
-        "; hatched: the part from clipped KE cells (d2 > d1), its share of UDS above each bar"
+    what = (
+        "95% bootstrap CIs over examples: UDS's at the top, the measured part's (wide caps) at the split; hatched: "
+        "the part from clipped KE cells (d2 > d1, over-disruption), its share of UDS above each bar"
         if split
-        else ""
+        else "95% bootstrap CI over examples; the split is not in this table"
     )
     return set_title(fig, title or "UDS per model, split by where it comes from", _basis(frame, what))
 
 
+LABEL_SIDES = ("middle right", "middle left", "top right", "bottom left", "bottom right", "top left")
+"""The places a point's label takes in turn while the points before it sit too close (`_label_sides`)."""
+
+
 def _label_sides(x: np.ndarray, y: np.ndarray) -> list[str]:
-    """Text positions for point labels: right of each point, alternately above and below it where a neighbour
-    (in the order of ``y``) sits close enough for the labels to overlap."""
+    """Text positions for point labels: right of each point, and where points sit close enough for their labels to
+    overlap (within 0.06 in y and 15% of the x span of one placed before, in the order of ``y``), the next free one
+    of `LABEL_SIDES` among those neighbours."""
     sides = ["middle right"] * len(x)
     span_x = max(float(np.nanmax(x) - np.nanmin(x)), 1e-9) if len(x) else 1.0
-    previous = None
+    placed: list[int] = []
     for position in np.argsort(y, kind="stable"):
-        if (
-            previous is not None
-            and abs(y[position] - y[previous]) < 0.06
-            and abs(x[position] - x[previous]) < 0.15 * span_x
-        ):
-            sides[position] = "top right" if sides[previous] != "top right" else "bottom right"
-        previous = position
+        near = [
+            other
+            for other in placed
+            if abs(y[position] - y[other]) < 0.06 and abs(x[position] - x[other]) < 0.15 * span_x
+        ]
+        taken = {sides[other] for other in near}
+        sides[position] = next(
+            (side for side in LABEL_SIDES if side not in taken), LABEL_SIDES[len(near) % 6]
+        )
+        placed.append(position)
     return sides
+
+
+def _interval(frame: pd.DataFrame, column: str, **style: Any) -> dict[str, Any]:
+    """Error bars from ``column``'s values to its CI bounds (``{column}_ci_low``/``_ci_high``), styled with ``style``."""
+    low, high = frame[f"{column}_ci_low"], frame[f"{column}_ci_high"]
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": (high - frame[column]).clip(lower=0).to_numpy(),
+        "arrayminus": (frame[column] - low).clip(lower=0).to_numpy(),
+        **style,
+    }
 
 
 def depth_vs_damage(
     results: Results | pd.DataFrame, roles: Mapping[str, str] | None = None, title: str | None = None
 ) -> go.Figure:
-    """Each model placed by its UDS (y) and its excess disruption (x): erasure and damage apart.
+    """Each model placed by the measured part of its UDS (y) and its excess disruption (x), with a line up to its UDS.
 
-    Two models can both score UDS near 1: one whose activations disrupt the full model's answer as much as the
-    retain model's (top left: erased like retain, excess near 0) and one whose activations disrupt it far more
-    (top right: its UDS rests on clipped cells, the hidden state is broken, not cleaned). The excess disruption is
-    ``sum_KE max(0, d2 - d1) / sum_KE d1`` per example, averaged over the scored examples (``uds.excess_disruption``);
-    the marker's size grows with the share of UDS from clipped cells, the vertical bar is UDS's 95% CI.
+    Total UDS contains the clipped part (KE cells with ``d2 > d1``, each counted as 1), so a model that disrupts the
+    forget answer beyond retain's drop climbs in UDS by construction. The measured part (``uds_unclipped``: cells
+    with ``d2 <= d1``, at their ratio) does not: it is the y of each filled marker, with its bootstrap 95% CI; a
+    thin line in the model's colour runs from it up to the model's UDS (the open marker, with UDS's CI): its length
+    is the clipped part. x is the excess disruption, ``sum_KE max(0, d2 - d1) / sum_KE d1`` per example, averaged
+    over the scored examples (``uds.excess_disruption``), with its CI. Erasure like retain sits top left (measured
+    part near 1, excess near 0); over-disruption to the right, whatever its UDS. That a clipped cell is damage is
+    not measured here (only ``d2 > d1`` on the forget answer is): a control such as utility says that. The hover
+    gives every value and CI, the clipped part's too.
 
     Args:
         results: ``{name: result}``, one result, or a model table as from
-            [`model_frame`][uds_lens.plotting.models.model_frame] (with
-            ``excess_disruption``).
+            [`model_frame`][uds_lens.plotting.models.model_frame] (with ``uds_unclipped``,
+            ``excess_disruption`` and their CI bounds).
         roles: optional ``{name: role}`` shown in the hover.
         title: figure title; under it the figure states its basis.
     """
     frame = model_frame(results, roles=roles).reset_index(drop=True)
-    if "excess_disruption" not in frame.columns or frame["excess_disruption"].isna().all():
+    needed = ("uds_unclipped", "excess_disruption")
+    if any(key not in frame.columns or frame[key].isna().all() for key in needed):
         raise ValueError(
-            "depth_vs_damage needs each model's excess_disruption (UDSResult.split, model_frame)"
+            "depth_vs_damage needs each model's uds_unclipped and excess_disruption (UDSResult.split, model_frame)"
         )
-    frame = frame.dropna(subset=["uds", "excess_disruption"])
-    share = frame["uds_clipped_share"].fillna(0.0).to_numpy(float) if "uds_clipped_share" in frame else 0.0
+    for key in (*SPLIT_KEYS, *SPLIT_CI_COLUMNS):
+        if key not in frame.columns:
+            frame[key] = float("nan")
+    frame = frame.dropna(subset=["uds", *needed]).reset_index(drop=True)
+    x, measured, uds = (frame[key].to_numpy(float) for key in ("excess_disruption", "uds_unclipped", "uds"))
     role = frame["role"].fillna("") if "role" in frame.columns else pd.Series("", index=frame.index)
+    colours = [model_colour(str(model)) for model in frame["model"]]
     fig = go.Figure()
+    for position, colour in enumerate(colours):  # the clipped part: measured part up to UDS
+        fig.add_trace(
+            go.Scatter(
+                x=[x[position], x[position]],
+                y=[measured[position], uds[position]],
+                mode="lines",
+                line={"color": rgba(colour, 0.55), "width": 3},
+                hoverinfo="skip",
+                showlegend=False,
+            )
+        )
+    custom = np.column_stack(
+        [
+            frame[["uds", "ci_low", "ci_high", "uds_clipped", "uds_clipped_share"]].to_numpy(float),
+            frame[list(SPLIT_CI_COLUMNS)].to_numpy(float),
+            role.to_numpy(),
+        ]
+    )
     fig.add_trace(
         go.Scatter(
-            x=frame["excess_disruption"],
-            y=frame["uds"],
-            mode="markers+text",
-            text=frame["model"],
-            textposition=_label_sides(
-                frame["excess_disruption"].to_numpy(float), frame["uds"].to_numpy(float)
-            ),
-            marker={
-                "size": 10 + 14 * share,
-                "color": [model_colour(str(model)) for model in frame["model"]],
-                "line": {"width": 1, "color": "#333333"},
-            },
-            error_y=_ci_bars(frame, color="#999999", thickness=1),
-            customdata=np.column_stack([100 * share * np.ones(len(frame)), role.to_numpy()]),
-            hovertemplate="%{text} %{customdata[1]}<br>UDS %{y:.3f}<br>excess disruption %{x:.2f}<br>"
-            "from clipped cells: %{customdata[0]:.0f}% of UDS<extra></extra>",
-            showlegend=False,
+            x=x,
+            y=uds,
+            mode="markers",
+            name="UDS (measured + clipped part), its 95% CI",
+            marker={"size": 9, "symbol": "circle-open", "color": colours, "line": {"width": 2}},
+            error_y=_ci_bars(frame, color="#bbbbbb", thickness=1, width=3),
+            hoverinfo="skip",
         )
     )
-    right = max(float(frame["excess_disruption"].max()), 0.5) * 1.15
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=measured,
+            mode="markers+text",
+            name="measured part of UDS (d2 ≤ d1), its 95% CI; excess disruption's 95% CI",
+            text=frame["model"],
+            textposition=_label_sides(x, measured),
+            marker={"size": 11, "color": colours, "line": {"width": 1, "color": "#333333"}},
+            error_y=_interval(frame, "uds_unclipped", color="#555555", thickness=1.5, width=6),
+            error_x=_interval(frame, "excess_disruption", color="#555555", thickness=1.5, width=6),
+            customdata=custom,
+            hovertemplate="%{text} %{customdata[11]}<br>measured part %{y:.3f} [%{customdata[5]:.3f}, "
+            "%{customdata[6]:.3f}]<br>clipped part %{customdata[3]:.3f} [%{customdata[7]:.3f}, %{customdata[8]:.3f}]"
+            "<br>UDS %{customdata[0]:.3f} [%{customdata[1]:.3f}, %{customdata[2]:.3f}]<br>excess disruption "
+            "%{x:.2f} [%{customdata[9]:.2f}, %{customdata[10]:.2f}]<extra></extra>",
+        )
+    )
+    reach = np.nan_to_num(frame["excess_disruption_ci_high"].to_numpy(float), nan=0.0)
+    right = max(float(np.nanmax(np.fmax(x, reach))), 0.5) * 1.15
     fig.add_vline(x=0.0, line=REFERENCE_LINE)
-    for x, anchor, text in (
-        (0.01, "left", "↖ erased like retain (no excess)"),
-        (0.99, "right", "damaged: disrupts beyond retain ↗"),
+    for x_paper, anchor, text in (
+        (0.01, "left", "↖ erased like retain (measured, no excess)"),
+        (0.99, "right", "over-disruption: beyond retain's drop ↗"),
     ):
-        fig.add_annotation(x=x, y=1.0, xref="paper", yref="paper", xanchor=anchor, yanchor="top",
+        fig.add_annotation(x=x_paper, y=1.0, xref="paper", yref="paper", xanchor=anchor, yanchor="top",
                            text=text, showarrow=False, font={"size": 11, "color": "#555555"})  # fmt: skip
     fig.update_layout(
         xaxis={
             "title": "excess disruption (extra nats of drop per nat of d1, past retain)",
-            "range": [-0.05 * right, right],
+            "range": [-0.12 * right, right],  # room for a label left of a point at 0
         },
-        yaxis={"title": "UDS", "range": [-0.05, 1.12]},
+        yaxis={"title": "measured part of UDS (d2 ≤ d1)", "range": [-0.05, 1.12]},
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top", "x": 0.0, "xanchor": "left"},
     )
-    what = "marker size: share of UDS from clipped cells (d2 > d1); bars: 95% CI of UDS"
-    return set_title(fig, title or "Depth vs damage: UDS against excess disruption", _basis(frame, what))
-
-
-def uds_distribution(results: Results, kind: str = "violin", title: str | None = None) -> go.Figure:
-    """Distribution of per-example UDS for each model (examples with a defined UDS only).
-
-    Args:
-        results: ``{name: result}`` (or one result); each needs an examples table (``.examples`` or the DataFrame).
-        kind: ``"violin"`` (one violin per model, points shown) or ``"histogram"`` (overlaid, 0-1 bins of 0.05).
-        title: figure title; under it the figure states its basis (examples per model, tau).
-    """
-    frame = long_by_model(results, attribute="examples")
-    if "uds_clipped" not in frame.columns:
-        frame = frame.assign(uds_clipped=np.nan)
-    frame = frame.assign(uds=pd.to_numeric(frame["uds"], errors="coerce")).dropna(subset=["uds"])
-    models = list(dict.fromkeys(frame["model"]))
-    fig = go.Figure()
-    for model in models:
-        values = frame.loc[frame["model"] == model, "uds"]
-        part = frame.loc[frame["model"] == model]
-        hover = part[["idx", "uds_clipped"]].to_numpy(float) if "idx" in frame.columns else None
-        if kind == "violin":
-            fig.add_trace(
-                go.Violin(
-                    y=values,
-                    x=[model] * len(values),
-                    name=model,
-                    box_visible=True,
-                    meanline_visible=True,
-                    points="all",
-                    jitter=0.3,
-                    pointpos=0.0,
-                    marker={"size": 4, "color": "rgba(40,40,40,0.6)"},
-                    line={"color": model_colour(model)},
-                    customdata=hover,
-                    hovertemplate="%{x}<br>example %{customdata[0]:.0f}: UDS %{y:.3f}, from clipped cells "
-                    "%{customdata[1]:.3f}<extra></extra>",
-                    spanmode="hard",
-                )
-            )
-        elif kind == "histogram":
-            fig.add_trace(
-                go.Histogram(
-                    x=values,
-                    name=model,
-                    xbins={"start": 0.0, "end": 1.0 + 1e-9, "size": 0.05},
-                    opacity=0.6,
-                    marker={"color": model_colour(model)},
-                )
-            )
-        else:
-            raise ValueError(f"kind must be 'violin' or 'histogram', got {kind!r}")
-    if kind == "violin":
-        fig.update_layout(yaxis={"title": "UDS<sub>i</sub>", "range": [-0.05, 1.05]}, showlegend=False)
-    else:
-        fig.update_layout(barmode="overlay", xaxis_title="UDS<sub>i</sub>", yaxis_title="examples")
-    counts = frame.groupby("model")["uds"].count()
+    what = "filled: measured part; open: UDS (the line: its clipped part, d2 > d1); bars: 95% bootstrap CIs"
     return set_title(
         fig,
-        title or "Per-example UDS by model",
-        [
-            f"{examples_text(count_text(counts))} per model (scored: a KE layer)",
-            tau_of(named_results(results), DEFAULT_TAU) if not isinstance(results, pd.DataFrame) else "",
-        ],
-    )
-
-
-def prompt_type_bar(results: Results, title: str | None = None, tau: float = DEFAULT_TAU) -> go.Figure:
-    """Mean UDS per prompt type (the paper's Table 5 as a figure), grouped by model, with example counts.
-
-    Args:
-        results: ``{name: result}``, one result, an examples table (needs ``prompt_type`` and ``uds``), or the
-            summary table of ``analysis.prompt_type_uds`` (``model, prompt_type, n_scored, mean_uds``).
-        title: figure title; under it the figure states its basis (examples, tau).
-        tau: the KE threshold stated when ``results`` are tables that do not carry it (results do).
-    """
-    if isinstance(results, pd.DataFrame) and "mean_uds" in results.columns:
-        # A summary table (analysis.prompt_type_uds / prompt_types.csv): no per-example spread to show.
-        count = results["n_scored"] if "n_scored" in results.columns else results.get("n", np.nan)
-        table = pd.DataFrame(
-            {
-                "model": results["model"] if "model" in results.columns else "model",
-                "prompt_type": results["prompt_type"].astype(str),
-                "mean": results["mean_uds"],
-                "count": count,
-                "std": np.nan,
-            }
-        )
-    else:
-        frame = long_by_model(results, attribute="examples")
-        frame = frame.assign(
-            uds=pd.to_numeric(frame["uds"], errors="coerce"),
-            prompt_type=frame["prompt_type"].fillna("(none)").astype(str),
-        ).dropna(subset=["uds"])
-        table = (
-            frame.groupby(["model", "prompt_type"], sort=False)["uds"]
-            .agg(["mean", "count", "std"])
-            .reset_index()
-        )
-    fig = go.Figure()
-    for model in dict.fromkeys(table["model"]):
-        part = table[table["model"] == model]
-        fig.add_trace(
-            go.Bar(
-                x=part["prompt_type"],
-                y=part["mean"],
-                name=model,
-                marker={"color": model_colour(str(model))},
-                text=[f"n={n:.0f}" if pd.notna(n) else "" for n in part["count"]],
-                textposition="inside",
-                insidetextanchor="start",
-                error_y={
-                    "type": "data",
-                    "array": (part["std"] / np.sqrt(part["count"])).to_numpy(dtype=float),
-                    "visible": bool(part["std"].notna().any()),
-                },
-                hovertemplate="%{x}<br>mean UDS %{y:.3f}<br>%{text}<extra>" + model + "</extra>",
-            )
-        )
-    fig.update_layout(
-        barmode="group", xaxis_title="prompt type", yaxis={"title": "mean UDS<sub>i</sub>", "range": [0, 1.1]}
-    )
-    totals = table.groupby("model", sort=False)["count"].sum()
-    taus = tau_of(named_results(results), tau) if not isinstance(results, pd.DataFrame) else tau_text(tau)
-    return set_title(
-        fig,
-        title or "Mean UDS per prompt type" + (" (± s.e.m.)" if table["std"].notna().any() else ""),
-        [f"{examples_text(count_text(totals))} per model (scored), n per type on the bars", taus],
+        title or "Depth vs over-disruption: measured UDS, excess disruption",
+        _basis(frame, what),
     )
 
 
@@ -520,10 +493,14 @@ def rmu_layer_profile(
     site: str | None = None,
     title: str | None = None,
 ) -> go.Figure:
-    """Mean LER per layer (over KE cells) for several models, each model's target layer marked.
+    """Mean LER per layer (over KE cells) for several models, each model's target layer marked, and the part of it
+    that comes from clipped cells.
 
-    RMU steers the residual at one target layer; its erasure profile should rise there. With ``target_layers``
-    unset, a target is read from names like ``rmu_l5`` / ``RMU-L10``.
+    RMU steers the residual at one target layer; its erasure profile should rise there. A clipped KE cell (``d2 >
+    d1``) adds exactly 1 to its layer's mean LER however far past retain it goes (the paper's RMU overshoots 57x at
+    its target), so a dotted line in each model's colour draws that part: the share of the layer's KE cells that are
+    clipped (`tables.clipped_part_by_layer`). The solid line above it is measured erasure only where the two
+    separate. With ``target_layers`` unset, a target is read from names like ``rmu_l5`` / ``RMU-L10``.
 
     Args:
         results: ``{name: result or layers table}``.
@@ -539,6 +516,20 @@ def rmu_layer_profile(
         mean = mean_ler_on_ke(long[long["model"] == model], tau)
         fig.add_trace(
             go.Scatter(x=mean.index, y=mean, mode="lines+markers", name=model, line={"color": colour})
+        )
+        part = clipped_part_by_layer(long[long["model"] == model], tau).reindex(mean.index)
+        fig.add_trace(
+            go.Scatter(
+                x=part.index,
+                y=part,
+                mode="lines",
+                name=f"{model}: from clipped cells",
+                legendgroup=model,
+                line={"color": colour, "dash": "dot", "width": 1.5},
+                hovertemplate="layer %{x}: %{y:.0%} of KE cells clipped (d2 > d1), each LER 1<extra>"
+                + model
+                + "</extra>",
+            )
         )
         target = (target_layers or {}).get(model) if target_layers is not None else rmu_target_layer(model)
         if target is not None:
@@ -558,7 +549,11 @@ def rmu_layer_profile(
     return set_title(
         fig,
         title or "Layer erasure profile (mean LER on KE cells); dashed = RMU target layer",
-        [f"{examples_text(count_text(counts))} per model", f"KE cells: d1 > {taus}"],
+        [
+            f"{examples_text(count_text(counts))} per model",
+            f"KE cells: d1 > {taus}",
+            "dotted: the part from clipped cells (d2 > d1, each LER 1: over-disruption)",
+        ],
     )
 
 

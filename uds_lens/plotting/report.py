@@ -8,6 +8,12 @@ the page shows exactly what ``load`` gives back) and writes one HTML file with p
 head, so the page opens offline and can be mailed as is. Model roles (full / retain / unlearned / pos / neg ...) come
 from the caller, from ``RESULTS_DIR/roles.json`` (``{name: role}``, as ``uds-lens demo`` writes it) or from each
 result's summary.
+
+The page is meant to stand as an appendix: every caption ends with what its figure rests on (n, tau, dtype and
+device: `provenance.basis_text`), a provenance block names the checkpoints and the forget set by their digests,
+the settings, software, machine, time and skipped records (`provenance.provenance`), a bf16/fp16 result says what
+ran in fp32 and what it cost, and ``figures=("png", "pdf")`` writes every figure as a file beside the page
+(`export.write_figures`), numbered as on the page, with a ``captions.txt``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import functools
 import html
 import json
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,9 +35,13 @@ from plotly.offline import get_plotlyjs
 
 from uds_lens import plotting
 from uds_lens.config import DEFAULT_TAU
-from uds_lens.display import number, split_text
+from uds_lens.display import SHARES_NOTE, interval, number, split_text, with_interval
 from uds_lens.files import write_atomic
 from uds_lens.outputs import REPORT_MARKER, check_report_output
+from uds_lens.plotting import retain_free
+from uds_lens.plotting.export import static_renderer, write_figures
+from uds_lens.plotting.models import SPLIT_CI_COLUMNS
+from uds_lens.plotting.provenance import basis_text, precision_html, provenance_html
 from uds_lens.plotting.tables import SavedResult, count_text
 from uds_lens.result_store import DIAGNOSE_FILES, REQUIRED_FILES, ResultIntegrityError, verify_result_dir
 from uds_lens.results import UDSResult
@@ -175,12 +186,6 @@ def _table_order(root: Path) -> list[str]:
     return order
 
 
-def _format_ci(low: Any, high: Any) -> str:
-    if pd.isna(low) or pd.isna(high):
-        return "–"
-    return f"[{low:.3f}, {high:.3f}]"
-
-
 def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) -> pd.DataFrame:
     frame = plotting.model_frame(
         {name: r for name, r in results.items() if r.summary or r.examples is not None}
@@ -188,23 +193,36 @@ def _models_table(results: Mapping[str, SavedResult], roles: Mapping[str, str]) 
     if frame.empty:
         return frame
     frame.insert(1, "role", [roles.get(name, results[name].summary.get("role")) for name in frame["model"]])
-    frame["CI 95%"] = [_format_ci(lo, hi) for lo, hi in zip(frame["ci_low"], frame["ci_high"], strict=True)]
-    frame["UDS from clipped cells"] = [
-        split_text(part, share)
-        for part, share in zip(frame["uds_clipped"], frame["uds_clipped_share"], strict=True)
+    frame["CI 95%"] = [interval(ci) for ci in zip(frame["ci_low"], frame["ci_high"], strict=True)]
+
+    def bounds(key: str) -> list[tuple[Any, Any]]:
+        return list(zip(frame[f"{key}_ci_low"], frame[f"{key}_ci_high"], strict=True))
+
+    frame["measured part [95% CI]"] = [
+        with_interval(part, ci)
+        for part, ci in zip(frame["uds_unclipped"], bounds("uds_unclipped"), strict=True)
     ]
-    frame["excess disruption"] = [number(value, 2) for value in frame["excess_disruption"]]
+    frame["clipped part [95% CI] (share of UDS)"] = [
+        split_text(part, share, ci)
+        for part, share, ci in zip(
+            frame["uds_clipped"], frame["uds_clipped_share"], bounds("uds_clipped"), strict=True
+        )
+    ]
+    frame["excess disruption [95% CI]"] = [
+        with_interval(value, ci, 2)
+        for value, ci in zip(frame["excess_disruption"], bounds("excess_disruption"), strict=True)
+    ]
     frame["examples mostly clipped"] = [
         results[name].summary.get("n_mostly_clipped") if results[name].result is not None else None
         for name in frame["model"]
     ]
-    frame["clipped KE cells (d2 > d1)"] = [
+    frame["clipped KE cells (share of cells)"] = [
         "–" if pd.isna(share) else f"{share:.0%}" + ("" if pd.isna(ratio) else f" (median d2/d1 {ratio:.2f})")
         for share, ratio in zip(frame["clipped_share"], frame["clipped_median_ratio"], strict=True)
     ]
     frame = frame.drop(
         columns=["clipped_share", "clipped_median_ratio", "uds_unclipped", "uds_clipped", "uds_clipped_share",
-                 "excess_disruption", "tau"]
+                 "excess_disruption", "tau", "dtype", *SPLIT_CI_COLUMNS]
     )  # fmt: skip
     seconds = []
     for name in frame["model"]:
@@ -258,10 +276,12 @@ def _white_template() -> dict[str, Any]:
 class _Page:
     """Accumulates HTML sections; plotly.js goes once into the head."""
 
-    def __init__(self, title: str) -> None:
+    def __init__(self, title: str, basis: str = "") -> None:
         self.title = title
+        self.basis = basis
         self.parts: list[str] = []
         self.n_figures = 0
+        self.figures: list[tuple[str, go.Figure, str]] = []  # (file name, figure, caption): for static export
 
     def heading(self, text: str, level: int = 2) -> None:
         anchor = "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
@@ -271,7 +291,12 @@ class _Page:
         self.parts.append(f"<p>{text}</p>")
 
     def figure(self, fig: go.Figure, caption: str | None = None) -> None:
+        """A figure with its caption, which ends with the page's basis (n, tau, dtype, device)."""
         self.n_figures += 1
+        caption = " ".join(part for part in (caption, f"Basis: {self.basis}." if self.basis else "") if part)
+        heading = re.sub(r"<[^>]+>", "", str(fig.layout.title.text or "figure").split("<br>")[0])
+        slug = re.sub(r"[^a-z0-9]+", "-", heading.lower()).strip("-")[:48].rstrip("-") or "figure"
+        self.figures.append((f"{self.n_figures:02d}-{slug}", fig, re.sub(r"<[^>]+>", "", caption)))
         # The white template goes into the figure's JSON rather than through update_layout, which validates and
         # deep-copies the whole template per figure (half of a report's run time).
         spec = fig.to_plotly_json()
@@ -289,10 +314,12 @@ class _Page:
         caption_html = f"<figcaption>{caption}</figcaption>" if caption else ""
         self.parts.append(f'<figure class="plot">{body}{caption_html}</figure>')
 
-    def table(self, frame: pd.DataFrame, caption: str | None = None, max_rows: int = 200) -> None:
+    def table(
+        self, frame: pd.DataFrame, caption: str | None = None, max_rows: int = 200, classes: str = "data"
+    ) -> None:
         shown = frame.head(max_rows)
         body = shown.to_html(
-            index=False, classes="data", na_rep="–", float_format=lambda v: f"{v:.3f}", border=0
+            index=False, classes=classes, na_rep="–", float_format=lambda v: f"{v:.3f}", border=0
         )
         note = f" (first {max_rows} of {len(frame)} rows)" if len(frame) > max_rows else ""
         caption_html = f"<p class='caption'>{html.escape(caption)}{note}</p>" if caption else ""
@@ -319,6 +346,7 @@ table.data th, table.data td { padding: 4px 10px; border-bottom: 1px solid #e5e5
 table.data th { background: #f3f3f3; } table.data td:first-child, table.data th:first-child { text-align: left; }
 p.caption { font-size: 13px; color: #555; margin-bottom: 2px; }
 code { background: #f3f3f3; padding: 1px 4px; border-radius: 3px; }
+table.provenance th, table.provenance td { text-align: left; }
 """
 
 
@@ -328,12 +356,17 @@ def write_report(
     title: str | None = None,
     roles: Mapping[str, str] | None = None,
     force: bool = False,
+    figures: tuple[str, ...] | list[str] = (),
 ) -> Path:
     """Write one self-contained HTML report of the results saved under ``results_dir``.
 
-    The page holds a table of models (name, role, UDS, 95% CI, counts), the UDS bar chart with CIs, the per-example
-    UDS distribution, the mean S1/S2 delta curves, the shared S1 heatmap (d1) and one LER heatmap per model, and, when
-    ``diagnose`` ran, the prompt-type, tau-sensitivity, component-patching and logit-lens sections.
+    The page holds a table of models (name, role, UDS, 95% CI, the measured and clipped parts and the excess
+    disruption with their CIs, counts), what a bf16/fp16 run computed in fp32, the UDS bar chart, the measured part
+    against the excess disruption, the per-example distribution, the provenance block, the mean S1/S2 delta curves,
+    the shared S1 heatmap (d1) and one LER heatmap per model, and, when ``diagnose`` ran, the prompt-type,
+    tau-sensitivity, component-patching and logit-lens sections. Every caption ends with its basis (n, tau, dtype).
+    When every result is retain-free, the page is [`retain_free`][uds_lens.plotting.retain_free]'s instead: d2
+    alone, never named UDS.
 
     Args:
         results_dir: directory with one sub-directory per model (``summary.json, examples.csv, layers.csv``).
@@ -345,6 +378,10 @@ def write_report(
             of ``roles``, of ``roles.json``, then of ``sweep.csv``), the others by name.
         force: replace a file at ``out_html`` that is not a report (otherwise refused: a report never overwrites
             a forget set or a result's own files).
+        figures: formats to export every figure in as well (``"png"``, ``"pdf"``, ``"svg"``): written to
+            ``<out_html's stem>_figures/NN-title.FORMAT`` beside the page, numbered in page order, with
+            ``captions.txt`` (each file's caption and basis). Rendered by kaleido, or a local Chrome/Chromium
+            (`export.write_figures`); nothing is fetched.
 
     Returns:
         The path of the written HTML file.
@@ -352,10 +389,13 @@ def write_report(
     Raises:
         FileNotFoundError: ``results_dir`` does not exist or holds no saved result.
         ConfigError: ``out_html`` is a directory, or a file that is not a report and ``force`` is off.
+        ConfigError: ``figures`` asked for, and nothing here can render them (the message says what to install).
     """
     root = Path(results_dir)
     out = Path(out_html) if out_html is not None else root / "report.html"
     check_report_output(out, force, "out_html (--out)" if out_html is not None else "the report")
+    if figures:
+        static_renderer(figures)  # nothing written before it is known that the figures can be
     if not root.is_dir():
         raise FileNotFoundError(
             f"results directory {root} does not exist; run `uds-lens score ... --out {root}` first"
@@ -385,9 +425,14 @@ def write_report(
     plotting.set_model_colours(
         order=ordered
     )  # one colour per model in every figure below (kept if already drawn)
+    if retain_free.all_retain_free(ordered):  # d2 alone: its own page, which never calls it UDS
+        page = _Page(title or retain_free.TITLE.format(name=root.resolve().name))
+        page.heading(page.title, level=1)
+        retain_free.write_sections(page, root, ordered, roles, incomplete)
+        return _write_page(page, out, figures)
     scored = {n: r for n, r in ordered.items() if r.examples is not None and "uds" in r.examples.columns}
     with_layers = {n: r for n, r in scored.items() if r.layers is not None and not r.layers.empty}
-    page = _Page(title or f"UDS report: {root.resolve().name}")
+    page = _Page(title or f"UDS report: {root.resolve().name}", basis_text(scored))
     page.heading(page.title, level=1)
     first = next(iter(ordered.values()))
     settings = first.summary.get("settings") or {}
@@ -407,11 +452,14 @@ def write_report(
         f"On knowledge-encoding layers (d1 &gt; tau = {html.escape(str(settings.get('tau')))} nats) the layer erasure "
         "ratio is LER = clip(d2/d1, 0, 1); UDS<sub>i</sub> is their d1-weighted mean. 0 = the knowledge is as "
         "recoverable as in <i>full</i>, 1 = the unlearned model's layers disrupt the answer at least as much as "
-        "<i>retain</i>'s. A 1 can mean two things: erased like retain (d2 = d1), or damaged (d2 &gt; d1: the clip "
-        "cuts the ratio to 1, and UDS reads a broken hidden state as an erased one). So every UDS below is shown "
-        "split into the part from measured ratios (d2 ≤ d1) and the part from clipped cells (d2 &gt; d1), with the "
-        "<b>excess disruption</b>: sum over KE cells of max(0, d2 − d1) / sum of d1, how far past retain the "
-        "unlearned model disrupts (0 = never, 1 = twice retain's drop)."
+        "<i>retain</i>'s. UDS = <b>measured part</b> + <b>clipped part</b>: the measured part comes from the KE "
+        "layers where d2 ≤ d1 (each at its ratio), the clipped part from those where d2 &gt; d1 (each counted as 1). "
+        "A 1 is erasure like retain only from the measured part; from the clipped part it is <b>over-disruption</b> "
+        "of the forget answer, which UDS cannot tell from erasure, and which is damage only where a control (the "
+        "model's utility) shows it. So every UDS below is shown with its two parts and the <b>excess "
+        "disruption</b>: sum over KE cells of max(0, d2 − d1) / sum of d1, how far past retain the unlearned model "
+        "disrupts (0 = never, 1 = twice retain's drop). Intervals are 95% bootstrap CIs over examples."
+        + (f" Basis of every figure: {html.escape(page.basis)}." if page.basis else "")
     )
 
     if incomplete:
@@ -431,28 +479,43 @@ def write_report(
         page.heading("Models")
         page.table(
             _models_table(with_uds, roles),
-            caption="UDS per model; CI = 95% bootstrap over examples. UDS from clipped cells: the part of UDS from "
-            "KE cells where the unlearned model's patch hurts the full model more than retain's (d2 > d1, LER "
-            "clipped to 1), with its share of UDS; the rest comes from measured ratios (d2 ≤ d1). Excess "
+            caption="UDS per model with its 95% bootstrap CI over examples, and its two parts (they add up to UDS; "
+            "their CIs are each their own): the measured part, from KE cells where d2 ≤ d1 (each at its ratio), and "
+            "the clipped part, from KE cells where the unlearned model's patch hurts the full model's answer more "
+            "than retain's (d2 > d1, LER clipped to 1: over-disruption), with its share of UDS. Excess "
             "disruption: sum over KE cells of max(0, d2 − d1) / sum of d1, mean over examples. Examples mostly "
-            "clipped: those whose UDS_i rests more than half on clipped cells. Clipped KE cells: their share of "
-            "all KE cells.",
+            f"clipped: those whose UDS_i rests more than half on clipped cells. {SHARES_NOTE} "
+            + (f"Basis: {page.basis}." if page.basis else ""),
         )
+        page.parts.append(precision_html(with_uds))
         table = plotting.model_frame(with_uds, roles={n: roles.get(n) or "other" for n in with_uds})
         page.figure(
             plotting.uds_bar(table),
-            caption="The headline: each bar is UDS, its plain part from measured erasure ratios (d2 ≤ d1), its "
-            "hatched part from clipped cells (d2 > d1: the unlearned activation disrupts more than retain's, "
-            "counted as erased); the percentage above a bar is the hatched part's share of its UDS.",
+            caption="The headline: each bar is UDS, its plain part the measured part (d2 ≤ d1) with its 95% CI "
+            "(wide caps), its hatched part the clipped part (d2 > d1: the unlearned activation disrupts more than "
+            "retain's, counted as erased); UDS's CI at the top (narrow caps); the percentage above a bar is the "
+            "hatched part's share of its UDS.",
         )
-        if table["excess_disruption"].notna().any():
+        if table["excess_disruption"].notna().any() and table["uds_unclipped"].notna().any():
             page.figure(
                 plotting.depth_vs_damage(table),
-                caption="Depth vs damage: a method that erases like retain sits top left (UDS near 1, excess "
-                "near 0); one whose UDS comes from breaking the hidden state sits to the right.",
+                caption="Depth vs over-disruption: each model's measured part of UDS (filled, with its 95% CI) "
+                "against its excess disruption (with its CI), and a line up to its UDS (open): the line is the "
+                "clipped part, which total UDS adds whatever the excess. Erasure like retain sits top left; "
+                "over-disruption to the right.",
             )
     if scored:
-        page.figure(plotting.uds_distribution(scored, kind="violin"))
+        page.figure(
+            plotting.uds_distribution(scored, kind="violin"),
+            caption="Per-example UDS (right half of each violin) beside its measured part (left half); red points: "
+            "examples whose UDS rests mostly on clipped cells.",
+        )
+    if scored:
+        page.heading("Provenance")
+        shared, per_model = provenance_html(scored)
+        page.parts.append(shared)
+        page.table(per_model, caption="Per model: the unlearned checkpoint, the examples, what was skipped and why, "
+                   "the precision, the time and when the result was saved.", classes="data provenance")  # fmt: skip
     if with_layers:
         page.heading("Layers")
         # The full and retain references add nothing here (their S2 is 0 and S1); bands only while they stay legible.
@@ -501,10 +564,21 @@ def write_report(
             caption="Mean LER per layer on KE cells; dashed lines mark each RMU model's target layer.",
         )
     _diagnostics_sections(page, root, ordered, with_layers)
+    return _write_page(page, out, figures)
 
+
+def _write_page(page: _Page, out: Path, figures: tuple[str, ...] | list[str] = ()) -> Path:
+    """The page to ``out``, and its figures as files beside it in the ``figures`` formats."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, page.render().encode("utf-8"))
     logger.info("wrote %s (%d figures)", out, page.n_figures)
+    if figures:  # every figure as a file beside the page, numbered as on it, and the captions in one file
+        folder, white = out.with_name(f"{out.stem}_figures"), pio.templates["plotly_white"]  # the page's look
+        write_figures(
+            [(n, go.Figure(f).update_layout(template=white)) for n, f, _ in page.figures], folder, figures
+        )
+        captions = "\n\n".join(f"{name}: {caption or '(no caption)'}" for name, _, caption in page.figures)
+        write_atomic(folder / "captions.txt", (captions + "\n").encode("utf-8"))
     return out
 
 
@@ -549,11 +623,14 @@ def _diagnostics_sections(
     page.heading("Diagnostics")
     if prompt_types is not None or typed:
         page.heading("Prompt types", level=3)
-        source = prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else typed
+        # the results' own examples carry the split; prompt_types.csv only the means
+        source = typed or (
+            prompt_types if prompt_types is not None and "mean_uds" in prompt_types.columns else {}
+        )
         if isinstance(source, pd.DataFrame) or source:
             page.figure(
                 plotting.prompt_type_bar(source, tau=_tau(results)),
-                caption="Mean UDS per prompt type (the paper's Table 5).",
+                caption="Mean UDS per prompt type (the paper's Table 5), its hatched part from clipped cells.",
             )
         if prompt_types is not None:
             page.table(
@@ -579,7 +656,7 @@ def _diagnostics_sections(
             clipped.drop(columns=[c for c in ("question",) if c in clipped.columns]),
             caption="clipped_examples.csv: the examples whose UDS_i comes more than half from clipped KE cells "
             "(d2 > d1): there the unlearned model disrupts the full model's answer more than retain does, so their "
-            "score says damage, not erasure like retain.",
+            "score says over-disruption, not erasure like retain.",
             max_rows=60,
         )
     if layerwise:
@@ -591,7 +668,7 @@ def _diagnostics_sections(
         if lens_pair:
             page.heading("Logit lens vs UDS", level=3)
             page.figure(
-                plotting.layerwise_methods(lens_pair, methods=["uds", "logit_lens"],
+                plotting.layerwise_methods(lens_pair, methods=["uds", "logit_lens"], results=with_layers,
                                         title="Logit lens vs UDS: per-layer erasure (marker size = layer weight)"),
                 caption="Observational (logit lens through the full model's frozen unembedding) vs causal (patching) "
                 "erasure per layer. Where the lens reads 1 and UDS does not, the knowledge is still recoverable.",
@@ -599,7 +676,9 @@ def _diagnostics_sections(
         page.heading("Every method per layer", level=3)
         try:
             page.figure(
-                plotting.layerwise_methods(layerwise, n_examples=_n_examples(results), tau=_tau(results))
+                plotting.layerwise_methods(
+                    layerwise, n_examples=_n_examples(results), tau=_tau(results), results=with_layers
+                )
             )
         except ValueError as error:
             logger.warning("layerwise.csv not plotted: %s", error)

@@ -102,7 +102,9 @@ def set_title(fig: go.Figure, title: str, basis: Iterable[str] = (), width: int 
     text = "<br>".join(lines + [f"<sup>{line}</sup>" for line in small])
     fig.update_layout(
         title={"text": text, "x": 0.01, "xanchor": "left"},
-        margin={"t": 36 + 24 * len(lines) + 16 * len(small)},
+        # plotly spaces every line of a title by the title font's line height (about 22 px at 17 px), the
+        # superscript basis lines too: fewer pixels a line let the last ones run into the plot
+        margin={"t": 40 + 24 * len(lines) + 22 * len(small)},
     )
     return fig
 

@@ -6,7 +6,8 @@ several of them (`Results`: a list or ``{name: result}``). They are typed with t
 imports no plotting, so plotting may import it) and read by attribute (``.layers`` / ``.examples`` / ``.summary``).
 The tables:
 
-- examples: ``idx, prompt_type, n_entity_tokens, n_ke, uds, status, skip_reason`` (+ ``question``, ``entity``);
+- examples: ``idx, prompt_type, n_entity_tokens, n_ke, n_clipped, uds, uds_unclipped, uds_clipped,
+  excess_disruption, status, skip_reason`` (+ ``question``, ``entity``; ``uds = uds_unclipped + uds_clipped``);
 - layers (long, one row per example x layer x site): ``idx, layer, site, s0, baseline_score, s1_score, s2_score,
   d1, d2, ke, ler``; lens tables have the same ``idx, layer, d1, d2, ke, ler`` columns.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
+import numpy as np
 import pandas as pd
 
 from uds_lens.plotting.style import tau_text
@@ -151,6 +153,39 @@ def result_tau(result: Any, default: float) -> float:
         settings = summary.get("settings") if isinstance(summary, Mapping) else None
     tau = settings.get("tau") if isinstance(settings, Mapping) else None
     return default if tau is None else float(tau)
+
+
+def result_dtype(result: Any) -> str | None:
+    """The format a result's models ran in (``float32``, ``bfloat16`` ...), from its metadata or its summary; None
+    where it records none (a bare table)."""
+    for source in (getattr(result, "meta", None), getattr(result, "summary", None)):
+        if isinstance(source, Mapping) and source.get("dtype"):
+            return str(source["dtype"]).removeprefix("torch.")
+    return None
+
+
+def dtype_text(dtypes: Iterable[Any]) -> str | None:
+    """The formats several results ran in, as a figure's basis names them (``"float32"``, ``"bfloat16, float32"``);
+    None when none is known."""
+    known = sorted({str(dtype) for dtype in dtypes if isinstance(dtype, str) and dtype})
+    return ", ".join(known) if known else None
+
+
+def clipped_part_by_layer(layers: pd.DataFrame, tau: float, weighted: bool = False) -> pd.Series:
+    """Per layer, the part of its erasure that comes from clipped KE cells (``d2 > d1``, LER cut to 1).
+
+    ``weighted=False``: the share of the layer's KE cells that are clipped, which is the part of its mean LER over KE
+    cells ([`mean_ler_on_ke`][uds_lens.plotting.tables.mean_ler_on_ke]) they give, each adding exactly 1;
+    ``weighted=True``: ``sum over clipped KE cells of d1 / sum over KE cells of d1``, their part of the d1-weighted
+    (pooled) erasure of the layer, as ``layerwise.csv`` pools UDS. NaN for a layer without a KE cell.
+    """
+    ke = ke_cells(layers, tau).to_numpy()
+    d1 = layers["d1"].to_numpy(dtype=float)
+    clipped = ke & (layers["d2"].to_numpy(dtype=float) > d1)
+    weight = np.where(ke, d1, 0.0) if weighted else ke.astype(float)
+    frame = pd.DataFrame({"layer": layers["layer"].to_numpy(), "weight": weight, "clipped": clipped * weight})
+    sums = frame.groupby("layer")[["weight", "clipped"]].sum()
+    return (sums["clipped"] / sums["weight"].where(sums["weight"] > 0)).rename("clipped_part")
 
 
 def count_text(counts: Iterable[Any]) -> str:

@@ -168,11 +168,12 @@ def write_copy(
     file is replaced atomically, the record last: a copy is never taken as current before it is whole."""
     import nbformat
 
-    from uds_lens.zoo.notebook_html import add_static_figures
+    from uds_lens.zoo.notebook_html import add_static_figures, without_embedded_plotlyjs
 
     if zoo_dir is None:
         zoo_dir = os.environ.get("UDS_LENS_ZOO")
     shareable(notebook, workdir, zoo_dir)
+    without_embedded_plotlyjs(notebook)  # the site ships plotly.js; each figure keeps a static image besides
     add_static_figures(notebook)
     target = copy_path(source, out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ Two things here keep it visible:
   which `write_offline_html` writes once next to the pages.
 
 Without a browser the notebook keeps its interactive figures only, and `add_static_figures` says so once.
+[`share_notebook`][uds_lens.zoo.notebook_html.share_notebook] does both for a notebook of your own, in one call.
 """
 
 from __future__ import annotations
@@ -220,6 +221,80 @@ def offline_html(notebook: Any, plotly_js: str = PLOTLY_JS) -> str:
     return page[: head.end()] + loader + page[head.end() :]
 
 
+PLOTLYJS_MARK = "uds-lens-plotlyjs"
+"""The id of the script that carries plotly.js in a notebook (`keep_figures_in_notebooks`), for those that take it
+out again (the docs' copies: the site ships plotly.js itself)."""
+
+
+def plotlyjs_script() -> str:
+    """plotly.js inline, in one ``<script id="uds-lens-plotlyjs">``: what a notebook carries to draw offline."""
+    from plotly.offline import get_plotlyjs
+
+    return (
+        f'<script type="text/javascript" id="{PLOTLYJS_MARK}">window.PlotlyConfig = {{MathJaxConfig: "local"}};\n'
+        f"{get_plotlyjs()}</script>"
+    )
+
+
+def without_embedded_plotlyjs(notebook: Any) -> int:
+    """Remove the plotly.js a notebook carries (`plotlyjs_script`, as `plotting.export.keep_figures_in_notebooks`
+    displays it; in place),
+    for a copy shown where plotly.js is loaded otherwise (the docs' pages); returns how many outputs went."""
+    removed = 0
+    for cell in notebook.cells:
+        if cell.cell_type != "code" or not cell.get("outputs"):
+            continue
+        kept = [
+            output
+            for output in cell.outputs
+            if f'id="{PLOTLYJS_MARK}"' not in str(output.get("data", {}).get("text/html", ""))
+        ]
+        removed += len(cell.outputs) - len(kept)
+        cell.outputs = kept
+    return removed
+
+
+def share_notebook(
+    path: str | os.PathLike, out_dir: str | os.PathLike | None = None, browser: str | None = None
+) -> tuple[Path, Path]:
+    """Make an executed notebook of your own shareable, offline: ``NAME.shared.ipynb`` with a static PNG beside
+    every Plotly figure (drawn by a local headless Chrome or Chromium: `add_static_figures`), for viewers that run
+    no JavaScript, and ``NAME.html`` (`offline_html`: nothing fetched; plotly.js from ``plotly.min.js``, written
+    beside it, where the notebook does not carry it already).
+
+    Args:
+        path: the executed notebook (run it with ``plotting.keep_figures_in_notebooks()`` in its first cell, as
+            ``notebook_setup`` does, so its figures are stored as HTML too).
+        out_dir: where to write the two (default: beside the notebook).
+        browser: the Chrome/Chromium to draw with (default: `find_browser`).
+
+    Returns:
+        ``(shared notebook, HTML page)``.
+
+    Raises:
+        RuntimeError: no browser to draw the static images with (install chromium, or set ``UDS_LENS_BROWSER``).
+    """
+    import nbformat
+
+    source = Path(path)
+    target = Path(out_dir) if out_dir is not None else source.parent
+    browser = browser or find_browser()
+    if browser is None:
+        raise RuntimeError(
+            f"{source.name}: no Chrome/Chromium to draw its figures as images with; install chromium or set "
+            f"{BROWSER_ENV}"
+        )
+    notebook = nbformat.read(source, as_version=4)
+    add_static_figures(notebook, browser)
+    target.mkdir(parents=True, exist_ok=True)
+    shared = target / f"{source.stem}.shared.ipynb"
+    shared.write_text(nbformat.writes(notebook), encoding="utf-8")
+    shutil.copyfile(plotly_js_path(), target / PLOTLY_JS)
+    page = target / f"{source.stem}.html"
+    page.write_text(offline_html(notebook), encoding="utf-8")
+    return shared, page
+
+
 def write_offline_html(notebooks: Sequence[Path], out_dir: Path) -> list[Path]:
     """Each executed notebook as ``out_dir/NAME.html`` (`offline_html`), plotly.js written once beside them."""
     import nbformat
@@ -237,13 +312,17 @@ def write_offline_html(notebooks: Sequence[Path], out_dir: Path) -> list[Path]:
 __all__ = [
     "BROWSER_ENV",
     "PLOTLY_JS",
+    "PLOTLYJS_MARK",
     "add_static_figures",
     "find_browser",
     "has_static_figures",
     "offline_html",
     "plotly_js_path",
+    "plotlyjs_script",
     "render_pngs",
+    "share_notebook",
     "with_static_image",
+    "without_embedded_plotlyjs",
     "without_network",
     "write_offline_html",
 ]

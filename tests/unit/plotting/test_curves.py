@@ -55,7 +55,7 @@ def test_lens_vs_uds_example(result):
 def test_lens_vs_uds_models(results):
     lens = {name: make_lens_layers(r) for name, r in results.items()}
     fig = plotting.lens_vs_uds_models(results, lens)
-    assert len(fig.data) == 2 * len(results)
+    assert len(fig.data) == 3 * len(results)  # UDS, the part of it from clipped cells, the lens
     assert [a.text for a in fig.layout.annotations][: len(results)] == list(results)
 
 

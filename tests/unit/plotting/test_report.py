@@ -187,22 +187,151 @@ def test_incomplete_result_directories_are_marked_not_included(tiny, tmp_path):
 
 
 def test_the_report_says_where_each_uds_comes_from(tmp_path):
-    """One model that erases, one that damages: the models table carries the part of UDS from clipped cells and
-    the excess disruption, the headline chart hatches the clipped part, the depth-vs-damage view is drawn, and
-    a page of one model says "1 model"."""
+    """One model that erases, one that over-disrupts: the models table carries both parts of UDS and the excess
+    disruption with their intervals, the headline chart hatches the clipped part, the depth-vs-disruption view is
+    drawn, and a page of one model says "1 model"."""
     root = tmp_path / "results"
     make_result("npo", 0.4, n_examples=10, n_layers=5).save(root / "npo")
     make_result("damaged", 2.0, n_examples=10, n_layers=5).save(root / "damaged")
     page = write_report(root).read_text()
     models = _first_table(page).set_index("model")
-    assert {"UDS from clipped cells", "excess disruption", "examples mostly clipped"} <= set(models.columns)
-    assert models.loc["damaged", "UDS from clipped cells"].endswith("of UDS)")
-    assert (
-        float(models.loc["damaged", "excess disruption"])
-        > 0.5
-        > float(models.loc["npo", "excess disruption"])
+    measured, clipped, excess = (
+        "measured part [95% CI]",
+        "clipped part [95% CI] (share of UDS)",
+        "excess disruption [95% CI]",
     )
+    assert {measured, clipped, excess, "examples mostly clipped"} <= set(models.columns)
+    assert models.loc["damaged", clipped].endswith("of UDS)")
+    assert float(models.loc["damaged", excess].split()[0]) > 0.5 > float(models.loc["npo", excess].split()[0])
     assert '"shape":"\\u002f"' in page or '"shape":"/"' in page  # the hatched (clipped) part of the bars
-    assert "Depth vs damage" in page and "tau = 0.05 nats" in page and "2 models from" in page
+    assert "Depth vs over-disruption" in page and "tau = 0.05 nats" in page and "2 models from" in page
     shutil.rmtree(root / "damaged")
     assert "1 model from" in write_report(root).read_text()
+
+
+def test_the_report_gives_intervals_on_both_parts_and_explains_its_two_percentages(tmp_path):
+    root = tmp_path / "results"
+    result = make_result("damaged", 2.0, n_examples=10, n_layers=5)
+    result.save(root / "damaged")
+    page = write_report(root).read_text()
+    row = _first_table(page).set_index("model").loc["damaged"]
+    cis = result.split_ci95
+    assert row["measured part [95% CI]"].endswith(
+        f"[{cis['uds_unclipped'][0]:.3f}, {cis['uds_unclipped'][1]:.3f}]"
+    )
+    assert (
+        f"[{cis['uds_clipped'][0]:.3f}, {cis['uds_clipped'][1]:.3f}]"
+        in row["clipped part [95% CI] (share of UDS)"]
+    )
+    low, high = cis["excess_disruption"]
+    assert row["excess disruption [95% CI]"].endswith(f"[{low:.2f}, {high:.2f}]")
+    assert "Two percentages: &#x27;of UDS&#x27;" in page or "Two percentages: 'of UDS'" in page
+
+
+def test_the_report_has_a_provenance_block(tmp_path):
+    """Checkpoints by their weights' digests, the forget set with its records' digest, skip reasons, versions, dtype,
+    device and time: what summary.json and meta.json recorded, on the page; every caption ends with its basis."""
+    root = tmp_path / "results"
+    result = make_result("npo", 0.4, n_examples=10, n_layers=5)
+    fingerprint = {"full": "files:xxh3_128/v2:aaaa", "retain": "files:xxh3_128/v2:bbbb", "data": "cccc1234",
+                   "unlearned": "files:xxh3_128/v2:dddd"}  # fmt: skip
+    result.meta.update(
+        full="ckpt/full", retain="ckpt/retain", unlearned="ckpt/npo", data="forget.json", device="cpu",
+        dtype="torch.float32", versions={"uds_lens": "0.1.0", "torch": "2.13.0"}, fingerprint=fingerprint,
+        timings={"s1_seconds": 1.5, "s2_seconds": 2.25},
+    )  # fmt: skip
+    result.save(root / "npo")
+    page = write_report(root).read_text()
+    block = page[page.index('id="provenance"') :]
+    for fact in (
+        "ckpt/full (weights files:xxh3_128/v2:aaaa)",
+        "ckpt/retain (weights files:xxh3_128/v2:bbbb)",
+        "forget.json, 10 records (records digest cccc1234)",
+        "uds_lens 0.1.0, torch 2.13.0",
+        "float32, cpu",
+        "ckpt/npo (weights files:xxh3_128/v2:dddd)",
+        "entity not found in answer (1)",  # the synthetic result's skipped example, with its reason
+        "Stage 1 1.5 s, Stage 2 2.2 s",
+        " UTC",
+    ):
+        assert fact in block, fact
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", page, flags=re.S)
+    assert captions and all("Basis: n = 8 examples per model (scored), tau = 0.05 nats, float32 on cpu." in c
+                            for c in captions)  # fmt: skip
+
+
+def test_a_bf16_report_says_how_many_examples_ran_in_fp32(tmp_path):
+    root = tmp_path / "results"
+    result = make_result("npo", 0.4, n_examples=10, n_layers=5)
+    result.meta["precision"] = _bf16_record(n_fp32=9, n_examples=11, check=True)
+    result.meta["timings"] = {
+        "s2_seconds": 4.5,
+        "s2_precision_seconds": 3.7,
+        "s2_precision_copy_seconds": 0.9,
+    }
+    result.save(root / "npo")
+    page = write_report(root).read_text()
+    assert "Stage 2 of 9 of 11 examples ran in fp32" in page
+    assert (
+        "the fp32 runs took 3.7 s of Stage 2&#x27;s 4.5 s" in page
+        or "the fp32 runs took 3.7 s of Stage 2's" in page
+    )
+
+
+def _bf16_record(n_fp32: int, n_examples: int, check: bool, bound: float = 0.0) -> dict:
+    return {
+        "dtype": "bfloat16",
+        "check": check,
+        "tolerance": 1e-3,
+        "band": {"scale": 8.0 if check else 55.0, "measured": check},
+        "weights": {},
+        "not_redecided": {},
+        "n_fragile_cells": 5,
+        "n_fragile_ke": 5,
+        "n_fragile_clip": 0,
+        "n_redecided_cells": 5 if check else 0,
+        "n_fp32_examples": n_fp32,
+        "decisions": {"ke": {"float32": 40, "bfloat16": 0}, "clip": {"float32": 30, "bfloat16": 0}},
+        "max_uds_bound": bound,
+        "per_example": {str(i): {"fragile": 0, "redecided": 0, "uds_bound": 0.0} for i in range(n_examples)},
+    }
+
+
+def test_the_report_exports_its_figures_in_one_call(tmp_path):
+    """write_report(figures=...) (uds-lens report --figures png) writes every figure of the page beside it, numbered
+    in page order, with their captions; rendered by kaleido or a local browser (one run for all the PNGs)."""
+    from uds_lens.zoo.notebook_html import find_browser
+
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        if find_browser() is None:
+            pytest.skip("neither kaleido nor a Chrome/Chromium to render with")
+    root = tmp_path / "results"
+    make_result("npo", 0.4, n_examples=6, n_layers=4).save(root / "npo")
+    out = write_report(root, figures=("png",))
+    folder = out.with_name("report_figures")
+    pngs = sorted(folder.glob("*.png"))
+    n_figures = out.read_text().count("<figure class=")
+    assert len(pngs) == n_figures > 3
+    assert pngs[0].name.startswith("01-uds-per-model") and all(
+        p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs
+    )
+    captions = (folder / "captions.txt").read_text()
+    assert captions.count("Basis: n = 4 examples") == n_figures  # 6 minus one no-KE, one skipped
+
+
+def test_a_figure_exports_as_a_vector_pdf(tmp_path):
+    from uds_lens.plotting.export import write_figures
+    from uds_lens.zoo.notebook_html import find_browser
+
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        if find_browser() is None:
+            pytest.skip("neither kaleido nor a Chrome/Chromium to render with")
+    from uds_lens import plotting
+
+    figure = plotting.uds_bar({"npo": make_result("npo", 0.4, n_examples=6, n_layers=4)})
+    (pdf,) = write_figures([("bars", figure)], tmp_path, ["pdf"])
+    assert pdf == tmp_path / "bars.pdf" and pdf.read_bytes()[:5] == b"%PDF-"

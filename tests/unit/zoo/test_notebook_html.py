@@ -114,3 +114,17 @@ def test_offline_page_draws_its_figure_with_the_network_off(tmp_path):
     assert 'class="main-svg"' in dom  # plotly.js ran and drew the figure
     (image,) = [tag for tag in re.findall(r"<img\b[^>]*>", dom) if 'class="uds-lens-static-figure"' in tag]
     assert "display: none" in image
+
+
+def test_the_docs_copies_leave_out_the_plotly_js_a_notebook_carries():
+    """A notebook run after keep_figures_in_notebooks() carries plotly.js once, in its own output; the docs' copies
+    take it out (the site ships plotly.js) and keep every other output."""
+    from uds_lens.zoo.notebook_html import plotlyjs_script, without_embedded_plotlyjs
+
+    notebook = _figure_notebook()
+    carrier = nbformat.v4.new_code_cell("plotting.keep_figures_in_notebooks()")
+    carrier.outputs = [nbformat.v4.new_output("display_data", data={"text/html": plotlyjs_script()})]
+    notebook.cells.insert(1, carrier)
+    assert without_embedded_plotlyjs(notebook) == 1
+    assert notebook.cells[1].outputs == [] and len(notebook.cells[2].outputs) == 1
+    assert without_embedded_plotlyjs(notebook) == 0
