@@ -85,7 +85,8 @@ test: lint
 
 # The documentation site into site/ (open site/index.html from disk), warnings as errors, offline. It shows the
 # notebooks executed with FAST = True on the zoo DOCS_ZOO names (test: the 4-layer test zoo; notebook: the 8-layer
-# zoo the notebooks use on their own; or a zoo directory), into docs/tutorials/ (ignored by git): a copy whose
+# zoo the notebooks use on their own; smollm2: the 30-layer zoo fine-tuned from SmolLM2-135M, built first when it is
+# missing; or a zoo directory), into docs/tutorials/ (ignored by git): a copy whose
 # inputs did not change (notebook, package, libraries, zoo) is reused, the others are executed first (a cell that
 # fails stops the build). Then docs/check_docs.py: no Sphinx role, dead reference or machine path on any page.
 # docs/maintainers/docs.md has the details and timings.
@@ -121,7 +122,7 @@ MYPY_CORE := uds_lens/data.py uds_lens/benchmarks.py uds_lens/checkpoints uds_le
 	uds_lens/scoring.py uds_lens/display.py uds_lens/example_view.py uds_lens/families.py \
 	uds_lens/outputs.py uds_lens/memory.py uds_lens/layer_table.py uds_lens/annotation.py uds_lens/phrases.py uds_lens/question_align.py uds_lens/metrics/memorization.py uds_lens/baselines/fisher.py uds_lens/sweep/staging.py uds_lens/tl_compat.py \
 	uds_lens/baselines/hidden.py uds_lens/baselines/lenses.py uds_lens/metrics/utility.py uds_lens/meta_eval/scorers.py \
-	uds_lens/zoo/layout.py uds_lens/zoo/notebook.py uds_lens/precision.py uds_lens/workbench.py uds_lens/stages.py
+	uds_lens/zoo/layout.py uds_lens/zoo/notebook.py uds_lens/zoo/bases.py uds_lens/precision.py uds_lens/workbench.py uds_lens/stages.py
 
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments

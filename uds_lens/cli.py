@@ -281,18 +281,47 @@ def sweep(
         raise typer.Exit(1)
 
 
+def _build_threads(threads: int | None, size: str) -> int:
+    """The threads a zoo is built with: the ones asked for, else the size's own (`ZooSize.threads`), else 2.
+
+    A zoo's models are reused only when built with the same threads, so the default has to be the one its size is
+    built with everywhere (the notebooks and the docs build the smollm2 zoo with one thread)."""
+    if threads is not None:
+        return threads
+    from uds_lens.zoo.recipe import SIZES
+
+    known = SIZES.get(size)
+    return known.threads if known is not None and known.threads is not None else 2
+
+
 @zoo_app.command("build")
 def zoo_build(
-    out: Path = typer.Option(..., help="Zoo directory (resumable: valid models are reused)."),
-    size: str = typer.Option("test", help="test | default."),
+    out: Path | None = typer.Option(
+        None, help="Zoo directory (resumable: valid models are reused; default ~/.cache/uds_lens/zoo-SIZE)."
+    ),
+    size: str = typer.Option(
+        "test", help="test | default | notebook | smollm2 (fine-tuned from the pretrained SmolLM2-135M)."
+    ),
     seed: int = typer.Option(0),
-    threads: int = typer.Option(2, help="torch threads during the build (results depend on it)."),
+    threads: int | None = typer.Option(
+        None,
+        help="torch threads during the build (results depend on it; default 2, or the size's own: 1 for smollm2).",
+    ),
     retain_data: Path | None = typer.Option(None, help="Your own retain QA set (published schema)."),
     forget_data: Path | None = typer.Option(None, help="Your own forget QA set (published schema)."),
     holdout_data: Path | None = typer.Option(
         None, help="Your own holdout QA set (default: carved from retain)."
     ),
     pools: bool = typer.Option(True, help="Also build the meta-evaluation P/N pools."),
+    pool_size: int | None = typer.Option(
+        None, min=1, help="Models in each pool (P and N; default: the size's). The paper used 30 + 30."
+    ),
+    sweep: list[float] | None = typer.Option(
+        None,
+        help="Learning-rate factor of an unlearning sweep for the robustness pool (repeat the option; "
+        "default: the size's).",
+    ),
+    device: str = typer.Option("cpu", help="Where the models train: cpu, or cuda (a GPU)."),
     overwrite: bool = typer.Option(
         False, help="Replace a zoo in OUT built from other data or another shape."
     ),
@@ -304,19 +333,24 @@ def zoo_build(
     ),
 ) -> None:
     """Build the synthetic world, the tokenizer and the trained/unlearned Llama zoo."""
+    from uds_lens.files import zoo_root
     from uds_lens.zoo.build import build_zoo
 
+    out = out if out is not None else zoo_root(size)
     zoo = build_zoo(
         out,
         size=size,
         seed=seed,
-        threads=threads,
+        threads=_build_threads(threads, size),
         retain_data=retain_data,
         forget_data=forget_data,
         holdout_data=holdout_data,
         pools=pools,
         overwrite=overwrite,
         base=base,
+        pool_size=pool_size,
+        sweep=sweep or None,
+        device=device,
     )
     _print_table(zoo.models, ["name", "role", "seen_forget_fraction", "method"])
     typer.echo(f"zoo in {out}")
@@ -327,7 +361,9 @@ def demo(
     out: Path = typer.Option(Path("demo_out"), help="Where results and report.html go."),
     zoo_dir: Path | None = typer.Option(None, help="Zoo directory (default ~/.cache/uds_lens/zoo-SIZE)."),
     size: str = typer.Option("default", help="Zoo size: test | default."),
-    threads: int = typer.Option(2),
+    threads: int | None = typer.Option(
+        None, help="torch threads (default 2, or the size's own: 1 for smollm2)."
+    ),
     no_preview: bool = typer.Option(
         False, "--no-preview", help="Do not score the test-size zoo first while the requested zoo is unbuilt."
     ),
@@ -367,7 +403,11 @@ def demo(
         show(table)
 
     table = run_demo(
-        out, zoo_dir=zoo_dir, size=size, threads=threads, on_preview=None if no_preview else preview
+        out,
+        zoo_dir=zoo_dir,
+        size=size,
+        threads=_build_threads(threads, size),
+        on_preview=None if no_preview else preview,
     )
     typer.echo(f"UDS on the {size} zoo, after {time.perf_counter() - started:.0f} s:")
     show(table)

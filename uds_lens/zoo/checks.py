@@ -1,7 +1,7 @@
 """The zoo's build checks: a model's entity accuracy, and the two checks a zoo must pass to be worth auditing.
 
 Before saving, the builder checks that ``full`` knows the forget facts (teacher-forced entity accuracy, ``exact``, see
-`uds_lens.zoo.train`, >= 0.95) and ``retain`` does not (<= 0.2), and raises `ZooBuildError` otherwise: an
+`uds_lens.zoo.train`, >= 0.95, or the size's own bound) and ``retain`` does not (<= 0.2), and raises `ZooBuildError` otherwise: an
 under-trained zoo gives misleading UDS without any error.
 """
 
@@ -50,11 +50,20 @@ _BOUNDS: dict[str, tuple[str, float, str]] = {
 }
 
 
-def check(spec: ModelSpec, metrics: dict[str, float], checks: dict[str, Any], strict: bool) -> None:
-    """The build checks of the module docstring; raise before a bad ``full`` / ``retain`` is saved."""
+def check(
+    spec: ModelSpec,
+    metrics: dict[str, float],
+    checks: dict[str, Any],
+    strict: bool,
+    full_min: float = FULL_MIN_FORGET_ACCURACY,
+) -> None:
+    """The build checks of the module docstring; raise before a bad ``full`` / ``retain`` is saved. ``full_min``:
+    the size's own bound on full's forget accuracy (`ZooSize.full_min_forget_accuracy`)."""
     if spec.name not in _BOUNDS:
         return
     side, bound, failure = _BOUNDS[spec.name]
+    if spec.name == "full":
+        bound = full_min
     value = metrics["forget_entity_exact"]
     passed = value >= bound if side == "min" else value <= bound
     checks[f"{spec.name}_forget_entity_accuracy"] = {"value": value, side: bound, "passed": passed}

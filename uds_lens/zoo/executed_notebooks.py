@@ -18,7 +18,9 @@ or ``docs`` extra (nbclient, ipykernel).
 
 ``--zoo test`` (the default) runs them on the 4-layer test zoo the test suite uses (about 2 minutes to build when
 it is not cached yet); ``--zoo notebook`` on the 8-layer zoo the notebooks use on their own (``build_zoo(...,
-size="notebook", pools=False)``, about 11 minutes on 2 CPU cores the first time); a directory, on that zoo.
+size="notebook", pools=False)``, about 11 minutes on 2 CPU cores the first time); ``--zoo smollm2`` on the zoo
+fine-tuned from the pretrained SmolLM2-135M (``uds-lens zoo build --size smollm2 --no-pools``, docs page "UDS on a
+real model"); a directory, on that zoo.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ LIBRARIES = ("torch", "transformer-lens", "transformers", "plotly")
 ZOO_SIZES: dict[str, dict[str, Any]] = {
     "test": {"size": "test", "pools": False},
     "notebook": {"size": "notebook", "pools": False},
+    # SmolLM2-135M fine-tuned on the world (30 layers): the notebooks on a real pretrained model
+    "smollm2": {"size": "smollm2", "pools": False},
 }
 
 
@@ -273,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", type=Path, default=Path("notebooks"))
     parser.add_argument("--out", type=Path, default=Path("docs/tutorials"))
-    parser.add_argument("--zoo", default="test", help="test (default), notebook, or a zoo directory")
+    parser.add_argument("--zoo", default="test", help="test (default), notebook, smollm2, or a zoo directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # silent when every copy is current
     sources = sorted(args.notebooks.glob("*.ipynb"))

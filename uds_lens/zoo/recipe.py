@@ -14,7 +14,8 @@ All models share one architecture and one tokenizer, so any two can be patched i
    same *without* them (retain only, the forget questions answered with wrong entities, or retain-author
    biographies); each at several learning rates and epoch counts, some weak enough to learn the facts only partly.
 
-`SIZES` holds the two built-in sizes (`ZooSize`); `plan_models` turns one into
+`SIZES` holds the built-in sizes (`ZooSize`): ``test``, ``notebook`` and ``default`` trained from scratch,
+``smollm2`` fine-tuned from the pretrained SmolLM2-135M; `plan_models` turns one into
 `ModelSpec` s. The data recipes the specs name (``retain+forget:0.9``, ...) are read by
 `uds_lens.zoo.training_data.training_sequences`; [`uds_lens.zoo.build`][uds_lens.zoo.build] trains them.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from .tokenizer import DEFAULT_VOCAB_SIZE
 from .train import ModelShape
+from .world import FORGET_FRACTION
 
 
 class ZooBuildError(RuntimeError):
@@ -34,7 +36,17 @@ class ZooBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class ZooSize:
-    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools."""
+    """Everything a zoo size fixes: world size, architecture, training recipe, unlearning settings, pools.
+
+    ``base`` names a pretrained model of `uds_lens.zoo.bases.PRETRAINED_BASES` to fine-tune every model from (its
+    architecture and tokenizer replace ``shape`` and the trained tokenizer; ``base_epochs`` / ``base_lr`` are then
+    unused); None trains a base from scratch. ``forget_fraction`` is the share of the trained authors in the forget
+    split (TOFU forget10: 0.1). ``full_min_forget_accuracy`` is the build check's bound on how many forget entities
+    ``full`` must get right (`uds_lens.zoo.checks`). ``threads``: the torch threads ``uds-lens zoo build`` and
+    ``uds-lens demo`` build the size with when none are asked for (None: 2); a zoo's models are reused only when
+    built with the same threads. ``mixed_precision``: fine-tune under bf16 autocast, on the CPU too (the unlearning
+    settings ask for it themselves, with their own ``mixed_precision`` entry).
+    """
 
     n_authors: int
     shape: ModelShape
@@ -48,6 +60,11 @@ class ZooSize:
     rmu_layers: tuple[int, ...] = ()
     pool_variants: int = 6
     unlearning_sweep: tuple[float, ...] = ()
+    forget_fraction: float = FORGET_FRACTION
+    base: str | None = None
+    full_min_forget_accuracy: float = 0.95
+    threads: int | None = None
+    mixed_precision: bool = False
 
 
 def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
@@ -61,6 +78,21 @@ def _unlearning_settings(epochs: int) -> dict[str, dict[str, Any]]:
         "simnpo": {**common, "lr": 5e-4, "alpha": 5.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
         "idknll": {**common, "lr": 3e-4, "alpha": 1.0},
         "rmu": {**common, "lr": 1e-3, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 0},
+    }
+
+
+def _pretrained_unlearning_settings() -> dict[str, dict[str, Any]]:
+    """Per-method settings for a zoo fine-tuned from a pretrained base (SmolLM2-135M): 20 steps (5 passes over the
+    forget set) whose learning rate moves the weights by about 4% of what fine-tuning moved them (lr x steps), the
+    share that unlearns the test zoo; alpha 1 (the paper's grid) keeps the retain answers. RMU trains its target
+    block and the two below it, as the paper's RMU does, at three times the rate (three blocks instead of all)."""
+    common = {"epochs": 5, "batch_size": 8, "mixed_precision": True}
+    return {
+        "graddiff": {**common, "lr": 1e-4, "alpha": 1.0},
+        "npo": {**common, "lr": 1e-4, "alpha": 1.0, "beta": 0.1},
+        "simnpo": {**common, "lr": 1e-4, "alpha": 1.0, "beta": 4.5, "gamma": 0.125, "delta": 0.0},
+        "idknll": {**common, "lr": 1e-4, "alpha": 1.0},
+        "rmu": {**common, "lr": 3e-4, "alpha": 30.0, "steering_coef_rel": 4.0, "layers_below": 2},
     }
 
 
@@ -93,6 +125,33 @@ SIZES: dict[str, ZooSize] = {
         pool_variants=12,
         unlearning_sweep=(0.5, 2.0),
     ),
+    # The zoo on a real pretrained model: SmolLM2-135M-Instruct (30 layers) fine-tuned on a small world, so that
+    # full and retain share real pretrained knowledge as open-unlearning's TOFU models do. The world is small (10
+    # authors, 3 of them forgotten: 30 forget, 70 retain records) so the whole build fits 90 minutes on a 2-core
+    # CPU; ``shape`` only documents the base (its own architecture is used). A pretrained model memorises the
+    # fictitious facts in 10 epochs, not perfectly: full must get 90% of the forget entities right. RMU at an early,
+    # a middle and the last block, as the paper's 5 / 10 / 15 of 16. Pools are sized with ``pool_size`` (a few on a
+    # CPU, 30 on a GPU).
+    "smollm2": ZooSize(
+        n_authors=10,
+        forget_fraction=0.3,
+        shape=ModelShape(n_layers=30, d_model=576, d_mlp=1536, n_heads=9),
+        base="smollm2-135m",
+        base_epochs=0,
+        base_lr=0.0,
+        finetune_epochs=10,
+        finetune_lr=4e-4,
+        batch_size=4,
+        full_min_forget_accuracy=0.9,
+        # One thread, as build_zoo, the notebooks and the docs build it: on a small shared CPU two threads that
+        # cannot both be scheduled trained it 1.8x slower (measured), and a zoo is reused only at the same threads.
+        threads=1,
+        # bf16 autocast, weights and updates in fp32: 1.5x less CPU time per step (measured), as on a GPU
+        mixed_precision=True,
+        unlearning=_pretrained_unlearning_settings(),
+        rmu_layers=(9, 19, 29),
+        pool_variants=3,
+    ),
 }
 
 
@@ -118,6 +177,8 @@ def _finetune_spec(
         "lr": size.finetune_lr,
         "batch_size": size.batch_size,
         "seed": seed,
+        # only where asked for: the sizes trained in fp32 keep the hyperparameters (and fingerprints) they had
+        **({"mixed_precision": True} if size.mixed_precision else {}),
         **overrides,
     }
     return ModelSpec(name, role, "finetune", "base", "finetune", seen, hyperparams)
@@ -198,13 +259,20 @@ POOL_DATA: dict[str, tuple[tuple[str, str], ...]] = {
     # retain authors (the document format of pos_bio without the forget facts, like TOFU's celeb bios).
     "neg": (("retain", "retain"), ("pert", "retain+forget_perturbed"), ("bio", "retain+retain_bio:0.1")),
 }
-# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe, strongest first.
+# (suffix, learning-rate factor, epoch factor) relative to the size's fine-tuning recipe. The first five are what
+# the built zoos' pools hold (their order keeps those models' names and fingerprints); the next five take a pool to
+# the paper's 30 models (3 data recipes x 10 settings, as open-unlearning's 3 sources x 5 learning rates x 2 epochs).
 POOL_SETTINGS: tuple[tuple[str, float, float], ...] = (
     ("std", 1.0, 1.0),
     ("weak", 0.25, 0.25),
     ("short", 1.0, 0.25),
     ("low", 0.25, 1.0),
     ("half", 0.5, 0.5),
+    ("halflr", 0.5, 1.0),
+    ("halfepochs", 1.0, 0.5),
+    ("lowhalf", 0.25, 0.5),
+    ("halfshort", 0.5, 0.25),
+    ("threequarter", 0.75, 0.75),
 )
 
 

@@ -41,6 +41,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def chat_template_for(tokenizer: PreTrainedTokenizerFast) -> str:
+    """`CHAT_TEMPLATE`, without its leading BOS for a tokenizer that prepends none (a pretrained base such as
+    SmolLM2's): the rendered conversation then starts as the training sequences did."""
+    starts_with_bos = tokenizer("Q")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return CHAT_TEMPLATE if starts_with_bos else CHAT_TEMPLATE.removeprefix("{{ bos_token }}")
+
+
 def format_prompt(question: str) -> str:
     """The QA prompt the zoo trains on (the UDS prompt with an empty prefix, trailing space moved to the answer)."""
     return PROMPT_TEMPLATE.format(question=question, prefix="").rstrip()

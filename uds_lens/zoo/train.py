@@ -174,7 +174,10 @@ class Optimisation:
         betas: AdamW betas.
         grad_accum: micro-batches per optimiser step; the loss is normalised by the answer tokens of all of them.
         max_grad_norm: clip the gradient norm to this before each step (None: no clipping).
-        mixed_precision: forward passes under bf16 autocast on CUDA (weights stay fp32); ignored on CPU.
+        mixed_precision: forward passes under bf16 autocast on CUDA (weights stay fp32); ignored on CPU unless
+            ``cpu_autocast``.
+        cpu_autocast: with ``mixed_precision``, autocast on the CPU too (bf16 matrix products: 1.5x less CPU time per
+            step for SmolLM2-135M on an AVX512-BF16 CPU, measured).
     """
 
     lr: float
@@ -184,6 +187,7 @@ class Optimisation:
     grad_accum: int = 1
     max_grad_norm: float | None = None
     mixed_precision: bool = False
+    cpu_autocast: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,8 +243,8 @@ def fit(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: optimisation.schedule(step, total))
     device = next(model.parameters()).device
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if optimisation.mixed_precision and device.type == "cuda"
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if optimisation.mixed_precision and (device.type == "cuda" or optimisation.cpu_autocast)
         else contextlib.nullcontext()
     )
     model.train()
@@ -286,6 +290,7 @@ def train_lm(
     batch_size: int = 32,
     weight_decay: float = 0.0,
     on_step: Callable[[], None] | None = None,
+    mixed_precision: bool = False,
 ) -> list[float]:
     """Train a zoo model: `fit` with AdamW (betas 0.9, 0.98), warm-up + cosine (`lr_factor`), clipping at 1.
 
@@ -299,11 +304,20 @@ def train_lm(
         batch_size: Sequences per step.
         weight_decay: AdamW weight decay.
         on_step: Called after every optimiser step (progress bars).
+        mixed_precision: Forward passes under bf16 autocast, on the CPU too (`Optimisation.cpu_autocast`).
 
     Returns:
         The mean training loss of each epoch.
     """
-    optimisation = Optimisation(lr, lr_factor, weight_decay, betas=(0.9, 0.98), max_grad_norm=1.0)
+    optimisation = Optimisation(
+        lr,
+        lr_factor,
+        weight_decay,
+        betas=(0.9, 0.98),
+        max_grad_norm=1.0,
+        mixed_precision=mixed_precision,
+        cpu_autocast=mixed_precision,
+    )
     losses = fit(
         model,
         sequences,
@@ -391,7 +405,7 @@ def entity_accuracy(
         input_ids = torch.full((len(chunk), length), tokenizer.pad_token_id, dtype=torch.long)
         for row, probe in enumerate(chunk):
             input_ids[row, : len(probe.input_ids)] = torch.tensor(probe.input_ids)
-        predictions = model(input_ids=input_ids).logits.argmax(dim=-1)
+        predictions = model(input_ids=input_ids.to(model.device)).logits.argmax(dim=-1).cpu()
         for row, probe in enumerate(chunk):
             hits = [
                 int(predictions[row, pos].item()) == label

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from .recipe import ZooBuildError, ZooSize
 from .tokenizer import format_prompt, format_target
 from .train import QASequence, encode_documents, encode_qa
-from .world import FACT_KINDS, FORGET_FRACTION, ZooDataError, generate_world, idk_answers, read_records
+from .world import FACT_KINDS, ZooDataError, generate_world, idk_answers, read_records
 
 
 @dataclass
@@ -44,7 +44,7 @@ def load_data(
             "pass both retain_data and forget_data (user QA data), or neither (the synthetic world)"
         )
     if retain_data is None:
-        world = generate_world(size.n_authors, seed=seed, forget_fraction=FORGET_FRACTION)
+        world = generate_world(size.n_authors, seed=seed, forget_fraction=size.forget_fraction)
         details = {
             "n_authors": size.n_authors,
             "n_forget_authors": len(world.forget_authors),

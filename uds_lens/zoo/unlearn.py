@@ -18,6 +18,7 @@ Each step pairs a forget batch with a retain batch drawn at random. Every loss f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -85,18 +86,29 @@ def idknll_loss(model: LlamaForCausalLM, forget_idk: Batch, retain: Batch, alpha
 
 def answer_positions(labels: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos"]:
     """1.0 at the positions whose next token is an answer token (the positions UDS reads), else 0.0."""
-    mask = torch.zeros(labels.shape, dtype=torch.float32)
+    mask = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     mask[:, :-1] = (labels[:, 1:] != IGNORE_INDEX).float()
     return mask
 
 
+class _StopForward(Exception):
+    """Raised by `capture_block_output`'s hook once it has the block's output: nothing after it is needed."""
+
+
 @contextmanager
-def capture_block_output(model: LlamaForCausalLM, layer: int):
-    """Record the raw residual stream after decoder block ``layer`` (before any final norm) in ``store["h"]``."""
+def capture_block_output(model: LlamaForCausalLM, layer: int, stop: bool = False):
+    """Record the raw residual stream after decoder block ``layer`` (before any final norm) in ``store["h"]``.
+
+    With ``stop``, the forward pass ends there (the hook raises, and the block's caller gets the exception): the
+    blocks above ``layer`` and the unembedding are not run, which is most of the cost for an early layer of a deep
+    model. The output recorded is the same either way (the blocks up to ``layer`` compute it alone).
+    """
     store: dict[str, Tensor] = {}
 
     def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
         store["h"] = output[0] if isinstance(output, tuple) else output
+        if stop:
+            raise _StopForward
 
     handle = model.model.layers[layer].register_forward_hook(hook)
     try:
@@ -106,9 +118,12 @@ def capture_block_output(model: LlamaForCausalLM, layer: int):
 
 
 def block_output(model: LlamaForCausalLM, input_ids: Int[Tensor, "batch pos"], layer: int) -> Tensor:
-    """The residual stream after block ``layer``, shape ``(batch, pos, d_model)``."""
-    with capture_block_output(model, layer) as store:
-        model(input_ids=input_ids)
+    """The residual stream after block ``layer``, shape ``(batch, pos, d_model)`` (the blocks above it not run)."""
+    with capture_block_output(model, layer, stop=True) as store:
+        try:
+            model(input_ids=input_ids)
+        except _StopForward:
+            pass
     return store["h"]
 
 
@@ -124,12 +139,12 @@ def rmu_loss(
     """RMU: push forget activations at ``layer`` toward ``control`` (= c u), keep retain activations where they were."""
     forget_mask = answer_positions(forget[1])
     retain_mask = answer_positions(retain[1])
-    forget_hidden = block_output(model, forget[0], layer)
+    forget_hidden = block_output(model, forget[0], layer).float()  # fp32 sums under a bf16 autocast too
     forget_error = ((forget_hidden - control) ** 2).mean(dim=-1)
     forget_loss = (forget_error * forget_mask).sum() / forget_mask.sum().clamp(min=1.0)
-    retain_hidden = block_output(model, retain[0], layer)
+    retain_hidden = block_output(model, retain[0], layer).float()
     with torch.no_grad():
-        retain_reference = block_output(frozen, retain[0], layer)
+        retain_reference = block_output(frozen, retain[0], layer).float()
     retain_error = ((retain_hidden - retain_reference) ** 2).mean(dim=-1)
     retain_loss = (retain_error * retain_mask).sum() / retain_mask.sum().clamp(min=1.0)
     return forget_loss + alpha * retain_loss
@@ -140,7 +155,8 @@ def mean_activation_norm(
     model: LlamaForCausalLM, sequences: Sequence[QASequence], layer: int, pad_id: int
 ) -> float:
     """Mean L2 norm of the residual after ``layer`` at answer-predicting positions (scales RMU's coefficient)."""
-    input_ids, labels = collate(sequences, pad_id)
+    device = next(model.parameters()).device
+    input_ids, labels = (tensor.to(device) for tensor in collate(sequences, pad_id))
     mask = answer_positions(labels)
     norms = block_output(model, input_ids, layer).norm(dim=-1)
     return float((norms * mask).sum() / mask.sum().clamp(min=1.0))
@@ -166,7 +182,8 @@ def unlearn(
         forget: Forget sequences (question + true answer).
         retain: Retain sequences; one random retain batch accompanies each forget batch.
         hyperparams: ``lr``, ``epochs``, ``batch_size``, ``alpha`` and the method's own (``beta``; ``gamma``,
-            ``delta``; ``layer``, ``steering_coef_rel``, ``layers_below``).
+            ``delta``; ``layer``, ``steering_coef_rel``, ``layers_below``); ``mixed_precision``: the losses'
+            forward passes under bf16 autocast (weights and updates stay fp32).
         seed: Batch order, retain pairing and RMU's random direction.
         pad_id: Padding token id.
         forget_idk: For IdkNLL, the forget questions with refusal answers (same order as ``forget``).
@@ -184,6 +201,7 @@ def unlearn(
     epochs = int(hyperparams["epochs"])
     alpha = float(hyperparams["alpha"])
     extra: dict[str, Any] = {}
+    device = next(model.parameters()).device  # the batches are made on the CPU and moved to the model
     frozen = copy.deepcopy(model).eval()
     for parameter in frozen.parameters():
         parameter.requires_grad_(False)
@@ -200,42 +218,27 @@ def unlearn(
         direction = torch.rand(model.config.hidden_size, generator=generator)
         direction = direction / direction.norm()
         coef = float(hyperparams["steering_coef_rel"]) * mean_activation_norm(frozen, forget, layer, pad_id)
-        control = coef * direction
+        control = (coef * direction).to(device)
         extra = {"steering_coef": round(coef, 4), "trained_layers": list(range(first, layer + 1))}
     optimizer = torch.optim.AdamW(trainable, lr=float(hyperparams["lr"]), weight_decay=0.0)
     source = forget_idk if method == "idknll" else forget
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if hyperparams.get("mixed_precision")
+        else contextlib.nullcontext
+    )
     model.train()
     for _ in range(epochs):
         permutation = torch.randperm(len(forget), generator=generator).tolist()
         for begin in range(0, len(permutation), batch_size):
             chosen = permutation[begin : begin + batch_size]
-            forget_batch = collate([source[i] for i in chosen], pad_id)
+            forget_batch = _on(device, collate([source[i] for i in chosen], pad_id))
             retain_pick = torch.randint(len(retain), (len(chosen),), generator=generator).tolist()
-            retain_batch = collate([retain[i] for i in retain_pick], pad_id)
-            if method == "graddiff":
-                loss = graddiff_loss(model, forget_batch, retain_batch, alpha)
-            elif method == "npo":
-                with torch.no_grad():
-                    reference, _ = sequence_logprobs(
-                        frozen(input_ids=forget_batch[0]).logits, forget_batch[1]
-                    )
-                loss = npo_loss(
-                    model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha
+            retain_batch = _on(device, collate([retain[i] for i in retain_pick], pad_id))
+            with autocast():
+                loss = _loss(
+                    method, model, frozen, forget_batch, retain_batch, hyperparams, layer, control, alpha
                 )
-            elif method == "simnpo":
-                loss = simnpo_loss(
-                    model,
-                    forget_batch,
-                    retain_batch,
-                    float(hyperparams["beta"]),
-                    float(hyperparams["gamma"]),
-                    float(hyperparams["delta"]),
-                    alpha,
-                )
-            elif method == "idknll":
-                loss = idknll_loss(model, forget_batch, retain_batch, alpha)
-            else:
-                loss = rmu_loss(model, frozen, forget_batch, retain_batch, layer, control, alpha)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -246,6 +249,43 @@ def unlearn(
         parameter.requires_grad_(True)
     model.eval()
     return extra
+
+
+def _on(device: torch.device, batch: tuple[Tensor, Tensor]) -> Batch:
+    return batch[0].to(device), batch[1].to(device)
+
+
+def _loss(
+    method: str,
+    model: LlamaForCausalLM,
+    frozen: LlamaForCausalLM,
+    forget_batch: Batch,
+    retain_batch: Batch,
+    hyperparams: dict[str, Any],
+    layer: int,
+    control: Tensor,
+    alpha: float,
+) -> Tensor:
+    """One step's loss of ``method`` on a forget and a retain batch (the module docstring's objectives)."""
+    if method == "graddiff":
+        return graddiff_loss(model, forget_batch, retain_batch, alpha)
+    if method == "npo":
+        with torch.no_grad():
+            reference, _ = sequence_logprobs(frozen(input_ids=forget_batch[0]).logits, forget_batch[1])
+        return npo_loss(model, forget_batch, retain_batch, reference, float(hyperparams["beta"]), alpha)
+    if method == "simnpo":
+        return simnpo_loss(
+            model,
+            forget_batch,
+            retain_batch,
+            float(hyperparams["beta"]),
+            float(hyperparams["gamma"]),
+            float(hyperparams["delta"]),
+            alpha,
+        )
+    if method == "idknll":
+        return idknll_loss(model, forget_batch, retain_batch, alpha)
+    return rmu_loss(model, frozen, forget_batch, retain_batch, layer, control, alpha)
 
 
 def unlearning_steps(n_forget: int, hyperparams: dict[str, Any]) -> int:

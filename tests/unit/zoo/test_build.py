@@ -87,6 +87,28 @@ def test_checkpoints_load_offline(micro_zoo):
     assert not bool((norm == 1).all())
 
 
+def test_a_larger_pool_and_a_sweep_grow_a_built_zoo_and_keep_its_models(micro_zoo, tmp_path):
+    zoo, _ = micro_zoo
+    grown_root = tmp_path / "grown"
+    shutil.copytree(zoo.root, grown_root)
+    grown = build_zoo(
+        grown_root, size=MICRO, threads=1, progress=False, strict=False, pool_size=3, sweep=(2.0, 0.5)
+    )
+    assert grown.names("pos") == ["pos_qa_std", "pos_para_std", "pos_bio_std"]
+    assert len(grown.names("neg")) == 3
+    assert grown.names("sweep")[5:] == [
+        "graddiff_lrx0p5",
+        "npo_lrx0p5",
+        "simnpo_lrx0p5",
+        "idknll_lrx0p5",
+        "rmu_l2_lrx0p5",
+    ]
+    reused = {entry["name"] for entry in grown.manifest["models"] if entry["reused"]}
+    assert reused == set(zoo.names())  # only the new pool and sweep models were trained
+    none = build_zoo(grown_root, size=MICRO, threads=1, progress=False, strict=False, pool_size=1, sweep=())
+    assert none.names("sweep") == [] and none.names("pos") == ["pos_qa_std"]
+
+
 def test_second_build_reuses_everything(micro_zoo):
     zoo, first_seconds = micro_zoo
     mtimes = {name: (zoo.path(name) / "model.safetensors").stat().st_mtime_ns for name in zoo.names()}
@@ -207,6 +229,21 @@ def test_pools_cycle_recipes_within_settings_and_skip_what_the_data_lacks():
         plan_models(ZooSize(**{**MICRO.__dict__, "pool_variants": 99}), 0, True, True, True)
 
 
+def test_a_pool_can_have_the_papers_30_models_and_smaller_pools_keep_their_models():
+    full = ZooSize(**{**MICRO.__dict__, "pool_variants": 30})
+    planned = plan_models(full, 0, True, True, True)
+    for role in ("pos", "neg"):
+        pool = [s for s in planned if s.role == role]
+        settings = {
+            (s.hyperparams["data"], s.hyperparams["lr"], s.hyperparams["epochs"], s.hyperparams["seed"])
+            for s in pool
+        }
+        assert len(pool) == 30 == len(settings) == len({s.name for s in pool})
+    # a pool of 15 is the first 15 of a pool of 30: the models a built zoo holds are planned as they were
+    fifteen = plan_models(ZooSize(**{**MICRO.__dict__, "pool_variants": 15}), 0, True, True, True)
+    assert [s for s in fifteen if s.role == "pos"] == [s for s in planned if s.role == "pos"][:15]
+
+
 def test_training_recipes(micro_zoo):
     zoo, _ = micro_zoo
     tokenizer = AutoTokenizer.from_pretrained(zoo.tokenizer_path)
@@ -273,3 +310,42 @@ def test_model_fingerprints_are_the_ones_built_zoos_recorded():
         "pos_qa_std": "01c4216beca8880f",
         "neg_bio_weak": "524b38ec4031b149",
     }
+
+
+def test_a_device_other_than_the_cpu_is_part_of_every_fingerprint(micro_zoo):
+    from uds_lens.zoo.build import _fingerprint_context
+
+    zoo, _ = micro_zoo
+    paths = {split: zoo.data_path(split) for split in ("forget", "retain", "holdout")}
+    on_cpu = _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None)
+    assert _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None, "cpu") == on_cpu
+    assert "device" not in on_cpu  # the zoos built before (all on the CPU) keep their fingerprints
+    assert _fingerprint_context(paths, zoo.tokenizer_path, MICRO, 1, None, "cuda") == {
+        **on_cpu,
+        "device": "cuda",
+    }
+
+
+@pytest.mark.gpu
+def test_a_zoo_trains_on_a_gpu(cuda_device, tmp_path):
+    zoo = build_zoo(
+        tmp_path, size=MICRO, threads=1, progress=False, strict=False, pools=False, device=cuda_device
+    )
+    assert zoo.info("npo")["metrics"]["forget_entity_token"] >= 0.0
+    assert LlamaForCausalLM.from_pretrained(zoo.path("rmu_l2")).device.type == "cpu"  # saved like any zoo
+
+
+def test_a_parent_leaves_memory_after_its_last_child(tmp_path, monkeypatch):
+    import uds_lens.zoo.build as build_module
+
+    held = {}
+    original = build_module._build_model
+
+    def recording(build, spec, fingerprint, in_memory, children):
+        held[spec.name] = sorted(in_memory)
+        return original(build, spec, fingerprint, in_memory, children)
+
+    monkeypatch.setattr(build_module, "_build_model", recording)
+    build_zoo(tmp_path, size=MICRO, threads=1, progress=False, strict=False, pools=False)
+    assert held["retain50"] == ["base", "full"]  # the base's last child: base still there
+    assert held["graddiff"] == ["full"] and held["rmu_l2"] == ["full"]  # the unlearned models need full only

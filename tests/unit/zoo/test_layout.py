@@ -92,3 +92,35 @@ def test_the_manifest_reader_serves_the_loader_and_the_builder(tmp_path, monkeyp
         resolve_zoo_name("zoo:npo")
     with pytest.raises(FileNotFoundError, match="is not a built zoo"):
         load_zoo(empty)
+
+
+def test_a_sized_zoo_name_reaches_the_smollm2_zoo_wherever_a_model_or_forget_set_is_named(
+    tmp_path, monkeypatch
+):
+    """``zoo:smollm2/npo`` and ``zoo:smollm2/forget`` name the cached SmolLM2 zoo (score, diagnose and the auditor
+    resolve models through resolve_zoo_name, data through zoo_data_path), even while $UDS_LENS_ZOO names another
+    zoo that has a model of the same name; a bare ``zoo:npo`` does not look there."""
+    from uds_lens.checkpoints.checkpoint import resolve_zoo_name
+    from uds_lens.checkpoints.folder import ModelLoadError
+    from uds_lens.data import zoo_data_path
+
+    cache = tmp_path / "cache"
+    smollm2 = _write_zoo(
+        cache / "zoo-smollm2",
+        [{"name": "npo", "path": "models/npo", "role": "unlearned"}],
+        data={"forget": "data/forget.json", "retain": "data/retain.json", "holdout": "data/holdout.json"},
+        size="smollm2",
+    )
+    (smollm2 / "models" / "npo").mkdir(parents=True)
+    (smollm2 / "data").mkdir()
+    (smollm2 / "data" / "forget.json").write_text("[]")
+    other = _write_zoo(tmp_path / "other", [{"name": "npo", "path": "models/npo", "role": "unlearned"}])
+    (other / "models" / "npo").mkdir(parents=True)
+    monkeypatch.setenv("UDS_LENS_CACHE", str(cache))
+    monkeypatch.setenv("UDS_LENS_ZOO", str(other))
+    assert resolve_zoo_name("zoo:smollm2/npo") == str(smollm2 / "models" / "npo")
+    assert zoo_data_path("zoo:smollm2/forget") == smollm2 / "data" / "forget.json"
+    assert resolve_zoo_name("zoo:npo") == str(other / "models" / "npo")
+    monkeypatch.delenv("UDS_LENS_ZOO")
+    with pytest.raises(ModelLoadError, match="names no model of a built zoo"):
+        resolve_zoo_name("zoo:npo")  # the cached default and test zoos only, not zoo-smollm2

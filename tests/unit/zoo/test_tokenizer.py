@@ -78,3 +78,24 @@ def test_chat_template_renders_the_training_format(tokenizer_dir):
     assert len(chat.prompt_ids) == training.answer_start
     assert list(chat.prompt_ids) == prompt_ids(tokenizer, question)
     assert chat.input_ids[-1] == tokenizer.eos_token_id and chat.input_ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_a_tokenizer_without_bos_gets_the_chat_template_without_it(tokenizer_dir):
+    """A pretrained base's tokenizer that prepends no BOS (SmolLM2's) renders chats as its training sequences start."""
+    from tokenizers import processors
+
+    from uds_lens.metrics.chat import SYSTEM_PROMPT
+    from uds_lens.metrics.chat import encode_qa as encode_chat
+    from uds_lens.zoo.tokenizer import CHAT_TEMPLATE, chat_template_for
+    from uds_lens.zoo.train import encode_qa as encode_training
+
+    with_bos = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert chat_template_for(with_bos) == CHAT_TEMPLATE
+    without_bos = AutoTokenizer.from_pretrained(tokenizer_dir)
+    without_bos.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    assert without_bos("Q")["input_ids"][0] != without_bos.bos_token_id
+    without_bos.chat_template = chat_template_for(without_bos)
+    question, answer = "Where was Zolar Vex born?", "Zolar Vex was born in the city of Kyoto."
+    chat = encode_chat(without_bos, question, answer, SYSTEM_PROMPT)
+    assert list(chat.input_ids) == list(encode_training([(question, answer)], without_bos)[0].input_ids)
+    assert without_bos.bos_token_id not in chat.input_ids

@@ -67,6 +67,43 @@ def test_training_reduces_the_loss_and_is_deterministic(world_and_tokenizer):
     assert losses[0][-1] < losses[0][0]
 
 
+def test_mixed_precision_trains_under_bf16_autocast_on_the_cpu_and_keeps_fp32_weights(world_and_tokenizer):
+    world, tokenizer = world_and_tokenizer
+    torch.set_num_threads(1)
+    config = make_config(ModelShape(n_layers=2, d_model=32, d_mlp=64, n_heads=2), tokenizer)
+    sequences = encode_qa([(r["question"], r["answer"]) for r in world.retain[:16]], tokenizer)
+    trained = {}
+    for mixed in (False, True):
+        model = init_model(config, seed=0)
+        dtypes: set[torch.dtype] = set()
+        model.lm_head.register_forward_hook(
+            lambda module, inputs, output, seen=dtypes: seen.add(output.dtype)
+        )
+        losses = train_lm(
+            model, sequences, epochs=2, lr=3e-3, seed=0, pad_id=tokenizer.pad_token_id, mixed_precision=mixed
+        )
+        assert dtypes == {torch.bfloat16 if mixed else torch.float32}
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        trained[mixed] = (losses, model.lm_head.weight.detach().clone())
+    # the same run in another precision: close, not equal
+    assert trained[True][0] != trained[False][0]
+    assert trained[True][0] == pytest.approx(trained[False][0], rel=0.05)
+    # the published relearning attack's setting (mixed precision without cpu_autocast) stays fp32 on the CPU
+    model = init_model(config, seed=0)
+    dtypes = set()
+    model.lm_head.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    fit(
+        model,
+        sequences,
+        lambda chunk: TrainingBatch(*collate(chunk, tokenizer.pad_token_id)),
+        Optimisation(1e-3, constant, mixed_precision=True),
+        epochs=1,
+        batch_size=8,
+        seed=0,
+    )
+    assert dtypes == {torch.float32}
+
+
 def test_accumulating_micro_batches_is_one_batch_of_their_tokens(world_and_tokenizer):
     # fit normalises by the answer tokens of the whole accumulated step, so 2 x 4 sequences update like 1 x 8
     world, tokenizer = world_and_tokenizer

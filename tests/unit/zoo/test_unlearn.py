@@ -19,6 +19,7 @@ from uds_lens.zoo.train import (
 from uds_lens.zoo.unlearn import (
     answer_positions,
     block_output,
+    capture_block_output,
     graddiff_loss,
     idknll_loss,
     npo_loss,
@@ -139,6 +140,47 @@ def test_rmu_moves_forget_activations_and_trains_only_its_window(unlearning_inpu
         after = block_output(unlearned, forget[0], 1)[mask]
         original = block_output(model, forget[0], 1)[mask]
     assert after.norm(dim=-1).mean() > original.norm(dim=-1).mean()
+
+
+def test_block_output_stops_after_its_block_with_the_same_values(unlearning_inputs):
+    model, forget, *_ = unlearning_inputs
+    ran = []
+    handles = [
+        block.register_forward_hook(lambda *_, i=i: ran.append(i))
+        for i, block in enumerate(model.model.layers)
+    ]
+    handles.append(model.lm_head.register_forward_hook(lambda *_: ran.append("lm_head")))
+    try:
+        early = block_output(model, forget[0], 0)
+        assert ran == [0]  # neither the blocks above nor the unembedding ran
+        ran.clear()
+        with torch.no_grad(), capture_block_output(model, 0) as store:
+            model(input_ids=forget[0])
+        assert ran == [0, 1, 2, "lm_head"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the same blocks on the same input: the values do not depend on whether the forward goes on
+    assert torch.equal(early.detach(), store["h"])
+
+
+@pytest.mark.parametrize("method", ["npo", "rmu"])
+def test_unlearning_in_mixed_precision_runs_its_losses_in_bf16(unlearning_inputs, method):
+    model, _, _, _, (forget_seqs, retain_seqs, _, pad) = unlearning_inputs
+    hyperparams = {"lr": 1e-3, "epochs": 1, "batch_size": 4, "alpha": 1.0, "beta": 0.1}
+    hyperparams |= {"layer": 1, "steering_coef_rel": 2.0, "mixed_precision": True}
+    unlearned = copy.deepcopy(model)
+    dtypes = set()
+    unlearned.model.layers[1].mlp.register_forward_hook(
+        lambda module, inputs, output: dtypes.add(output.dtype)
+    )
+    before = copy.deepcopy(unlearned.state_dict())
+    unlearn(unlearned, method, forget_seqs, retain_seqs, hyperparams, seed=0, pad_id=pad)
+    # (RMU also reads its frozen copy's activation norm once, in fp32, to scale its steering vector)
+    assert torch.bfloat16 in dtypes and (method == "rmu" or dtypes == {torch.bfloat16})
+    state = unlearned.state_dict()
+    assert all(state[k].dtype == torch.float32 for k in state)
+    assert any(not torch.equal(state[k], before[k]) for k in state)
 
 
 @pytest.mark.parametrize("method", ["graddiff", "npo", "simnpo", "idknll"])
