@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from uds_lens import display
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
-from uds_lens.checkpoints.digests import model_fingerprint
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
 from uds_lens.component_result import ComponentResult
 from uds_lens.components import ExampleInputs
@@ -182,6 +182,11 @@ class UDSAuditor:
         # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
         self._retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
         self._retain_dropped = False
+        # what Stage 1 is computed from: the digests of the bytes full's and retain's loads read (or their tensors')
+        self.identities = {"full": inputs.full.loaded_fingerprint(self.full)}
+        if inputs.retain is not None:
+            self.identities["retain"] = inputs.retain.loaded_fingerprint(self._retain)
+            self._retain_weights = inputs.retain.weights_digest(self._retain)
         if retain_name is None and inputs.retain is not None:
             retain_name = inputs.retain.label
         self.retain_name = retain_name
@@ -240,8 +245,20 @@ class UDSAuditor:
         (component patching does) loads it again and holds it. A model given as an object is the caller's: the
         auditor cannot free it and keeps it.
         """
-        if self._retain is None and not self._retain_dropped and self.inputs.retain is not None:
-            self._retain = self._load_target(self.inputs.retain, "retain")
+        checkpoint = self.inputs.retain
+        if self._retain is None and not self._retain_dropped and checkpoint is not None:
+            try:  # held to the bytes Stage 1 was computed from
+                model = self._load_target(checkpoint, "retain")
+                same = checkpoint.weights_digest(model) == self._retain_weights
+                why = "" if same else "its files now hold other weights"
+            except ModelLoadError as error:
+                why = str(error)
+            if why:
+                raise ModelLoadError(
+                    f"The retain model {checkpoint.label} no longer is what Stage 1 was computed from ({why}): restore "
+                    "the files Stage 1 read, or compute Stage 1 again (a new UDSAuditor)."
+                )
+            self._retain = model
         return self._retain
 
     def drop_retain(self) -> None:
@@ -418,20 +435,22 @@ class UDSAuditor:
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
-    def fingerprint(self, unlearned: Checkpoint | None) -> dict[str, Any]:
-        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (a `Checkpoint`: what it read is its
-        identity; None for the inputs' keys alone), plus ``s1``: the `stage_digest` of the Stage 1 every result of
-        this auditor is computed from (so this computes Stage 1, or reads it from the cache, when it is not there
-        yet)."""
+    def fingerprint(self, unlearned: Checkpoint | None, identity: str | None = None) -> dict[str, Any]:
+        """``result_fingerprint`` of this auditor's inputs and ``unlearned`` (None for the inputs' keys alone), plus
+        ``s1``: the `stage_digest` of the Stage 1 every result of this auditor is computed from (so this computes
+        Stage 1, or reads it from the cache, when it is not there yet).
+
+        Full and retain are identified by the bytes their loads read; ``unlearned`` by ``identity`` when it is given
+        (`score` passes the `Checkpoint.loaded_fingerprint` of the model it scored), else by its files as they are
+        now (a reuse decision made before loading it, `Checkpoint.fingerprint`)."""
         if self._base_fingerprint is None or "s1" not in self._base_fingerprint:
             self._base_fingerprint = {
-                **inputs_fingerprint(self.inputs, self.full, self.config),
+                **inputs_fingerprint(self.inputs, self.full, self.config, self.identities),
                 "s1": stage_digest(self.stage1),
             }
         # a sweep worker that adopts Stage 1 never loads retain: whether there is a d1 is Stage 1's to say
-        return with_unlearned(
-            self._base_fingerprint, unlearned, self.config, retain_free=self.stage1.s1 is None
-        )
+        base, retain_free = self._base_fingerprint, self.stage1.s1 is None
+        return with_unlearned(base, unlearned, self.config, retain_free=retain_free, identity=identity)
 
     def fingerprint_payload(self) -> dict[str, Any]:
         """What the S1 cache is keyed by: full's and retain's weights (the digest of the checkpoint bytes their
@@ -444,13 +463,16 @@ class UDSAuditor:
         for unread in self.runs.ignored_settings:
             settings.pop(unread)
         retain = self.inputs.retain
+        # a local retain is identified by the bytes its load read; a hub or in-memory one by its tensors (a hub model
+        # released after Stage 1 is loaded again to hash them; a dropped one is not)
         retain_model = None if retain is None or retain.local else self.retain
         return {
-            "full": _weights_digest(self.inputs.full, self.full),
-            # a hub model released after Stage 1 is loaded again to hash its tensors; a dropped one is not
+            "full": self.inputs.full.weights_digest(self.full),
             "retain": None
             if retain is None or (retain_model is None and not retain.local)
-            else _weights_digest(retain, retain_model),
+            else self._retain_weights
+            if retain.local
+            else retain.weights_digest(retain_model),
             "tokenizer": tokenizer_digest(self.tokenizer),
             "layout": layout_digest(self.encoded),
             "layers": self.layers,
@@ -578,6 +600,7 @@ class UDSAuditor:
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
         source = self._load(checkpoint, "unlearned")
+        identity = checkpoint.loaded_fingerprint(source)  # the bytes this load read, not the files now
         # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
         # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
         given = self._callers(checkpoint)
@@ -633,7 +656,7 @@ class UDSAuditor:
                 "timings": timings,
                 "stage2": self.stage2_plan(cells),
                 **stage_meta,
-                "fingerprint": self.fingerprint(checkpoint),
+                "fingerprint": self.fingerprint(checkpoint, identity),
             },
             records=self.examples,
         )
@@ -648,14 +671,6 @@ class UDSAuditor:
     def _repr_html_(self) -> str:
         """The notebook view: one row per thing the auditor holds."""
         return display.html_table("UDSAuditor", ["", ""], [list(row) for row in display.auditor_rows(self)])
-
-
-def _weights_digest(checkpoint: Checkpoint, model: ModelLike | None) -> str:
-    """The identity of a loaded model's weights without hashing them again: a local checkpoint's digest (computed
-    in the pass that read it for loading), else the digest of the tensors (a model given in memory, a hub id)."""
-    if checkpoint.local or model is None:
-        return checkpoint.digest
-    return model_fingerprint(model)
 
 
 __all__ = ["UDSAuditor"]

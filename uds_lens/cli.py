@@ -59,9 +59,9 @@ def _setup_logging(verbose: bool) -> None:
 
 def _unlearned_models(values: list[str]) -> dict[str, str]:
     """``--unlearned`` values as ``{result name: path}``: ``NAME=PATH`` names a model (either side may contain ``=``,
-    see `checkpoint.split_named`), a bare path is named after its directory (parent directories added where two
-    basenames clash, see `checkpoint.result_names`)."""
-    from uds_lens.checkpoints.checkpoint import result_names, split_named
+    see `names.split_named`), a bare path is named after its directory (parent directories added where two
+    basenames clash, see `names.result_names`)."""
+    from uds_lens.checkpoints.names import result_names, split_named
     from uds_lens.result_store import check_result_name
 
     named: dict[str, str] = {}
@@ -477,11 +477,14 @@ def report(
 ) -> None:
     """One self-contained HTML page (Plotly figures + tables, provenance, every caption with its basis) from saved
     results; never over another file."""
+    from uds_lens.outputs import check_report_apart
     from uds_lens.plotting.export import STATIC_FORMATS
     from uds_lens.plotting.report import write_report
 
     for form in figures or ():
         check_choice("--figures", form, STATIC_FORMATS)  # before any result is read
+    if out is not None and force:  # --force replaces a file that is no report, never one the report reads
+        check_report_apart(out, results_dir)
     page = write_report(results_dir, out, force=force, figures=tuple(figures or ()))
     typer.echo(str(page))
     if figures:
@@ -604,6 +607,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from uds_lens.meta_eval.attacks import QuantisationError
     from uds_lens.result_store import OutputConflictError, ResultIntegrityError, ResultNameError
     from uds_lens.sweep.lists import SweepError
+    from uds_lens.zoo.manifest import ManifestError
     from uds_lens.zoo.recipe import ZooBuildError
     from uds_lens.zoo.world import ZooDataError
 
@@ -621,6 +625,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ResultNameError,
         OutputConflictError,
         SweepError,
+        ManifestError,
     )
 
 

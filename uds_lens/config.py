@@ -44,11 +44,28 @@ class ConfigError(ValueError):
     """An audit setting is out of range; the message names the option and what it accepts."""
 
 
+def finite_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool) a float can hold: ``10**400`` is not (``math.isfinite``
+    raises ``OverflowError`` on it)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 400-digit integer in a message is one line, not a page)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def check_tau(tau: Any) -> float:
     """``tau`` as a float, or [`ConfigError`][uds_lens.config.ConfigError] naming ``--tau`` (every entry point checks it here)."""
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau) or tau < 0:
+    if not finite_real(tau) or tau < 0:
         raise ConfigError(
-            f"tau (--tau) must be a finite number of nats >= 0, got {tau!r}; the paper uses "
+            f"tau (--tau) must be a finite number of nats >= 0, got {shown(tau)}; the paper uses "
             f"{DEFAULT_TAU} (a negative threshold makes layers where retain is *more* confident KE)."
         )
     return float(tau)
@@ -164,15 +181,10 @@ class UDSConfig:
         tolerance = self.precision_tolerance
         if isinstance(tolerance, float) and tolerance == math.inf:  # any UDS difference tolerated: no bound
             object.__setattr__(self, "precision_tolerance", tolerance := None)
-        if tolerance is not None and (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, numbers.Real)
-            or not math.isfinite(tolerance)
-            or tolerance <= 0
-        ):
+        if tolerance is not None and (not finite_real(tolerance) or tolerance <= 0):
             raise ConfigError(
                 f"precision_tolerance (--precision-tolerance) must be a number > 0 (a UDS difference) or None, "
-                f"got {tolerance!r}."
+                f"got {shown(tolerance)}."
             )
         if self.stage2_cells is not None:
             check_choice("stage2_cells (--stage2-cells)", self.stage2_cells, STAGE2_CELLS)

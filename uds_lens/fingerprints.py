@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -50,7 +50,9 @@ def layout_digest(encoded: Sequence[EncodedExample]) -> str:
 
 # 2: in-memory models are hashed by their Hugging Face tensors (TransformerBridge backend); numbers move at float noise.
 # 3: ``s1``, the digest of the Stage 1 values a result was computed from, is part of it.
-RESULT_FINGERPRINT_FORMAT = 3
+# 4: a checkpoint is identified by the bytes its load read (a digest remembered by a stamp without ctime could name
+#    other bytes), a model in memory by XXH3-128 of its tensors (was SHA-256): a result of format 3 is recomputed.
+RESULT_FINGERPRINT_FORMAT = 4
 
 
 def examples_fingerprint(examples: Sequence[Example]) -> str:
@@ -89,19 +91,24 @@ def stage2_fingerprint(config: UDSConfig, retain_free: bool = False) -> dict[str
 
 
 def inputs_fingerprint(
-    inputs: RunInputs, loaded_full: ModelLike | None = None, config: UDSConfig | None = None
+    inputs: RunInputs,
+    loaded_full: ModelLike | None = None,
+    config: UDSConfig | None = None,
+    identities: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The keys of a result fingerprint that every model scored against the same inputs shares: ``format``,
-    ``full``, ``retain`` (each checkpoint's `Checkpoint.fingerprint`), ``data`` (the records as scored),
-    ``tokenizer`` (``"from full"`` unless one is passed explicitly) and ``settings`` (`settings_fingerprint` of
-    ``config``, default the inputs', its dtype read from ``loaded_full``, the model ``full`` loaded as, when there
-    is one). The one place that lays the dict out: `result_fingerprint` and ``UDSAuditor.fingerprint`` complete it
-    with `with_unlearned`.
+    ``full``, ``retain`` (each checkpoint's identity: ``identities[role]`` where given, the
+    `Checkpoint.loaded_fingerprint` of the model an auditor loaded, else `Checkpoint.fingerprint`, its files as they
+    are now), ``data`` (the records as scored), ``tokenizer`` (``"from full"`` unless one is passed explicitly) and
+    ``settings`` (`settings_fingerprint` of ``config``, default the inputs', its dtype read from ``loaded_full``, the
+    model ``full`` loaded as, when there is one). The one place that lays the dict out: `result_fingerprint` and
+    ``UDSAuditor.fingerprint`` complete it with `with_unlearned`.
     """
+    known = identities or {}
     return {
         "format": RESULT_FINGERPRINT_FORMAT,
-        "full": inputs.full.fingerprint,
-        "retain": inputs.retain.fingerprint if inputs.retain is not None else None,
+        "full": known.get("full") or inputs.full.fingerprint,
+        "retain": None if inputs.retain is None else known.get("retain") or inputs.retain.fingerprint,
         "data": examples_fingerprint(inputs.examples),
         "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
         "settings": settings_fingerprint(config or inputs.config, loaded_full or inputs.full.model),
@@ -109,11 +116,18 @@ def inputs_fingerprint(
 
 
 def with_unlearned(
-    inputs: dict[str, Any], unlearned: Checkpoint | None, config: UDSConfig, retain_free: bool
+    inputs: dict[str, Any],
+    unlearned: Checkpoint | None,
+    config: UDSConfig,
+    retain_free: bool,
+    identity: str | None = None,
 ) -> dict[str, Any]:
     """``inputs`` (`inputs_fingerprint`, and ``s1`` where an auditor adds it) completed for one scored model:
-    ``unlearned`` (its `Checkpoint.fingerprint`) and, for a KE-only Stage 2, ``stage2`` (`stage2_fingerprint`)."""
-    fingerprint = {**inputs, "unlearned": unlearned.fingerprint if unlearned is not None else None}
+    ``unlearned`` (``identity``, the `Checkpoint.loaded_fingerprint` of the model scored, where given; else its
+    `Checkpoint.fingerprint`) and, for a KE-only Stage 2, ``stage2`` (`stage2_fingerprint`)."""
+    if identity is None and unlearned is not None:
+        identity = unlearned.fingerprint
+    fingerprint = {**inputs, "unlearned": identity}
     stage2 = stage2_fingerprint(config, retain_free=retain_free)
     if stage2 is not None:
         fingerprint["stage2"] = stage2

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from uds_lens.checkpoints.checkpoint import Checkpoint, result_names
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelIdentity, check_compatible, identity_of
 from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.loader import ModelArg
+from uds_lens.checkpoints.names import result_names
 from uds_lens.config import UDSConfig, as_config, check_positive_int
 from uds_lens.data import DataArg, DataError, Example, check_data_source, load_examples
+from uds_lens.outputs import check_cache_apart
 from uds_lens.result_store import check_result_name
 from uds_lens.stage_cache import s1_cache_dir
 
@@ -103,7 +105,7 @@ class RunInputs:
         Args:
             full / retain: checkpoint references or models in memory (retain None: retain-free mode).
             data: a JSON/JSONL path, a hub dataset id, an ``hf:`` spec (`benchmarks`), records or ``Example``s.
-            unlearned: models (named by `checkpoint.result_names`) or ``{name: model}``.
+            unlearned: models (named by `names.result_names`) or ``{name: model}``.
             config / limit / cache_dir / tokenizer: the settings, the first ``limit`` examples, the S1 cache
                 directory, a tokenizer of one's own.
             outside_weights: accept weight shards an index names outside the checkpoint folder.
@@ -154,6 +156,13 @@ class RunInputs:
             tokenizer,
             data_path if data_path is not None and data_path.is_file() else None,
             models["unreadable"],
+        )
+        # the S1 cache is written where it is told: never among the checkpoints or beside the forget set
+        check_cache_apart(
+            "cache_dir (--cache-dir)",
+            s1_cache_dir(cache_dir),
+            [(what, path) for what, path in inputs.input_paths() if what != S1_CACHE],
+            inputs.data_path,
         )
         if inputs.retain is not None:
             check_compatible(inputs.identity, [("retain", inputs.retain)])

@@ -82,6 +82,28 @@ def check_report_output(path: str | os.PathLike, force: bool = False, option: st
         )
 
 
+def check_report_apart(
+    path: str | os.PathLike, results_dir: str | os.PathLike, option: str = "--out"
+) -> None:
+    """Refuse a report at ``path`` over a file inside the results it reports on (a result's ``summary.json``, a
+    ``sweep.csv``) that is not a report, whatever ``force`` says: a report never replaces its own input.
+
+    Raises:
+        ConfigError: naming the file and the fix.
+    """
+    target = Path(path).expanduser()
+    try:
+        if not target.exists() or is_report(target):
+            return
+    except OSError:  # a name the filesystem cannot hold: `check_report_output` words it
+        return
+    if _relation(os.path.realpath(target), os.path.realpath(Path(results_dir).expanduser())) == "lies inside":
+        raise ConfigError(
+            f"{option} {path} is a file of the results {results_dir} the report reads: a report never replaces its "
+            f"own input (not even with --force). Pass another {option} (e.g. {Path(results_dir) / 'report.html'})."
+        )
+
+
 def _local(value: Any) -> list[str]:
     """The existing local paths among ``value`` (a path, a resolved checkpoint, a hub id, a loaded model, None, or
     a list of them), each with symbolic links resolved (a loop is left as it is)."""
@@ -145,6 +167,41 @@ def check_outputs_apart(
                 f"{option} {given} {relation} the {what} {source}: a run never writes where its inputs are (its "
                 f"files would mix with them, and replacing its results would delete them). Pass an {option} apart "
                 "from every input."
+            )
+
+
+def check_cache_apart(
+    option: str,
+    cache: str | os.PathLike | None,
+    inputs: Iterable[tuple[str, Any]],
+    data_file: Path | None = None,
+) -> None:
+    """Refuse a cache directory that is, or lies inside, a checkpoint (its files would be written among the
+    checkpoint's), or that is the forget set or the folder it is read from. A cache may hold checkpoints (the
+    default cache root holds the built zoos).
+
+    Args:
+        option: how the message names the cache (``"--cache-dir"``).
+        cache: the cache directory (None: no cache).
+        inputs: ``(what, path)`` pairs of the checkpoints the run reads (a value may be a list of paths).
+        data_file: the forget set's file, when it is read from one.
+
+    Raises:
+        ConfigError: naming the cache, the input and the fix.
+    """
+    if cache is None:
+        return
+    where = os.path.realpath(Path(cache).expanduser())
+    named = [(what, path) for what, value in _items(inputs) for path in _local(value)]
+    if data_file is not None:
+        named += [("forget set", path) for path in _local(data_file)]
+        named += [("forget set's folder", os.path.realpath(Path(data_file).expanduser().parent))]
+    for what, source in named:
+        relation = _relation(where, source)
+        if relation == "is" or (relation == "lies inside" and what != "forget set's folder"):
+            raise ConfigError(
+                f"{option} {cache} {relation} the {what} {source}: a cache is never written among a run's inputs "
+                f"(its files would mix with them). Pass an {option} elsewhere (the default is under the cache root)."
             )
 
 
@@ -238,8 +295,10 @@ __all__ = [
     "ANNOTATION_SUMMARY_KEYS",
     "REPORT_MARKER",
     "check_annotation_output",
+    "check_cache_apart",
     "check_file_output",
     "check_outputs_apart",
+    "check_report_apart",
     "check_report_output",
     "check_writable_dir",
     "check_zoo_complete",

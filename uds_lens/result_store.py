@@ -1,10 +1,16 @@
 """The on-disk store of results: one directory per result, written as one step and read back only when whole.
 
-A result directory is only worth reading when all its files come from one run. So a save never writes into
-``OUT/NAME`` itself: `atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
+A result directory is only worth reading when all its files come from one run, and a run may replace only what it
+wrote. So every directory written here carries this package's marker (`RESULT_MARKER`, a small JSON file), and an
+existing ``OUT/NAME`` is recomputed or replaced only when it carries it (or is a result saved before the marker
+existed, or is empty): an unrelated folder there (a checkpoint, the S1 cache, anyone's notes) is refused in one line
+naming it, before any compute where the run can see it (`check_result_target`, which ``score``, ``sweep`` and
+`UDSResult.save` share). And a save never writes into ``OUT/NAME`` itself: `atomic_result_dir` holds a lock on ``OUT/NAME`` (``OUT/.NAME.lock``, so concurrent
 writers take turns), lets the writer fill a temporary sibling directory, and renames it into place at the end. A
 reader therefore sees the old directory, no directory, or the new one, never a mixture; a run killed mid-write leaves
-the old result untouched. ``meta.json`` lists the SHA-256 of every file it belongs with, and `verify_result_dir`
+the old result untouched. Files another program left in ``OUT/NAME`` are carried over into the new directory, a
+symbolic link as a link (nothing is ever copied through one) and anything but a file, a folder or a link left out.
+``meta.json`` lists the SHA-256 of every file it belongs with, and `verify_result_dir`
 (used by ``UDSResult.load``) refuses a directory whose files do not match it. Whether a saved result may stand in for
 a new computation (``results.check_saved``) is decided by comparing fingerprints; this module words the differences
 (`conflict_error`). Nothing here knows the tables inside the files: ``results.py`` writes and parses them.
@@ -14,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import stat
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,8 @@ import numpy as np
 from filelock import FileLock
 
 from uds_lens.files import bytes_digest, replace_directory, set_aside, staged_siblings, staging_path
+
+logger = logging.getLogger(__name__)
 
 # The files of one saved result; meta.json (written last) holds their digests.
 RESULT_FILES = ("summary.json", "examples.csv", "layers.csv", "layers.parquet", "uds_eval.json")
@@ -149,8 +159,120 @@ def normal_json(value: Any) -> Any:
 INPUT_KEYS = ("full", "retain", "unlearned", "data", "tokenizer", "settings")
 
 
+# The keys that identify a model: compared only between fingerprints of one format (a format names how they are made).
+IDENTITY_KEYS = ("full", "retain", "unlearned")
+
+
+def input_conflicts(differ: list[str], saved: dict[str, Any], wanted: dict[str, Any]) -> tuple[str, ...]:
+    """The input keys among ``differ`` that make a saved result another run's. Between fingerprints of two formats the
+    models' identities are made differently (an older uds_lens's digest may even name other bytes), so they are
+    not compared: such a result is recomputed, as a stale copy is, unless its data or settings differ."""
+    comparable = saved.get("format") == wanted.get("format")
+    return tuple(key for key in INPUT_KEYS if key in differ and (comparable or key not in IDENTITY_KEYS))
+
+
 class OutputConflictError(ValueError):
     """``OUT/NAME`` holds the result of another run (other inputs): replacing it needs ``force``."""
+
+
+class ResultTargetError(OutputConflictError):
+    """``OUT/NAME`` holds something this package did not write (a file, a checkpoint, a cache, anyone's folder):
+    never replaced, whatever ``force`` says."""
+
+
+# The marker every directory `atomic_result_dir` writes carries (and every staging directory, from its creation):
+# what makes an existing OUT/NAME this package's own, to recompute or replace.
+RESULT_MARKER = ".uds_lens.json"
+_MARKER_CONTENT = {"written_by": "uds_lens", "what": "a result directory (score, sweep, diagnose)"}
+
+
+def write_marker(directory: Path) -> None:
+    """Mark ``directory`` as written by this package."""
+    (directory / RESULT_MARKER).write_text(json.dumps(_MARKER_CONTENT))
+
+
+def is_ours(directory: Path) -> bool:
+    """Whether the directory ``directory`` is this package's to replace: it carries `RESULT_MARKER`, is empty, or is
+    a result saved before the marker existed (a ``meta.json`` listing its files' digests, or nothing but the files a
+    result or ``diagnose`` writes)."""
+    try:
+        marker = json.loads((directory / RESULT_MARKER).read_text())
+        if isinstance(marker, dict) and marker.get("written_by") == "uds_lens":
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return False
+    if not entries:
+        return True
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        if isinstance(meta, dict) and isinstance(meta.get("files"), dict) and "format" in meta:
+            return True
+    except (OSError, ValueError):
+        pass
+    written = {*RESULT_FILES, "meta.json", *DIAGNOSE_FILES}
+    return all(entry.name in written and entry.is_file() and not entry.is_symlink() for entry in entries)
+
+
+def result_inputs(meta: dict[str, Any]) -> list[tuple[str, Path]]:
+    """The local paths a result was computed from, as its ``meta`` names them (full, retain, the unlearned model, the
+    forget set; a ``zoo:NAME`` resolved where its zoo is built): what its directory must stay apart from."""
+    from uds_lens.checkpoints.checkpoint import resolve_zoo_name
+
+    found = []
+    for role in ("full", "retain", "unlearned", "data"):
+        given = meta.get(role)
+        if not isinstance(given, str) or not given:
+            continue
+        try:
+            path = Path(resolve_zoo_name(given)).expanduser()
+        except Exception:  # a zoo no longer built: nothing of it to overwrite here
+            continue
+        if os.path.lexists(path):
+            found.append((f"{role} {'forget set' if role == 'data' else 'checkpoint'}", path))
+    return found
+
+
+def check_result_target(target: str | os.PathLike, inputs: Iterable[tuple[str, Any]] = ()) -> Path:
+    """The one guard of a result directory ``OUT/NAME`` before it is written (``score``, ``sweep`` and
+    `UDSResult.save` call it before any compute they can, `atomic_result_dir` again under the lock): its name one
+    path component, apart from every input of the run (``inputs``: ``(what, path)`` pairs, see
+    ``outputs.check_outputs_apart``), and, where something is there already, a directory this package wrote
+    (`is_ours`).
+
+    Raises:
+        ResultNameError: the name is not one plain path component.
+        ConfigError: ``target`` is, holds or lies inside an input.
+        ResultTargetError: ``target`` is a file, a link, or a directory this package did not write; one line naming
+            it and the fix.
+    """
+    from uds_lens.outputs import check_outputs_apart
+
+    target = Path(target)
+    check_result_name(target.name)
+    inputs = list(inputs)
+    if inputs:
+        check_outputs_apart({"the result directory": target}, inputs)
+    if target.is_symlink():
+        raise ResultTargetError(
+            f"{target} is a symbolic link (to {os.readlink(target)}): a result is never written through one. Remove "
+            "the link, or pass another output directory."
+        )
+    if not target.exists():
+        return target
+    if not target.is_dir():
+        raise ResultTargetError(
+            f"{target} is a file, not a result directory: move it, or pass another output directory."
+        )
+    if not is_ours(target):
+        raise ResultTargetError(
+            f"{target} holds files uds_lens did not write (no {RESULT_MARKER}, no result's meta.json): a run replaces "
+            "only its own results, so it is left as it is. Move it, or pass another output directory."
+        )
+    return target
 
 
 def _short(value: Any) -> str:
@@ -221,35 +343,34 @@ def atomic_result_dir(
 
     Raises:
         ResultNameError: ``target``'s name is not a single plain path component.
-        ValueError: ``target`` is a file.
+        ResultTargetError: ``target`` is a file, a link or a directory this package did not write
+            (`check_result_target`).
         filelock.Timeout: another writer held the lock for more than ``timeout`` seconds.
     """
-    target = Path(target)
-    check_result_name(target.name)
-    if target.exists() and not target.is_dir():
-        raise ValueError(
-            f"{target} is a file, not a result directory: remove it or choose another output directory."
-        )
+    target = check_result_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with result_lock(target, timeout):
         for aside in set_aside(target):
+            if not is_ours(aside):
+                continue  # not a directory this package set aside: left alone
             if not target.exists():  # a writer killed between replace_directory's renames: the old one back
                 os.rename(aside, target)
             else:
                 shutil.rmtree(aside, ignore_errors=True)
         for leftover in staged_siblings(target):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.is_dir() and not leftover.is_symlink() and is_ours(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+        check_result_target(target)  # again under the lock: another process may have put something there
         if check is not None:
             check(target)
         staging = staging_path(target)  # OUT/.NAME.tmp-*: the one spelling of a writer's hidden sibling
         staging.mkdir()
         try:
+            write_marker(staging)
             yield staging
+            write_marker(staging)  # a writer that replaced the folder's files keeps the marker
             if target.is_dir():
-                for entry in target.iterdir():
-                    if entry.name not in owns and not (staging / entry.name).exists():
-                        copy = shutil.copytree if entry.is_dir() else shutil.copy2
-                        copy(entry, staging / entry.name)
+                _carry_over(target, staging, owns)
             replace_directory(
                 staging, target
             )  # the old one renamed aside, the new one in, the old one deleted
@@ -262,20 +383,64 @@ def atomic_result_dir(
             raise
 
 
+def _carry_over(old: Path, new: Path, owns: Iterable[str]) -> None:
+    """Copy into ``new`` what ``old`` holds that the writer did not produce and does not own: files and folders as
+    they are, a symbolic link as a link (never what it points to: a link to ``/dev/zero`` or to ``..``), anything
+    else (a pipe, a device) left out with a warning."""
+    owned = {*owns, RESULT_MARKER}
+    for entry in old.iterdir():
+        destination = new / entry.name
+        if entry.name in owned or os.path.lexists(destination):
+            continue
+        mode = entry.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            os.symlink(os.readlink(entry), destination)
+        elif stat.S_ISDIR(mode):
+            shutil.copytree(entry, destination, symlinks=True, ignore=_special_files)
+        elif stat.S_ISREG(mode):
+            shutil.copy2(entry, destination)
+        else:
+            logger.warning(
+                "%s is neither a file, a folder nor a link: not carried into the new result.", entry
+            )
+
+
+def _special_files(folder: str, names: list[str]) -> list[str]:
+    """The entries of ``folder`` ``shutil.copytree`` must not open (pipes, devices, sockets: reading one blocks or
+    never ends); links are copied as links."""
+    special = []
+    for name in names:
+        mode = os.lstat(os.path.join(folder, name)).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            logger.warning(
+                "%s is neither a file, a folder nor a link: not carried into the new result.", name
+            )
+            special.append(name)
+    return special
+
+
 __all__ = [
     "DIAGNOSE_FILES",
     "DIRECTORY_FILES",
+    "IDENTITY_KEYS",
     "INPUT_KEYS",
     "MAX_NAME_BYTES",
     "LOCK_TIMEOUT_S",
     "RESULT_FILES",
     "RESULT_FORMAT",
     "REQUIRED_FILES",
+    "RESULT_MARKER",
     "OutputConflictError",
     "ResultIntegrityError",
     "ResultNameError",
+    "ResultTargetError",
     "atomic_result_dir",
     "check_result_name",
+    "check_result_target",
+    "input_conflicts",
+    "is_ours",
+    "result_inputs",
+    "write_marker",
     "conflict_error",
     "result_lock",
     "verify_result_dir",

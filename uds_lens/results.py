@@ -15,10 +15,9 @@
   source identical to full gives exactly 0. ``ler`` is NaN outside KE layers (there ``d2 / d1`` is not a ratio of
   knowledge, only of noise);
 * ``summary``: model UDS, bootstrap 95% CI, counts, the split of UDS and the excess disruption (``split``), settings,
-  versions, dtype, device, timings, and ``stage2``: which
-  cells Stage 2 ran (``all``, or ``ke``: only the KE cells, ``d2``/``s2_score``/``ler`` NaN elsewhere with a
-  ``stage2_note`` saying so; ``with_tau`` then rescores exactly for a higher tau and raises
-  [`CellsNotRunError`][uds_lens.results.CellsNotRunError] for a tau that needs cells not run).
+  versions, dtype, device, timings, and ``stage2``: which cells Stage 2 ran (``all``, or ``ke``: only the KE cells,
+  ``d2``/``s2_score``/``ler`` NaN elsewhere with a ``stage2_note`` saying so; ``with_tau`` then rescores exactly for
+  a higher tau and raises [`CellsNotRunError`][uds_lens.results.CellsNotRunError] for a tau that needs cells not run).
 
 ``save(dir)`` writes ``summary.json``, ``examples.csv``, ``layers.csv`` (and ``layers.parquet`` when pyarrow is
 installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_value", "value_by_index"}}``);
@@ -26,9 +25,9 @@ installed) and ``uds_eval.json`` (the open-unlearning shape ``{"uds": {"agg_valu
 different threshold never needs the models again.
 
 Saved results are read back only when whole: the directory is written as one step and its files checked against
-their digests (`uds_lens.result_store`, whose names this module re-exports). [`can_reuse`][uds_lens.results.can_reuse] decides whether a
-saved result may stand in for a new computation: only when its fingerprint (``fingerprints.result_fingerprint``: the full,
-retain and unlearned weights, the data and the settings) equals the new one.
+their digests (`uds_lens.result_store`, whose names this module re-exports). [`can_reuse`][uds_lens.results.can_reuse]
+decides whether a saved result may stand in for a new computation: only when its fingerprint
+(``fingerprints.result_fingerprint``: the full, retain and unlearned weights, the data, the settings) is the new one.
 """
 
 from __future__ import annotations
@@ -50,16 +49,18 @@ from uds_lens.data import EncodedExample, Example, Skip
 from uds_lens.example_view import ExampleView
 from uds_lens.files import bytes_digest, write_atomic
 from uds_lens.result_store import (
-    INPUT_KEYS,
     RESULT_FILES,
     RESULT_FORMAT,
     ResultIntegrityError,
     atomic_result_dir,
+    check_result_target,
     conflict_error,
     fingerprint_difference,
+    input_conflicts,
     json_default,
     normal_json,
     read_verified,
+    result_inputs,
 )
 from uds_lens.uds import (
     bootstrap_ci,
@@ -452,8 +453,10 @@ class UDSResult:
 
         Raises:
             OutputConflictError: ``directory`` holds another run's result and ``force`` is off.
+            ResultTargetError / ConfigError: ``directory`` is, holds or lies in one of the result's inputs, or holds
+                anything but a result this package wrote, whatever ``force`` says (`result_store.check_result_target`).
         """
-        target = Path(directory)
+        target = check_result_target(directory, result_inputs(self.meta))  # the guard `score` and `sweep` use
         fingerprint = self.meta.get("fingerprint")
         check = None if force else _refuse_others(fingerprint if isinstance(fingerprint, dict) else None)
         with atomic_result_dir(target, check=check) as staging:
@@ -628,12 +631,8 @@ def check_saved(
         key for key in set(saved) | set(wanted) if key not in ignore and saved.get(key) != wanted.get(key)
     )
     if differ:
-        conflicts = tuple(key for key in INPUT_KEYS if key in differ)
-        return SavedCheck(
-            None,
-            "; ".join(fingerprint_difference(key, saved.get(key), wanted.get(key)) for key in differ),
-            conflicts,
-        )
+        why = "; ".join(fingerprint_difference(key, saved.get(key), wanted.get(key)) for key in differ)
+        return SavedCheck(None, why, input_conflicts(differ, saved, wanted))
     return SavedCheck(UDSResult._from_files(meta, contents), "identical inputs")
 
 

@@ -1,7 +1,7 @@
 """Scoring many unlearned models against one (full, retain, data), with reuse of saved results.
 
 `score_models` is what ``uds-lens score`` calls: it takes the run's inputs (`inputs.RunInputs`, made from the raw
-arguments at its first step: each model's result named by `checkpoint.result_names`), refuses to write over another
+arguments at its first step: each model's result named by `names.result_names`), refuses to write over another
 run's results (`refuse_other_runs`), reuses a saved result only when its full fingerprint matches, and otherwise
 scores with one `auditor.UDSAuditor` (Stage 1 computed once).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from uds_lens.auditor import UDSAuditor
@@ -21,7 +21,7 @@ from uds_lens.files import os_error_line
 from uds_lens.fingerprints import result_fingerprint
 from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
-from uds_lens.result_store import conflict_error
+from uds_lens.result_store import ResultTargetError, check_result_target, conflict_error
 from uds_lens.results import UDSResult, check_saved, load_reusable
 from uds_lens.stage_cache import s1_cache_dir
 
@@ -69,6 +69,23 @@ def refuse_other_runs(
         raise conflict_error(conflicts)
 
 
+def check_result_targets(out_dir: Path, names: Iterable[str]) -> None:
+    """Refuse, before any model is loaded, an ``out_dir/NAME`` that is a file or a folder uds_lens did not write
+    (`result_store.check_result_target`), whatever ``force`` says.
+
+    Raises:
+        result_store.ResultTargetError: naming each such path.
+    """
+    refused = []
+    for name in names:
+        try:
+            check_result_target(out_dir / name)
+        except ResultTargetError as error:
+            refused.append(str(error))
+    if refused:
+        raise ResultTargetError(" ".join(refused))
+
+
 def score_models(
     full: ModelArg | RunInputs,
     retain: ModelArg | None | NotGiven = NOT_GIVEN,
@@ -99,7 +116,7 @@ def score_models(
     Args:
         full: the full model, or the run's `RunInputs` (then retain, unlearned, data, config, cache_dir and limit
             are the inputs').
-        unlearned: models (result names from their paths, see `checkpoint.result_names`) or ``{name: model}``; a
+        unlearned: models (result names from their paths, see `names.result_names`) or ``{name: model}``; a
             name is one path component.
         force: recompute every model even when a saved result could be reused, and replace results of other runs.
 
@@ -129,18 +146,22 @@ def score_models(
         check_writable_dir(out_dir)
     results: dict[str, UDSResult] = {}
     auditor: UDSAuditor | None = None
-    if out_dir is not None and not force:
-        # Before any model is loaded: a directory holding another run's result (other weights, data or settings)
-        # is never silently replaced.
-        refuse_other_runs(Path(out_dir), inputs)
+    if out_dir is not None:
+        # Before any model is loaded: a file, a checkpoint or any folder uds_lens did not write at OUT/NAME is
+        # refused whatever force says, and a directory holding another run's result (other weights, data or
+        # settings) is never silently replaced.
+        check_result_targets(Path(out_dir), inputs.unlearned)
+        if not force:
+            refuse_other_runs(Path(out_dir), inputs)
     for name, checkpoint in inputs.unlearned.items():
         target = Path(out_dir) / name if out_dir is not None else None
-        reason = "forced (--force)" if force else ""
+        reason, decided = "forced (--force)" if force else "", None
         if target is not None and not force and target.exists():
             # The saved result's Stage 1 digest is compared too, which needs this run's Stage 1 (from the cache).
             if auditor is None:
                 auditor = UDSAuditor.from_inputs(inputs, progress=progress)
-            previous, reason = load_reusable(target, auditor.fingerprint(checkpoint))
+            decided = auditor.fingerprint(checkpoint)  # its files as they are now, before any load
+            previous, reason = load_reusable(target, decided)
             if previous is not None:
                 results[name] = previous.with_tau(inputs.config.tau)
                 results[name].meta["reused"] = reason
@@ -150,6 +171,15 @@ def score_models(
         if auditor is None:
             auditor = UDSAuditor.from_inputs(inputs, progress=progress)
         results[name] = auditor.score(checkpoint, name=name)
+        loaded = results[name].meta["fingerprint"]["unlearned"]
+        if decided is not None and loaded != decided["unlearned"]:
+            # replaced between the decision and the load: the result records the bytes loaded, and the save below
+            # refuses (under the lock) a directory that now holds another run's result of those
+            logger.warning(
+                "%s changed between the reuse decision and its load: scored and recorded the bytes loaded (%s).",
+                name,
+                loaded,
+            )
         if target is not None and target.exists():
             results[name].meta["recomputed"] = reason
         if target is not None:

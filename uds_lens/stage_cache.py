@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from jaxtyping import Float
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -30,7 +30,9 @@ from uds_lens.files import cache_root, os_error_line, staging_path
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
 # 6: the header holds the SHA-256 of the tensors and the batch plan (``stage_digest``), checked on every read.
 # 7: the clean full-model score is stored as ``s0`` (it was ``s_full``); a format-6 file is recomputed, never read.
-CACHE_FORMAT = 7
+# 8: keyed by the digests of the bytes full's and retain's loads read (a digest remembered by a stamp without ctime
+#    could name other bytes), models in memory by XXH3-128 of their tensors (was SHA-256).
+CACHE_FORMAT = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,11 +226,15 @@ class S1Cache:
         permission, a full disk, a file in its place) is skipped with a warning and None returned."""
         try:
             return self._save(key, payload, stage)
-        except OSError as error:
-            warnings.warn(
-                f"S1 cache not written, S1 is not cached: {os_error_line(error, 'the S1 cache')}",
-                stacklevel=2,
+        except (OSError, SafetensorError) as error:
+            # safetensors reports its own write errors (a full disk: "IoError(Os { code: 28, kind: StorageFull"),
+            # not as OSError
+            why = (
+                os_error_line(error, "the S1 cache")
+                if isinstance(error, OSError)
+                else f"{self.directory}: {error}"
             )
+            warnings.warn(f"S1 cache not written, S1 is not cached: {why}", stacklevel=2)
             return None
 
     def _save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:

@@ -177,7 +177,8 @@ def scored(tiny, tmp_path_factory) -> Path:
 def test_report_never_replaces_a_file_that_is_not_a_report(
     tiny, scored, tmp_path, monkeypatch, capsys, victim
 ):
-    """Before: `report --out FILE` wrote HTML over any file, a forget set or the result's own summary.json."""
+    """Before: `report --out FILE` wrote HTML over any file, a forget set or the result's own summary.json; --force
+    replaces a file that is no report, but never one of the results the report reads (issue 54)."""
     results = tmp_path / "results"
     shutil.copytree(scored, results)
     target = (
@@ -190,6 +191,9 @@ def test_report_never_replaces_a_file_that_is_not_a_report(
         write_report(results, target)
     assert target.read_bytes() == before
     forced = CliRunner().invoke(app, ["report", str(results), "--out", str(target), "--force"])
+    if victim == "summary.json":  # the report's own input
+        assert forced.exit_code != 0 and target.read_bytes() == before
+        return
     assert forced.exit_code == 0, forced.output
     assert target.read_text().startswith("<!DOCTYPE html>")
 

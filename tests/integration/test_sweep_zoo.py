@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from uds_lens.auditor import UDSAuditor
 from uds_lens.cli import app
 from uds_lens.config import UDSConfig
-from uds_lens.result_store import RESULT_FILES, verify_result_dir
+from uds_lens.result_store import RESULT_FILES, RESULT_MARKER, verify_result_dir
 from uds_lens.results import UDSResult
 from uds_lens.scoring import score_models
 from uds_lens.sweep.driver import sweep
@@ -119,7 +119,7 @@ def assert_complete_files(out, table, scored, failed):
         assert (
             {"summary.json", "examples.csv", "layers.csv", "uds_eval.json", "meta.json"}
             <= {path.name for path in (out / name).iterdir()}
-            <= {*RESULT_FILES, "meta.json"}
+            <= {*RESULT_FILES, "meta.json", RESULT_MARKER}
         )
         summary = json.loads((out / name / "summary.json").read_text())
         assert (

@@ -5,14 +5,18 @@ a ``.gguf`` file, a hub id, ``zoo:NAME`` or a model in memory. Each becomes a `C
 takes it, and everything after asks the value, which reads each thing once and remembers it:
 
 * `folder`: which files of a directory are the model (Hugging Face's rules; leftovers named, ambiguity, outside
-  shards and ``auto_map`` refused), their tensor headers, and the one pass that reads the weights and hashes them;
-* `digests`: the identity of those bytes (XXH3-128, remembered by file identity in memory and under the cache root)
-  and of a model's tensors in memory;
+  shards and ``auto_map`` refused) and their tensor headers;
+* `reader` (and `gguf` for ``.gguf`` files): the one pass that reads the weights tensor by tensor, each cast and
+  placed on its device as it lands, hashing every byte on the way;
+* `digests`: the identity of those bytes (XXH3-128; remembered under the files' stamp, in memory and under the cache
+  root, and trusted only where the stamp proves the files unchanged) and of a model's tensors in memory;
 * `hub`: whether the hub answers (asked once), and what a hub id resolves to offline;
-* `checkpoint`: the `Checkpoint` value (`Checkpoint.resolve` is the door), its names and its config and tokenizer;
+* `checkpoint`: the `Checkpoint` value (`Checkpoint.resolve` is the door), its config and tokenizer, its identity
+  now (`Checkpoint.digest`) and that of the bytes a model was built from (`Checkpoint.loaded_fingerprint`);
+* `names`: the result names of a list of models;
 * `coverage`: whether the weight files cover the model the config describes (before and after building it);
 * `compatibility`: full, retain and the unlearned models compared by their identities (family, tokenizer, shapes);
-* `loader`: `load`, `load_model`, `load_hf_model`, `load_tokenizer`: the model built from what the checkpoint read.
+* `loader`: `build_model`, the one builder (`load`, `load_model`, `load_hf_model` call it), and `load_tokenizer`.
 
 The names below are importable from here; inside the package each is imported from its module.
 """

@@ -10,9 +10,10 @@ hub id (``owner/name``) fails at once; a hub id whose hub cannot be reached fail
   ambiguity and code refused);
 - `config`, `tensor_shapes` (safetensors headers only), `tokenizer` (shared by checkpoints whose tokenizer files are
   byte-identical), each read once and remembered;
-- `digest` (the identity of the bytes that are loaded: computed in the pass that reads them for loading, or
-  remembered by file identity) and `fingerprint` (what a result records: ``files:<digest>``, ``hub:<id>@<commit>``,
-  ``tensors:<digest of the weights in memory>``);
+- `digest` (the identity of its files now: remembered where their stamp proves it, else read and hashed) and
+  `fingerprint` (what a result would record: ``files:<digest>``, ``hub:<id>@<commit>``, ``tensors:<digest of the
+  weights in memory>``); a model built from it carries the digest of the bytes its load read, and a result of that
+  model records that (`loaded_fingerprint`), never a digest taken before or after the load;
 - `label` and `name`: how messages and results name it.
 
 This module imports neither torch nor transformers: the CLI makes its checkpoints before the model libraries load,
@@ -26,7 +27,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
@@ -45,12 +46,11 @@ from uds_lens.checkpoints.hub import hub_error, hub_or_cache, hub_revision
 from uds_lens.data import looks_like_local_path
 from uds_lens.families import SUPPORTED_GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from uds_lens.files import ZOO_PREFIX, zoo_search_roots
-from uds_lens.zoo.manifest import model_paths
+from uds_lens.zoo.manifest import ManifestError, model_paths
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from uds_lens.checkpoints.folder import Staged
     from uds_lens.tl_compat import ModelLike
 
 logger = logging.getLogger(__name__)
@@ -302,64 +302,96 @@ class Checkpoint:
             _TOKENIZERS[digest] = tokenizer
         return tokenizer
 
+    def identifying(self) -> tuple[Path, list[tuple[str, Path]]]:
+        """The checkpoint's root and the ``(name, path)`` of every file its identity covers: a directory's
+        `CheckpointFiles.identifying`, a ``.gguf`` file itself.
+
+        The folder is listed again each time (a directory's listing and config are read in milliseconds), so a
+        `Checkpoint` kept across calls never names files that are no longer what it read at the door: the weight
+        files or their index renamed, a tokenizer file added, the config changed.
+
+        Raises:
+            ModelLoadError: not a local checkpoint, or its folder changed since it was resolved (naming what).
+        """
+        if self.kind == "gguf":
+            path = Path(self.location)
+            return path, [(path.name, path)]
+        files = self.files
+        now = read_folder(self.location, self.outside_weights, warn=False)
+        changed = [
+            what
+            for what, before, after in (
+                ("its config.json", files.config, now.config),
+                ("which files are its weights", files.weights, now.weights),
+                ("its identifying files (config, tokenizer, index)", files.identifying, now.identifying),
+            )
+            if before != after
+        ]
+        if changed:
+            raise ModelLoadError(
+                f"{self.label} changed since it was resolved ({'; '.join(changed)}): what was read from it at the "
+                "door (its config, its comparison with the other models) no longer describes it. Pass the "
+                "checkpoint again (a new run, or Checkpoint.resolve(path))."
+            )
+        return files.root, list(files.identifying)
+
     def known_digest(self) -> str | None:
-        """The digest when it is known without reading the weights (remembered, here or by file identity)."""
-        if "_digest" in self.__dict__:
-            return str(self.__dict__["_digest"])
+        """The digest when the files' stamp proves a remembered one (`digests.known_digest`: nothing is read but
+        the files' metadata); None when it would have to be read. Never remembered on the value: the files may
+        change between two questions."""
         if not self.local:
             return self.digest
         from uds_lens.checkpoints.digests import file_stamp, known_digest
 
-        found = known_digest(file_stamp(*self._identifying()))
-        if found is not None:
-            self.__dict__["_digest"] = found
-        return found
-
-    def _identifying(self) -> tuple[Path, list[tuple[str, Path]]]:
-        if self.kind == "gguf":
-            path = Path(self.location)
-            return path, [(path.name, path)]
-        return self.files.root, list(self.files.identifying)
+        return known_digest(file_stamp(*self.identifying()))
 
     @property
     def digest(self) -> str:
-        """The identity of its contents: ``xxh3_128/v2:...`` of the files its loading reads (remembered, here and by
-        file identity, else read once: `stage` computes it from the read that loads the weights), a hub id itself,
-        or the digest of a model's tensors in memory (asked each time: weights in memory can change; the digest
-        is memoised per weights by `digests.model_fingerprint`)."""
+        """The identity of its contents now: ``xxh3_128/v2:...`` of the files its loading reads (the remembered
+        digest where their stamp proves it, else read and hashed once: `digests.files_digest`), a hub id itself,
+        or the digest of a model's tensors in memory (asked each time: weights in memory can change; the digest is
+        memoised per weights by `digests.model_fingerprint`).
+
+        A model built from the checkpoint carries the digest of the bytes its load read (`loaded_fingerprint`):
+        that, not this, is what a result of that model records."""
         from uds_lens.checkpoints.digests import files_digest, model_fingerprint
 
         if self.kind == "hub":
             return self.location
         if self.model is not None:
             return model_fingerprint(self.model)
-        if "_digest" not in self.__dict__:
-            self.__dict__["_digest"] = files_digest(*self._identifying())
-        return str(self.__dict__["_digest"])
+        return files_digest(*self.identifying())
 
     @property
     def fingerprint(self) -> str:
-        """What a result records of it: ``files:<digest>`` of a local checkpoint, ``hub:<id>@<commit>`` of a hub id
-        (the commit in the local cache, or ``unresolved``), ``tensors:<digest>`` of a model in memory."""
+        """What a result of it would record now, before any load: ``files:<digest>`` of a local checkpoint,
+        ``hub:<id>@<commit>`` of a hub id (the commit in the local cache, or ``unresolved``), ``tensors:<digest>``
+        of a model in memory."""
         if self.kind == "hub":
             return f"hub:{self.location}@{hub_revision(self.location) or 'unresolved'}"
         if self.kind == "memory":
             return "tensors:" + self.digest
         return "files:" + self.digest
 
-    def stage(self) -> Staged:
-        """Read the weights of a directory checkpoint once into memory (`folder.stage`), hashing them on the way
-        unless the digest is known; the digest is remembered on the checkpoint.
+    def loaded_fingerprint(self, model: ModelLike | None) -> str:
+        """What a result computed with ``model``, loaded from this checkpoint, records: ``files:<digest>`` of the
+        bytes its load read (`digests.loaded_digest`), never of the files as they are now; `fingerprint` where the
+        model carries none (a hub id, a model in memory, or no model)."""
+        from uds_lens.checkpoints.digests import loaded_digest
 
-        Raises:
-            ModelLoadError: not a directory checkpoint, or its folder is refused.
-            CheckpointReadError: a file rewritten while it was read.
-        """
-        from uds_lens.checkpoints.folder import stage
+        found = loaded_digest(model) if model is not None and self.local else None
+        return "files:" + found if found is not None else self.fingerprint
 
-        staged = stage(self.files, self.known_digest())
-        self.__dict__["_digest"] = staged.digest
-        return staged
+    def weights_digest(self, model: ModelLike | None) -> str:
+        """The identity of the weights ``model`` (loaded from this checkpoint) holds, as the S1 cache is keyed: the
+        digest of the bytes its load read (a local checkpoint), else of its tensors (a hub model, a model in memory;
+        with no model, `digest`)."""
+        from uds_lens.checkpoints.digests import loaded_digest, model_fingerprint
+
+        if model is None:
+            return self.digest
+        found = loaded_digest(model) if self.local else None
+        return found if found is not None else model_fingerprint(model)
 
     # -- reading with transformers ---------------------------------------------------------------------------------
 
@@ -530,13 +562,15 @@ def resolve_zoo_name(text: str) -> str:
     default_roots = zoo_search_roots()
     if not text.startswith(ZOO_PREFIX):
         if "/" not in text and not Path(text).expanduser().exists():
-            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it.
+            # A zoo model's bare name is not a hub id worth retrying for ~20 s: say how to name it (a zoo whose
+            # manifest cannot be read is no hint: the name was not asked of a zoo).
             for root in default_roots:
-                if text in model_paths(root):
-                    raise ModelLoadError(
-                        f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
-                        f"of that name: pass 'zoo:{text}' (or its directory, {root / model_paths(root)[text]})."
-                    )
+                with contextlib.suppress(ManifestError):
+                    if text in model_paths(root):
+                        raise ModelLoadError(
+                            f"{text!r} is not a checkpoint directory; the zoo in {root} has a model "
+                            f"of that name: pass 'zoo:{text}' (or its directory, {root / model_paths(root)[text]})."
+                        )
         return text
     name = text[len(ZOO_PREFIX) :]
     if "/" in name:
@@ -546,7 +580,10 @@ def resolve_zoo_name(text: str) -> str:
         roots = default_roots
     seen = []
     for root in roots:
-        entries = model_paths(root)
+        try:
+            entries = model_paths(root)
+        except ManifestError as error:
+            raise ModelLoadError(f"{text!r} cannot be looked up: {error}") from None
         if not entries:
             continue
         seen.append(f"{root}: {sorted(entries)}")
@@ -575,69 +612,6 @@ def name_of(text: str) -> str:
     return text.replace("/", "__")
 
 
-def result_names(models: Sequence[str | os.PathLike[str] | Checkpoint]) -> dict[str, Any]:
-    """Unique result names for a list of models: each directory's basename, or, where two share one, as many parent
-    directories as tell them apart joined with ``__`` (``/runs/a/npo`` and ``/runs/b/npo`` give ``a__npo`` and
-    ``b__npo``). Models that no path tells apart (the same model twice) raise ``ValueError``."""
-    texts = [
-        (model.location or model.label) if isinstance(model, Checkpoint) else os.fspath(model)
-        for model in models
-    ]
-    basenames = [
-        model.name if isinstance(model, Checkpoint) else name_of(text) for model, text in zip(models, texts)
-    ]
-    names = list(basenames)
-    local = [not isinstance(model, Checkpoint) or model.local for model in models]
-    for position, text in enumerate(texts):
-        if basenames.count(basenames[position]) == 1 or not local[position]:
-            continue
-        parts = Path(text).expanduser().resolve().parts
-        clashing = [
-            Path(other).expanduser().resolve().parts
-            for other, name, is_local in zip(texts, basenames, local)
-            if name == basenames[position] and is_local
-        ]
-        for depth in range(2, len(parts) + 1):
-            if sum(other[-depth:] == parts[-depth:] for other in clashing) == 1:
-                names[position] = "__".join(parts[-depth:])
-                break
-    if len(set(names)) != len(names):
-        raise ValueError(
-            f"Two unlearned models share a result name ({names}): pass each model once, or a dict "
-            "{name: model} (CLI: --unlearned NAME=PATH)."
-        )
-    return dict(zip(names, models))
-
-
-def loadable(path: str) -> bool:
-    """Whether ``path`` names a checkpoint ``--unlearned`` could load: an existing path, a zoo name or a hub id."""
-    if Path(path).expanduser().exists():
-        return True
-    try:
-        Checkpoint.resolve(path)
-    except ModelLoadError:
-        return False
-    return True
-
-
-def split_named(value: str) -> tuple[str, str] | None:
-    """``NAME=PATH`` as ``(NAME, PATH)``, or None for a bare path (an existing path, even one with ``=`` in it).
-
-    Either side may contain ``=``: the split is the one whose right side is a loadable checkpoint (an existing path,
-    a zoo name, a hub id); where none is, the first ``=`` (so the error names the missing checkpoint).
-    """
-    if "=" not in value or Path(value).expanduser().exists():
-        return None
-    splits = [
-        (value[:at], value[at + 1 :])
-        for at, char in enumerate(value)
-        if char == "=" and 0 < at < len(value) - 1
-    ]
-    if not splits:
-        return None
-    return next((split for split in splits if loadable(split[1])), splits[0])
-
-
 __all__ = [
     "SAFE_LOAD_KWARGS",
     "TOKENIZER_FILES",
@@ -646,10 +620,7 @@ __all__ = [
     "Kind",
     "check_supported",
     "gguf_architecture",
-    "loadable",
     "model_label",
     "name_of",
     "resolve_zoo_name",
-    "result_names",
-    "split_named",
 ]

@@ -25,29 +25,22 @@ Around those rules, what a user could mistake:
   runs a checkpoint's code, and scoring it with the stock class would score another model.
 
 `ModelLoadError` is what goes wrong with a checkpoint, always one line naming it and the fix (`explain_load_error`
-turns any loader's error into one). The identity (`CheckpointFiles.identifying`) is the weight files chosen, the index, and the folder's config and
-tokenizer files (``.json``, ``.jinja``, ``.model``, ``.txt``), each named by its path in the folder. `stage` reads
-the weight files once into memory, hashing every identifying file in the same pass (or not at all, when the digest is
-already known), and hands the tensors to the loader as views of the bytes it read.
+turns any loader's error into one). The identity (`CheckpointFiles.identifying`) is the weight files chosen, the index
+(wherever it lies), and the folder's config and tokenizer files (``.json``, ``.jinja``, ``.model``, ``.txt``), each
+named by its path in the folder. `reader.read_checkpoint` reads them in one pass for loading, hashing every byte.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import struct
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from uds_lens.families import SUPPORTED_MODEL_TYPES
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +240,15 @@ def _chosen(
     )
 
 
-def read_folder(root: str | os.PathLike[str], outside_weights: bool = False) -> CheckpointFiles:
+def read_folder(
+    root: str | os.PathLike[str], outside_weights: bool = False, warn: bool = True
+) -> CheckpointFiles:
     """Decide once what a Hugging Face checkpoint directory's model is (see the module docstring).
 
     Args:
         root: the directory (it holds ``config.json``).
         outside_weights: accept shards an index names outside the folder.
+        warn: name the weight files that are not loaded in a warning (once, at the door; a re-listing is quiet).
 
     Raises:
         ModelLoadError: an ``auto_map``, ambiguous or missing weights, shards outside the folder, an unreadable
@@ -272,7 +268,9 @@ def read_folder(root: str | os.PathLike[str], outside_weights: bool = False) -> 
         for path in folder.iterdir()
         if path.is_file() and path.suffix in IDENTIFYING_SUFFIXES and path not in chosen
     ]
-    identifying = tuple(sorted({*weights, *others}, key=lambda item: item[0]))
+    # the index wherever it lies (in a subfolder, named by transformers_weights): what it says is part of the identity
+    indexed = [(os.path.relpath(index, folder).replace(os.sep, "/"), index)] if index is not None else []
+    identifying = tuple(sorted({*weights, *others, *indexed}, key=lambda item: item[0]))
     loaded = {name for name, _ in weights}
     unused = tuple(
         sorted(
@@ -281,7 +279,7 @@ def read_folder(root: str | os.PathLike[str], outside_weights: bool = False) -> 
             if path.is_file() and _is_weight_file(path) and path.name not in loaded
         )
     )
-    if unused:
+    if unused and warn:
         logger.warning(
             "%s: %s %s not loaded (the model is %s, by Hugging Face's rules) and not part of its identity.",
             folder,
@@ -337,151 +335,6 @@ def tensor_headers(files: CheckpointFiles) -> dict[str, tuple[tuple[int, ...], s
     return entries
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The one pass: read the weights into memory, hashing every identifying file on the way
-
-
-@dataclass
-class Staged:
-    """A checkpoint's weights read once into memory.
-
-    Attributes:
-        files: what was read.
-        digest: the digest of its identifying files (computed from this read, or known before it).
-        buffers: ``{name: bytes}`` of every weight file (uint8 tensors, ordinary memory).
-        nbytes: bytes read.
-        seconds: time the read (and hash) took.
-        hashed: whether this read computed the digest (False: it was known, nothing was hashed).
-    """
-
-    files: CheckpointFiles
-    digest: str
-    buffers: dict[str, Tensor] = field(default_factory=dict)
-    nbytes: int = 0
-    seconds: float = 0.0
-    hashed: bool = True
-
-    @property
-    def has_weights(self) -> bool:
-        """Whether the weights are still in memory."""
-        return bool(self.buffers)
-
-    def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """``(name, tensor)`` of every staged tensor, in file order: safetensors as views of the staged bytes (no
-        copy; a tensor whose offset does not suit its dtype's alignment, never the case for files written by
-        ``safetensors``, is copied), pickled weights unpickled with ``weights_only``."""
-        for name, buffer in self.buffers.items():
-            label = f"{self.files.root}/{name}"
-            if self.files.format == "safetensors":
-                yield from _parse_safetensors(buffer, label)
-            else:
-                yield from _unpickle(buffer).items()
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """The staged tensors as a state dict (views), for loaders that take one."""
-        return dict(self.tensors())
-
-    def release(self) -> None:
-        """Drop the staged bytes (the sweep's bound on memory)."""
-        self.buffers = {}
-
-
-def _unpickle(buffer: Tensor) -> dict[str, Tensor]:
-    import torch
-
-    state = torch.load(io.BytesIO(buffer.numpy().data), map_location="cpu", weights_only=True)
-    return {str(name): tensor for name, tensor in state.items() if torch.is_tensor(tensor)}
-
-
-def _parse_safetensors(buffer: Tensor, label: str) -> Iterator[tuple[str, Tensor]]:
-    import torch
-
-    from uds_lens.checkpoints.digests import CheckpointReadError
-
-    if buffer.numel() < 8:
-        raise CheckpointReadError(f"{label} is too short to be a safetensors file.")
-    (header_len,) = struct.unpack("<Q", bytes(buffer[:8].numpy()))
-    if 8 + header_len > buffer.numel():
-        raise CheckpointReadError(
-            f"{label}: its header runs past the end of the file (truncated or foreign)."
-        )
-    try:
-        header = json.loads(bytes(buffer[8 : 8 + header_len].numpy()))
-    except ValueError as err:
-        raise CheckpointReadError(
-            f"{label}: its header is not JSON ({err}); not a safetensors file."
-        ) from err
-    base = 8 + header_len
-    entries = sorted(
-        ((name, entry) for name, entry in header.items() if name != "__metadata__"),
-        key=lambda item: item[1]["data_offsets"][0],
-    )
-    for name, entry in entries:
-        dtype = _dtypes().get(entry["dtype"])
-        if dtype is None:
-            raise CheckpointReadError(
-                f"{label}: tensor {name} has dtype {entry['dtype']}, which uds_lens cannot read; save the "
-                "checkpoint in fp32, fp16 or bf16."
-            )
-        begin, end = (base + offset for offset in entry["data_offsets"])
-        if end > buffer.numel() or begin > end:
-            raise CheckpointReadError(f"{label}: tensor {name} lies past the end of the file (truncated).")
-        raw = buffer[begin:end]
-        if begin % torch.empty((), dtype=dtype).element_size():
-            raw = raw.clone()
-        yield name, raw.view(dtype).reshape(entry["shape"])
-
-
-_SAFETENSORS_DTYPES: dict[str, Any] = {}
-
-
-def _dtypes() -> dict[str, Any]:
-    if not _SAFETENSORS_DTYPES:
-        import torch
-
-        _SAFETENSORS_DTYPES.update(
-            F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16, I64=torch.int64,
-            I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8, BOOL=torch.bool,
-        )  # fmt: skip
-    return _SAFETENSORS_DTYPES
-
-
-def stage(files: CheckpointFiles, known: str | None = None) -> Staged:
-    """Read a checkpoint's weights once into memory and, unless ``known`` is its digest already, hash every
-    identifying file in the same pass (the config and tokenizer files are small; the weights are hashed as they
-    land in memory). The digest is remembered by file identity (`digests.remember_digest`).
-
-    Raises:
-        CheckpointReadError: a file shorter or longer than it was when listed (rewritten while read).
-    """
-    import torch
-
-    from uds_lens.checkpoints import digests
-
-    started = time.perf_counter()
-    stamp = digests.file_stamp(files.root, files.identifying)
-    hasher = digests.new_hasher() if known is None else None
-    weights = set(files.weights)
-    buffers: dict[str, Tensor] = {}
-    nbytes = 0
-    for (name, path), entry in zip(files.identifying, stamp[1], strict=True):
-        size = entry[1]
-        if hasher is not None:
-            digests.file_header(hasher, name, size)
-        if path in weights:
-            buffer = torch.empty(size, dtype=torch.uint8)
-            with path.open("rb", buffering=0) as handle:
-                digests.read_into(handle, buffer, hasher, path)
-            buffers[name] = buffer
-            nbytes += size
-        elif hasher is not None:
-            digests.hash_stream(hasher, path)
-            nbytes += size
-    digest = known if known is not None else digests.remember_digest(stamp, digests.finish(hasher))
-    ordered = {name: buffers[name] for name in files.weight_names}
-    return Staged(files, digest, ordered, nbytes, time.perf_counter() - started, hashed=hasher is not None)
-
-
 __all__ = [
     "BIN_INDEX",
     "BIN_WEIGHTS",
@@ -491,11 +344,9 @@ __all__ = [
     "SAFE_WEIGHTS",
     "CheckpointFiles",
     "ModelLoadError",
-    "Staged",
     "WeightFormat",
     "explain_load_error",
     "read_folder",
     "refuse_code",
-    "stage",
     "tensor_headers",
 ]

@@ -1,13 +1,16 @@
-"""The loader: a `Checkpoint` built into a model, from what the checkpoint already read, its bytes read once.
+"""The loader: a `Checkpoint` built into a model, through one door, its bytes read once.
 
-Every part of uds_lens turns a model argument into a model through `load` (or its two halves, `load_model` for a
-TransformerLens ``TransformerBridge`` and `load_hf_model` for a plain Hugging Face model): the argument becomes a
-`Checkpoint` at the door (`Checkpoint.resolve`, once), and the loader takes its config (read once, of a supported family,
-never asking for the checkpoint's code), its weight files (chosen once by the folder's rules) and its tensor headers
-(checked against the config and the free memory before anything is built, `coverage.check_config_size`). The weights
-of a directory checkpoint are read once, into memory, hashed in the same pass (`Checkpoint.stage`), and the model is
-built from those tensors (views of the bytes read where the dtype matches), so the digest a result records costs no
-second read. A ``.gguf`` file, a hub id and a quantised (NF4) load are read by ``transformers`` itself.
+Every part of uds_lens turns a model argument into a model through `build_model` (`load` resolves the argument first;
+`load_model` and `load_hf_model` are its two common calls, a ``TransformerBridge`` and a plain Hugging Face model):
+the argument becomes a `Checkpoint` at the door (`Checkpoint.resolve`, once), and the builder takes its config (read
+once, of a supported family, never asking for the checkpoint's code), its weight files (chosen once by the folder's
+rules) and its tensor headers (checked against the config and the free memory before anything is built,
+`coverage.check_config_size`). The weights of a directory or ``.gguf`` checkpoint are read in one pass
+(`reader.read_checkpoint`): tensor by tensor, each cast to the model's dtype and placed on its device as it is read,
+every byte hashed on the way (or none, where the files' stamp proves the remembered digest), so the load holds the
+model plus a few MiB and the digest a result records is that of the very bytes the model holds
+(`digests.loaded_digest`). A hub id and a quantised (NF4) load are read by ``transformers`` itself (a quantised local
+checkpoint is identified by its files' digest, checked unchanged across the load).
 
 A checkpoint is loaded by ``transformers`` and wrapped as a ``TransformerBridge`` without folding or centring
 (``tl_compat.bridge_from_hf``): the bridge's weights are the Hugging Face tensors themselves (no copy) and its
@@ -37,7 +40,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from uds_lens import memory
 from uds_lens.checkpoints.checkpoint import SAFE_LOAD_KWARGS, Checkpoint, CheckpointRef
 from uds_lens.checkpoints.coverage import check_config_size, check_loading_info
-from uds_lens.checkpoints.folder import ModelLoadError, Staged
+from uds_lens.checkpoints.digests import check_unchanged, file_stamp, mark_loaded
+from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.gguf import GgufReader
+from uds_lens.checkpoints.reader import Loaded, PickleReader, SafetensorsReader, TensorReader, read_checkpoint
 from uds_lens.config import DTYPE_NAMES, ConfigError
 from uds_lens.files import staging_path
 from uds_lens.tl_compat import ModelLike, TransformerBridge, bridge_from_hf, hf_model_of, is_tl_model
@@ -123,13 +129,13 @@ def load(
     quantization: BitsAndBytesConfig | None = None,
     role: str = "model",
 ) -> ModelLike:
-    """The one way every part of uds_lens turns a model argument into a model.
+    """The one way every part of uds_lens turns a model argument into a model: `Checkpoint.resolve`, then
+    `build_model`.
 
     A checkpoint (a Hugging Face directory, a ``.gguf`` file, a hub id, ``zoo:NAME`` or a `Checkpoint`) is loaded
-    as a ``TransformerBridge`` (`load_model`: the patch target, and the usual source) or, with ``hooked=False``, as a
-    plain Hugging Face model (`load_hf_model`: a source wrapped by ``sources.as_source``; NF4 with
-    ``quantization``). A model already in memory (a bridge, a TransformerLens 3.x ``HookedTransformer``, or a
-    Hugging Face model) is returned as it is.
+    as a ``TransformerBridge`` (the patch target, and the usual source) or, with ``hooked=False``, as a plain Hugging
+    Face model (a source wrapped by ``sources.as_source``; NF4 with ``quantization``). A model already in memory (a
+    bridge, a TransformerLens 3.x ``HookedTransformer``, or a Hugging Face model) is returned as it is.
 
     Raises:
         TypeError: ``model`` is neither a checkpoint reference nor a model; the message uses ``role``.
@@ -143,16 +149,59 @@ def build_model(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     quantization: BitsAndBytesConfig | None = None,
-    staged: Staged | None = None,
+    attn_implementation: str | None = None,
+    ahead: bool = False,
 ) -> ModelLike:
-    """The model of a `Checkpoint` made already (what `load` builds, without resolving anything again): its model
-    in memory as it is, else a ``TransformerBridge`` or, with ``hooked=False``, a plain Hugging Face model, built
-    from what the checkpoint read (``staged``: its weights read ahead, `Checkpoint.stage`)."""
+    """The builder every door calls: the model of a `Checkpoint` made already.
+
+    Its model in memory is returned as it is; a checkpoint is built as a ``TransformerBridge`` (eager attention, as
+    the bridge's parity with Hugging Face assumes; the model remembers where it came from, ``model.uds_source``, and
+    its `Checkpoint`) or, with ``hooked=False``, as a plain Hugging Face causal LM in eval mode.
+
+    Args:
+        checkpoint: made at the door (`Checkpoint.resolve`).
+        hooked: a ``TransformerBridge`` (True) or a plain Hugging Face model.
+        dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
+        device: "cpu" or "cuda"; default `default_device`.
+        quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through (``transformers`` reads the
+            weight files then); plain models only.
+        attn_implementation: passed through for a plain model (``"eager"`` for training: the zoo's numbers are
+            pinned to it).
+        ahead: built ahead of its turn, on a thread beside the computing one (a sweep's look-ahead, on the CPU):
+            no garbage collection first (it would hold the interpreter while the other thread computes; the caller
+            collects before it moves the model to its device).
+    """
     if checkpoint.model is not None:
         return checkpoint.model
-    if hooked:
-        return _bridge(checkpoint, dtype, device, staged)
-    return _hf_model(checkpoint, dtype, device, quantization, None, staged)
+    device = device or default_device()
+    check_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if not hooked:
+        return _hf_model(checkpoint, torch_dtype, device, quantization, attn_implementation)
+    if not ahead:
+        # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
+        # (a bridge of an older release, a traceback) leaves the device now.
+        gc.collect()
+    hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager")
+    tokenizer = None
+    if checkpoint.kind == "directory":
+        try:
+            # a copy: the bridge normalises the tokenizer it is given (padding side, special tokens)
+            tokenizer = copy.deepcopy(checkpoint.tokenizer)
+        except (ModelLoadError, OSError, ValueError, TypeError):
+            tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
+    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=checkpoint.path_or_id, keep=False)
+    # where the model came from, for result names (model_label reads it back)
+    setattr(model, "uds_source", checkpoint.path_or_id)  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
+    return model
+
+
+def load_model(
+    checkpoint: CheckpointRef, dtype: str | torch.dtype | None = None, device: str | None = None
+) -> TransformerBridge:
+    """A checkpoint (directory, ``.gguf`` file, hub id, ``zoo:NAME`` or `Checkpoint`) as a ``TransformerBridge``:
+    `build_model` with ``hooked=True``, every hook point holding the Hugging Face model's own activation."""
+    return cast("TransformerBridge", build_model(Checkpoint.resolve(checkpoint), True, dtype, device))
 
 
 def load_hf_model(
@@ -161,74 +210,73 @@ def load_hf_model(
     device: str | None = None,
     quantization: BitsAndBytesConfig | None = None,
     attn_implementation: str | None = None,
-    staged: Staged | None = None,
 ) -> PreTrainedModel:
-    """A Hugging Face causal LM of a supported family in eval mode (local checkpoints are read offline).
+    """A checkpoint as a plain Hugging Face causal LM of a supported family in eval mode (local checkpoints are read
+    offline): `build_model` with ``hooked=False``.
 
-    Args:
-        checkpoint: a `Checkpoint`, or what `Checkpoint.resolve` takes (a directory, a ``.gguf`` file, a hub id,
-            ``zoo:NAME``).
-        dtype: torch dtype or its name; default bf16 on CUDA, fp32 on CPU.
-        device: "cpu" or "cuda"; default CUDA when available.
-        quantization: a ``transformers.BitsAndBytesConfig`` (e.g. NF4), passed through (``transformers`` reads the
-            weight files then).
-        attn_implementation: passed through (``"eager"`` for training: the zoo's numbers are pinned to it).
-        staged: the checkpoint's weights already read (`Checkpoint.stage`: a sweep reads the next model ahead);
-            by default a directory checkpoint's weights are read here, once.
+    Raises:
+        TypeError: ``checkpoint`` is a model in memory (use it as it is).
     """
-    return _hf_model(Checkpoint.resolve(checkpoint), dtype, device, quantization, attn_implementation, staged)
+    made = Checkpoint.resolve(checkpoint)
+    if made.model is not None:
+        raise TypeError(f"{made.label} is a model in memory already: use it as it is (or uds_lens.load).")
+    return cast("PreTrainedModel", build_model(made, False, dtype, device, quantization, attn_implementation))
 
 
 def _hf_model(
     checkpoint: Checkpoint,
-    dtype: str | torch.dtype | None,
-    device: str | None,
+    dtype: torch.dtype,
+    device: str,
     quantization: BitsAndBytesConfig | None,
     attn_implementation: str | None,
-    staged: Staged | None,
 ) -> PreTrainedModel:
-    """`load_hf_model` of a checkpoint made already (the builder every loader calls)."""
-    if checkpoint.model is not None:
-        raise TypeError(
-            f"{checkpoint.label} is a model in memory already: use it as it is (or uds_lens.load)."
-        )
-    device = device or default_device()
-    check_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    """The Hugging Face model of a checkpoint on disk or on the hub (the builder's plain half)."""
     config = checkpoint.config
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "output_loading_info": True, **SAFE_LOAD_KWARGS}
+    kwargs: dict[str, Any] = {"dtype": dtype, "output_loading_info": True, **SAFE_LOAD_KWARGS}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     shapes = checkpoint.tensor_shapes
-    ahead = staged is not None or quantization is not None
     check_config_size(
         checkpoint.location,
         config,
         None if shapes is None else shapes.values(),
-        torch_dtype,
-        None if ahead else memory.available_memory_bytes(device),
+        dtype,
+        None if quantization is not None else memory.available_memory_bytes(device),
     )
-    loader: Any = AutoModelForCausalLM
-    first: str | None
-    if checkpoint.kind == "directory" and quantization is None:
-        # the weights read once, hashed on the way, and handed over as a state dict: the family's own class takes
-        # it with the config (the Auto class would look the reference up on disk)
-        staged = staged if staged is not None else checkpoint.stage()
-        loader = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        with checkpoint.errors("weights"):
-            first, kwargs = None, {**kwargs, "config": config, "state_dict": staged.state_dict()}
-    else:
-        first, extra = checkpoint.from_pretrained_args()
-        kwargs.update(extra)
-        if checkpoint.kind != "gguf":
-            kwargs["config"] = config
-        if quantization is not None:
-            kwargs.update(quantization_config=quantization, device_map={"": str(torch.device(device))})
+    loaded: Loaded | None = None
+    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with checkpoint.errors("weights"), _no_loading_bar():
-        model, info = loader.from_pretrained(first, **kwargs)
-    if staged is not None:
-        staged.release()  # the model holds what it needs of the bytes (views, or converted copies)
+        if checkpoint.local and quantization is None:
+            # one pass: every tensor read, cast and placed as it lands, hashed on the way; the family's own class
+            # takes them with the config (the Auto class would look the reference up on disk)
+            loaded = read_checkpoint(
+                *checkpoint.identifying(), _readers(checkpoint, model_class, dtype, device)
+            )
+            if torch.device(device).type != "cpu":
+                kwargs["device_map"] = {
+                    "": str(torch.device(device))
+                }  # the tensors are there already: keep them
+            model, info = model_class.from_pretrained(None, config=config, state_dict=loaded.take(), **kwargs)
+        else:
+            stamp = None
+            if (
+                checkpoint.local
+            ):  # a quantised load: transformers reads the files, which must not change meanwhile
+                stamp = file_stamp(*checkpoint.identifying())
+                loaded = Loaded(checkpoint.digest)
+            first, extra = checkpoint.from_pretrained_args()
+            kwargs.update(extra)
+            if checkpoint.kind != "gguf":
+                kwargs["config"] = config
+            if quantization is not None:
+                kwargs.update(quantization_config=quantization, device_map={"": str(torch.device(device))})
+            auto: Any = AutoModelForCausalLM
+            model, info = auto.from_pretrained(first, **kwargs)
+            if stamp is not None:
+                check_unchanged(stamp, *checkpoint.identifying())
     check_loading_info(checkpoint.location, info)
+    if loaded is not None:
+        mark_loaded(model, loaded)
     if not getattr(model.config, "architectures", None):
         # a config built from GGUF metadata names no architecture; the bridge picks its adapter from it
         model.config.architectures = [type(model).__name__]
@@ -237,6 +285,25 @@ def _hf_model(
     if quantization is None:
         model.to(device)
     return cast("PreTrainedModel", model.eval())
+
+
+def _readers(
+    checkpoint: Checkpoint, model_class: Any, dtype: torch.dtype, device: str
+) -> dict[str, TensorReader]:
+    """The reader of each weight file of a local checkpoint, by its name in the identity."""
+    target = torch.device(device)
+    if checkpoint.kind == "gguf":
+        with torch.device("meta"):  # the parameter names only: nothing is allocated
+            skeleton = model_class(checkpoint.config)
+        names = tuple(skeleton.state_dict())
+        del skeleton
+        reader: TensorReader = GgufReader(dtype, target, checkpoint.config, names)
+        return {name: reader for name, _ in checkpoint.identifying()[1]}
+    files = checkpoint.files
+    per_file = (
+        SafetensorsReader(dtype, target) if files.format == "safetensors" else PickleReader(dtype, target)
+    )
+    return {name: per_file for name in files.weight_names}
 
 
 @contextlib.contextmanager
@@ -251,50 +318,6 @@ def _no_loading_bar() -> Iterator[None]:
     finally:
         if shown:
             bars.enable_progress_bar()
-
-
-def load_model(
-    checkpoint: CheckpointRef,
-    dtype: str | torch.dtype | None = None,
-    device: str | None = None,
-    staged: Staged | None = None,
-) -> TransformerBridge:
-    """Load a checkpoint (directory, ``.gguf`` file, hub id, ``zoo:NAME`` or `Checkpoint`) as a
-    ``TransformerBridge``.
-
-    The weights are loaded by `load_hf_model` (eager attention, as the bridge's parity with Hugging Face assumes)
-    and wrapped without processing, so every hook point holds the Hugging Face model's own activation. The model
-    remembers where it came from (``model.uds_source``, and its `Checkpoint`) so results can name it.
-
-    ``staged``: the checkpoint's weights already read (`Checkpoint.stage`: a sweep reads and hashes each checkpoint
-    once, ahead of its turn).
-    """
-    return _bridge(Checkpoint.resolve(checkpoint), dtype, device, staged)
-
-
-def _bridge(
-    checkpoint: Checkpoint, dtype: str | torch.dtype | None, device: str | None, staged: Staged | None
-) -> TransformerBridge:
-    """`load_model` of a checkpoint made already (the builder every loader calls)."""
-    device = device or default_device()
-    torch_dtype = resolve_dtype(dtype, device)
-    if staged is None:
-        # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
-        # (a bridge of an older release, a traceback) leaves the device now. (Weights read ahead are built on the
-        # CPU, by a caller that collects before it moves them to the device: the sweep's staging.)
-        gc.collect()
-    hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager", staged)
-    tokenizer = None
-    if checkpoint.kind == "directory":
-        try:
-            # a copy: the bridge normalises the tokenizer it is given (padding side, special tokens)
-            tokenizer = copy.deepcopy(checkpoint.tokenizer)
-        except (ModelLoadError, OSError, ValueError, TypeError):
-            tokenizer = None  # a checkpoint without tokenizer files: the bridge gets a stand-in
-    model = hooked_from_hf(hf_model, tokenizer=tokenizer, name=checkpoint.path_or_id, keep=False)
-    # where the model came from, for result names (model_label reads it back)
-    setattr(model, "uds_source", checkpoint.path_or_id)  # noqa: B010 - nn.Module's __setattr__ types only tensors/modules
-    return model
 
 
 def load_tokenizer(checkpoint: CheckpointRef) -> PreTrainedTokenizerBase:
@@ -399,7 +422,7 @@ def gguf_to_hf(gguf_path: CheckpointRef, out_dir: str | os.PathLike[str]) -> Pat
     if checkpoint.kind != "gguf":
         raise ModelLoadError(f"{gguf_path} is not a .gguf file (nor a directory holding exactly one).")
     out = Path(out_dir).expanduser()
-    hf_model = _hf_model(checkpoint, torch.float32, "cpu", None, None, None)
+    hf_model = _hf_model(checkpoint, torch.float32, "cpu", None, None)
     tokenizer = checkpoint.tokenizer
     tmp = staging_path(out)  # a hidden sibling directory, renamed over ``out`` when complete
     tmp.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from uds_lens.files import write_atomic
 from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import OutputConflictError
-from uds_lens.scoring import check_output_dir, refuse_other_runs
+from uds_lens.scoring import check_output_dir, check_result_targets, refuse_other_runs
 from uds_lens.stage_cache import s1_cache_dir
 from uds_lens.sweep.ledger import Ledger
 from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_TABLE, SweepError, SweepModel, resolve_models
@@ -195,13 +195,16 @@ def sweep(
         )
         for entry in entries
     ]
-    if not force:
-        try:
+    try:
+        check_result_targets(
+            out_dir, [entry.name for entry in entries]
+        )  # never a folder uds_lens did not write
+        if not force:
             # the dtype in the settings follows the workers' device, which the driver may not share: settings are
             # compared by the ledger once a worker has loaded the full model
             refuse_other_runs(out_dir, inputs, tolerate=("settings",))
-        except OutputConflictError as error:
-            raise SweepError(str(error)) from None
+    except OutputConflictError as error:
+        raise SweepError(str(error)) from None
     plan = WorkerPlan(inputs)
     if use_ray is None:
         use_ray = address is not None or (workers != 1 and ray_available())

@@ -114,11 +114,16 @@ class Ledger:
                 **dict(entry.published),
             }
 
-    def reusable(self, entry: SweepModel, force: bool) -> tuple[SavedCheck, dict[str, Any]]:
+    def reusable(
+        self, entry: SweepModel, force: bool, identity: str | None = None
+    ) -> tuple[SavedCheck, dict[str, Any]]:
         """What ``entry``'s saved result is worth to this run ([`results.check_saved`][uds_lens.results.check_saved]: the result if it is
-        current, why (not), and whether it is another run's), and this run's fingerprint of it (hashing the model's
-        files, unless their digest is remembered: a model staged or read before is not read again)."""
-        fingerprint = self.shipped.fingerprint(entry.checkpoint)
+        current, why (not), and whether it is another run's), and this run's fingerprint of it: of ``identity``
+        where given (what staging proved or loaded), else of its files now (hashed unless their stamp proves their
+        remembered digest)."""
+        if identity is None and entry.checkpoint is not None:
+            identity = entry.checkpoint.fingerprint
+        fingerprint = self.shipped.fingerprint(identity)
         if force or entry.checkpoint is None:
             return SavedCheck(None, "forced" if force else entry.error), fingerprint
         return check_saved(self.out / entry.name, fingerprint), fingerprint
@@ -160,7 +165,7 @@ class Ledger:
             OutputConflictError: its directory holds another run's result (other inputs) and ``force`` is off;
                 the model becomes a ``failed`` row naming what differs, and its directory is left as it is.
         """
-        check, fingerprint = self.reusable(prepared.entry, force)
+        check, fingerprint = self.reusable(prepared.entry, force, prepared.identity)
         prepared.fingerprint, prepared.reason = fingerprint, check.reason
         if check.conflicts:
             raise conflict_error({str(self.out / prepared.entry.name): check.reason})

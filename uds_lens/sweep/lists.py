@@ -15,7 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-from uds_lens.checkpoints.checkpoint import Checkpoint, result_names
+from uds_lens.checkpoints.checkpoint import Checkpoint
+from uds_lens.checkpoints.names import result_names
 from uds_lens.result_store import check_result_name
 
 # What a sweep writes in its output directory, beside one ``NAME/`` directory per model.

@@ -1,10 +1,11 @@
-"""Staging a model before its turn: its folder read, its bytes read (and hashed) in one pass, built on the CPU, moved
-to the device; and the pipeline that stages one model ahead.
+"""Staging a model before its turn: its reuse decided from its files' stamp where that proves its digest, else its
+bytes read (and hashed) in the one pass that builds it on the CPU, the decision checked against the bytes loaded;
+moved to the device; and the pipeline that stages one model ahead.
 
-Staged bytes and models stay in ordinary (pageable) host memory, never pinned: PyTorch's pinned-memory cache rounds
-every block up to a power of two and keeps it after it is freed (a 5 GB shard locks 8 GiB), so pinned staging would
-lock up to twice a checkpoint's size, for each model in flight, for the life of the process. The copy to the GPU is
-a little slower from pageable memory (reasoned, not measured here) and runs once per model.
+Models stay in ordinary (pageable) host memory, never pinned: PyTorch's pinned-memory cache rounds every block up to a
+power of two and keeps it after it is freed (a 5 GB shard locks 8 GiB), so pinned staging would lock up to twice a
+checkpoint's size, for each model in flight, for the life of the process. The copy to the GPU is a little slower from
+pageable memory (reasoned, not measured here) and runs once per model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 import torch
 
-from uds_lens.checkpoints.folder import ModelLoadError, Staged
+from uds_lens.checkpoints.digests import loaded_record
+from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.loader import build_model, release_model, resolve_dtype
 from uds_lens.config import DtypeName
 from uds_lens.memory import retry_out_of_memory
@@ -32,39 +34,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """A model made ready to score before its turn: its folder read, its bytes read and hashed in one pass, built on
-    the CPU.
+    """A model made ready to score before its turn: its reuse decided, else its bytes read (and hashed) in the pass
+    that built it on the CPU.
 
     Attributes:
         entry: the sweep model (its `Checkpoint` made at the sweep's door).
-        phases: seconds of ``resolve`` (its folder read), ``hash`` (the pass that reads and hashes its bytes, when
-            its digest is not remembered) and ``load`` (reading them then, and building the model), those that ran.
-        staged: the checkpoint's bytes and digest (`folder.Staged`; None for a hub id, a ``.gguf``, or a model reused
-            from its remembered digest without a read).
-        model: the model built from them, on the CPU (ordinary memory), or None.
+        phases: seconds of ``resolve`` (its folder read), ``hash`` (its identity from the files' stamp, for the reuse
+            decision) and ``load`` (the one pass that reads, hashes and builds it), those that ran.
+        model: the model built, on the CPU (ordinary memory), or None.
         error: why it could not be prepared (the model's ``failed`` row), or "".
-        reused / reason: a saved result that is current (the model is not loaded then), and why (not).
-        fingerprint: the result fingerprint this model's result will carry (known once it is hashed).
+        reused / reason: a saved result that is current (the model is then not loaded, or dropped), and why (not).
+        identity: the unlearned model's identity the decision used (`Checkpoint.fingerprint` proven by the
+            stamp, or the bytes its load read: `Checkpoint.loaded_fingerprint`), or None before it is known.
+        fingerprint: the result fingerprint this model's result will carry (known once its identity is).
+        bytes_read: bytes its load read.
     """
 
     entry: SweepModel
     phases: dict[str, float] = field(default_factory=dict)
-    staged: Staged | None = None
     model: Any = None
     error: str = ""
     reused: UDSResult | None = None
     reason: str = ""
+    identity: str | None = None
     fingerprint: dict[str, Any] | None = None
-
-    @property
-    def bytes_read(self) -> int:
-        return self.staged.nbytes if self.staged is not None else 0
+    bytes_read: int = 0
 
     def release(self) -> None:
-        """Drop the staged bytes and the model (the sweep holds at most one prepared model besides the current),
-        its bridge's reference cycle broken so its memory goes with the last reference (`loader.release_model`)."""
-        if self.staged is not None:
-            self.staged.release()
+        """Drop the model (the sweep holds at most one prepared model besides the current), its bridge's reference
+        cycle broken so its memory goes with the last reference (`loader.release_model`)."""
         if self.model is not None:
             release_model(self.model)
         self.model = None
@@ -76,20 +74,21 @@ def prepare_model(
     device: str,
     reuse: Callable[[Prepared], None] | None = None,
 ) -> Prepared:
-    """Read (hashing in the same pass) and load one model on the CPU; never raises.
+    """Decide a model's reuse and, unless it is reused, read it once and build it on the CPU; never raises.
 
-    A checkpoint whose digest is remembered (`digests.known_digest`: an unchanged file already read by this or an
-    earlier run) is not read for the reuse decision at all: a current saved result is reused without touching its
-    bytes, and a model to score is read once, for loading. Any other directory checkpoint is read once, hashed on
-    the way, and built from those bytes.
+    A checkpoint whose files' stamp proves its remembered digest (`Checkpoint.known_digest`: unchanged since this or
+    an earlier run read it) is decided without touching its bytes: a current saved result is reused, and a model
+    to score is read once, for loading. Any other is read once, hashed in the same pass that builds it, and decided
+    then. Either way the decision is checked against the bytes the load read: a checkpoint replaced between the
+    decision and the load is decided again on what was loaded, never scored or saved under the old identity.
 
     Args:
         entry: the model, its `Checkpoint` made at the sweep's door.
-        dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype`` (its parameters are
-            views of the read bytes when the dtype matches), in ordinary memory, and moved to ``device`` when its
-            turn comes (`move_to_device`).
-        reuse: called once the model's digest is known, before it is loaded; it may set ``reused`` (and then the
-            model is not loaded at all) and ``reason`` on the `Prepared` it is given.
+        dtype / device: what the auditor scores in. The model is built on the CPU in ``dtype``, in ordinary memory,
+            and moved to ``device`` when its turn comes (`move_to_device`).
+        reuse: called with the `Prepared` once its ``identity`` is set (before the load where the stamp proves it,
+            and again after the load when the bytes loaded are not those); it may set ``reused`` (then the model is
+            not loaded, or dropped) and ``reason``.
 
     Returns:
         The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is kept in
@@ -111,29 +110,36 @@ def prepare_model(
             raise ModelLoadError(
                 entry.error or f"{entry.source} was not made a checkpoint by the sweep's door."
             )
-        directory = checkpoint.kind == "directory"
-        if directory:
+        if checkpoint.kind == "directory":
             _ = checkpoint.files  # read at the door's comparison already, unless the door could not read it
         lap("resolve")
         phase = "hash"
-        if directory and checkpoint.known_digest() is None:
-            prepared.staged = checkpoint.stage()  # the one pass: read into memory, hashed on the way
-        elif checkpoint.local:
-            _ = checkpoint.digest  # a .gguf: hashed once and remembered (transformers reads it to load)
+        if not checkpoint.local or checkpoint.known_digest() is not None:
+            prepared.identity = checkpoint.fingerprint  # proven by the stamp: no byte read
+            if reuse is not None:
+                reuse(prepared)
         lap("hash")
-        if reuse is not None:
-            reuse(prepared)
-            if prepared.reused is not None:
-                prepared.release()
-                return prepared
+        if prepared.reused is not None:
+            return prepared
         phase = "load"
-        if directory and prepared.staged is None:
-            prepared.staged = checkpoint.stage()  # the digest is known: read once, for loading, unhashed
         # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
-        prepared.model = build_model(
-            checkpoint, dtype=resolve_dtype(dtype, device), device="cpu", staged=prepared.staged
-        )
+        prepared.model = build_model(checkpoint, dtype=resolve_dtype(dtype, device), device="cpu", ahead=True)
+        record = loaded_record(prepared.model)
+        prepared.bytes_read = record.nbytes if record is not None else 0
+        loaded = checkpoint.loaded_fingerprint(prepared.model)
         lap("load")
+        if loaded != prepared.identity:
+            if prepared.identity is not None:
+                logger.warning(
+                    "%s (%s) changed between its reuse decision and its load: decided again on the bytes loaded.",
+                    entry.name,
+                    entry.source,
+                )
+            prepared.identity = loaded
+            if reuse is not None:
+                reuse(prepared)
+                if prepared.reused is not None:
+                    prepared.release()
     except Exception as error:  # this model's failed row; the sweep goes on
         lap(phase)
         logger.warning("%s (%s) failed while %s: %s", entry.name, entry.source, _DOING[phase], error)

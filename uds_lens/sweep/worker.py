@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from uds_lens.auditor import UDSAuditor
-from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.loader import release_model
 from uds_lens.config import UDSConfig
 from uds_lens.data import Example
@@ -58,14 +57,10 @@ class ShippedStage:
             inputs_fingerprint=auditor.fingerprint(None),
         )
 
-    def fingerprint(self, unlearned: Checkpoint | None) -> dict[str, Any]:
-        """The result fingerprint a worker will record for ``unlearned`` (``UDSAuditor.fingerprint``), from its
-        digest (remembered, or read once) without loading it: the driver's reuse key ("" for a model that names no
-        checkpoint)."""
-        return {
-            **self.inputs_fingerprint,
-            "unlearned": unlearned.fingerprint if unlearned is not None else "",
-        }
+    def fingerprint(self, identity: str | None) -> dict[str, Any]:
+        """The result fingerprint a worker records for an unlearned model of this ``identity``
+        (``UDSAuditor.fingerprint``): the driver's reuse key ("" for a model that names no checkpoint)."""
+        return {**self.inputs_fingerprint, "unlearned": identity if identity is not None else ""}
 
 
 @dataclass

@@ -15,18 +15,50 @@ from typing import Any
 MANIFEST_FILE = "manifest.json"
 
 
+class ManifestError(ValueError):
+    """A zoo's ``manifest.json`` cannot be read (not JSON, not an object, models without a name or path): one line
+    naming the file and the fix."""
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The parsed ``manifest.json`` of a zoo directory, or None when it has none."""
+    """The parsed ``manifest.json`` of a zoo directory, or None when it has none.
+
+    Raises:
+        ManifestError: the file is unreadable, not JSON, or not a JSON object.
+    """
     manifest_path = Path(directory) / MANIFEST_FILE
     if not manifest_path.is_file():
         return None
-    return json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise _broken(manifest_path, f"{type(error).__name__}: {error}") from None
+    if not isinstance(manifest, dict):
+        raise _broken(manifest_path, "it is not a JSON object")
+    return manifest
+
+
+def _broken(path: Path, why: str) -> ManifestError:
+    return ManifestError(
+        f"The zoo manifest {path} is unreadable ({why}): rebuild the zoo (`uds-lens zoo build --out {path.parent}`), "
+        "or restore the file."
+    )
 
 
 def model_paths(directory: str | os.PathLike) -> dict[str, str]:
-    """``{model name: path as the manifest writes it}`` of a zoo directory (empty when it has no manifest)."""
+    """``{model name: path as the manifest writes it}`` of a zoo directory (empty when it has no manifest).
+
+    Raises:
+        ManifestError: the manifest is unreadable, or lists a model without a name or a path.
+    """
     manifest = read_manifest(directory) or {}
-    return {m["name"]: m["path"] for m in manifest.get("models", [])}
+    models = manifest.get("models", [])
+    if not isinstance(models, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("name"), str) and isinstance(m.get("path"), str)
+        for m in models
+    ):
+        raise _broken(Path(directory) / MANIFEST_FILE, "its models are not a list of {name, path} entries")
+    return {m["name"]: m["path"] for m in models}
 
 
 def data_file(manifest: dict[str, Any], root: str | os.PathLike, split: str) -> Path | None:
@@ -38,4 +70,4 @@ def data_file(manifest: dict[str, Any], root: str | os.PathLike, split: str) -> 
     return None
 
 
-__all__ = ["MANIFEST_FILE", "data_file", "model_paths", "read_manifest"]
+__all__ = ["MANIFEST_FILE", "ManifestError", "data_file", "model_paths", "read_manifest"]

@@ -1,6 +1,6 @@
-"""Checkpoint identity: one pass over the bytes gives the digest and the staged tensors; the digest is stable,
-format-versioned, sensitive to every byte and name, and remembered (in memory and on disk) only while the files are
-unchanged."""
+"""Checkpoint identity: one pass over the bytes gives the digest and the model's tensors; the digest is stable,
+format-versioned, sensitive to every byte and name, and remembered (in memory and on disk) only while the files'
+stamp proves them unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from uds_lens.checkpoints import digests
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.digests import DIGEST_DIR, DIGEST_SCHEME, DIGEST_VERSION, CheckpointReadError
 from uds_lens.checkpoints.loader import load_hf_model
+from uds_lens.checkpoints.reader import SafetensorsReader, read_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +59,20 @@ def _digest(root: Path) -> str:
     return Checkpoint.resolve(root).digest  # a new value each time: only the file-identity cache can answer
 
 
+def _settle() -> None:
+    """Wait until files just written are older than the filesystem clock's resolution: a digest remembered for them
+    from now on is trusted (one remembered sooner is "racily clean", and read again)."""
+    time.sleep(1.5 * digests.RACY_FINE_NS / 1e9)
+
+
+def _read(root: Path, dtype: torch.dtype = torch.float32):
+    checkpoint = Checkpoint.resolve(root)
+    reader = SafetensorsReader(dtype, torch.device("cpu"))
+    return read_checkpoint(
+        *checkpoint.identifying(), {name: reader for name in checkpoint.files.weight_names}
+    )
+
+
 def test_digest_is_stable_and_names_its_scheme(tmp_path):
     digest = _digest(_checkpoint(tmp_path / "ckpt"))
     # Pinned: if this changes, what is hashed changed, and DIGEST_VERSION must be bumped with it (old results and
@@ -66,24 +82,26 @@ def test_digest_is_stable_and_names_its_scheme(tmp_path):
     assert Checkpoint.resolve(tmp_path / "ckpt").fingerprint == "files:" + digest
 
 
-def test_one_staged_read_gives_the_same_digest_and_the_tensors_as_views(tmp_path, monkeypatch):
+def test_one_read_gives_the_same_digest_and_the_tensors_each_in_its_own_memory(tmp_path, monkeypatch):
     root = _checkpoint(tmp_path / "ckpt")
     plain = _digest(root)
     monkeypatch.setattr(digests, "_DIGESTS", {})
-    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "another-cache"))  # the staged read must compute it
-    checkpoint = Checkpoint.resolve(root)
-    staged = checkpoint.stage()
-    assert staged.hashed and staged.digest == plain == checkpoint.digest
-    assert staged.nbytes == sum(path.stat().st_size for _, path in checkpoint.files.identifying)
-    tensors = dict(staged.tensors())
+    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "another-cache"))  # the read must compute it
+    loaded = _read(root)
+    assert loaded.hashed and loaded.digest == plain == _digest(root)
+    assert loaded.nbytes == sum(path.stat().st_size for _, path in Checkpoint.resolve(root).files.identifying)
     from safetensors.torch import load_file
 
     expected = load_file(str(root / "model.safetensors"))
-    assert tensors.keys() == expected.keys()
-    buffer = staged.buffers["model.safetensors"]
+    tensors = loaded.take()
+    assert tensors.keys() == expected.keys() and loaded.tensors == {}  # handed over
+    storages = {tensor.untyped_storage().data_ptr() for tensor in tensors.values()}
+    assert len(storages) == len(tensors)  # each its own memory: nothing holds the file's bytes
     for name, tensor in tensors.items():
         assert torch.equal(tensor, expected[name])
-        assert tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view: no copy
+    cast = _read(root, torch.bfloat16).take()  # cast as read, from the same bytes (the digest is proven now)
+    for name, tensor in cast.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name].to(torch.bfloat16))
 
 
 def test_every_byte_and_name_counts_and_the_memo_follows_the_files(tmp_path):
@@ -96,6 +114,7 @@ def test_every_byte_and_name_counts_and_the_memo_follows_the_files(tmp_path):
     config.write_text('{"model_type": "llamb"}')  # same size, one byte changed: the memo must not answer
     os.utime(config, ns=(1, 1))
     assert Checkpoint.resolve(root).known_digest() is None
+    _settle()
     changed = _digest(root)
     assert changed != first and Checkpoint.resolve(root).known_digest() == changed
     (root / "config.json").rename(root / "config2.json")  # a renamed file is another checkpoint
@@ -107,12 +126,15 @@ def test_the_digest_is_remembered_on_disk_by_file_identity(tmp_path, monkeypatch
     """A later run (the memory cleared) finds the digest under the cache root without reading the files; a copy
     (another inode) or a touch is read again, and gives the same digest."""
     root = _checkpoint(tmp_path / "ckpt")
+    _settle()
     first = _digest(root)
     assert list((tmp_path / "cache" / DIGEST_DIR).glob("*.json"))
     monkeypatch.setattr(digests, "_DIGESTS", {})
     read = []
     real = digests.hash_stream
-    monkeypatch.setattr(digests, "hash_stream", lambda hasher, file: read.append(file) or real(hasher, file))
+    monkeypatch.setattr(
+        digests, "hash_stream", lambda hasher, file, size: read.append(file) or real(hasher, file, size)
+    )
     assert Checkpoint.resolve(root).known_digest() == first and _digest(root) == first and read == []
     copy = shutil.copytree(root, tmp_path / "copy")
     assert Checkpoint.resolve(copy).known_digest() is None
@@ -135,21 +157,21 @@ def test_a_truncated_file_is_refused_when_its_tensors_are_read(tmp_path):
     root = _checkpoint(tmp_path / "ckpt")
     weights = root / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8])
-    staged = Checkpoint.resolve(root).stage()
-    with pytest.raises(CheckpointReadError, match="truncated"):
-        list(staged.tensors())
+    with pytest.raises(CheckpointReadError, match="lies past the end"):
+        _read(root)
 
 
 def test_a_model_loads_identically_from_the_one_read(tiny):
-    """The loader builds from the staged bytes; transformers reading the files itself gives the same tensors."""
+    """The loader builds from the one pass; transformers reading the files itself gives the same tensors, and the
+    model carries the digest of the bytes it was built from."""
     checkpoint = Checkpoint.resolve(tiny.unlearned)
-    staged = checkpoint.stage()
-    ours = load_hf_model(checkpoint, device="cpu", staged=staged)
+    ours = load_hf_model(checkpoint, device="cpu")
     theirs = AutoModelForCausalLM.from_pretrained(str(tiny.unlearned), dtype=torch.float32)
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
         assert torch.equal(a, b), name
-    assert not staged.has_weights  # handed over: the model holds what it needs
+    assert digests.loaded_digest(ours) == checkpoint.digest
+    assert checkpoint.loaded_fingerprint(ours) == checkpoint.fingerprint
 
 
 def test_the_digest_is_the_contents_and_a_hub_id_stands_for_itself(tmp_path):
