@@ -122,7 +122,7 @@ MYPY_CORE := uds_lens/data.py uds_lens/benchmarks.py uds_lens/checkpoints uds_le
 	uds_lens/scoring.py uds_lens/display.py uds_lens/example_view.py uds_lens/families.py \
 	uds_lens/outputs.py uds_lens/memory.py uds_lens/layer_table.py uds_lens/annotation.py uds_lens/phrases.py uds_lens/question_align.py uds_lens/metrics/memorization.py uds_lens/baselines/fisher.py uds_lens/sweep/staging.py uds_lens/tl_compat.py \
 	uds_lens/baselines/hidden.py uds_lens/baselines/lenses.py uds_lens/metrics/utility.py uds_lens/meta_eval/scorers.py \
-	uds_lens/zoo/layout.py uds_lens/zoo/notebook.py uds_lens/zoo/bases.py uds_lens/precision.py uds_lens/workbench.py
+	uds_lens/zoo/layout.py uds_lens/zoo/notebook.py uds_lens/zoo/bases.py uds_lens/precision.py uds_lens/workbench.py uds_lens/stages.py
 
 lint: setup-dev
 	$(VENV)/bin/ruff check uds_lens tests experiments

@@ -65,12 +65,17 @@ from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import WindowPacking, pad_batch
 from uds_lens.patching.cells import stage2_work
-from uds_lens.patching.engines import engine_for
+from uds_lens.patching.engines import FastEngine, engine_for
 from uds_lens.patching.kernels import packed_forward, read_scores
-from uds_lens.patching.planning import choose_batch_size, plan_batches
+from uds_lens.patching.planning import MemoryPlan, plan_batches
 from uds_lens.tl_compat import hf_model_of
 
 SITE = "resid_post"
+
+
+def planned_batch_size(full, examples) -> int:
+    """The batch size the auditor's memory plan gives the fast engine here (``planning.MemoryPlan``)."""
+    return MemoryPlan.measure(full, FastEngine).batch_size(full, examples, "span", "fast")
 
 
 @dataclass
@@ -459,11 +464,11 @@ def profile_stages(full, source, examples, batch_size, device) -> dict[str, dict
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import uds_lens.patching as patching
-    from uds_lens.patching import cells, engines, kernels
+    from uds_lens.patching import engines, kernels, resumed
 
     # A function is looked up in the module that calls it: scope it in every module of the package that holds it
     # (and a method in its class).
-    modules = (patching, engines, kernels, cells, engines.FastEngine)
+    modules = (patching, engines, kernels, resumed, engines.FastEngine)
     originals = {
         name: next(getattr(module, name) for module in modules if hasattr(module, name))
         for name in (*TOP_LEVEL, *INNER)
@@ -567,7 +572,7 @@ def bench(
     n_layers = full.cfg.n_layers
     examples = synthetic_examples(n_examples, full.cfg.d_vocab)
     counts = Counts.of(examples)
-    fast_bs = choose_batch_size(full, examples, "span", "fast")
+    fast_bs = planned_batch_size(full, examples)
     # The naive engine on whole sequences at its best batch size: the published implementation's work (S2 only),
     # on the first ``naive_examples`` (it is slow): the agreement check and its seconds per example.
     checked = examples[: naive_examples or n_examples]
@@ -653,7 +658,7 @@ def bench_ke_only(
     n_layers = full.cfg.n_layers
     examples = synthetic_examples(n_examples, full.cfg.d_vocab)
     spec = EngineSpec(SITE, range(n_layers), "fast")
-    plan, padded = batches(examples, choose_batch_size(full, examples, "span", "fast"), "fast", device)
+    plan, padded = batches(examples, planned_batch_size(full, examples), "fast", device)
     cleans = [engine_for(spec).clean_run(full, batch) for batch in padded]
     order = [index for members in plan for index in members]
     baseline = torch.cat(
@@ -785,7 +790,7 @@ def main() -> None:
                 else build_models(SHAPES[name], torch.float32, device)
             )
             examples = synthetic_examples(args.examples, full.cfg.d_vocab)
-            size = choose_batch_size(full, examples, "span", "fast")
+            size = planned_batch_size(full, examples)
             for stage, parts in profile_stages(full, source, examples, size, device).items():
                 print(
                     f"{name} {stage}: "

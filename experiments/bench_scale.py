@@ -310,25 +310,28 @@ def accounted_stage(auditor, weights: int, device: str) -> int:
     """What `phase_peak` counts for a stage of this run: two models of ``weights`` bytes, full's joined copies if
     held, the clean runs kept now (the auditor's and the precision check's fp32 ones), and the transient of its
     largest batch."""
-    from uds_lens.patching.planning import clean_run_bytes, joined_copy_bytes
+    from uds_lens.patching.planning import joined_copy_bytes
+    from uds_lens.precision import PrecisionCheck
 
     full = auditor.full
     itemsize = torch.empty((), dtype=full.cfg.dtype).element_size()
     seq_len = max(example.read_positions.stop for example in auditor.encoded)
     window = max(len(example.window(auditor.config.patch_scope)) for example in auditor.encoded)
     joined = joined_copy_bytes(full)
-    check = auditor.precision is not None and auditor.precision.enabled
+    runs = auditor.runs
+    check = isinstance(runs, PrecisionCheck) and runs.enabled
     work = work_per_example(full, seq_len, window)
     block = (
         sum(p.numel() for p in full.blocks[0].parameters()) * 4 + joined * 4 // itemsize // full.cfg.n_layers
     )
+    plan = auditor.plan
     counted = phase_peak(
         weights,
         joined,
-        auditor.holds_joined,
+        joined * (int(plan.holds_target_joins) + int(plan.holds_source_joins)),
         full.cfg.n_layers,
-        sum(clean_run_bytes(run) for run in auditor._clean.values()),
-        sum(clean_run_bytes(run) for run in auditor.precision.clean.values()) if check else 0,
+        runs.clean.held(),
+        runs.fp32_clean.held() if isinstance(runs, PrecisionCheck) else 0,
         max(len(members) for members in auditor.batches),
         work,
         work * 4 // itemsize,
@@ -529,7 +532,7 @@ def readout_bytes(device: str) -> int:
 def phase_peak(
     weights: int,
     joined: int,
-    held_joined: bool,
+    held_joined: int,
     n_layers: int,
     clean_held: int,
     fp32_clean_held: int,
@@ -542,12 +545,13 @@ def phase_peak(
     check: bool,
 ) -> dict:
     """One stage's memory as the code holds it (Stage 1: full + retain; Stage 2: full + one unlearned): the two
-    models' weights (``weights`` each), full's joined copies where they are held, the kept clean runs (and the
+    models' weights (``weights`` each), the joined copies held (``held_joined`` bytes: full's, and the source's
+    through its stage, where the plan has room), the kept clean runs (and the
     precision check's fp32 ones), and the largest transient: a batch's runs in the model's dtype with one block's
     joined copy (when they are not held), or, with the check, its fp32 runs on the lean references (one block's
     weights and joined copy upcast, the unembedding upcast for the read-out)."""
     resident = 2 * weights
-    held = joined if held_joined else 0
+    held = held_joined
     reduced = batch * work_reduced + readout + (0 if held_joined else joined // n_layers)
     fp32 = batch * work_fp32 + readout + block_fp32 + unembed_fp32 if check else 0
     peak = resident + held + clean_held + (fp32_clean_held if check else 0) + max(reduced, fp32)
@@ -571,11 +575,12 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
       layers, widths and heads (they alone size the cache) with a small MLP and vocabulary (which do not enter it),
       on ``cache_examples`` TOFU-like examples, and priced in ``dtype``;
     * per batch: the planner's estimate per example (``FastEngine.bytes_per_example``) and the
-      batch ``choose_batch_size`` takes on a ``gpu_gb`` GPU;
+      batch the memory plan takes on a ``gpu_gb`` GPU (``planning.MemoryPlan``);
     * per phase (``stage1``/``stage2``, precision check on and off): what the code holds then (`phase_peak`),
       with the rules the auditor applies on a ``gpu_gb`` GPU: the memory free once full and retain are loaded sets
-      whether full's joined copies are held (``planning.holds_joined_copies``), the clean-run budget
-      (``CLEAN_CACHE_FRACTION``; halved between the run's and the fp32 ones with the check on) and the batch size.
+      whether full's joined copies, and a source's through its stage, are held, the clean-run budget (the
+      ``clean_runs`` share; halved between the run's and the fp32 ones with the check on) and the batch size: the
+      plan's shares (``planning.SHARES``).
     """
     from uds_lens.checkpoints.loader import load_tokenizer
     from uds_lens.config import EngineSpec
@@ -584,8 +589,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     from uds_lens.patching.engines import FastEngine, engine_for
     from uds_lens.patching.kernels import layer_weights
     from uds_lens.patching.planning import (
-        CLEAN_CACHE_FRACTION,
-        JOINED_FRACTION,
+        MemoryPlan,
         clean_run_bytes,
         joined_copy_bytes,
         plan_batches,
@@ -632,13 +636,11 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
     # hold in Stage 2 too): full's joined copies held where they fit, the clean-run budget, the batch size
     planned_joined = joined_copy_bytes(meta)
     free = gpu_gb * 2**30 - 2 * weights
-    held_joined = planned_joined <= JOINED_FRACTION * free
-    batch_on_gpu = (
-        max(1, min(64, len(encoded), int(0.25 * (free - held_joined * planned_joined) // per_example)))
-        if free > 0
-        else 0
-    )
-    budget = int(CLEAN_CACHE_FRACTION * max(0, free))
+    plan = MemoryPlan("cuda", int(max(0, free)), planned_joined)
+    held_joined = plan.holds_target_joins
+    joined_held = planned_joined * (int(plan.holds_target_joins) + int(plan.holds_source_joins))
+    batch_on_gpu = min(plan.batch_size(meta, encoded, "span", "fast"), len(encoded)) if free > 0 else 0
+    budget = plan.share("clean_runs")
     clean_all = int(cache_per_example * len(encoded))
     fp32_clean_all = int(cache_per_example * len(encoded) * 4 / itemsize)  # the fp32 runs' keys and values
     meta32 = bridge_of(hf_config(shape), torch.float32, "meta")
@@ -653,7 +655,7 @@ def account(shape_name: str, dtype_name: str, n_examples: int, gpu_gb: float, ca
         counted = phase_peak(
             weights,
             planned_joined,
-            held_joined,
+            joined_held,
             shape.n_layers,
             min(share, clean_all),
             min(budget // 2, fp32_clean_all),

@@ -37,7 +37,7 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.config import UDSConfig
 from uds_lens.files import zoo_root
-from uds_lens.precision import band_shape, dtype_eps
+from uds_lens.precision import PrecisionCheck, band_shape, dtype_eps
 from uds_lens.results import UDSResult
 from uds_lens.uds import ke_mask
 
@@ -137,10 +137,11 @@ def run_set(name: str, paths: dict, data: Path, unlearned: list[str], dtypes: li
                 model = load_model(paths[model_name], dtype=dtype, device="cpu")
                 auditor.fingerprint(model)  # hashed before the clock starts, as a sweep's staging does
                 copy_cpu = 0.0
-                if auditor.precision is not None and auditor.precision.enabled:
+                check = auditor.runs if isinstance(auditor.runs, PrecisionCheck) else None
+                if check is not None and check.enabled:
                     # its fp32 copy is made here (a load, as the model's own is), then reused by score
                     started = time.process_time()
-                    auditor.precision.reference("unlearned", model)
+                    check.reference("unlearned", model)
                     copy_cpu = time.process_time() - started
                 s2_cpu = float("inf")
                 for _ in range(
@@ -149,8 +150,8 @@ def run_set(name: str, paths: dict, data: Path, unlearned: list[str], dtypes: li
                     started = time.process_time()
                     result = auditor.score(model, name=model_name)
                     s2_cpu = min(s2_cpu, time.process_time() - started)
-                    if auditor.precision is not None and auditor.precision.enabled and args.repeats > 1:
-                        auditor.precision.reference("unlearned", model)  # score released it: the copy again
+                    if check is not None and check.enabled and args.repeats > 1:
+                        check.reference("unlearned", model)  # score released it: the copy again
                 if mode == "fp32":
                     reference[model_name] = result
                     print(

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,8 +32,10 @@ from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.loader import ModelArg, build_model, default_device
+from uds_lens.component_result import ComponentResult
+from uds_lens.components import ExampleInputs
 from uds_lens.config import ConfigError, EngineSpec, UDSConfig
-from uds_lens.data import DataArg, check_ids_in_vocabulary, encode, fit_context
+from uds_lens.data import DataArg, EncodedExample, check_ids_in_vocabulary, encode, fit_context
 from uds_lens.failures import require_finite
 from uds_lens.files import json_digest
 from uds_lens.fingerprints import (
@@ -43,31 +46,25 @@ from uds_lens.fingerprints import (
     with_unlearned,
 )
 from uds_lens.inputs import NOT_GIVEN, NotGiven, RunInputs
-from uds_lens.memory import available_memory_bytes, release_memory, retry_out_of_memory
-from uds_lens.patching.batch import CleanRun, PatchBatch, pad_batch
+from uds_lens.memory import release_dropped, retry_out_of_memory
+from uds_lens.patching.batch import PatchBatch, pad_batch
 from uds_lens.patching.cells import stage2_record
-from uds_lens.patching.engines import PatchEngine, engine_class, engine_for
+from uds_lens.patching.engines import PatchEngine, engine_for
 from uds_lens.patching.kernels import hold_joined_weights
-from uds_lens.patching.planning import (
-    CLEAN_CACHE_FRACTION,
-    choose_batch_size,
-    clean_run_bytes,
-    holds_joined_copies,
-    plan_batches,
-    run_batches,
-)
+from uds_lens.patching.planning import MemoryPlan, run_batches
 from uds_lens.precision import PrecisionCheck
 from uds_lens.results import UDSResult
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import S1Cache, StageOne, stage_digest
-from uds_lens.tl_compat import ModelLike, TLModel, check_unhooked
+from uds_lens.stages import StageRuns
+from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel, check_unhooked
 from uds_lens.uds import ke_mask
 from uds_lens.workbench import Workbench
 
 logger = logging.getLogger(__name__)
 
 
-class UDSAuditor(Workbench):
+class UDSAuditor:
     """Score any number of unlearned models against one (full, retain, forget set) with S1 computed once.
 
     Examples:
@@ -106,19 +103,26 @@ class UDSAuditor(Workbench):
         sources / last_source: models kept by [`load_source`][uds_lens.auditor.UDSAuditor.load_source] (by `Checkpoint`) and the model the last
             [`score`][uds_lens.auditor.UDSAuditor.score] loaded.
         component_cache: head/token/position-level S1 scores, kept for the next unlearned model.
+        engine: the patching engine every stage runs (`patching.engines.engine_for`, chosen once).
+        plan: what the run may hold beyond its models (`patching.planning.MemoryPlan`, from one measurement).
+        runs: what each stage computes per batch (`stages.StageRuns`; in bf16/fp16 the precision check's,
+            `precision.PrecisionCheck`).
         clean_cache_bytes: what the clean runs kept for the next stage may hold (set it to bound them; 0 keeps none);
-            with the precision check on, half the clean-run budget (its fp32 clean runs keep the other half).
-        holds_joined: whether the fast engine keeps full's joined Q/K/V and gate/up copies between runs
-            (``planning.holds_joined_copies``: when memory allows; else a block's at a time, the same numbers).
+            with the precision check on, half the clean-run share (its fp32 clean runs keep the other half).
+        holds_joined: whether the fast engine keeps full's joined Q/K/V and gate/up copies between runs (the
+            plan's: when memory allows; else a block's at a time, the same numbers).
+        workbench: hooks of your own on this auditor's examples (`workbench.Workbench`).
 
     What it holds when: full for its whole life; the retain model through Stage 1 only and each unlearned model
     through its own Stage 2 only, when the auditor loaded them itself (a model passed as an object is the caller's
-    and stays); joined weight copies for full alone, and only where they fit (``holds_joined``).
+    and stays); joined weight copies for full while the auditor lives and for a source through its stage, only
+    where the plan has room for them.
 
-    For hooks of your own (`workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one example's
-    tensors), [`tokens`][uds_lens.workbench.Workbench.tokens], [`metric`][uds_lens.workbench.Workbench.metric] (a
-    tensor-valued patching metric), [`run_with_cache`][uds_lens.workbench.Workbench.run_with_cache] (the clean run's
-    activations); for finer patching: [`patch_heads`][uds_lens.workbench.Workbench.patch_heads],
+    For hooks of your own (its `workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one
+    example's tensors), [`tokens`][uds_lens.workbench.Workbench.tokens],
+    [`metric`][uds_lens.workbench.Workbench.metric] (a tensor-valued patching metric),
+    [`run_with_cache`][uds_lens.workbench.Workbench.run_with_cache] (the clean run's activations); for finer
+    patching: [`patch_heads`][uds_lens.workbench.Workbench.patch_heads],
     [`patch_tokens`][uds_lens.workbench.Workbench.patch_tokens],
     [`patch_positions`][uds_lens.workbench.Workbench.patch_positions] (``uds_lens.components``).
     """
@@ -168,11 +172,6 @@ class UDSAuditor(Workbench):
         self.sources: dict[Checkpoint, ModelLike] = {}
         self.full = self._load_target(inputs.full, "full")
         self.full_name = inputs.full.label
-        refusal = engine_class(self.config.engine).refusal(self.full)
-        if refusal is not None:
-            # a family the fast engine does not compute: the naive engine (the model's own forward), never a guess
-            logger.warning("%s: %s; scoring with the naive engine.", self.full_name, refusal)
-            self.config = dataclasses.replace(self.config, engine="naive")
         tokenizer = inputs.encoding_tokenizer
         self.tokenizer = tokenizer
         if tokenizer.vocab_size > self.full.cfg.d_vocab:
@@ -212,31 +211,29 @@ class UDSAuditor(Workbench):
             raise ConfigError(
                 f"Layers {bad} do not exist: the full model has {n_layers} layers (0..{n_layers - 1})."
             )
-        self.engine: PatchEngine = engine_for(self.engine_spec)  # chosen once, after the refusal above
-        # the target's joined weights are held between runs only where they leave Stage 2 room (planning)
-        self.holds_joined = holds_joined_copies(self.full, self.config.engine)
-        hold_joined_weights(self.full, self.holds_joined)
+        # chosen once: the engine named, or the naive one (the model's own forward) where it refuses the full model
+        self.engine: PatchEngine = engine_for(self.engine_spec, self.full, self.full_name or "full")
+        self.config = dataclasses.replace(self.config, engine=self.engine.name)
+        # what the run may hold beyond its models, from one measurement of the memory free now
+        self.plan = MemoryPlan.measure(self.target_device, self.full, self.engine)
+        hold_joined_weights(self.full, self.plan.holds_target_joins)
         self.cache = (
             None
             if inputs.cache_dir is False
             else S1Cache(inputs.cache_dir if inputs.cache_dir is not True else None)
         )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._batches = self._make_batches()
-        self._clean: dict[int, CleanRun] = {}
-        # Clean runs are kept for the next stage only within a budget: a fraction of the memory left once the
-        # models are loaded (their keys/values grow with layers x sequence, 15-70 MB an example at 8B).
-        budget = int(available_memory_bytes(self.device) * CLEAN_CACHE_FRACTION)
-        # bf16/fp16: where rounding decides, decide in fp32 (None in fp32); with the check on, its fp32 clean runs
-        # and the run's own share the budget
-        self.precision = PrecisionCheck.for_run(
-            self.engine, self.full, self.target_device, self.config, budget // 2
+        # similar lengths together (less padding), as many as the plan's batch share fits; deterministic
+        self._batches = self.plan.batches(
+            self.full, self.encoded, self.config.patch_scope, self.engine.name, self.config.batch_size
         )
-        checking = self.precision is not None and self.precision.enabled
-        self.clean_cache_bytes = budget - budget // 2 if checking else budget
+        # what each stage computes per batch: in bf16/fp16 checked where rounding could decide, in fp32 plain
+        runs = StageRuns(self.engine, self.full, self.plan, self._batch, self._require_finite, self.full_name)
+        self.runs = PrecisionCheck.for_run(runs, self.config)
         self._stage1: StageOne | None = None
         self.last_source: ModelLike | None = None
         self.component_cache: dict[tuple, Any] = {}
+        self.workbench = Workbench(self)
 
     @property
     def retain(self) -> TLModel | None:
@@ -273,16 +270,19 @@ class UDSAuditor(Workbench):
         """
         _ = self.stage1
         self._retain_dropped = True
+        dropped = None if self._retain is None else weakref.ref(self._retain)
         self._retain = None
-        release_memory(self.device)
+        if dropped is not None:
+            release_dropped(dropped, self.device)
 
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
         if self._retain is None or checkpoint is None or self._callers(checkpoint):
             return
+        dropped = weakref.ref(self._retain)
         self._retain = None
-        release_memory(self.device)
+        release_dropped(dropped, self.device)
 
     def _callers(self, checkpoint: Checkpoint) -> bool:
         """Whether ``checkpoint``'s model is the caller's (given as an object, or kept by `load_source`): the
@@ -332,38 +332,93 @@ class UDSAuditor(Workbench):
         return self.config.engine_spec(tuple(self.layers))
 
     @property
+    def upcast(self) -> bool:
+        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
+        return self.engine_spec.upcast
+
+    @property
     def log_softmax_dtype(self) -> str:
         """The dtype entity log-probs are computed in: fp32 by default, the model's own dtype in
         published-compat mode (as the published code does); recorded in every result's metadata."""
         return "float32" if self.upcast else str(self.full.cfg.dtype).replace("torch.", "")
 
-    # -- batching ----------------------------------------------------------------------------------------------
+    @property
+    def holds_joined(self) -> bool:
+        """Whether full's joined Q/K/V and gate/up copies are held between runs (`plan`'s)."""
+        return self.plan.holds_target_joins
 
-    def _make_batches(self) -> list[list[int]]:
-        """Example indices per batch, similar lengths together (less padding); deterministic."""
-        if not self.encoded:
-            return []
-        size = self.config.batch_size or choose_batch_size(
-            self.full,
-            self.encoded,
-            self.config.patch_scope,
-            self.config.engine,
-            joined_models=int(self.holds_joined),
-        )
-        return plan_batches(self.encoded, self.config.patch_scope, size, engine=self.config.engine)
+    @property
+    def clean_cache_bytes(self) -> int:
+        """What the clean runs kept for the next stage may hold (``runs.clean``'s budget; settable)."""
+        return self.runs.clean.budget
+
+    @clean_cache_bytes.setter
+    def clean_cache_bytes(self, budget: int) -> None:
+        self.runs.clean.budget = budget
+
+    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
+        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
+        if idxs is None:
+            return list(self.encoded)
+        by_idx = {e.idx: e for e in self.encoded}
+        skipped = {s.idx: s.reason for s in self.skipped}
+        out = []
+        for idx in idxs:
+            if idx in by_idx:
+                out.append(by_idx[idx])
+            elif idx in skipped:
+                raise KeyError(
+                    f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch."
+                )
+            else:
+                raise KeyError(
+                    f"No example with idx {idx} in {self.data_name}; scored idx are "
+                    f"{[e.idx for e in self.encoded][:20]}..."
+                )
+        return out
+
+    # -- hooks of your own: the workbench's (`workbench.Workbench`) ----------------------------------------------
+
+    def example(self, idx: int) -> ExampleInputs:
+        """One example as tensors: [`Workbench.example`][uds_lens.workbench.Workbench.example]."""
+        return self.workbench.example(idx)
+
+    def tokens(self, idxs: int | Sequence[int]) -> Tensor:
+        """Right-padded tokens: [`Workbench.tokens`][uds_lens.workbench.Workbench.tokens]."""
+        return self.workbench.tokens(idxs)
+
+    def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
+        """A patching metric: [`Workbench.metric`][uds_lens.workbench.Workbench.metric]."""
+        return self.workbench.metric(idxs, per_example)
+
+    def run_with_cache(
+        self,
+        idxs: int | Sequence[int],
+        model: ModelArg | None = None,
+        names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
+    ) -> tuple[Tensor, ActivationCache]:
+        """A clean run's activations: [`Workbench.run_with_cache`][uds_lens.workbench.Workbench.run_with_cache]."""
+        return self.workbench.run_with_cache(idxs, model, names_filter)
+
+    def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """Head-level UDS: [`Workbench.patch_heads`][uds_lens.workbench.Workbench.patch_heads]."""
+        return self.workbench.patch_heads(unlearned, **kwargs)
+
+    def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """Per-entity-token UDS: [`Workbench.patch_tokens`][uds_lens.workbench.Workbench.patch_tokens]."""
+        return self.workbench.patch_tokens(unlearned, **kwargs)
+
+    def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
+        """One position at a time: [`Workbench.patch_positions`][uds_lens.workbench.Workbench.patch_positions]."""
+        return self.workbench.patch_positions(unlearned, **kwargs)
+
+    # -- batching ----------------------------------------------------------------------------------------------
 
     def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
         """``work(number, members)`` for every example batch (``planning.run_batches``): a batch that runs out of
         memory is halved and retried, the halves kept for later stages and models; the clean runs, keyed by batch
         number, are dropped then, and less memory is kept for them from then on."""
-
-        def on_split() -> None:
-            self._clean.clear()
-            self.clean_cache_bytes //= 2  # memory was short: keep less of it from now on
-            if self.precision is not None:
-                self.precision.forget_clean_runs()
-
-        run_batches(self._batches, work, self.target_device, desc, self.progress, on_split)
+        run_batches(self._batches, work, self.target_device, desc, self.progress, self.runs.forget_clean_runs)
 
     def _batch(self, members: list[int]) -> PatchBatch:
         return pad_batch(
@@ -377,23 +432,6 @@ class UDSAuditor(Workbench):
     def target_device(self) -> str:
         """Where the full model computes (the auditor's device unless the model was given on another one)."""
         return self.full.cfg.device or self.device
-
-    def _clean_run(self, number: int, batch: PatchBatch) -> CleanRun:
-        """The clean run of batch ``number``: kept for the next stage while the kept ones stay within
-        ``clean_cache_bytes`` (the first batches that fit, never evicted: the stages walk the batches in order, so
-        evicting the oldest would miss every time), computed again for the others."""
-        run = self._clean.get(number)
-        if run is None:
-            run = self.engine.clean_run(self.full, batch)
-            held = sum(clean_run_bytes(kept) for kept in self._clean.values())
-            if held + clean_run_bytes(run) <= self.clean_cache_bytes:
-                self._clean[number] = run
-        return run
-
-    def _source_scores(
-        self, source: ModelLike, batch: PatchBatch, number: int, timings: dict[str, float] | None = None
-    ) -> Tensor:
-        return self.engine.source_scores(self.full, source, batch, self._clean_run(number, batch), timings)
 
     # -- Stage 1 -----------------------------------------------------------------------------------------------
 
@@ -419,11 +457,11 @@ class UDSAuditor(Workbench):
         loading read, or of the tensors of a model given in memory or fetched from the hub), the tokenizer, the
         token layout, the layers, the settings and the dtype."""
         settings = self.config.to_dict()
-        # Stage 1 never reads the tolerance; the check itself only acts in bf16/fp16
+        # Stage 1 never reads the tolerance, nor (but in bf16/fp16) whether the precision check is on
         for volatile in ("tau", "batch_size", "device", "stage2_cells", "precision_tolerance"):
             settings.pop(volatile)
-        if self.precision is None:
-            settings.pop("precision_check")
+        for unread in self.runs.ignored_settings:
+            settings.pop(unread)
         retain = self.inputs.retain
         # a local retain is identified by the bytes its load read; a hub or in-memory one by its tensors (a hub model
         # released after Stage 1 is loaded again to hash them; a dropped one is not)
@@ -467,40 +505,12 @@ class UDSAuditor(Workbench):
         if self.retain is not None:
             check_unhooked(self.retain, "retain")
         started = time.perf_counter()
-        n, n_layers = len(self.encoded), len(self.layers)
-        s0 = torch.full((n,), float("nan"))
-        baseline = torch.full((n, n_layers), float("nan"))
-        s1 = torch.full((n, n_layers), float("nan")) if self.retain is not None else None
-        check = self.precision if s1 is not None else None
-
-        def stage_one_batch(number: int, members: list[int]) -> None:
-            batch = self._batch(members)
-            clean = self._clean_run(number, batch)
-            s0[members] = clean.scores.float().cpu()
-            self._require_finite(s0[members], members, self.full, "full", self.full_name, "clean score (S0)")
-            baseline[members] = self.engine.baseline_scores(self.full, batch, clean).float().cpu()
-            self._require_finite(
-                baseline[members], members, self.full, "full", self.full_name, "baseline score"
-            )
-            if s1 is not None and self.retain is not None:
-                s1[members] = self._source_scores(self.retain, batch, number).float().cpu()
-                self._require_finite(
-                    s1[members], members, self.retain, "retain", self.retain_name, "patched score (S1)"
-                )
-                if check is not None:  # bf16/fp16: what rounding could decide, decided in fp32
-                    check.stage1_batch(self.retain, batch, number, members, (n, n_layers))
-
-        self._each_batch("S1 (retain -> full)", stage_one_batch)
-        stage = StageOne(
-            idx=[e.idx for e in self.encoded],
-            s0=s0,
-            baseline=baseline,
-            s1=s1,
-            batches=self.batches,
-            seconds=time.perf_counter() - started,
-        )
-        if check is not None:
-            check.finish_stage1(stage)  # its fp32 baseline and S1 join it
+        run = self.runs.stage_one(self.retain, self.retain_name, (len(self.encoded), len(self.layers)))
+        try:
+            self._each_batch("S1 (retain -> full)", run.batch)
+        finally:
+            run.close()
+        stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
         if self.cache is not None and key is not None and payload is not None:
             self.cache.save(key, payload, stage)
         return stage
@@ -537,7 +547,7 @@ class UDSAuditor(Workbench):
         if sorted(i for members in batches for i in members) != list(range(len(self.encoded))):
             raise ValueError("The batches handed over do not cover every encoded example exactly once.")
         self._batches = [list(members) for members in batches]
-        self._clean = {}
+        self.runs.forget_clean_runs(short_of_memory=False)
         self._stage1 = stage
         if self._base_fingerprint is not None:
             self._base_fingerprint.pop("s1", None)  # the digest of the Stage 1 just replaced
@@ -599,56 +609,25 @@ class UDSAuditor(Workbench):
         check_unhooked(self.full, "full")
         check_unhooked(source, "unlearned")
         stage = self.stage1
-        started = time.perf_counter()
-        s2 = torch.full((len(self.encoded), len(self.layers)), float("nan"))
-        clock: dict[str, float] = {}
         cells = self.stage2_cells()
-        check = self.precision if stage.s1 is not None else None  # retain-free: no decision to check
-        d2_fp32 = torch.full_like(s2, float("nan"))
-
-        def stage_two_batch(number: int, members: list[int]) -> None:
-            batch_cells = None if cells is None else cells[members]
-            if batch_cells is not None and not batch_cells.any():
-                return  # no KE cell in this batch: UDS reads none of its d2
-            batch = self._batch(members)
-            # bf16/fp16 with the check: an example rounding could move by more than the tolerance runs in fp32
-            reduced = (
-                batch_cells if check is None else check.reduced_cells(source, stage, members, batch_cells)
-            )
-            if reduced is None:
-                s2[members] = self._source_scores(source, batch, number, clock).float().cpu()
-            elif reduced.any():
-                s2[members] = self.engine.cell_scores(
-                    self.full, source, batch, reduced, self._clean_run(number, batch), clock
-                )
-            ran = torch.ones_like(s2[members], dtype=torch.bool) if reduced is None else reduced
-            self._require_finite(
-                s2[members].where(ran, 0.0), members, source, "unlearned", source_label, "patched score (S2)"
-            )
-            if check is not None:
-                d2_fp32[members] = check.stage2_batch(
-                    source, batch, number, stage, members, batch_cells, s2[members]
-                )
-
-        spent = {} if check is None else check.clock()
+        started = time.perf_counter()
+        run = self.runs.stage_two(source, source_label, stage, cells)
         try:
-            self._each_batch(f"S2 ({checkpoint.name} -> full)", stage_two_batch)
+            self._each_batch(f"S2 ({checkpoint.name} -> full)", run.batch)
         finally:
-            if check is not None:
-                check.release("unlearned")
-        del stage_two_batch  # its closure holds the source
+            run.close()
+        # what the stage spent making models (a bf16 run's fp32 copies) is a load, as the model's own: not Stage 2
+        s2_seconds = time.perf_counter() - started - run.load_seconds()
+        s2, stage_meta, stage_timings = run.scores(), run.meta(), run.timings()
+        del run  # it holds the source
         if not given:
+            dropped = weakref.ref(source)
             del source
-            release_memory(self.device)
-        precision_timings = {} if check is None else check.timings_since(spent)
-        # the fp32 copies the check made are a load, as the unlearned model's own is: not part of Stage 2
-        s2_seconds = time.perf_counter() - started - precision_timings.get("s2_precision_copy_seconds", 0.0)
+            release_dropped(dropped, self.device)
         timings = {
             "s1_seconds": stage.seconds,
             "s2_seconds": s2_seconds,
-            # the part of S2 spent in the unlearned model's own forward (the rest is the patched runs)
-            "s2_source_forward_seconds": clock.get("source_forward_seconds", 0.0),
-            **precision_timings,  # bf16/fp16: the check's fp32 runs (part of S2) and copies (not)
+            **stage_timings,  # the unlearned model's own forward; in bf16/fp16 the check's fp32 runs and copies
             "s1_cached": stage.cached,
             "n_examples": len(self.examples),
             "s2_seconds_per_example": s2_seconds / max(1, len(self.encoded)),
@@ -661,8 +640,7 @@ class UDSAuditor(Workbench):
             s0=stage.s0,
             baseline=stage.baseline,
             s1=stage.decided_s1(),
-            # at a cell re-decided in fp32 the table's d2 (baseline - s2) is the fp32 one
-            s2=s2 if check is None else torch.where(torch.isnan(d2_fp32), s2, stage.baseline - d2_fp32),
+            s2=s2,
             # retain-free mode has no d1, hence no KE cell: every cell ran, whatever was asked
             config=self.config if cells is not None else dataclasses.replace(self.config, stage2_cells="all"),
             meta={
@@ -677,7 +655,7 @@ class UDSAuditor(Workbench):
                 "engine": self.config.engine,
                 "timings": timings,
                 "stage2": self.stage2_plan(cells),
-                **({} if check is None else {"precision": check.record(stage, s2, d2_fp32)}),
+                **stage_meta,
                 "fingerprint": self.fingerprint(checkpoint, identity),
             },
             records=self.examples,

@@ -3,7 +3,8 @@ needs to know what a family's decoder layer does.
 
 Loading (`SUPPORTED_MODEL_TYPES` and the GGUF architecture names, checked in ``checkpoints``), the sources (which Hugging Face model a
 plain model may be), the fast engine's kernel (``patching.kernels``: where the norms sit and how they round, the q/k
-norm, soft-capping, the attention scale, the fused projections, the window of each layer) and the refusal messages
+norm, soft-capping, the attention scale, the fused projections, the window of each layer), the precision check
+(whether a model run in fp32 block by block is its fp32 copy's run: ``lean_reference``) and the refusal messages
 all read `FAMILIES`, so adding a family is one row here and its tiny checkpoint in ``tests/helpers/
 families.py``. The row describes Hugging Face's own modeling code (``transformers/models/<family>/modeling_*.py``);
 the kernel reproduces that arithmetic, the naive engine runs it. Ground floor: nothing of ours is imported, and no
@@ -51,6 +52,10 @@ class Family:
     fused_gate_up: bool = False  # one gate_up_proj (Phi-3)
     window: WindowRule = "none"
     rotary_per_layer_type: bool = False  # Gemma 3: rotary_emb(x, positions, layer_type)
+    # A bf16/fp16 model run in fp32 block by block (``kernels.computing_in``) is bit for bit the run of its whole
+    # fp32 copy: the precision check's fp32 reference is then the model itself (``precision.lean_reference``).
+    # Not Gemma (it scales its embeddings in the model's dtype) nor Phi-3 (its rotary tables differ in fp32).
+    lean_reference: bool = True
 
     def site_modules(self) -> dict[str, str]:
         """The Hugging Face module (in ``model.model.layers[l]``) whose output, or input, each inner site is."""
@@ -121,6 +126,7 @@ def _gemma(model_type: str, gguf_architecture: str, **extra: Any) -> Family:
         scale_key="query_pre_attn_scalar",
         activation_key="hidden_activation",
         window="layer_types",
+        lean_reference=False,
         **extra,
     )
 
@@ -135,7 +141,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "qwen3", qk_norm="head", window="layer_types"),
         _gemma("gemma2", "gemma2", attn_softcap_key="attn_logit_softcapping"),
         _gemma("gemma3_text", "gemma3", qk_norm="head", rotary_per_layer_type=True),
-        Family("phi3", "phi3", fused_qkv=True, fused_gate_up=True, window="all"),
+        Family("phi3", "phi3", fused_qkv=True, fused_gate_up=True, window="all", lean_reference=False),
         Family("olmo2", "olmo2", norm="post", norm_rounding="fp32_weight", qk_norm="projection"),
     )
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,6 +45,17 @@ def is_out_of_memory(err: BaseException) -> bool:
 def release_memory(device: str | torch.device) -> None:
     """Give freed blocks back before a retry (the CUDA caching allocator keeps them otherwise)."""
     gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def release_dropped(dropped: weakref.ref, device: str | torch.device) -> None:
+    """Give back the memory of a model just dropped (``dropped``, a weak reference to it): freed with its last
+    reference already, or, where a reference cycle still holds it, by a garbage collection (which costs a
+    noticeable fraction of a second on a full heap, so it runs only then); on CUDA the caching allocator's blocks go
+    back too."""
+    if dropped() is not None:
+        gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
 
@@ -89,4 +101,10 @@ def available_memory_bytes(device: str | torch.device) -> int:
         return 4 << 30
 
 
-__all__ = ["available_memory_bytes", "is_out_of_memory", "release_memory", "retry_out_of_memory"]
+__all__ = [
+    "available_memory_bytes",
+    "is_out_of_memory",
+    "release_dropped",
+    "release_memory",
+    "retry_out_of_memory",
+]

@@ -39,15 +39,20 @@ The per-example error is mostly not made by the decisions: on the measured model
 per-example differences of up to 1e-2 (SmolLM2: 2.5e-2), and meeting 1e-3 takes fp32 for nearly every example, at
 about what an fp32 Stage 2 costs (``docs/DESIGN.md``, "bf16 and fp16").
 
-The fp32 references (`reference_model`) hold the weights the fp32 run holds: the checkpoint re-read in fp32 when it
-stores them wider than they were loaded (or in a form only its loader reads: GGUF), else the loaded weights upcast,
-which are then the stored ones exactly. The upcast is *lean* where it can be (`lean_reference`: the fast engine,
-a family in `LEAN_MODEL_TYPES`, not published-compat): no copy of the model is made, the model itself runs inside
-``patching.kernels.computing_in(float32)``, each block's weights upcast when it runs, bit for bit the run of a
-whole fp32 copy (``tests/unit/test_lean_references.py``), for the memory of one block. An 8B audit in bf16 then
-holds its two bf16 models and no fp32 one (``experiments/bench_scale.py --account``). A result records, per model and per example, how many cells were fragile and
-how many were re-decided, the band, and the precision each decision was taken in (``meta["precision"]``, in
-``summary.json``).
+The check is a wrapper of the run, not a branch of it: `PrecisionCheck` is the run's `stages.StageRuns` (what each
+stage computes per batch) whose stages run each batch as the plain ones do and then, in fp32, what rounding could
+decide; the auditor's loops are the same in every format.
+
+The fp32 references come from one function, `reference_model(model, device, engine)`: the checkpoint re-read in
+fp32 when it stores the weights wider than they were loaded (or in a form only its loader reads: GGUF; through the
+loader, ``checkpoints.loader.build_model``), else the loaded weights upcast, which are then the stored ones exactly.
+The upcast is *lean* where it can be (`lean_reference`: the fast engine, a family whose row of the family table
+says so, ``families.Family.lean_reference``, not published-compat): no copy of the model is made, the model itself
+runs inside ``patching.kernels.computing_in(float32)``, each block's weights upcast when it runs, bit for bit the
+run of a whole fp32 copy (``tests/unit/test_lean_references.py``), for the memory of one block. An 8B audit in bf16
+then holds its two bf16 models and no fp32 one (``experiments/bench_scale.py --account``). A result records, per
+model and per example, how many cells were fragile and how many were re-decided, the band, and the precision each
+decision was taken in (``meta["precision"]``, in ``summary.json``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import copy
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -68,12 +73,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from uds_lens.checkpoints.checkpoint import SAFE_LOAD_KWARGS, Checkpoint, model_label
 from uds_lens.checkpoints.digests import named_weights
 from uds_lens.config import UDSConfig
-from uds_lens.memory import available_memory_bytes
+from uds_lens.families import family_of
 from uds_lens.patching.batch import CleanRun, PatchBatch
 from uds_lens.patching.engines import PatchEngine
 from uds_lens.patching.kernels import computing_in
-from uds_lens.patching.planning import clean_run_bytes
+from uds_lens.patching.planning import CleanRuns
 from uds_lens.stage_cache import StageOne
+from uds_lens.stages import StageOneRun, StageRuns, StageTwoRun
 from uds_lens.tl_compat import ModelLike, TLModel, hf_model_of
 
 logger = logging.getLogger(__name__)
@@ -176,20 +182,16 @@ class Reference:
     lean: bool = False
 
 
-LEAN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2"})
-"""The families whose fast-engine run inside ``computing_in(float32)`` is the whole fp32 copy's run bit for bit
-(tested per family). Gemma scales its embeddings in the model's dtype and Phi-3's rotary tables differ: they get
-whole copies."""
-
-
 def lean_reference(model: ModelLike, engine: PatchEngine) -> bool:
     """Whether ``model``'s fp32 reference can be the model itself run in fp32 (`Reference.lean`): the fast
-    engine outside published-compat, a family of `LEAN_MODEL_TYPES`, and weights that are the stored ones or whose
-    stored ones are unknown (a checkpoint stored wider is re-read instead)."""
+    engine outside published-compat, a family whose row of the family table says its run inside
+    ``computing_in(float32)`` is its fp32 copy's (``families.Family.lean_reference``), and weights that are the
+    stored ones or whose stored ones are unknown (a checkpoint stored wider is re-read instead)."""
     hf = hf_model_of(model)
     if hf is None or engine.name != "fast" or engine.spec.published_compat:
         return False
-    if getattr(hf.config, "model_type", None) not in LEAN_MODEL_TYPES:
+    family = family_of(hf.config)
+    if family is None or not family.lean_reference:
         return False
     checkpoint: Checkpoint | None = getattr(hf, "uds_checkpoint", None)
     return checkpoint is None or stored_float_dtypes(checkpoint) == {next(hf.parameters()).dtype}
@@ -256,55 +258,69 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
-class PrecisionCheck:
-    """The auditor's precision check of one reduced-precision run.
+class PrecisionCheck(StageRuns):
+    """The stage runs of a bf16/fp16 audit, checked: each batch runs as `stages.StageRuns` runs it, then in fp32
+    what rounding could decide (the module docstring); the auditor's loops are the same as in fp32.
 
     It holds the fp32 references of the models (made when first needed, lean where they can be: no copy; the retain
     and each unlearned one are dropped when their stage ends, the full one is kept for every stage; its fp32 runs
-    go inside ``computing_in(float32)``) and the fp32 clean runs of full per batch (within
-    ``clean_budget`` bytes, like the auditor's own). Build with `for_run` (None in fp32: nothing to check).
-    With ``enabled=False`` (``precision_check=False``) results still count the fragile cells, under the prior band,
-    so that they say where they are fragile either way; none is re-decided.
+    go inside ``computing_in(float32)``) and the fp32 clean runs of full per batch (`planning.CleanRuns`, half of
+    the run's clean-run share: the run's own keep the other half). Build with `for_run`, which gives the plain
+    `StageRuns` in fp32 (nothing to check). With ``enabled=False`` (``precision_check=False``) results still count
+    the fragile cells, under the prior band, so that they say where they are fragile either way; none is
+    re-decided. A retain-free run has no decision to check: its stages are the plain ones.
     """
 
-    engine: PatchEngine
-    full: TLModel
-    device: str
-    dtype: torch.dtype
-    tau: float
-    enabled: bool
-    tolerance: float | None
-    clean_budget: int = 0
-    references: dict[str, tuple[weakref.ref, Reference]] = field(default_factory=dict)
-    weights: dict[str, ReferenceWeights] = field(default_factory=dict)
-    unavailable: dict[str, str] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    clean: dict[int, CleanRun] = field(default_factory=dict)
-    stage1_fp32: tuple[Tensor, Tensor] | None = None
+    # Stage 1 in bf16/fp16 reads whether the check is on (its fp32 baseline and S1 are part of it)
+    ignored_settings: tuple[str, ...] = ()
+
+    def __init__(self, runs: StageRuns, config: UDSConfig) -> None:
+        super().__init__(runs.engine, runs.full, runs.plan, runs.make_batch, runs.finite, runs.full_label)
+        self.dtype = next(runs.full.parameters()).dtype
+        self.tau = config.tau
+        self.enabled = config.precision_check
+        self.tolerance = config.precision_tolerance
+        self.fp32_clean = CleanRuns(0)
+        if self.enabled:  # the clean-run share, half each
+            self.fp32_clean.budget = self.clean.budget // 2
+            self.clean.budget -= self.fp32_clean.budget
+        self.references: dict[str, tuple[weakref.ref, Reference]] = {}
+        self.weights: dict[str, ReferenceWeights] = {}
+        self.unavailable: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}
+        self.stage1_fp32: tuple[Tensor, Tensor] | None = None
 
     @classmethod
-    def for_run(
-        cls, engine: PatchEngine, full: TLModel, device: str, config: UDSConfig, clean_budget: int
-    ) -> PrecisionCheck | None:
-        """The check of a run whose full model computes in ``full``'s dtype; None in fp32 or fp64."""
-        dtype = next(full.parameters()).dtype
-        if dtype not in REDUCED_DTYPES:
-            return None
-        return cls(
-            engine,
-            full,
-            device,
-            dtype,
-            config.tau,
-            config.precision_check,
-            config.precision_tolerance,
-            clean_budget,
-        )
+    def for_run(cls, runs: StageRuns, config: UDSConfig) -> StageRuns:
+        """The stage runs of a run whose full model computes in ``runs.full``'s dtype: checked in bf16/fp16, the
+        plain ``runs`` in fp32 or fp64."""
+        if next(runs.full.parameters()).dtype not in REDUCED_DTYPES:
+            return runs
+        return cls(runs, config)
 
     @property
     def eps(self) -> float:
         return dtype_eps(self.dtype)
+
+    def stage_one(self, retain: ModelLike | None, label: str | None, shape: tuple[int, int]) -> StageOneRun:
+        if retain is None:
+            return super().stage_one(retain, label, shape)
+        return CheckedStageOne(self, retain, label, shape)
+
+    def stage_two(
+        self,
+        source: ModelLike,
+        label: str | None,
+        stage: StageOne,
+        cells: Bool[Tensor, "example layer"] | None,
+    ) -> StageTwoRun:
+        if stage.s1 is None:
+            return super().stage_two(source, label, stage, cells)
+        return CheckedStageTwo(self, source, label, stage, cells)
+
+    def forget_clean_runs(self, short_of_memory: bool = True) -> None:
+        super().forget_clean_runs(short_of_memory)
+        self.fp32_clean.forget(short_of_memory)
 
     def scale(self, stage: StageOne) -> float:
         """The band's scale of this run: measured on Stage 1's cells when it ran in both formats, else the prior."""
@@ -326,25 +342,25 @@ class PrecisionCheck:
 
     def reference(self, role: str, model: ModelLike) -> TLModel | None:
         """The fp32 copy of ``model`` in ``role`` (made once), or None where it cannot be made (not a bridge, or
-        more than the memory left): that model's cells are then counted, not re-decided."""
+        more than its share of the memory left, `planning.MemoryPlan.fp32_copy_fits`): that model's cells are then
+        counted, not re-decided."""
         kept = self.references.get(role)
         if kept is not None and kept[0]() is model:
             return kept[1].model
-        lean = lean_reference(model, self.engine)
-        needed = 0 if lean else weight_bytes_fp32(model)
-        free = available_memory_bytes(self.device)
         if hf_model_of(model) is None:
             self.unavailable[role] = "it is not a TransformerBridge"
-        elif needed > 0.9 * free:
+        else:
+            needed = 0 if lean_reference(model, self.engine) else weight_bytes_fp32(model)
+            fits, free = self.plan.fp32_copy_fits(needed) if needed else (True, 0)
+            if fits:
+                made = reference_model(model, self.plan.device, self.engine)  # type: ignore[arg-type]
+                self.references[role] = (weakref.ref(model), made)
+                self.weights[role] = made.weights
+                self.seconds["copies"] = self.seconds.get("copies", 0.0) + made.seconds
+                return made.model
             self.unavailable[role] = (
                 f"an fp32 copy needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
             )
-        else:
-            made = reference_model(model, self.device, self.engine)  # type: ignore[arg-type]
-            self.references[role] = (weakref.ref(model), made)
-            self.weights[role] = made.weights
-            self.seconds["copies"] = self.seconds.get("copies", 0.0) + made.seconds
-            return made.model
         logger.warning(
             "Precision check: the %s model is not re-run in fp32 (%s); its fragile cells are counted only.",
             role,
@@ -356,11 +372,6 @@ class PrecisionCheck:
         """Drop the fp32 copy of ``role`` (its stage is over)."""
         self.references.pop(role, None)
 
-    def forget_clean_runs(self) -> None:
-        """Drop the kept fp32 clean runs (the batches were split: their numbers mean other examples now)."""
-        self.clean.clear()
-        self.clean_budget //= 2
-
     def _models(self, role: str, source: ModelLike) -> tuple[TLModel, TLModel] | None:
         if not self.enabled:
             return None
@@ -368,14 +379,8 @@ class PrecisionCheck:
         other = self.reference(role, source) if full is not None else None
         return None if full is None or other is None else (full, other)
 
-    def _clean_run(self, full: TLModel, batch: PatchBatch, number: int) -> CleanRun:
-        run = self.clean.get(number)
-        if run is None:
-            run = self.engine.clean_run(full, batch)
-            held = sum(clean_run_bytes(kept) for kept in self.clean.values())
-            if held + clean_run_bytes(run) <= self.clean_budget:
-                self.clean[number] = run
-        return run
+    def _fp32_clean_run(self, full: TLModel, batch: PatchBatch, number: int) -> CleanRun:
+        return self.fp32_clean.get(number, lambda: self.engine.clean_run(full, batch))
 
     def stage1_batch(
         self, retain: ModelLike, batch: PatchBatch, number: int, members: list[int], shape: tuple[int, int]
@@ -390,16 +395,14 @@ class PrecisionCheck:
             self.stage1_fp32 = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
         started = time.perf_counter()
         with torch.no_grad(), computing_in(torch.float32):  # a lean reference runs in fp32 here
-            clean = self._clean_run(full, batch, number)
+            clean = self._fp32_clean_run(full, batch, number)
             self.stage1_fp32[0][members] = self.engine.baseline_scores(full, batch, clean).float().cpu()
             self.stage1_fp32[1][members] = self.engine.source_scores(full, other, batch, clean).float().cpu()
-        _synchronize(self.device)
+        _synchronize(self.plan.device)
         self.seconds["retain"] = self.seconds.get("retain", 0.0) + time.perf_counter() - started
 
     def finish_stage1(self, stage: StageOne) -> None:
-        """Give ``stage`` the fp32 baseline and S1 of the batches run (none when no batch ran); the retain copy is
-        dropped."""
-        self.release("retain")
+        """Give ``stage`` the fp32 baseline and S1 of the batches run (none when no batch ran)."""
         kept, self.stage1_fp32 = self.stage1_fp32, None
         if kept is not None:
             stage.baseline_fp32, stage.s1_fp32 = kept
@@ -464,9 +467,9 @@ class PrecisionCheck:
         full, other = models
         started = time.perf_counter()
         with torch.no_grad(), computing_in(torch.float32):  # a lean reference runs in fp32 here
-            clean = self._clean_run(full, batch, number)
+            clean = self._fp32_clean_run(full, batch, number)
             patched = self.engine.cell_scores(full, other, batch, chosen, clean)
-        _synchronize(self.device)
+        _synchronize(self.plan.device)
         self.seconds["unlearned"] = self.seconds.get("unlearned", 0.0) + time.perf_counter() - started
         return stage.baseline_fp32[members] - patched
 
@@ -527,6 +530,74 @@ class PrecisionCheck:
         }
 
 
+class CheckedStageOne(StageOneRun):
+    """Stage 1 of a checked run: each batch as `stages.StageOneRun` runs it, then its baseline and S1 in fp32
+    (`PrecisionCheck.stage1_batch`); the finished stage carries both (``baseline_fp32``, ``s1_fp32``)."""
+
+    runs: PrecisionCheck
+
+    def run(self, number: int, members: list[int], batch: PatchBatch) -> None:
+        super().run(number, members, batch)
+        self.runs.stage1_batch(self.retain, batch, number, members, self.shape)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        super().close()
+        self.runs.release("retain")
+
+    def finish(self, idx: list[int], batches: list[list[int]], seconds: float) -> StageOne:
+        stage = super().finish(idx, batches, seconds)
+        self.runs.finish_stage1(stage)
+        return stage
+
+
+class CheckedStageTwo(StageTwoRun):
+    """Stage 2 of a checked run: per batch, the examples rounding could move by more than the tolerance run in
+    fp32 from the start (`PrecisionCheck.reduced_cells`), the others as `stages.StageTwoRun` runs them, then
+    their fragile clips again in fp32 (`PrecisionCheck.stage2_batch`). S2 as results show it is ``baseline -
+    d2_fp32`` where a cell was decided in fp32; ``meta()`` is the check's record (``meta["precision"]``)."""
+
+    runs: PrecisionCheck
+
+    def __init__(
+        self,
+        runs: PrecisionCheck,
+        source: ModelLike,
+        label: str | None,
+        stage: StageOne,
+        cells: Bool[Tensor, "example layer"] | None,
+    ) -> None:
+        super().__init__(runs, source, label, stage, cells)
+        self.d2_fp32 = torch.full_like(self.s2, float("nan"))
+        self.started = runs.clock()
+
+    def run(
+        self, number: int, members: list[int], batch: PatchBatch, cells: Bool[Tensor, "batch layer"] | None
+    ) -> None:
+        check = self.runs
+        super().run(number, members, batch, check.reduced_cells(self.source, self.stage, members, cells))
+        self.d2_fp32[members] = check.stage2_batch(
+            self.source, batch, number, self.stage, members, cells, self.s2[members]
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.runs.release("unlearned")
+
+    def scores(self) -> Float[Tensor, "example layer"]:
+        # at a cell re-decided in fp32 the table's d2 (baseline - s2) is the fp32 one
+        return torch.where(torch.isnan(self.d2_fp32), self.s2, self.stage.baseline - self.d2_fp32)
+
+    def meta(self) -> dict[str, Any]:
+        return {"precision": self.runs.record(self.stage, self.s2, self.d2_fp32)}
+
+    def timings(self) -> dict[str, float]:
+        # the check's fp32 runs (part of Stage 2) and copies (a load, not)
+        return {**super().timings(), **self.runs.timings_since(self.started)}
+
+    def load_seconds(self) -> float:
+        return self.runs.timings_since(self.started)["s2_precision_copy_seconds"]
+
+
 def _decided(stage: StageOne) -> tuple[Float[Tensor, "example layer"], Bool[Tensor, "example layer"]]:
     """A Stage 1's decided ``d1`` and where it is an fp32 one."""
     d1 = stage.decided_d1()
@@ -537,10 +608,11 @@ def _decided(stage: StageOne) -> tuple[Float[Tensor, "example layer"], Bool[Tens
 
 
 __all__ = [
-    "LEAN_MODEL_TYPES",
     "PRIOR_SCALE",
     "REDUCED_DTYPES",
     "SAFETY",
+    "CheckedStageOne",
+    "CheckedStageTwo",
     "PrecisionCheck",
     "Reference",
     "ReferenceWeights",

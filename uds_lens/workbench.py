@@ -2,19 +2,18 @@
 metric and the clean run's activations, all in the token layout UDS scores in; and component patching
 (``uds_lens.components``) on the auditor's models and examples.
 
-`Workbench` is a mixin of [`UDSAuditor`][uds_lens.auditor.UDSAuditor] (``auditor.example(3)``, ``auditor.metric(3)``
-...): it reads what the auditor set up (the encoded examples, the settings, the full model, the tokenizer) and never
-runs a stage.
+A [`UDSAuditor`][uds_lens.auditor.UDSAuditor] holds one (``auditor.workbench``) and hands these calls to it
+(``auditor.example(3)``, ``auditor.metric(3)`` ...). It reads what the auditor set up (the encoded examples, the
+settings, the full model, the tokenizer: a `WorkbenchContext`) and never runs a stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase
 
 from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.component_result import ComponentResult
@@ -26,56 +25,30 @@ from uds_lens.components import (
     patch_positions,
     patch_tokens,
 )
-from uds_lens.config import UDSConfig
-from uds_lens.data import EncodedExample, Example, Skip, build_prompt
+from uds_lens.data import Example, build_prompt
 from uds_lens.patching.batch import pad_batch
 from uds_lens.sources import as_source
-from uds_lens.tl_compat import ActivationCache, ModelLike, TLModel
+from uds_lens.tl_compat import ActivationCache
 
 
-class Workbench:
-    """Inputs for hand-written hook experiments on the auditor's examples (the module docstring).
+class WorkbenchContext(PatchContext, Protocol):
+    """What the workbench reads of its auditor: what component patching reads, the forget set's records and the
+    read-out's dtype rule."""
 
-    The members below are the auditor's (`UDSAuditor` sets them up); ``load_source`` is its
-    [`load_source`][uds_lens.auditor.UDSAuditor.load_source].
-    """
-
-    encoded: list[EncodedExample]
-    skipped: list[Skip]
-    examples: list[Example]
-    data_name: str | None
-    config: UDSConfig
-    full: TLModel
-    tokenizer: PreTrainedTokenizerBase
-    pad_id: int
-    layers: list[int]
-    load_source: Callable[..., ModelLike]
+    @property
+    def examples(self) -> list[Example]:
+        """The forget set's records (an example's question and entity, for `Workbench.example`)."""
 
     @property
     def upcast(self) -> bool:
-        """Whether log-softmax runs in float32 (the engine spec's rule: everywhere but published-compat)."""
-        return self.config.engine_spec(tuple(self.layers)).upcast
+        """Whether log-softmax runs in float32 (everywhere but published-compat)."""
 
-    def select(self, idxs: Sequence[int] | None = None) -> list[EncodedExample]:
-        """The encoded examples with these dataset ``idx`` values, in that order (default all scored ones)."""
-        if idxs is None:
-            return list(self.encoded)
-        by_idx = {e.idx: e for e in self.encoded}
-        skipped = {s.idx: s.reason for s in self.skipped}
-        out = []
-        for idx in idxs:
-            if idx in by_idx:
-                out.append(by_idx[idx])
-            elif idx in skipped:
-                raise KeyError(
-                    f"Example idx {idx} was skipped ({skipped[idx]}): it has no token layout to patch."
-                )
-            else:
-                raise KeyError(
-                    f"No example with idx {idx} in {self.data_name}; scored idx are "
-                    f"{[e.idx for e in self.encoded][:20]}..."
-                )
-        return out
+
+class Workbench:
+    """Inputs for hand-written hook experiments on an auditor's examples (the module docstring)."""
+
+    def __init__(self, auditor: WorkbenchContext) -> None:
+        self.auditor = auditor
 
     def example(self, idx: int) -> ExampleInputs:
         """One example as tensors for a hand-written hook experiment (``components.ExampleInputs``).
@@ -85,10 +58,11 @@ class Workbench:
         they are, ``patch_positions`` what UDS patches under this auditor's scope.
         """
 
-        encoded = self.select([idx])[0]
-        record = next(e for e in self.examples if e.idx == idx)
-        prompt, reference = build_prompt(record, self.config.published_compat) or ("", "")
-        device = self.full.cfg.device
+        auditor = self.auditor
+        encoded = auditor.select([idx])[0]
+        record = next(e for e in auditor.examples if e.idx == idx)
+        prompt, reference = build_prompt(record, auditor.config.published_compat) or ("", "")
+        device = auditor.full.cfg.device
         return ExampleInputs(
             idx=idx,
             question=record.question,
@@ -96,19 +70,20 @@ class Workbench:
             prompt=prompt,
             reference=reference,
             tokens=torch.tensor([encoded.input_ids], device=device),
-            str_tokens=[str(self.tokenizer.decode([token])) for token in encoded.input_ids],
+            str_tokens=[str(auditor.tokenizer.decode([token])) for token in encoded.input_ids],
             read_positions=torch.tensor(list(encoded.read_positions), device=device),
             labels=torch.tensor(encoded.labels, device=device),
             patch_positions=torch.tensor(
-                list(encoded.patch_positions(self.config.patch_scope)), device=device
+                list(encoded.patch_positions(auditor.config.patch_scope)), device=device
             ),
         )
 
     def tokens(self, idxs: int | Sequence[int]) -> Tensor:
         """``[batch, pos]`` right-padded tokens of these examples (the layout [`metric`][uds_lens.workbench.Workbench.metric] reads)."""
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        return pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False).tokens.to(
-            self.full.cfg.device
+        auditor = self.auditor
+        chosen = auditor.select([idxs] if isinstance(idxs, int) else idxs)
+        return pad_batch(chosen, auditor.pad_id, auditor.config.patch_scope, cut=False).tokens.to(
+            auditor.full.cfg.device
         )
 
     def metric(self, idxs: int | Sequence[int], per_example: bool = False) -> Callable[[Tensor], Tensor]:
@@ -122,10 +97,11 @@ class Workbench:
             >>> metric(auditor.full(ex.tokens))        # == the clean score S0 of example 3
         """
 
-        chosen = self.select([idxs] if isinstance(idxs, int) else idxs)
-        batch = pad_batch(chosen, self.pad_id, self.config.patch_scope, cut=False)
+        auditor = self.auditor
+        chosen = auditor.select([idxs] if isinstance(idxs, int) else idxs)
+        batch = pad_batch(chosen, auditor.pad_id, auditor.config.patch_scope, cut=False)
         return entity_metric(
-            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=self.upcast
+            batch.read_batch, batch.read_pos, batch.read_label, batch.size, per_example, upcast=auditor.upcast
         )
 
     def run_with_cache(
@@ -135,21 +111,22 @@ class Workbench:
         names_filter: Callable[[str], bool] | Sequence[str] | str | None = None,
     ) -> tuple[Tensor, ActivationCache]:
         """``(logits, ActivationCache)`` of the clean run of ``model`` (default ``full``) on these examples."""
-        target = self.full if model is None else as_source(self.load_source(model)).model
+        auditor = self.auditor
+        target = auditor.full if model is None else as_source(auditor.load_source(model)).model
         with torch.no_grad():
             return target.run_with_cache(self.tokens(idxs).to(target.cfg.device), names_filter=names_filter)
 
     def patch_heads(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """Head-level UDS ``[example, layer, head]``: see [`uds_lens.components.patch_heads`][uds_lens.components.patch_heads]."""
-        return patch_heads(cast("PatchContext", self), unlearned, **kwargs)
+        return patch_heads(self.auditor, unlearned, **kwargs)
 
     def patch_tokens(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """Per-entity-token UDS ``[example, layer, token]``: see [`uds_lens.components.patch_tokens`][uds_lens.components.patch_tokens]."""
-        return patch_tokens(cast("PatchContext", self), unlearned, **kwargs)
+        return patch_tokens(self.auditor, unlearned, **kwargs)
 
     def patch_positions(self, unlearned: object, **kwargs: Any) -> ComponentResult:
         """One patched position at a time ``[example, layer, position]``: [`uds_lens.components.patch_positions`][uds_lens.components.patch_positions]."""
-        return patch_positions(cast("PatchContext", self), unlearned, **kwargs)
+        return patch_positions(self.auditor, unlearned, **kwargs)
 
 
-__all__ = ["Workbench"]
+__all__ = ["Workbench", "WorkbenchContext"]

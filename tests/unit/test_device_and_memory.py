@@ -284,14 +284,14 @@ def test_clean_runs_are_kept_only_within_their_budget(tiny, tiny_auditor):
     config = UDSConfig(batch_size=2)
     unbounded = tiny_auditor(loaded, config)
     reference = unbounded.score(tiny.unlearned)
-    kept = [clean_run_bytes(run) for run in unbounded._clean.values()]
+    kept = [clean_run_bytes(run) for run in unbounded.runs.clean.runs.values()]
     assert len(kept) == len(unbounded.batches) > 1 and sum(kept) <= unbounded.clean_cache_bytes
     for budget in (0, kept[0]):
         bounded = tiny_auditor(loaded, config)
         bounded.clean_cache_bytes = budget
         result = bounded.score(tiny.unlearned)
-        assert sum(clean_run_bytes(run) for run in bounded._clean.values()) <= budget
-        assert len(bounded._clean) == (0 if budget == 0 else 1)
+        assert sum(clean_run_bytes(run) for run in bounded.runs.clean.runs.values()) <= budget
+        assert len(bounded.runs.clean.runs) == (0 if budget == 0 else 1)
         # a clean run computed again is the same computation on the same tensors: equal by construction
         assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()
 
@@ -442,9 +442,80 @@ def test_the_batch_size_leaves_room_for_the_targets_joined_copies(tiny, monkeypa
     seq_len = max(example.read_positions.stop for example in encoded)
     window = max(len(example.window("span")) for example in encoded)
     per_example = FastEngine.bytes_per_example(model, seq_len, window)
-    # only the patch target keeps joined copies (a source makes one block's at a time)
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: joined + 40 * per_example)
-    assert planning.choose_batch_size(model, encoded, "span", "fast") == 10  # a quarter of what is left
-    assert planning.choose_batch_size(model, encoded, "span", "fast", joined_models=0) == 10 + int(
+    # the joined copies held (the target's) are taken from the free memory first
+    free = joined + 40 * per_example
+    assert (
+        planning.choose_batch_size(model, encoded, "span", "fast", free, joined) == 10
+    )  # a quarter of the rest
+    assert planning.choose_batch_size(model, encoded, "span", "fast", free) == 10 + int(
         0.25 * joined // per_example
     )
+
+
+# -- 8. one plan per run -------------------------------------------------------------------------------------------
+
+
+def test_an_fp32_run_measures_the_free_memory_once(tiny, tiny_auditor, monkeypatch):
+    """The auditor measures once, when the models of Stage 1 are loaded, and hands out every share from that
+    (``planning.MemoryPlan``): the batch, the clean runs, the joined copies; a model swap in fp32 needs no second
+    look. (Models given in memory: loading's own fit check is the loader's.)"""
+    loaded = {
+        name: loader.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain", "unlearned")
+    }
+    measured: list[object] = []
+    real = memory.available_memory_bytes
+
+    def counted(device: Any) -> int:
+        measured.append(device)
+        return real(device)
+
+    monkeypatch.setattr(memory, "available_memory_bytes", counted)
+    auditor = tiny_auditor(loaded)
+    auditor.score(loaded["unlearned"])
+    auditor.score(loaded["retain"])  # a second model swap
+    assert len(measured) == 1
+    plan = auditor.plan
+    assert (
+        auditor.clean_cache_bytes
+        == plan.share("clean_runs")
+        == int(planning.SHARES["clean_runs"] * plan.free)
+    )
+    assert auditor.holds_joined == (plan.joined_bytes <= plan.share("joined_copies"))
+
+
+def test_the_plan_holds_a_sources_joined_copies_only_where_the_targets_fit_beside_them(tiny):
+    model = loader.load_model(tiny.full, device="cpu")
+    joined = planning.joined_copy_bytes(model)
+    share = planning.SHARES["joined_copies"]
+    roomy = planning.MemoryPlan("cpu", int(2 * joined / share) + 1, joined)
+    target_only = planning.MemoryPlan("cpu", int(joined / share) + 1, joined)
+    short = planning.MemoryPlan("cpu", int(joined / share) - 1, joined)
+    assert roomy.holds_target_joins and roomy.holds_source_joins
+    assert target_only.holds_target_joins and not target_only.holds_source_joins
+    assert not short.holds_target_joins and not short.holds_source_joins
+    assert not planning.MemoryPlan("cpu", 1 << 40, 0).holds_target_joins  # an engine that joins nothing
+    # the batch comes out of what the held copies leave
+    encoded, _ = encode(load_examples(tiny.data), loader.load_tokenizer(tiny.tokenizer))
+    free = roomy.free
+    assert roomy.batch_size(model, encoded, "span", "fast") == planning.choose_batch_size(
+        model, encoded, "span", "fast", free, 2 * joined
+    )
+
+
+def test_a_dropped_model_is_collected_only_where_a_reference_cycle_holds_it(monkeypatch):
+    """A model freed by its last reference costs no garbage collection (a fraction of a second on a full heap, each
+    time a stage releases a model); one a cycle still holds is collected."""
+    collections: list[int] = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(1) or real(*args))
+    plain = torch.nn.Linear(2, 2)
+    dropped = weakref.ref(plain)
+    del plain
+    memory.release_dropped(dropped, "cpu")
+    assert dropped() is None and collections == []
+    cyclic = torch.nn.Linear(2, 2)
+    cyclic.__dict__["me"] = cyclic
+    dropped = weakref.ref(cyclic)
+    del cyclic
+    memory.release_dropped(dropped, "cpu")
+    assert dropped() is None and collections == [1]

@@ -4,10 +4,13 @@ run of its weights, bit for bit the run of a whole fp32 copy (``precision.refere
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.families import build_family, family_configs
 
+from uds_lens import families
 from uds_lens.checkpoints.loader import load_model, load_tokenizer
 from uds_lens.config import EngineSpec
 from uds_lens.data import encode, load_examples
@@ -17,7 +20,8 @@ from uds_lens.patching.kernels import computing_in
 from uds_lens.precision import lean_reference, reference_model
 from uds_lens.tl_compat import hf_model_of
 
-# the families whose lean reference is used (precision.LEAN_MODEL_TYPES); Gemma and Phi-3 get whole copies
+# the families whose lean reference is used (the family table's lean_reference column); Gemma and Phi-3 get whole
+# copies
 FAMILIES = ["llama3", "mistral_window", "qwen2_window", "qwen3", "olmo2"]
 WHOLE = ["gemma2", "phi3"]
 
@@ -137,7 +141,9 @@ def test_the_precision_check_runs_lean_on_bf16_checkpoints_and_decides_as_whole_
     monkeypatch.setattr(precision, "reference_model", spy)
     lean = score()
     assert made and all(made)  # full, retain and unlearned: no fp32 copy made
-    monkeypatch.setattr(precision, "LEAN_MODEL_TYPES", frozenset())
+    # the family table's row says no lean reference: whole fp32 copies
+    llama = dataclasses.replace(families.FAMILIES["llama"], lean_reference=False)
+    monkeypatch.setitem(families.FAMILIES, "llama", llama)
     made.clear()
     whole = score()
     assert made and not any(made)

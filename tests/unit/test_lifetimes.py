@@ -17,7 +17,8 @@ from uds_lens.checkpoints import loader
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import UDSConfig
 from uds_lens.patching.kernels import kept_joined_blocks
-from uds_lens.patching.planning import joined_copy_bytes
+from uds_lens.patching.planning import SHARES, joined_copy_bytes
+from uds_lens.stages import StageOneRun, StageTwoRun
 
 
 @pytest.fixture
@@ -119,3 +120,44 @@ def test_a_target_whose_joined_copies_do_not_fit_holds_none_and_scores_the_same(
     # each block joined for the run that needs it: the same values, the same products, equal by construction
     assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()
     assert torch.equal(tight.stage1.s1, roomy.stage1.s1)  # type: ignore[arg-type]
+
+
+def test_a_sources_joined_copies_are_held_through_its_stage_where_the_plan_has_room(tiny, monkeypatch):
+    """Retain's copies through Stage 1 and each unlearned model's through its Stage 2 where the plan has room for
+    them beside full's (made once a stage, not once a batch), gone when the stage ends; where it has room for
+    full's only, each batch joins a source's block for its run: the same products, the same numbers."""
+    full = loader.load_model(tiny.full, device="cpu")
+    retain = loader.load_model(tiny.retain, device="cpu")
+    unlearned = loader.load_model(tiny.unlearned, device="cpu")
+    held: list[tuple[str, int]] = []
+    stage_one_run, stage_two_run = StageOneRun.run, StageTwoRun.run
+
+    def one(self: StageOneRun, *args: Any) -> None:
+        stage_one_run(self, *args)
+        held.append(("retain", kept_joined_blocks(self.retain)))
+
+    def two(self: StageTwoRun, *args: Any) -> None:
+        stage_two_run(self, *args)
+        held.append(("unlearned", kept_joined_blocks(self.source)))
+
+    monkeypatch.setattr(StageOneRun, "run", one)
+    monkeypatch.setattr(StageTwoRun, "run", two)
+    roomy = _auditor(tiny, full, retain, batch_size=2)
+    reference = roomy.score(unlearned)
+    n_layers = full.cfg.n_layers
+    assert roomy.plan.holds_source_joins and len(roomy.batches) > 1
+    assert {role for role, _ in held} == {"retain", "unlearned"} and all(n == n_layers for _, n in held)
+    assert kept_joined_blocks(retain) == kept_joined_blocks(unlearned) == 0  # gone with their stage
+    # room for full's copies only
+    held.clear()
+    joined = joined_copy_bytes(full)
+    monkeypatch.setattr(
+        memory, "available_memory_bytes", lambda device: int(1.5 * joined / SHARES["joined_copies"])
+    )
+    tight = _auditor(tiny, full, retain, batch_size=2)
+    assert tight.holds_joined and not tight.plan.holds_source_joins
+    result = tight.score(unlearned)
+    assert held and all(n == 0 for _, n in held)
+    # each block joined for the run that needs it: the same values, the same products, equal by construction
+    assert torch.equal(tight.stage1.s1, roomy.stage1.s1)  # type: ignore[arg-type]
+    assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()

@@ -201,3 +201,29 @@ def test_fast_plan_packs_windows_of_different_lengths(setup):
     # TypeError), by plan_batches' own check without it (a ValueError); either way it names the engine.
     with pytest.raises((ValueError, TypeError), match="engine"):
         plan_batches(encoded, "span", 4, engine="fastest")  # type: ignore[arg-type]
+
+
+def test_the_engine_is_chosen_once_where_the_model_it_patches_is_known(setup, tiny, monkeypatch, caplog):
+    """``engine_for(spec, full)`` is the one choice: the engine named, or the naive one (after a one-line warning)
+    where that one refuses the model; the auditor takes its engine from it and records the one it runs."""
+    from uds_lens.auditor import UDSAuditor
+    from uds_lens.config import UDSConfig
+    from uds_lens.patching.engines import FastEngine
+
+    spec = EngineSpec("resid_post", (0, 1))
+    assert isinstance(engine_for(spec, setup["full"]), FastEngine)
+    monkeypatch.setattr(FastEngine, "refusal", staticmethod(lambda model: "no kernel for this family"))
+    with caplog.at_level("WARNING"):
+        chosen = engine_for(spec, setup["full"])
+    assert isinstance(chosen, NaiveEngine) and chosen.spec == EngineSpec("resid_post", (0, 1), "naive")
+    assert "no kernel for this family" in caplog.text
+    auditor = UDSAuditor(
+        setup["full"],
+        setup["source"],
+        tiny.data,
+        UDSConfig(),
+        tokenizer=setup["tok"],
+        cache_dir=False,
+        progress=False,
+    )
+    assert isinstance(auditor.engine, NaiveEngine) and auditor.config.engine == "naive"

@@ -219,7 +219,7 @@ def test_without_memory_for_fp32_copies_the_cells_are_counted_not_re_decided(
     models, unchecked, tiny_auditor, monkeypatch
 ):
     bf16 = models["bfloat16"]
-    monkeypatch.setattr("uds_lens.precision.available_memory_bytes", lambda device: 1 << 10)
+    monkeypatch.setattr("uds_lens.memory.available_memory_bytes", lambda device: 1 << 10)
     result = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2)).score(bf16["unlearned"])
     record = result.precision
     assert "full" in record["not_redecided"] and "GiB free" in record["not_redecided"]["full"]

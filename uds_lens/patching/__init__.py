@@ -7,7 +7,7 @@ source model's activation at the same hook, and its score is the mean over ``R``
     score(l) = mean_{p in R} log_softmax(W_U · ln_final(x_L[p]))[label(p)]     with x patched at (l, s, P)
 
 Two engines compute exactly that, one class each on a shared base (``engines.PatchEngine``), chosen once from an
-``EngineSpec`` by ``engines.engine_for(spec)``; every stage calls the chosen object's ``clean_run``,
+``EngineSpec`` and the model they patch by ``engines.engine_for(spec, full)``; every stage calls the chosen object's ``clean_run``,
 ``baseline_scores``, ``source_scores`` / ``patched_scores`` and ``cell_scores``, and planning asks its class how it
 pads and sizes a batch:
 
@@ -49,10 +49,14 @@ arguments. The package, one concept per module:
   and each engine's ``axis_scores`` (component patching);
 * ``axes``: the component axes (head, entity token, patched position), one row of ``AXIS_PATCHES`` each: width,
   runs, mask, setter, read and labels, the small pieces the engines' ``axis_scores`` combine;
-* ``planning``: which examples share a batch, how many fit in memory, and ``run_batches``, the one runner that
-  halves a batch that runs out of memory (the auditor and component patching use it);
-* ``cells``: the fast engine's Stage 2 on chosen (example, layer) cells only (KE-only Stage 2), ragged runs packed
-  into one row axis, and ``stage2_work``, the floor's window work priced on the cells run.
+* ``resumed``: the fast engine's patched runs, resumed from the clean run at the patched layer: one kernel
+  (``resumed_scores``) over two run layouts, one run per layer (``LayerRuns``) or per chosen cell (``CellRuns``:
+  KE-only Stage 2, ragged runs packed into one row axis);
+* ``planning``: which examples share a batch, the run's memory plan (``MemoryPlan``: the free memory measured once,
+  ``SHARES`` the one table of what it hands out; ``CleanRuns``, the budgeted clean-run cache), and ``run_batches``,
+  the one runner that halves a batch that runs out of memory (the auditor and component patching use it);
+* ``cells``: what a Stage 2 on chosen cells runs and records, and ``stage2_work``, the floor's window work priced on
+  the cells run.
 
 The read-out (label log-probs and their per-example mean) is ``uds_lens.readout``'s, applied to final residuals by
 ``kernels.read_scores``.
@@ -75,7 +79,7 @@ from uds_lens.patching.engines import (
     window_source_activations,
 )
 from uds_lens.patching.kernels import FAST_MODEL_TYPES, fast_engine_refusal, packed_forward, read_scores
-from uds_lens.patching.planning import choose_batch_size, plan_batches, run_batches
+from uds_lens.patching.planning import SHARES, MemoryPlan, choose_batch_size, plan_batches, run_batches
 from uds_lens.readout import mean_entity_logprob, segment_mean
 from uds_lens.sources import hook_name
 
@@ -86,10 +90,12 @@ __all__ = [
     "ENGINES",
     "FAST_MODEL_TYPES",
     "FastEngine",
+    "MemoryPlan",
     "NaiveEngine",
     "PatchBatch",
     "PatchEngine",
     "SCOPES",
+    "SHARES",
     "SITES",
     "EngineSpec",
     "WindowPacking",

@@ -32,6 +32,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from uds_lens.checkpoints.checkpoint import model_label
 from uds_lens.config import ENGINES, Engine, EngineSpec, Scope
 from uds_lens.data import EncodedExample
 from uds_lens.patching.axes import (
@@ -43,16 +44,8 @@ from uds_lens.patching.axes import (
     hooked_token_logprobs,
 )
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, window_sites
-from uds_lens.patching.cells import fast_cell_scores
-from uds_lens.patching.kernels import (
-    attention_layout,
-    block_attention,
-    fast_engine_refusal,
-    layer_weights,
-    mlp_half,
-    packed_forward,
-    read_scores,
-)
+from uds_lens.patching.kernels import fast_engine_refusal, packed_forward, read_scores
+from uds_lens.patching.resumed import CellRuns, LayerRuns, resumed_scores
 from uds_lens.readout import segment_mean
 from uds_lens.sources import as_source, hook_name
 from uds_lens.tl_compat import HookPoint, ModelLike, TLModel, attn_result, is_bridge
@@ -222,28 +215,32 @@ def engine_class(name: str) -> type[PatchEngine]:
     return classes[name]
 
 
-def engine_for(spec: EngineSpec) -> PatchEngine:
-    """The engine ``spec.engine`` names, bound to ``spec``: the one place the choice is made."""
-    return engine_class(spec.engine)(spec)
+def engine_for(spec: EngineSpec, full: TLModel | None = None, label: str = "the full model") -> PatchEngine:
+    """The engine ``spec.engine`` names, bound to ``spec``: the one place the choice is made.
+
+    Given the model it will patch (``full``), the naive engine where the engine named refuses that model (a family
+    the fast engine does not compute, quantised weights): the model's own forward, never a guess, after a one-line
+    warning that names what runs naive (``label``) and why."""
+    chosen = engine_class(spec.engine)
+    refusal = None if full is None else chosen.refusal(full)
+    if refusal is None:
+        return chosen(spec)
+    logger.warning("%s: %s; it runs on the naive engine.", label, refusal)
+    return NaiveEngine(dataclasses.replace(spec, engine="naive"))
 
 
 def axis_engine(spec: EngineSpec, patch: AxisPatch, full: TLModel, strict: bool = False) -> PatchEngine:
-    """The engine that runs component patch ``patch`` on ``full``: ``engine_for(spec)``, or the naive engine where
-    the row is naive-only (``patch.naive_only``) or the engine refuses the model (after a one-line warning).
+    """The engine that runs component patch ``patch`` on ``full``: `engine_for`, naive where the row is naive-only
+    (``patch.naive_only``) or the engine refuses the model.
 
     Raises:
         ValueError: ``strict`` (the engine was asked for by name) and the row is naive-only.
     """
-    naive = dataclasses.replace(spec, engine="naive")
     if spec.engine != "naive" and patch.naive_only is not None:
         if strict:
             raise ValueError(patch.naive_only)
-        return engine_for(naive)
-    refusal = engine_class(spec.engine).refusal(full)
-    if refusal is not None:
-        logger.warning("%s patching runs the naive engine: %s.", patch.axis, refusal)
-        return engine_for(naive)
-    return engine_for(spec)
+        return engine_for(dataclasses.replace(spec, engine="naive"))
+    return engine_for(spec, full, f"{patch.axis} patching of {model_label(full)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -502,75 +499,17 @@ def fast_patched_scores(
     acts: Float[Tensor, "layer batch pos d_model"] | Float[Tensor, "layer row d_model"] | None,
     spec: EngineSpec,
 ) -> Float[Tensor, "batch layer"]:
-    """Patched scores for every (example, layer of ``spec.layers``), recomputing only the window of each run.
+    """Patched scores for every (example, layer of ``spec.layers``), recomputing only the window of each run: the
+    resumed runs of ``patching.resumed``, one per layer over every example's window (``LayerRuns``).
 
     ``acts`` is ``[layer, batch, pos, d_model]`` (``source_activations``) or already at the packed window rows
     (``window_source_activations``); ``acts=None`` writes the clean activations back (the engine's own unpatched
     baseline).
-
-    Run ``l`` holds the packed window rows of every example of the batch (``WindowPacking``: no padding) with the
-    patch applied at layer ``l``, and goes through blocks ``> l`` (``>= l`` for ``resid_pre``) attending to the
-    clean prefix keys/values. Runs are ordered latest start first, so the runs active at a block are a tail of them
-    and each block is one call over ``[run, row, d_model]``.
     """
-    site, layers = spec.site, list(spec.layers)
-    if clean.site != site or not clean.keys:
-        raise ValueError("The clean run was made for another site or without keys/values; rebuild it.")
-    n_layers = full.cfg.n_layers
-    packing = WindowPacking.of(batch)
-
-    def first_block(layer: int) -> int:
-        return layer if site == "resid_pre" else layer + 1
-
-    order = sorted(range(len(layers)), key=lambda i: -first_block(layers[i]))
-    run_layers = [layers[i] for i in order]
-    run_index = torch.tensor(run_layers, device=batch.tokens.device)
-    source_rows = None
-    if acts is not None:
-        source_rows = acts[torch.tensor(order, device=acts.device)]
-        if source_rows.ndim == 4:  # [layer, batch, pos, d_model]: gather the window rows
-            source_rows = source_rows[:, packing.example.to(acts.device), packing.position.to(acts.device)]
-    patch_rows = packing.patched[None, :, None]
-
-    def clean_rows(name: str) -> Float[Tensor, "run row d_model"]:
-        return clean.window_acts[name][run_index]
-
-    def patched(name: str) -> Float[Tensor, "run row d_model"]:
-        values = clean_rows(name)
-        if source_rows is None:
-            return values
-        return torch.where(patch_rows, source_rows.to(values.device, values.dtype), values)
-
-    with torch.no_grad():
-        if site in ("resid_post", "resid_pre"):
-            resid = patched(site)
-        elif site == "mlp_out":
-            resid = clean_rows("resid_mid") + patched("mlp_out")
-        else:
-            resid_mid = (
-                patched("resid_mid") if site == "resid_mid" else clean_rows("resid_pre") + patched("attn_out")
-            )
-            resid = torch.stack(
-                [mlp_half(layer_weights(full, layer), resid_mid[r]) for r, layer in enumerate(run_layers)]
-            )
-
-        layout = attention_layout(full, packing, resid.dtype, batch.input_length)
-        starts = [first_block(layer) for layer in run_layers]
-        for block_index in range(min(starts), n_layers):
-            first_active = next(r for r, start in enumerate(starts) if start <= block_index)
-            weights = layer_weights(full, block_index)
-            active = resid[first_active:]
-            active = active + block_attention(
-                weights, active, layout, clean.keys[block_index], clean.values[block_index]
-            )
-            resid[first_active:] = mlp_half(weights, active)
-
-        scores = read_scores(
-            full, resid[:, packing.read_row], batch.read_label, batch.read_batch, batch.size, spec.upcast
-        )
-    result = torch.empty(batch.size, len(layers), dtype=scores.dtype, device=scores.device)
-    result[:, order] = scores.T
-    return result
+    if acts is not None and acts.ndim == 4:  # [layer, batch, pos, d_model]: gather the window rows
+        packing = WindowPacking.of(batch)
+        acts = acts[:, packing.example.to(acts.device), packing.position.to(acts.device)]
+    return resumed_scores(LayerRuns.of(full, batch, spec), batch, clean, acts, spec)
 
 
 class FastEngine(PatchEngine):
@@ -657,9 +596,8 @@ class FastEngine(PatchEngine):
         cells: Bool[Tensor, "batch layer"],
     ) -> Float[Tensor, " cell"]:
         clean = clean or self.clean_run(full, batch)
-        return fast_cell_scores(
-            full, batch, clean, acts, source_rows, self.spec, cells.to(batch.tokens.device)
-        )
+        runs = CellRuns.of(full, batch, cells.to(batch.tokens.device), source_rows, self.spec)
+        return resumed_scores(runs, batch, clean, acts, self.spec)
 
     def axis_scores(
         self, full: TLModel, source: TLModel, batch: PatchBatch, patch: AxisPatch, point: str, width: int

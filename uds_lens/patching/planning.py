@@ -1,12 +1,20 @@
-"""Batch planning and running: which examples share a batch, how many fit in memory, and the one runner that
-walks the batches and halves a batch that runs out of memory (``run_batches``: the auditor's stages and component
-patching both run through it)."""
+"""Batch planning and running: which examples share a batch, what a run may hold beyond its models, and the one
+runner that walks the batches and halves a batch that runs out of memory (``run_batches``: the auditor's stages and
+component patching both run through it).
+
+A run's memory is planned once (`MemoryPlan`): the free memory is measured when the models of Stage 1 are loaded,
+and `SHARES` says, in one table, what part of it each thing the run keeps beyond its models may take. Everything
+held is a copy or a cache of something that can be computed again, so a share that is short costs time, never a
+number: a batch smaller, clean runs computed again, joined weights made a block at a time.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -15,19 +23,27 @@ from uds_lens import memory
 from uds_lens.config import Engine, Scope
 from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import CleanRun
-from uds_lens.patching.engines import engine_class
-from uds_lens.sources import as_source
+from uds_lens.patching.engines import PatchEngine, engine_class
 from uds_lens.tl_compat import TLModel
 
 logger = logging.getLogger(__name__)
 
-# The share of the memory free after loading that the auditor's kept clean runs may take, the precision check's fp32
-# ones included (half each when the check is on; a quarter is budgeted for one batch's activations,
-# choose_batch_size).
-CLEAN_CACHE_FRACTION = 0.1
-# The share of the memory free after loading that the patch target's joined weights may take to be held between
-# runs (`holds_joined_copies`); past it each run makes a block's at a time (the same values, some copying more).
-JOINED_FRACTION = 0.25
+Share = Literal["batch", "clean_runs", "joined_copies", "fp32_reference"]
+"""What a run keeps beyond its models, each with its share of the free memory (`SHARES`)."""
+
+SHARES: dict[Share, float] = {
+    # one batch's activations at their peak (`choose_batch_size`), of what the held joined copies leave
+    "batch": 0.25,
+    # the clean runs kept for the next stage (`CleanRuns`); with the precision check on, half of it is its fp32
+    # ones (`precision.PrecisionCheck`)
+    "clean_runs": 0.10,
+    # joined Q/K/V and gate/up copies held between runs (`kernels.hold_joined_weights`): the patch target's for the
+    # run, and where both fit a source's for its stage (retain through Stage 1, an unlearned model through its Stage 2)
+    "joined_copies": 0.25,
+    # a whole fp32 copy of a model for the precision check, of the memory free when it is about to be made
+    "fp32_reference": 0.90,
+}
+"""The shares of the free memory a run hands out, in one place (`MemoryPlan`)."""
 
 
 def clean_run_bytes(run: CleanRun) -> int:
@@ -92,7 +108,7 @@ def joined_copy_bytes(model: TLModel) -> int:
     """Bytes of the matrices the fast engine joins for one model it runs (``kernels._BlockWeights``): per block
     Q/K/V as one ``[d_model, (head + 2 kv_head) d_head]`` matrix and gate/up as one ``[d_model, 2 d_mlp]``, and the
     zero biases it makes for a family without them: a second copy of about 57% of a Llama's weights, kept while
-    the model lives where its joins are held (`holds_joined_copies`); otherwise one block's at a time."""
+    its joins are held (`MemoryPlan`); otherwise one block's at a time."""
     cfg = model.cfg
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -102,43 +118,128 @@ def joined_copy_bytes(model: TLModel) -> int:
     return int(cfg.n_layers * per_block * itemsize)
 
 
-def holds_joined_copies(model: TLModel, engine: Engine) -> bool:
-    """Whether the patch target's joined weights are held between runs (``kernels.hold_joined_weights``): with
-    the fast engine, when they take at most `JOINED_FRACTION` of the memory free now (full and retain loaded: what
-    full and one unlearned model will hold in Stage 2). An 8B model on a 48 GB card does not hold them, on an
-    80 GB card it does."""
-    if not engine_class(engine).joins_weights:
-        return False
-    free = memory.available_memory_bytes(as_source(model).device)
-    return joined_copy_bytes(model) <= JOINED_FRACTION * free
-
-
 def choose_batch_size(
     model: TLModel,
     examples: Sequence[EncodedExample],
     scope: Scope,
     engine: Engine,
-    budget_fraction: float = 0.25,
+    free: int,
+    held: int = 0,
     cap: int = 64,
-    joined_models: int = 1,
 ) -> int:
-    """Largest batch whose estimated peak fits in ``budget_fraction`` of free memory (at least 1): the engine's
-    ``bytes_per_example`` at the longest sequence and window.
+    """Largest batch whose estimated peak fits in the ``batch`` share (`SHARES`) of ``free`` bytes less the ``held``
+    ones (at least 1): the engine's ``bytes_per_example`` at the longest sequence and window.
 
-    The fast engine's joined matrices (`joined_copy_bytes`) are made when the patch target first runs, after the
-    batch size is chosen, and are kept while it lives where they are held: ``joined_models`` of them (full, when
-    `holds_joined_copies`; a source keeps none) are taken from the free memory first. The naive engine joins
-    nothing.
+    ``held``: what is made after the batch size is chosen and kept while it runs, the fast engine's joined matrices
+    (`joined_copy_bytes`) of the models whose joins `MemoryPlan` holds.
     """
     if not examples:
         return 1
-    chosen = engine_class(engine)
     seq_len = max(ex.read_positions.stop for ex in examples)
     window = max(len(ex.window(scope)) for ex in examples)
-    per_example = max(1, chosen.bytes_per_example(model, seq_len, window))
-    joined = joined_copy_bytes(model) * joined_models if chosen.joins_weights else 0
-    free = max(0, memory.available_memory_bytes(as_source(model).device) - joined)
-    return int(max(1, min(cap, math.floor(free * budget_fraction / per_example))))
+    per_example = max(1, engine_class(engine).bytes_per_example(model, seq_len, window))
+    left = max(0, free - held)
+    return int(max(1, min(cap, math.floor(left * SHARES["batch"] / per_example))))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one run may hold beyond its models, decided from one measurement of the free memory (`SHARES`).
+
+    Measured once, when the models of Stage 1 are loaded (`measure`): Stage 2 holds full and one unlearned model
+    where Stage 1 held full and retain, so the same figure serves both stages. Only a precision check that makes a
+    whole fp32 copy of a model measures again, when it is about to make it (`fp32_copy_fits`): once per model.
+
+    Attributes:
+        device: where the run computes.
+        free: the bytes free when measured.
+        joined_bytes: one model's joined copies (`joined_copy_bytes`; 0 for an engine that joins nothing).
+    """
+
+    device: str
+    free: int
+    joined_bytes: int = 0
+
+    @classmethod
+    def measure(cls, device: str, full: TLModel, engine: type[PatchEngine] | PatchEngine) -> MemoryPlan:
+        """The plan of a run on ``device`` whose patch target is ``full`` on ``engine``, from the memory free
+        now."""
+        joined = joined_copy_bytes(full) if engine.joins_weights else 0
+        return cls(str(device), memory.available_memory_bytes(device), joined)
+
+    def share(self, what: Share) -> int:
+        """Bytes of ``what``'s share of the free memory."""
+        return int(SHARES[what] * self.free)
+
+    @property
+    def holds_target_joins(self) -> bool:
+        """Whether the patch target's joined copies are held for the run (else made a block at a time)."""
+        return 0 < self.joined_bytes <= self.share("joined_copies")
+
+    @property
+    def holds_source_joins(self) -> bool:
+        """Whether a source's joined copies are held for its stage too (both the target's and a source's fit)."""
+        return 0 < 2 * self.joined_bytes <= self.share("joined_copies")
+
+    def batch_size(
+        self, model: TLModel, examples: Sequence[EncodedExample], scope: Scope, engine: Engine
+    ) -> int:
+        """`choose_batch_size` in what the held joined copies leave of the free memory."""
+        held = self.joined_bytes * (int(self.holds_target_joins) + int(self.holds_source_joins))
+        return choose_batch_size(model, examples, scope, engine, self.free, held)
+
+    def batches(
+        self,
+        model: TLModel,
+        examples: Sequence[EncodedExample],
+        scope: Scope,
+        engine: Engine,
+        batch_size: int | None = None,
+    ) -> list[list[int]]:
+        """The run's batches (`plan_batches`): ``batch_size`` examples at most, or as many as `batch_size` fits."""
+        if not examples:
+            return []
+        size = batch_size or self.batch_size(model, examples, scope, engine)
+        return plan_batches(examples, scope, size, engine=engine)
+
+    def fp32_copy_fits(self, needed: int) -> tuple[bool, int]:
+        """Whether a whole fp32 copy of ``needed`` bytes fits its share of the memory free now (measured again: a
+        model was swapped in since the run was planned), and that free figure."""
+        free = memory.available_memory_bytes(self.device)
+        return needed <= SHARES["fp32_reference"] * free, free
+
+
+@dataclass
+class CleanRuns:
+    """The clean runs of a run's batches kept for the next stage, by batch number, within ``budget`` bytes.
+
+    The first batches that fit are kept and never evicted: the stages walk the batches in order, so evicting the
+    oldest would miss every time; the others are computed again when asked for. The auditor keeps one (the
+    run's own format) and a bf16/fp16 run's precision check another (its fp32 clean runs).
+    """
+
+    budget: int
+    runs: dict[int, CleanRun] = field(default_factory=dict)
+
+    def get(self, number: int, make: Callable[[], CleanRun]) -> CleanRun:
+        """The clean run of batch ``number``: kept, or made by ``make`` (and kept while within the budget)."""
+        run = self.runs.get(number)
+        if run is None:
+            run = make()
+            if self.held() + clean_run_bytes(run) <= self.budget:
+                self.runs[number] = run
+        return run
+
+    def held(self) -> int:
+        """Bytes of the clean runs kept."""
+        return sum(clean_run_bytes(run) for run in self.runs.values())
+
+    def forget(self, short_of_memory: bool = True) -> None:
+        """Drop the kept runs: the batches changed, so their numbers mean other examples now; and halve the budget
+        where memory was short (a batch ran out of it and was split)."""
+        self.runs.clear()
+        if short_of_memory:
+            self.budget //= 2
 
 
 def consecutive_batches(n: int, size: int) -> list[list[int]]:
@@ -195,12 +296,13 @@ def run_batches(
 
 
 __all__ = [
-    "CLEAN_CACHE_FRACTION",
-    "JOINED_FRACTION",
+    "SHARES",
+    "CleanRuns",
+    "MemoryPlan",
+    "Share",
     "choose_batch_size",
     "clean_run_bytes",
     "consecutive_batches",
-    "holds_joined_copies",
     "joined_copy_bytes",
     "plan_batches",
     "run_batches",
