@@ -75,7 +75,9 @@ SITE = "resid_post"
 
 def planned_batch_size(full, examples) -> int:
     """The batch size the auditor's memory plan gives the fast engine here (``planning.MemoryPlan``)."""
-    return MemoryPlan.measure(full, FastEngine).batch_size(full, examples, "span", "fast")
+    return MemoryPlan.measure(str(full.cfg.device), full, FastEngine).batch_size(
+        full, examples, "span", "fast"
+    )
 
 
 @dataclass
