@@ -42,6 +42,7 @@ from uds_lens.fingerprints import (
     inputs_fingerprint,
     layout_digest,
     library_versions,
+    stage1_inputs_key,
     tokenizer_digest,
     with_unlearned,
 )
@@ -500,6 +501,7 @@ class UDSAuditor:
                 # The batch size is not part of the key (it follows free memory), so the plan S1 ran in is adopted:
                 # S2 batches exactly as S1 did, and a source identical to full still gives deltas of exactly 0.
                 self.use_stage1(cached, cached.batches)
+                self._index_stage1(payload)
                 return cached
         check_unhooked(self.full, "full")
         if self.retain is not None:
@@ -512,8 +514,18 @@ class UDSAuditor:
             run.close()
         stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
         if self.cache is not None and key is not None and payload is not None:
-            self.cache.save(key, payload, stage)
+            if self.cache.save(key, payload, stage) is not None:
+                self._index_stage1(payload)
         return stage
+
+    def _index_stage1(self, payload: dict[str, Any]) -> None:
+        """Index the cache entry of ``payload`` by this auditor's inputs (`fingerprints.stage1_inputs_key`, with the
+        identities of the bytes its loads read), beside the inputs' keys its results record: a rerun then finds its
+        Stage 1 and decides reuse without loading a model (`scoring.score_models`)."""
+        inputs_key = stage1_inputs_key(self.inputs, self.identities)
+        if self.cache is not None and inputs_key is not None:
+            fingerprint = inputs_fingerprint(self.inputs, self.full, self.config, self.identities)
+            self.cache.save_index(inputs_key, payload, fingerprint)
 
     @property
     def batches(self) -> list[list[int]]:

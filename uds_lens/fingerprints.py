@@ -115,6 +115,43 @@ def inputs_fingerprint(
     }
 
 
+def stage1_inputs_key(
+    inputs: RunInputs, identities: Mapping[str, str] | None = None, data: str | None = None
+) -> str | None:
+    """The key under which the S1 cache indexes the Stage 1 of ``inputs`` (`stage_cache.S1Cache.find`), from the
+    resolved inputs alone, before any model is loaded: full's and retain's identities (``identities[role]``, the
+    bytes an auditor's loads read, where given; else `Checkpoint.fingerprint`, their files as they are now), the
+    examples (``data``: their `examples_fingerprint` where known already), the tokenizer, the settings but those no
+    result depends on, and the device and dtype the models load in. Everything an auditor's S1 payload and results'
+    fingerprints hold is decided by these, so equal keys select the same cache entry.
+
+    None where a checkpoint is not a file on this machine (a hub id names no bytes before its load; a model in memory
+    is loaded already): then only an auditor's models key its Stage 1."""
+    known = identities or {}
+    checkpoints = {"full": inputs.full, "retain": inputs.retain}
+    if any(c is not None and (not c.local or c.model is not None) for c in checkpoints.values()):
+        return None
+    config = inputs.config
+    settings = config.to_dict()
+    for volatile in ("tau", "batch_size", "stage2_cells"):
+        settings.pop(volatile)
+    device = config.device or default_device()
+    return json_digest(
+        {
+            "format": RESULT_FINGERPRINT_FORMAT,
+            **{
+                role: None if c is None else known.get(role) or c.fingerprint
+                for role, c in checkpoints.items()
+            },
+            "data": data or examples_fingerprint(inputs.examples),
+            "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
+            "settings": settings,
+            "device": str(device),
+            "dtype": str(resolve_dtype(config.dtype, device)),
+        }
+    )
+
+
 def with_unlearned(
     inputs: dict[str, Any],
     unlearned: Checkpoint | None,

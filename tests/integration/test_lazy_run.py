@@ -1,0 +1,91 @@
+"""A lazy run (issue 55): reuse, the Stage 1 key and the forget set's digest come from the resolved inputs alone, so a
+rerun whose results are all reusable builds no model and reads no weight byte, and a rerun with one model changed
+builds full and that model only (retain stays unread: Stage 1 is cached). Counted on the functions that build and
+read (`loader.build_model`, `reader.read_checkpoint`). Both tests failed on the code before (2 models and their bytes
+built to learn the Stage 1 key; 3 models for one changed)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from helpers.runs import score_tiny
+
+import uds_lens.auditor as auditor_module
+import uds_lens.checkpoints.loader as loader
+from uds_lens.checkpoints import digests
+
+
+class Counts:
+    """Models built (by the checkpoint each came from) and weight bytes read since the last `reset`."""
+
+    def __init__(self) -> None:
+        self.built: list[Path] = []
+        self.nbytes = 0
+
+    def reset(self) -> None:
+        self.built, self.nbytes = [], 0
+
+
+@pytest.fixture
+def counts(tmp_path, monkeypatch) -> Counts:
+    monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache-root"))
+    monkeypatch.setattr(digests, "_DIGESTS", {})
+    counted = Counts()
+    build, read = loader.build_model, loader.read_checkpoint
+
+    def counting_build(checkpoint, *args, **kwargs):
+        counted.built.append(Path(checkpoint.location))
+        return build(checkpoint, *args, **kwargs)
+
+    def counting_read(*args, **kwargs):
+        loaded = read(*args, **kwargs)
+        counted.nbytes += loaded.nbytes
+        return loaded
+
+    monkeypatch.setattr(loader, "build_model", counting_build)
+    monkeypatch.setattr(auditor_module, "build_model", counting_build)
+    monkeypatch.setattr(loader, "read_checkpoint", counting_read)
+    return counted
+
+
+def _four(tiny, root: Path) -> dict[str, Path]:
+    """Two unlearned checkpoints of their own (so one can be changed), written long enough ago that their stamps
+    prove their remembered digests, as a checkpoint written before a run is."""
+    models = {
+        "a": Path(shutil.copytree(tiny.unlearned, root / "a")),
+        "b": tiny.variant(root / "b", seed=7, base=tiny.full, noise=0.2),
+    }
+    time.sleep(0.15)
+    return models
+
+
+def test_a_rerun_whose_results_are_all_reusable_builds_and_reads_nothing(tiny, tmp_path, counts):
+    models = _four(tiny, tmp_path)
+    out, cache = tmp_path / "out", tmp_path / "s1"
+    fresh = score_tiny(tiny, out, cache, unlearned=models)
+    assert sorted(p.name for p in counts.built) == ["a", "b", "full", "retain"] and counts.nbytes > 0
+    counts.reset()
+    again = score_tiny(tiny, out, cache, unlearned=models)
+    assert counts.built == [] and counts.nbytes == 0
+    assert all(again[name].meta.get("reused") == "identical inputs" for name in models)
+    assert {name: r.uds for name, r in again.items()} == {name: r.uds for name, r in fresh.items()}
+
+
+def test_a_rerun_with_one_result_to_recompute_builds_full_and_that_model_only(tiny, tmp_path, counts):
+    models = _four(tiny, tmp_path)
+    out, cache = tmp_path / "out", tmp_path / "s1"
+    fresh = score_tiny(tiny, out, cache, unlearned=models)
+    examples = out / "b" / "examples.csv"
+    examples.write_text(
+        examples.read_text().replace("scored", "no_ke", 1)
+    )  # b's saved result no longer reusable
+    counts.reset()
+    again = score_tiny(tiny, out, cache, unlearned=models)
+    assert sorted(p.name for p in counts.built) == ["b", "full"]  # retain unread: Stage 1 is cached
+    assert again["a"].meta.get("reused") == "identical inputs" and "reused" not in again["b"].meta
+    assert again["b"].meta["recomputed"].startswith("examples.csv")
+    assert again["b"].uds == fresh["b"].uds  # the Stage 1 adopted is the one computed with retain loaded
+    assert again["b"].meta["fingerprint"] == fresh["b"].meta["fingerprint"]
