@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.loader import default_device, resolve_dtype
 from uds_lens.config import UDSConfig
-from uds_lens.data import EncodedExample, Example
+from uds_lens.data import EncodedExample
 from uds_lens.files import json_digest
 from uds_lens.inputs import RunInputs
 from uds_lens.sources import as_source
@@ -53,11 +53,6 @@ def layout_digest(encoded: Sequence[EncodedExample]) -> str:
 # 4: a checkpoint is identified by the bytes its load read (a digest remembered by a stamp without ctime could name
 #    other bytes), a model in memory by XXH3-128 of its tensors (was SHA-256): a result of format 3 is recomputed.
 RESULT_FINGERPRINT_FORMAT = 4
-
-
-def examples_fingerprint(examples: Sequence[Example]) -> str:
-    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
-    return json_digest([example.to_record() for example in examples])[:32]
 
 
 def settings_fingerprint(config: UDSConfig, model: ModelLike | None = None) -> dict[str, Any]:
@@ -109,19 +104,17 @@ def inputs_fingerprint(
         "format": RESULT_FINGERPRINT_FORMAT,
         "full": known.get("full") or inputs.full.fingerprint,
         "retain": None if inputs.retain is None else known.get("retain") or inputs.retain.fingerprint,
-        "data": examples_fingerprint(inputs.examples),
+        "data": inputs.data_digest,
         "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
         "settings": settings_fingerprint(config or inputs.config, loaded_full or inputs.full.model),
     }
 
 
-def stage1_inputs_key(
-    inputs: RunInputs, identities: Mapping[str, str] | None = None, data: str | None = None
-) -> str | None:
+def stage1_inputs_key(inputs: RunInputs, identities: Mapping[str, str] | None = None) -> str | None:
     """The key under which the S1 cache indexes the Stage 1 of ``inputs`` (`stage_cache.S1Cache.find`), from the
     resolved inputs alone, before any model is loaded: full's and retain's identities (``identities[role]``, the
     bytes an auditor's loads read, where given; else `Checkpoint.fingerprint`, their files as they are now), the
-    examples (``data``: their `examples_fingerprint` where known already), the tokenizer, the settings but those no
+    examples (`RunInputs.data_digest`), the tokenizer, the settings but those no
     result depends on, and the device and dtype the models load in. Everything an auditor's S1 payload and results'
     fingerprints hold is decided by these, so equal keys select the same cache entry.
 
@@ -143,7 +136,7 @@ def stage1_inputs_key(
                 role: None if c is None else known.get(role) or c.fingerprint
                 for role, c in checkpoints.items()
             },
-            "data": data or examples_fingerprint(inputs.examples),
+            "data": inputs.data_digest,
             "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
             "settings": settings,
             "device": str(device),

@@ -1,8 +1,9 @@
 """A lazy run (issue 55): reuse, the Stage 1 key and the forget set's digest come from the resolved inputs alone, so a
 rerun whose results are all reusable builds no model and reads no weight byte, and a rerun with one model changed
 builds full and that model only (retain stays unread: Stage 1 is cached). Counted on the functions that build and
-read (`loader.build_model`, `reader.read_checkpoint`). Both tests failed on the code before (2 models and their bytes
-built to learn the Stage 1 key; 3 models for one changed)."""
+read (`loader.build_model`, `reader.read_checkpoint`) and on the forget set's digest. Both tests failed on the code
+before (2 models and their bytes built to learn the Stage 1 key, the forget set hashed 3 times; 3 models built for
+one result to recompute)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ from helpers.runs import score_tiny
 
 import uds_lens.auditor as auditor_module
 import uds_lens.checkpoints.loader as loader
+import uds_lens.inputs as inputs_module
 from uds_lens.checkpoints import digests
 
 
 class Counts:
-    """Models built (by the checkpoint each came from) and weight bytes read since the last `reset`."""
+    """Models built (by the checkpoint each came from), weight bytes read and forget sets hashed since the last
+    `reset`."""
 
     def __init__(self) -> None:
         self.built: list[Path] = []
-        self.nbytes = 0
+        self.nbytes = self.hashed = 0
 
     def reset(self) -> None:
-        self.built, self.nbytes = [], 0
+        self.built, self.nbytes, self.hashed = [], 0, 0
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def counts(tmp_path, monkeypatch) -> Counts:
     monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache-root"))
     monkeypatch.setattr(digests, "_DIGESTS", {})
     counted = Counts()
-    build, read = loader.build_model, loader.read_checkpoint
+    build, read, digest = loader.build_model, loader.read_checkpoint, inputs_module.examples_fingerprint
 
     def counting_build(checkpoint, *args, **kwargs):
         counted.built.append(Path(checkpoint.location))
@@ -45,6 +48,11 @@ def counts(tmp_path, monkeypatch) -> Counts:
         counted.nbytes += loaded.nbytes
         return loaded
 
+    def counting_digest(examples):
+        counted.hashed += 1
+        return digest(examples)
+
+    monkeypatch.setattr(inputs_module, "examples_fingerprint", counting_digest)
     monkeypatch.setattr(loader, "build_model", counting_build)
     monkeypatch.setattr(auditor_module, "build_model", counting_build)
     monkeypatch.setattr(loader, "read_checkpoint", counting_read)
@@ -67,9 +75,11 @@ def test_a_rerun_whose_results_are_all_reusable_builds_and_reads_nothing(tiny, t
     out, cache = tmp_path / "out", tmp_path / "s1"
     fresh = score_tiny(tiny, out, cache, unlearned=models)
     assert sorted(p.name for p in counts.built) == ["a", "b", "full", "retain"] and counts.nbytes > 0
+    assert counts.hashed == 1
     counts.reset()
     again = score_tiny(tiny, out, cache, unlearned=models)
     assert counts.built == [] and counts.nbytes == 0
+    assert counts.hashed == 1  # the forget set, once per run
     assert all(again[name].meta.get("reused") == "identical inputs" for name in models)
     assert {name: r.uds for name, r in again.items()} == {name: r.uds for name, r in fresh.items()}
 
