@@ -3,7 +3,8 @@
 `score_models` is what ``uds-lens score`` calls: it takes the run's inputs (`inputs.RunInputs`, made from the raw
 arguments at its first step: each model's result named by `names.result_names`), refuses to write over another
 run's results (`refuse_other_runs`), reuses a saved result only when its full fingerprint matches, and otherwise
-scores with one `auditor.UDSAuditor` (Stage 1 computed once).
+scores with one `auditor.UDSAuditor` (Stage 1 computed once). `LazyRun` decides reuse from the inputs alone and makes
+the auditor only when a model is scored: a rerun whose results are all reusable loads no model.
 """
 
 from __future__ import annotations

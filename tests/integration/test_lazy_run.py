@@ -99,3 +99,72 @@ def test_a_rerun_with_one_result_to_recompute_builds_full_and_that_model_only(ti
     assert again["b"].meta["recomputed"].startswith("examples.csv")
     assert again["b"].uds == fresh["b"].uds  # the Stage 1 adopted is the one computed with retain loaded
     assert again["b"].meta["fingerprint"] == fresh["b"].meta["fingerprint"]
+
+
+def test_a_bf16_rerun_reuses_what_its_loads_recorded_and_builds_nothing(tiny, tmp_path, counts):
+    """The dtype a result records is the one its full loaded in: the rerun's decision compares the fingerprint the
+    auditor recorded from its models, never a dtype predicted before loading."""
+    from uds_lens.config import UDSConfig
+    from uds_lens.scoring import score_models
+
+    models = _four(tiny, tmp_path)
+    out, cache = tmp_path / "out", tmp_path / "s1"
+
+    def run():
+        return score_models(
+            tiny.full,
+            tiny.retain,
+            models,
+            tiny.data,
+            out_dir=out,
+            config=UDSConfig(dtype="bfloat16"),
+            cache_dir=cache,
+            progress=False,
+        )
+
+    fresh = run()
+    assert fresh["a"].meta["fingerprint"]["settings"]["dtype"] == "torch.bfloat16"
+    counts.reset()
+    again = run()
+    assert counts.built == [] and counts.nbytes == 0
+    assert all(again[name].meta.get("reused") == "identical inputs" for name in models)
+
+
+def test_a_full_replaced_after_the_lookup_is_scored_from_both_models_loaded(
+    tiny, tmp_path, counts, monkeypatch, caplog
+):
+    """The Stage 1 found by the inputs is adopted only for the full the lookup named: a full replaced between the
+    decision and its load is caught on the bytes loaded, and Stage 1 is then keyed from the models (retain loaded)."""
+    import logging
+
+    import uds_lens.scoring as scoring
+    from uds_lens.results import load_reusable
+
+    models = _four(tiny, tmp_path)
+    full = Path(shutil.copytree(tiny.full, tmp_path / "full"))
+    other = tiny.variant(tmp_path / "other-full", seed=31, base=tiny.full, noise=0.05)
+    out, cache = tmp_path / "out", tmp_path / "s1"
+    time.sleep(0.15)
+    score_tiny(tiny, out, cache, full=full, unlearned=models)
+    examples = out / "b" / "examples.csv"
+    examples.write_text(examples.read_text().replace("scored", "no_ke", 1))
+
+    def decide_then_replace(target, fingerprint):
+        decided = load_reusable(target, fingerprint)
+        if target.name == "b":
+            shutil.rmtree(full)
+            shutil.copytree(other, full)
+        return decided
+
+    monkeypatch.setattr(scoring, "load_reusable", decide_then_replace)
+    counts.reset()
+    with caplog.at_level(logging.WARNING, logger="uds_lens.scoring"):
+        again = score_tiny(tiny, out, cache, full=full, unlearned=models)["b"]
+    assert "does not fit the full model loaded" in caplog.text
+    assert sorted(p.name for p in counts.built) == ["b", "full", "full", "retain"]
+    monkeypatch.setattr(scoring, "load_reusable", load_reusable)
+    truth = score_tiny(
+        tiny, tmp_path / "truth", tmp_path / "s1-truth", full=other, unlearned={"b": models["b"]}
+    )["b"]
+    assert again.meta["fingerprint"]["full"] == truth.meta["fingerprint"]["full"]
+    assert again.uds == pytest.approx(truth.uds, abs=1e-6)
