@@ -17,19 +17,20 @@ from helpers.runs import score_tiny
 import uds_lens.auditor as auditor_module
 import uds_lens.checkpoints.loader as loader
 import uds_lens.inputs as inputs_module
+import uds_lens.memory as memory
 from uds_lens.checkpoints import digests
 
 
 class Counts:
-    """Models built (by the checkpoint each came from), weight bytes read and forget sets hashed since the last
-    `reset`."""
+    """Models built (by the checkpoint each came from), weight bytes read, forget sets hashed and free memory
+    measured since the last `reset`."""
 
     def __init__(self) -> None:
         self.built: list[Path] = []
-        self.nbytes = self.hashed = 0
+        self.nbytes = self.hashed = self.measured = 0
 
     def reset(self) -> None:
-        self.built, self.nbytes, self.hashed = [], 0, 0
+        self.built, self.nbytes, self.hashed, self.measured = [], 0, 0, 0
 
 
 @pytest.fixture
@@ -52,6 +53,13 @@ def counts(tmp_path, monkeypatch) -> Counts:
         counted.hashed += 1
         return digest(examples)
 
+    free = memory.available_memory_bytes
+
+    def counting_free(device):
+        counted.measured += 1
+        return free(device)
+
+    monkeypatch.setattr(memory, "available_memory_bytes", counting_free)
     monkeypatch.setattr(inputs_module, "examples_fingerprint", counting_digest)
     monkeypatch.setattr(loader, "build_model", counting_build)
     monkeypatch.setattr(auditor_module, "build_model", counting_build)
@@ -76,6 +84,7 @@ def test_a_rerun_whose_results_are_all_reusable_builds_and_reads_nothing(tiny, t
     fresh = score_tiny(tiny, out, cache, unlearned=models)
     assert sorted(p.name for p in counts.built) == ["a", "b", "full", "retain"] and counts.nbytes > 0
     assert counts.hashed == 1
+    assert counts.measured == 2  # once before the models, once for the plan; no load measures again
     counts.reset()
     again = score_tiny(tiny, out, cache, unlearned=models)
     assert counts.built == [] and counts.nbytes == 0
