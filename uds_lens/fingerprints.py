@@ -110,7 +110,9 @@ def inputs_fingerprint(
     }
 
 
-def stage1_inputs_key(inputs: RunInputs, identities: Mapping[str, str] | None = None) -> str | None:
+def stage1_inputs_key(
+    inputs: RunInputs, identities: Mapping[str, str] | None = None, known_only: bool = False
+) -> str | None:
     """The key under which the S1 cache indexes the Stage 1 of ``inputs`` (`stage_cache.S1Cache.find`), from the
     resolved inputs alone, before any model is loaded: full's and retain's identities (``identities[role]``, the
     bytes an auditor's loads read, where given; else `Checkpoint.fingerprint`, their files as they are now), the
@@ -119,11 +121,19 @@ def stage1_inputs_key(inputs: RunInputs, identities: Mapping[str, str] | None = 
     fingerprints hold is decided by these, so equal keys select the same cache entry.
 
     None where a checkpoint is not a file on this machine (a hub id names no bytes before its load; a model in memory
-    is loaded already): then only an auditor's models key its Stage 1."""
-    known = identities or {}
+    is loaded already): then only an auditor's models key its Stage 1. With ``known_only``, None too where a
+    checkpoint's stamp proves no remembered digest (`Checkpoint.known_digest`): its files are not hashed apart from
+    the load that will read them."""
+    known = dict(identities or {})
     checkpoints = {"full": inputs.full, "retain": inputs.retain}
     if any(c is not None and (not c.local or c.model is not None) for c in checkpoints.values()):
         return None
+    for role, checkpoint in checkpoints.items():
+        if known_only and checkpoint is not None and role not in known:
+            digest = checkpoint.known_digest()
+            if digest is None:
+                return None
+            known[role] = "files:" + digest
     config = inputs.config
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "stage2_cells"):

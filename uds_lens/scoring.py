@@ -212,13 +212,15 @@ class LazyRun:
         self._found: Indexed | None = None
         self._looked = False
 
-    def found(self) -> Indexed | None:
-        """The inputs' Stage 1 in the S1 cache's index (looked up once), or None."""
-        if not self._looked:
-            self._looked = True
-            directory = s1_cache_dir(self.inputs.cache_dir)
-            inputs_key = stage1_inputs_key(self.inputs) if directory is not None else None
-            if directory is not None and inputs_key is not None:
+    def found(self, hash_files: bool = False) -> Indexed | None:
+        """The inputs' Stage 1 in the S1 cache's index (looked up once), or None. Full's and retain's files are
+        hashed for it only with ``hash_files`` (a reuse decision); otherwise only digests their stamps prove are
+        used, and where one is not, nothing is looked up: the load that reads the files hashes them."""
+        directory = s1_cache_dir(self.inputs.cache_dir)
+        if not self._looked and directory is not None:
+            inputs_key = stage1_inputs_key(self.inputs, known_only=not hash_files)
+            self._looked = hash_files or inputs_key is not None
+            if inputs_key is not None:
                 self._found = S1Cache(directory).find(inputs_key)
                 if self._found is not None and not self._names_these_inputs(self._found):
                     self._found = None
@@ -235,8 +237,8 @@ class LazyRun:
 
     def fingerprint(self, unlearned: Checkpoint) -> dict[str, Any]:
         """What a result of ``unlearned`` (its files as they are now) computed in this run would record."""
-        found = self.found()
-        if found is None or self._auditor is not None:
+        found = self.found(hash_files=True) if self._auditor is None else None
+        if found is None:
             return self.auditor().fingerprint(unlearned)
         base = {**found.fingerprint, "s1": stage_digest(found.stage)}
         config = self.inputs.config.with_stage2_cells("all")  # as the auditor's, which scores every cell
