@@ -27,7 +27,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from uds_lens import display
+from uds_lens import display, memory
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.compatibility import ModelMismatchError
 from uds_lens.checkpoints.folder import ModelLoadError
@@ -42,6 +42,7 @@ from uds_lens.fingerprints import (
     inputs_fingerprint,
     layout_digest,
     library_versions,
+    stage1_inputs_key,
     tokenizer_digest,
     with_unlearned,
 )
@@ -170,7 +171,10 @@ class UDSAuditor:
         self._base_fingerprint: dict[str, Any] | None = None
         self.device = self.config.device or default_device()
         self.sources: dict[Checkpoint, ModelLike] = {}
-        self.full = self._load_target(inputs.full, "full")
+        # measured once before the models it loads: full's fit check reads it, retain's what full leaves of it
+        loads = any(c is not None and c.model is None for c in (inputs.full, inputs.retain))
+        free = memory.available_memory_bytes(self.device) if loads else None
+        self.full = self._load_target(inputs.full, "full", free)
         self.full_name = inputs.full.label
         tokenizer = inputs.encoding_tokenizer
         self.tokenizer = tokenizer
@@ -180,7 +184,9 @@ class UDSAuditor:
                 f"{self.full.cfg.d_vocab}: they do not belong together. Load the tokenizer from the full model's directory."
             )
         # one family, one tokenizer, one shape: compared once, where the inputs were made (inputs.RunInputs)
-        self._retain = self._load_target(inputs.retain, "retain") if inputs.retain is not None else None
+        if free is not None and inputs.full.model is None:
+            free = max(0, free - sum(t.numel() * t.element_size() for t in self.full.parameters()))
+        self._retain = self._load_target(inputs.retain, "retain", free) if inputs.retain is not None else None
         self._retain_dropped = False
         # what Stage 1 is computed from: the digests of the bytes full's and retain's loads read (or their tensors')
         self.identities = {"full": inputs.full.loaded_fingerprint(self.full)}
@@ -311,17 +317,20 @@ class UDSAuditor:
             self.sources[checkpoint] = self._load(checkpoint, role)
         return self._load(checkpoint, role)
 
-    def _load_target(self, checkpoint: Checkpoint, role: str) -> TLModel:
+    def _load_target(self, checkpoint: Checkpoint, role: str, free_bytes: int | None = None) -> TLModel:
         """The full or retain model as the engines patch into it and read it: a TransformerLens model (a Hugging
         Face model given in memory is wrapped as a bridge once, ``sources.as_source``)."""
-        return as_source(self._load(checkpoint, role)).model
+        return as_source(self._load(checkpoint, role, free_bytes)).model
 
-    def _load(self, checkpoint: Checkpoint, role: str) -> ModelLike:
-        """The model of a checkpoint: kept (``sources``), in memory, or loaded (one read of its bytes)."""
+    def _load(self, checkpoint: Checkpoint, role: str, free_bytes: int | None = None) -> ModelLike:
+        """The model of a checkpoint: kept (``sources``), in memory, or loaded (one read of its bytes; its fit
+        checked against ``free_bytes``, the run's figure, where given, else the memory free now)."""
         if checkpoint in self.sources:
             return self.sources[checkpoint]
         return retry_out_of_memory(
-            lambda: build_model(checkpoint, dtype=self.config.dtype, device=self.device),
+            lambda: build_model(
+                checkpoint, dtype=self.config.dtype, device=self.device, free_bytes=free_bytes
+            ),
             self.device,
             f"loading the {role} model {checkpoint.label}",
         )
@@ -500,6 +509,7 @@ class UDSAuditor:
                 # The batch size is not part of the key (it follows free memory), so the plan S1 ran in is adopted:
                 # S2 batches exactly as S1 did, and a source identical to full still gives deltas of exactly 0.
                 self.use_stage1(cached, cached.batches)
+                self._index_stage1(payload)
                 return cached
         check_unhooked(self.full, "full")
         if self.retain is not None:
@@ -512,8 +522,18 @@ class UDSAuditor:
             run.close()
         stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
         if self.cache is not None and key is not None and payload is not None:
-            self.cache.save(key, payload, stage)
+            if self.cache.save(key, payload, stage) is not None:
+                self._index_stage1(payload)
         return stage
+
+    def _index_stage1(self, payload: dict[str, Any]) -> None:
+        """Index the cache entry of ``payload`` by this auditor's inputs (`fingerprints.stage1_inputs_key`, with the
+        identities of the bytes its loads read), beside the inputs' keys its results record: a rerun then finds its
+        Stage 1 and decides reuse without loading a model (`scoring.score_models`)."""
+        inputs_key = stage1_inputs_key(self.inputs, self.identities)
+        if self.cache is not None and inputs_key is not None:
+            fingerprint = inputs_fingerprint(self.inputs, self.full, self.config, self.identities)
+            self.cache.save_index(inputs_key, payload, fingerprint)
 
     @property
     def batches(self) -> list[list[int]]:
@@ -599,7 +619,8 @@ class UDSAuditor:
         source_label = checkpoint.label
         # the previous model goes before this one loads: never two unlearned models on the device at once
         self.last_source = None
-        source = self._load(checkpoint, "unlearned")
+        # its fit checked against the plan's figure (measured with full and retain held; every model has full's shape)
+        source = self._load(checkpoint, "unlearned", self.plan.free)
         identity = checkpoint.loaded_fingerprint(source)  # the bytes this load read, not the files now
         # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
         # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)

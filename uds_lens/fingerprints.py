@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.loader import default_device, resolve_dtype
 from uds_lens.config import UDSConfig
-from uds_lens.data import EncodedExample, Example
+from uds_lens.data import EncodedExample
 from uds_lens.files import json_digest
 from uds_lens.inputs import RunInputs
 from uds_lens.sources import as_source
@@ -53,11 +53,6 @@ def layout_digest(encoded: Sequence[EncodedExample]) -> str:
 # 4: a checkpoint is identified by the bytes its load read (a digest remembered by a stamp without ctime could name
 #    other bytes), a model in memory by XXH3-128 of its tensors (was SHA-256): a result of format 3 is recomputed.
 RESULT_FINGERPRINT_FORMAT = 4
-
-
-def examples_fingerprint(examples: Sequence[Example]) -> str:
-    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
-    return json_digest([example.to_record() for example in examples])[:32]
 
 
 def settings_fingerprint(config: UDSConfig, model: ModelLike | None = None) -> dict[str, Any]:
@@ -109,10 +104,55 @@ def inputs_fingerprint(
         "format": RESULT_FINGERPRINT_FORMAT,
         "full": known.get("full") or inputs.full.fingerprint,
         "retain": None if inputs.retain is None else known.get("retain") or inputs.retain.fingerprint,
-        "data": examples_fingerprint(inputs.examples),
+        "data": inputs.data_digest,
         "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
         "settings": settings_fingerprint(config or inputs.config, loaded_full or inputs.full.model),
     }
+
+
+def stage1_inputs_key(
+    inputs: RunInputs, identities: Mapping[str, str] | None = None, known_only: bool = False
+) -> str | None:
+    """The key under which the S1 cache indexes the Stage 1 of ``inputs`` (`stage_cache.S1Cache.find`), from the
+    resolved inputs alone, before any model is loaded: full's and retain's identities (``identities[role]``, the
+    bytes an auditor's loads read, where given; else `Checkpoint.fingerprint`, their files as they are now), the
+    examples (`RunInputs.data_digest`), the tokenizer, the settings but those no
+    result depends on, and the device and dtype the models load in. Everything an auditor's S1 payload and results'
+    fingerprints hold is decided by these, so equal keys select the same cache entry.
+
+    None where a checkpoint is not a file on this machine (a hub id names no bytes before its load; a model in memory
+    is loaded already): then only an auditor's models key its Stage 1. With ``known_only``, None too where a
+    checkpoint's stamp proves no remembered digest (`Checkpoint.known_digest`): its files are not hashed apart from
+    the load that will read them."""
+    known = dict(identities or {})
+    checkpoints = {"full": inputs.full, "retain": inputs.retain}
+    if any(c is not None and (not c.local or c.model is not None) for c in checkpoints.values()):
+        return None
+    for role, checkpoint in checkpoints.items():
+        if known_only and checkpoint is not None and role not in known:
+            digest = checkpoint.known_digest()
+            if digest is None:
+                return None
+            known[role] = "files:" + digest
+    config = inputs.config
+    settings = config.to_dict()
+    for volatile in ("tau", "batch_size", "stage2_cells"):
+        settings.pop(volatile)
+    device = config.device or default_device()
+    return json_digest(
+        {
+            "format": RESULT_FINGERPRINT_FORMAT,
+            **{
+                role: None if c is None else known.get(role) or c.fingerprint
+                for role, c in checkpoints.items()
+            },
+            "data": inputs.data_digest,
+            "tokenizer": "from full" if inputs.tokenizer is None else tokenizer_digest(inputs.tokenizer),
+            "settings": settings,
+            "device": str(device),
+            "dtype": str(resolve_dtype(config.dtype, device)),
+        }
+    )
 
 
 def with_unlearned(

@@ -31,6 +31,7 @@ from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.checkpoints.names import result_names
 from uds_lens.config import UDSConfig, as_config, check_positive_int
 from uds_lens.data import DataArg, DataError, Example, check_data_source, load_examples
+from uds_lens.files import json_digest
 from uds_lens.outputs import check_cache_apart
 from uds_lens.result_store import check_result_name
 from uds_lens.stage_cache import s1_cache_dir
@@ -51,6 +52,11 @@ NOT_GIVEN = NotGiven()
 
 # How `RunInputs.input_paths` names the S1 cache directory (read and written by the run itself, unlike the others).
 S1_CACHE = "S1 cache"
+
+
+def examples_fingerprint(examples: Sequence[Example]) -> str:
+    """Digest of a forget set as scored (after ``limit``): every field of every record, in order."""
+    return json_digest([example.to_record() for example in examples])[:32]
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,11 @@ class RunInputs:
         self.__dict__.update(state)
 
     @functools.cached_property
+    def data_digest(self) -> str:
+        """`examples_fingerprint` of the examples as scored: hashed once per run, whatever asks for it."""
+        return examples_fingerprint(self.examples)
+
+    @functools.cached_property
     def identity(self) -> ModelIdentity:
         """Full's identity (`compatibility.identity_of`), which every other model is compared with; its
         tokenizer is the explicit one when one was passed."""
@@ -274,4 +285,4 @@ class RunInputs:
         return paths
 
 
-__all__ = ["NOT_GIVEN", "S1_CACHE", "NotGiven", "RunInputs"]
+__all__ = ["NOT_GIVEN", "S1_CACHE", "NotGiven", "RunInputs", "examples_fingerprint"]

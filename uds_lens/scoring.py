@@ -3,27 +3,37 @@
 `score_models` is what ``uds-lens score`` calls: it takes the run's inputs (`inputs.RunInputs`, made from the raw
 arguments at its first step: each model's result named by `names.result_names`), refuses to write over another
 run's results (`refuse_other_runs`), reuses a saved result only when its full fingerprint matches, and otherwise
-scores with one `auditor.UDSAuditor` (Stage 1 computed once).
+scores with one `auditor.UDSAuditor` (Stage 1 computed once). `LazyRun` decides reuse from the inputs alone and makes
+the auditor only when a model is scored: a rerun whose results are all reusable loads no model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from uds_lens.auditor import UDSAuditor
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.loader import ModelArg
 from uds_lens.config import ConfigError, UDSConfig
 from uds_lens.data import DataArg
 from uds_lens.files import os_error_line
-from uds_lens.fingerprints import result_fingerprint
+from uds_lens.fingerprints import (
+    inputs_fingerprint,
+    layout_digest,
+    result_fingerprint,
+    stage1_inputs_key,
+    with_unlearned,
+)
 from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
 from uds_lens.result_store import ResultTargetError, check_result_target, conflict_error
 from uds_lens.results import UDSResult, check_saved, load_reusable
-from uds_lens.stage_cache import s1_cache_dir
+from uds_lens.stage_cache import Indexed, S1Cache, s1_cache_dir, stage_digest
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +155,6 @@ def score_models(
         )
         check_writable_dir(out_dir)
     results: dict[str, UDSResult] = {}
-    auditor: UDSAuditor | None = None
     if out_dir is not None:
         # Before any model is loaded: a file, a checkpoint or any folder uds_lens did not write at OUT/NAME is
         # refused whatever force says, and a directory holding another run's result (other weights, data or
@@ -153,14 +162,14 @@ def score_models(
         check_result_targets(Path(out_dir), inputs.unlearned)
         if not force:
             refuse_other_runs(Path(out_dir), inputs)
+    run = LazyRun(inputs, progress)
     for name, checkpoint in inputs.unlearned.items():
         target = Path(out_dir) / name if out_dir is not None else None
         reason, decided = "forced (--force)" if force else "", None
         if target is not None and not force and target.exists():
-            # The saved result's Stage 1 digest is compared too, which needs this run's Stage 1 (from the cache).
-            if auditor is None:
-                auditor = UDSAuditor.from_inputs(inputs, progress=progress)
-            decided = auditor.fingerprint(checkpoint)  # its files as they are now, before any load
+            # The saved result's Stage 1 digest is compared too: from the S1 cache found by the inputs alone, else
+            # from an auditor's (which loads full and retain)
+            decided = run.fingerprint(checkpoint)  # its files as they are now, before any load
             previous, reason = load_reusable(target, decided)
             if previous is not None:
                 results[name] = previous.with_tau(inputs.config.tau)
@@ -168,9 +177,7 @@ def score_models(
                 logger.info("reusing %s: %s", name, reason)
                 continue
             logger.warning("recomputing %s: %s", name, reason)
-        if auditor is None:
-            auditor = UDSAuditor.from_inputs(inputs, progress=progress)
-        results[name] = auditor.score(checkpoint, name=name)
+        results[name] = run.auditor().score(checkpoint, name=name)
         loaded = results[name].meta["fingerprint"]["unlearned"]
         if decided is not None and loaded != decided["unlearned"]:
             # replaced between the decision and the load: the result records the bytes loaded, and the save below
@@ -186,3 +193,83 @@ def score_models(
             # refused under the lock if another run wrote other inputs' result here since the check above
             results[name].save(target, force=force)
     return results
+
+
+class LazyRun:
+    """What a multi-model run loads, and when: nothing to decide reuse, full (and retain) once a model is scored.
+
+    The inputs' keys of every result's fingerprint and the Stage 1 they are computed from are found by the inputs
+    alone (`fingerprints.stage1_inputs_key`: the checkpoints' identities, the examples, the settings; asked once) in
+    the S1 cache's index, which an auditor writes beside the Stage 1 it computed or read. Found, a scoring auditor
+    loads full only and adopts that Stage 1, once its full is checked to be the one the index names; not found (no
+    cache, a first run, a hub or in-memory checkpoint), the auditor loads full and retain and keys Stage 1 from its
+    models, as it always did.
+    """
+
+    def __init__(self, inputs: RunInputs, progress: bool) -> None:
+        self.inputs, self.progress = inputs, progress
+        self._auditor: UDSAuditor | None = None
+        self._found: Indexed | None = None
+        self._looked = False
+
+    def found(self, hash_files: bool = False) -> Indexed | None:
+        """The inputs' Stage 1 in the S1 cache's index (looked up once), or None. Full's and retain's files are
+        hashed for it only with ``hash_files`` (a reuse decision); otherwise only digests their stamps prove are
+        used, and where one is not, nothing is looked up: the load that reads the files hashes them."""
+        directory = s1_cache_dir(self.inputs.cache_dir)
+        if not self._looked and directory is not None:
+            inputs_key = stage1_inputs_key(self.inputs, known_only=not hash_files)
+            self._looked = hash_files or inputs_key is not None
+            if inputs_key is not None:
+                self._found = S1Cache(directory).find(inputs_key)
+                if self._found is not None and not self._names_these_inputs(self._found):
+                    self._found = None
+        return self._found
+
+    def _names_these_inputs(self, found: Indexed) -> bool:
+        """The index entry's fingerprint names these checkpoints' files and these examples (its key says so; this
+        guards against a colliding or edited index file)."""
+        mine = inputs_fingerprint(self.inputs)
+        return all(
+            found.fingerprint.get(key) == mine[key]
+            for key in ("format", "full", "retain", "data", "tokenizer")
+        )
+
+    def fingerprint(self, unlearned: Checkpoint) -> dict[str, Any]:
+        """What a result of ``unlearned`` (its files as they are now) computed in this run would record."""
+        found = self.found(hash_files=True) if self._auditor is None else None
+        if found is None:
+            return self.auditor().fingerprint(unlearned)
+        base = {**found.fingerprint, "s1": stage_digest(found.stage)}
+        config = self.inputs.config.with_stage2_cells("all")  # as the auditor's, which scores every cell
+        return with_unlearned(base, unlearned, config, retain_free=found.stage.s1 is None)
+
+    def auditor(self) -> UDSAuditor:
+        """The run's auditor, made once: full only, adopting the Stage 1 found, where its loaded full is the one
+        the index names; else full and retain."""
+        if self._auditor is None:
+            found, inputs = self.found(), self.inputs
+            if found is not None and inputs.retain is not None:
+                lean = dataclasses.replace(inputs, retain=None, cache_dir=False)
+                auditor = UDSAuditor.from_inputs(
+                    lean, progress=self.progress, retain_name=inputs.retain.label
+                )
+                identities = {"full": auditor.identities["full"], "retain": found.fingerprint["retain"]}
+                loaded = inputs_fingerprint(inputs, auditor.full, auditor.config, identities)
+                if loaded == found.fingerprint and layout_digest(auditor.encoded) == found.payload.get(
+                    "layout"
+                ):
+                    auditor.use_stage1(
+                        found.stage,
+                        found.stage.batches,
+                        {**found.fingerprint, "s1": stage_digest(found.stage)},
+                    )
+                    self._auditor = auditor
+                    return auditor
+                # full changed since the lookup, or loads otherwise than the index says: decided from the models
+                logger.warning(
+                    "The S1 cache index does not fit the full model loaded: Stage 1 is keyed from the models."
+                )
+                del auditor
+            self._auditor = UDSAuditor.from_inputs(inputs, progress=self.progress)
+        return self._auditor

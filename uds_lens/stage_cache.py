@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from uds_lens.config import ConfigError
-from uds_lens.files import cache_root, os_error_line, staging_path
+from uds_lens.files import cache_root, json_digest, os_error_line, staging_path
 
 # 4: the batch plan is stored with S1 and adopted on a hit (S2 then runs in exactly the batches S1 ran in).
 # 5: model fingerprints hash the Hugging Face tensors under their Hugging Face names (TransformerBridge backend).
@@ -133,6 +133,16 @@ def s1_cache_dir(cache_dir: Any) -> Path | None:
     return Path(cache_dir).expanduser()
 
 
+@dataclass(frozen=True)
+class Indexed:
+    """A Stage 1 found by the run's inputs alone (`S1Cache.find`): the stage, the payload of its cache entry and the
+    inputs' keys of the fingerprint every result computed from it records (without ``s1``)."""
+
+    stage: StageOne
+    payload: dict[str, Any]
+    fingerprint: dict[str, Any]
+
+
 class S1Cache:
     """S1 on disk: one safetensors file per fingerprint; stale entries are never read, corrupt ones are rebuilt.
 
@@ -236,6 +246,53 @@ class S1Cache:
             )
             warnings.warn(f"S1 cache not written, S1 is not cached: {why}", stacklevel=2)
             return None
+
+    # -- the index by inputs: which entry a run's inputs select, before any model is loaded ----------------------
+
+    def index_path(self, inputs_key: str) -> Path:
+        return self.directory / f"s1-inputs_{inputs_key[:32]}.json"
+
+    def save_index(self, inputs_key: str, payload: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+        """Remember that the inputs of ``inputs_key`` (`fingerprints.stage1_inputs_key`: the checkpoints' identities,
+        the examples, the settings) select the entry of ``payload``, and that an auditor of them fingerprints its
+        results' inputs as ``fingerprint`` (its ``fingerprint(None)`` without ``s1``). Skipped with a warning where
+        the directory cannot be written, as the cache is optional."""
+        path = self.index_path(inputs_key)
+        tmp = staging_path(path)
+        record = {
+            "format": CACHE_FORMAT,
+            "inputs": inputs_key,
+            "payload": payload,
+            "fingerprint": fingerprint,
+        }
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record, default=str))
+            os.replace(tmp, path)
+        except OSError as error:
+            warnings.warn(f"S1 cache index not written: {os_error_line(error, 'the S1 cache')}", stacklevel=2)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def find(self, inputs_key: str) -> Indexed | None:
+        """The Stage 1 the inputs of ``inputs_key`` select, read without a model: the index names the entry's
+        payload, and the entry is read and checked as `load` checks it. None where either is missing, unreadable
+        or of other inputs (then an auditor computes the key from its models, as before)."""
+        path = self.index_path(inputs_key)
+        try:
+            if not path.is_file():
+                return None
+            record = json.loads(path.read_text())
+            payload, fingerprint = record["payload"], record["fingerprint"]
+            if record.get("format") != CACHE_FORMAT or record.get("inputs") != inputs_key:
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(payload, dict) or not isinstance(fingerprint, dict):
+            return None
+        stage = self.load(json_digest(payload), payload)
+        return None if stage is None else Indexed(stage, payload, fingerprint)
 
     def _save(self, key: str, payload: dict[str, Any], stage: StageOne) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)

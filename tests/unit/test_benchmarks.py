@@ -15,8 +15,7 @@ from helpers.cli import one_line_error
 from uds_lens.benchmarks import DatasetSpec, first_sentence
 from uds_lens.checkpoints.loader import load_tokenizer
 from uds_lens.data import DataError, Example, build_prompt, encode, load_examples
-from uds_lens.fingerprints import examples_fingerprint
-from uds_lens.inputs import RunInputs
+from uds_lens.inputs import RunInputs, examples_fingerprint
 from uds_lens.zoo.world import generate_world
 
 # open-unlearning's template for MUSE's Llama-2 models (configs/model/Llama-2-7b-hf.yaml at d3d7cf9)

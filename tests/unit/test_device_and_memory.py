@@ -302,8 +302,8 @@ def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_aud
     held: list[weakref.ref] = []
     real_load = UDSAuditor._load
 
-    def remember(self: UDSAuditor, checkpoint: Checkpoint, role: str) -> Any:
-        model = real_load(self, checkpoint, role)
+    def remember(self: UDSAuditor, checkpoint: Checkpoint, role: str, *rest: Any) -> Any:
+        model = real_load(self, checkpoint, role, *rest)
         held.append(weakref.ref(model))
         return model
 

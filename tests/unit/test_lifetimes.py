@@ -27,8 +27,8 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[weakref.ref]]:
     held: dict[str, list[weakref.ref]] = {}
     real = UDSAuditor._load
 
-    def remember(self: UDSAuditor, checkpoint: Checkpoint, role: str) -> Any:
-        model = real(self, checkpoint, role)
+    def remember(self: UDSAuditor, checkpoint: Checkpoint, role: str, *rest: Any) -> Any:
+        model = real(self, checkpoint, role, *rest)
         held.setdefault(role, []).append(weakref.ref(model))
         return model
 

@@ -151,6 +151,7 @@ def build_model(
     quantization: BitsAndBytesConfig | None = None,
     attn_implementation: str | None = None,
     ahead: bool = False,
+    free_bytes: int | None = None,
 ) -> ModelLike:
     """The builder every door calls: the model of a `Checkpoint` made already.
 
@@ -170,6 +171,8 @@ def build_model(
         ahead: built ahead of its turn, on a thread beside the computing one (a sweep's look-ahead, on the CPU):
             no garbage collection first (it would hold the interpreter while the other thread computes; the caller
             collects before it moves the model to its device).
+        free_bytes: the device's free memory as the run measured it (`UDSAuditor`: once before its models, then its
+            plan's figure), which the fit check compares with instead of measuring again (None: measured here).
     """
     if checkpoint.model is not None:
         return checkpoint.model
@@ -177,12 +180,12 @@ def build_model(
     check_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if not hooked:
-        return _hf_model(checkpoint, torch_dtype, device, quantization, attn_implementation)
+        return _hf_model(checkpoint, torch_dtype, device, quantization, attn_implementation, free_bytes)
     if not ahead:
         # Before the new weights arrive, not after: a model the caller dropped but that a reference cycle still holds
         # (a bridge of an older release, a traceback) leaves the device now.
         gc.collect()
-    hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager")
+    hf_model = _hf_model(checkpoint, torch_dtype, device, None, "eager", free_bytes)
     tokenizer = None
     if checkpoint.kind == "directory":
         try:
@@ -229,6 +232,7 @@ def _hf_model(
     device: str,
     quantization: BitsAndBytesConfig | None,
     attn_implementation: str | None,
+    free_bytes: int | None = None,
 ) -> PreTrainedModel:
     """The Hugging Face model of a checkpoint on disk or on the hub (the builder's plain half)."""
     config = checkpoint.config
@@ -241,7 +245,11 @@ def _hf_model(
         config,
         None if shapes is None else shapes.values(),
         dtype,
-        None if quantization is not None else memory.available_memory_bytes(device),
+        None
+        if quantization is not None
+        else free_bytes
+        if free_bytes is not None
+        else memory.available_memory_bytes(device),
     )
     loaded: Loaded | None = None
     model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
