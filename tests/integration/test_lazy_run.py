@@ -18,7 +18,7 @@ import uds_lens.auditor as auditor_module
 import uds_lens.checkpoints.loader as loader
 import uds_lens.inputs as inputs_module
 import uds_lens.memory as memory
-from uds_lens.checkpoints import digests
+from uds_lens.checkpoints import digests, reader
 
 
 class Counts:
@@ -38,7 +38,7 @@ def counts(tmp_path, monkeypatch) -> Counts:
     monkeypatch.setenv("UDS_LENS_CACHE", str(tmp_path / "cache-root"))
     monkeypatch.setattr(digests, "_DIGESTS", {})
     counted = Counts()
-    build, read, digest = loader.build_model, loader.read_checkpoint, inputs_module.examples_fingerprint
+    build, read, digest = loader.build_model, reader.read_checkpoint, inputs_module.examples_fingerprint
 
     def counting_build(checkpoint, *args, **kwargs):
         counted.built.append(Path(checkpoint.location))
@@ -63,7 +63,7 @@ def counts(tmp_path, monkeypatch) -> Counts:
     monkeypatch.setattr(inputs_module, "examples_fingerprint", counting_digest)
     monkeypatch.setattr(loader, "build_model", counting_build)
     monkeypatch.setattr(auditor_module, "build_model", counting_build)
-    monkeypatch.setattr(loader, "read_checkpoint", counting_read)
+    monkeypatch.setattr(reader, "read_checkpoint", counting_read)
     return counted
 
 

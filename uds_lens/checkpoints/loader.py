@@ -38,12 +38,13 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from uds_lens import memory
+from uds_lens.checkpoints import reader
 from uds_lens.checkpoints.checkpoint import SAFE_LOAD_KWARGS, Checkpoint, CheckpointRef
 from uds_lens.checkpoints.coverage import check_config_size, check_loading_info
 from uds_lens.checkpoints.digests import check_unchanged, file_stamp, mark_loaded
 from uds_lens.checkpoints.folder import ModelLoadError
 from uds_lens.checkpoints.gguf import GgufReader
-from uds_lens.checkpoints.reader import Loaded, PickleReader, SafetensorsReader, TensorReader, read_checkpoint
+from uds_lens.checkpoints.reader import Loaded, PickleReader, SafetensorsReader, TensorReader
 from uds_lens.config import DTYPE_NAMES, ConfigError
 from uds_lens.files import staging_path
 from uds_lens.tl_compat import ModelLike, TransformerBridge, bridge_from_hf, hf_model_of, is_tl_model
@@ -257,7 +258,7 @@ def _hf_model(
         if checkpoint.local and quantization is None:
             # one pass: every tensor read, cast and placed as it lands, hashed on the way; the family's own class
             # takes them with the config (the Auto class would look the reference up on disk)
-            loaded = read_checkpoint(
+            loaded = reader.read_checkpoint(
                 *checkpoint.identifying(), _readers(checkpoint, model_class, dtype, device)
             )
             if torch.device(device).type != "cpu":
@@ -305,8 +306,8 @@ def _readers(
             skeleton = model_class(checkpoint.config)
         names = tuple(skeleton.state_dict())
         del skeleton
-        reader: TensorReader = GgufReader(dtype, target, checkpoint.config, names)
-        return {name: reader for name, _ in checkpoint.identifying()[1]}
+        gguf_reader: TensorReader = GgufReader(dtype, target, checkpoint.config, names)
+        return {name: gguf_reader for name, _ in checkpoint.identifying()[1]}
     files = checkpoint.files
     per_file = (
         SafetensorsReader(dtype, target) if files.format == "safetensors" else PickleReader(dtype, target)
