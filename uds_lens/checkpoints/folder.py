@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -302,19 +303,29 @@ def _unreadable(file: Path, why: str) -> ModelLoadError:
 
 def _header(file: Path) -> dict[str, Any]:
     with file.open("rb") as handle:
-        raw_length = handle.read(8)
-        if len(raw_length) < 8:
-            raise _unreadable(file, "too short for a header")
-        (header_len,) = struct.unpack("<Q", raw_length)
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > file.stat().st_size:
-            raise _unreadable(file, f"its header claims {header_len} bytes")
-        try:
-            header = json.loads(handle.read(header_len))
-        except ValueError as err:
-            raise _unreadable(file, f"its header is not JSON: {err}") from err
-    if not isinstance(header, dict):
-        raise _unreadable(file, "its header is not a JSON object")
+        header, _ = parse_header(handle.read, file.stat().st_size, lambda why: _unreadable(file, why))
     return header
+
+
+def parse_header(
+    read: Callable[[int], bytes], size: int, unreadable: Callable[[str], Exception]
+) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header and its length in bytes, from ``read`` (the file's next bytes) of a file of ``size``
+    bytes; what is wrong with it raised as ``unreadable(why)``. The folder's check and the loading pass both read
+    headers here."""
+    raw_length = read(8) if size >= 8 else b""
+    if len(raw_length) < 8:
+        raise unreadable("too short for a header")
+    (header_len,) = struct.unpack("<Q", raw_length)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise unreadable(f"its header claims {header_len} bytes")
+    try:
+        header = json.loads(read(header_len))
+    except ValueError as err:
+        raise unreadable(f"its header is not JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise unreadable("its header is not a JSON object")
+    return header, header_len
 
 
 def tensor_headers(files: CheckpointFiles) -> dict[str, tuple[tuple[int, ...], str]] | None:

@@ -30,8 +30,6 @@ tensor: the pickle needs the whole file; a legacy format), and GGUF (`checkpoint
 from __future__ import annotations
 
 import io
-import json
-import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -44,7 +42,7 @@ from torch import Tensor
 
 from uds_lens.checkpoints import digests
 from uds_lens.checkpoints.digests import CheckpointReadError, grew, truncated
-from uds_lens.checkpoints.folder import MAX_HEADER_BYTES
+from uds_lens.checkpoints.folder import parse_header
 
 # safetensors' dtype names, as torch dtypes (what uds_lens can read).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -192,17 +190,7 @@ class SafetensorsReader:
 
     def __call__(self, source: Source, out: dict[str, Tensor]) -> None:
         label = str(source.file)
-        if source.size < 8:
-            raise _unreadable(label, "too short for a header")
-        (header_len,) = struct.unpack("<Q", source.read(8))
-        if header_len > MAX_HEADER_BYTES or 8 + header_len > source.size:
-            raise _unreadable(label, f"its header claims {header_len} bytes")
-        try:
-            header = json.loads(source.read(header_len))
-        except ValueError as err:
-            raise _unreadable(label, f"its header is not JSON: {err}") from err
-        if not isinstance(header, dict):
-            raise _unreadable(label, "its header is not a JSON object")
+        header, header_len = parse_header(source.read, source.size, lambda why: _unreadable(label, why))
         base = 8 + header_len
         for name, (begin, _end, shape, stored) in _layout(header, base, source.size, label):
             source.skip_to(begin)
