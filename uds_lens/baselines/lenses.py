@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from uds_lens.baselines.hidden import HiddenStates
 from uds_lens.baselines.layerwise import LayerwiseErasure, LensErasure, lens_erasure
 from uds_lens.config import DEFAULT_TAU, check_positive_int
-from uds_lens.data import PROMPT_TEMPLATE
+from uds_lens.data import PROMPT_TEMPLATES, SHOT_SEPARATOR, Example
 from uds_lens.readout import label_logprobs
 from uds_lens.sources import SourceLike, as_source
 from uds_lens.tl_compat import ModelLike
@@ -238,16 +238,18 @@ def _frozen(model: ModelLike) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def calibration_token_ids(examples: Sequence[Any], tokenizer: Any) -> list[list[int]]:
-    """Token ids of ``"Question: {question}\\nAnswer: {answer}"`` (BOS, no EOS) for tuned-lens training."""
-    return [
-        list(
-            tokenizer(
-                PROMPT_TEMPLATE.format(question=ex.question, prefix=ex.answer), add_special_tokens=True
-            )["input_ids"]
-        )
-        for ex in examples
-    ]
+def calibration_token_ids(examples: Sequence[Example], tokenizer: Any) -> list[list[int]]:
+    """Token ids of each calibration example as written in its own form (BOS, no EOS) for tuned-lens training: its
+    context, its in-context pairs and the prompt with the whole answer (``"Question: {question}\\nAnswer: {answer}"``
+    for a QA record, the passage and its continuation for a MUSE verbatim passage), so the lens is trained on text
+    shaped like what it reads."""
+    token_ids = []
+    for ex in examples:
+        template = PROMPT_TEMPLATES[ex.form]
+        shown = "".join(template.format(question=q, prefix=a) + SHOT_SEPARATOR for q, a in ex.shots)
+        text = ex.context + shown + template.format(question=ex.question, prefix=ex.answer)
+        token_ids.append(list(tokenizer(text, add_special_tokens=True)["input_ids"]))
+    return token_ids
 
 
 def train_tuned_lens(

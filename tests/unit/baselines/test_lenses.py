@@ -88,3 +88,24 @@ def test_untrained_tuned_lens_is_the_logit_lens_and_trained_keeps_endpoints(trio
     as_retain = logit_lens(hidden["full"], hidden["retain"], hidden["retain"], decoder, translator=lens)
     assert as_full.method == "tuned_lens"
     assert as_full.score <= 0.02 and as_retain.score >= 0.98
+
+
+def test_tuned_lens_calibration_text_is_each_example_in_its_own_form():
+    from dataclasses import replace
+
+    from uds_lens.data import Example
+
+    class Characters:  # a tokenizer that shows the text it was given: one id per character, BOS = 0
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [0, *map(ord, text)]}
+
+    qa = Example(0, "Who wrote Dune?", "Frank Herbert wrote it.", "", "Frank Herbert")
+    passage = replace(qa, question="The spice must flow", answer="across the desert.", form="completion")
+    shot = replace(qa, context="Answer briefly.\n", shots=(("Q1?", "A1."),))
+    texts = ["".join(map(chr, ids[1:])) for ids in calibration_token_ids([qa, passage, shot], Characters())]
+    assert texts[0] == "Question: Who wrote Dune?\nAnswer: Frank Herbert wrote it."
+    assert texts[1] == "The spice must flow across the desert."  # a MUSE passage, no QA template around it
+    assert (
+        texts[2]
+        == "Answer briefly.\nQuestion: Q1?\nAnswer: A1.\n\nQuestion: Who wrote Dune?\nAnswer: Frank Herbert wrote it."
+    )

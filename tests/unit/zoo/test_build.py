@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from uds_lens.zoo.build import build_zoo
 from uds_lens.zoo.layout import load_zoo
-from uds_lens.zoo.recipe import ZooBuildError, ZooSize, plan_models
+from uds_lens.zoo.recipe import POOL_SETTINGS, SIZES, ZooBuildError, ZooSize, plan_models
 from uds_lens.zoo.train import ModelShape
 from uds_lens.zoo.training_data import load_data, training_sequences
 from uds_lens.zoo.world import FACT_KINDS, RECORD_FIELDS, ZooDataError
@@ -227,6 +227,21 @@ def test_pools_cycle_recipes_within_settings_and_skip_what_the_data_lacks():
     assert without == ["pos_qa_std", "pos_bio_std", "pos_qa_weak", "pos_bio_weak", "pos_qa_short"]
     with pytest.raises(ZooBuildError, match="pool_variants=99"):
         plan_models(ZooSize(**{**MICRO.__dict__, "pool_variants": 99}), 0, True, True, True)
+
+
+def test_a_size_can_draw_its_pools_from_the_cheapest_settings_first():
+    size = ZooSize(**{**MICRO.__dict__, "pool_variants": 4, "pool_settings": ("short", "weak", "std")})
+    pos = [s for s in plan_models(size, 0, True, True, True) if s.role == "pos"]
+    assert [s.name for s in pos] == ["pos_qa_short", "pos_para_short", "pos_bio_short", "pos_qa_weak"]
+    assert pos[0].hyperparams["epochs"] == max(1, round(MICRO.finetune_epochs * 0.25))
+    assert pos[0].hyperparams["lr"] == MICRO.finetune_lr and pos[3].hyperparams["lr"] == MICRO.finetune_lr / 4
+    # the smollm2 zoo's smallest pools are its cheapest models (2 of full's 10 epochs); every setting stays reachable
+    smollm2 = SIZES["smollm2"]
+    assert smollm2.pool_settings is not None and sorted(smollm2.pool_settings) == sorted(
+        s[0] for s in POOL_SETTINGS
+    )
+    planned = [s for s in plan_models(smollm2, 0, True, True, True) if s.role in ("pos", "neg")]
+    assert {s.hyperparams["epochs"] for s in planned} == {2}
 
 
 def test_a_pool_can_have_the_papers_30_models_and_smaller_pools_keep_their_models():
