@@ -522,6 +522,12 @@ def meta_eval(
         "--metric",
         help="A row of the table (repeat the option; default: the paper's 20). Any name of the metric registry.",
     ),
+    robustness_model: list[str] | None = typer.Option(
+        None,
+        "--robustness-model",
+        help="An unlearned model to attack (repeat the option; default: every unlearned and sweep model). A "
+        "smaller robustness pool for a CPU: each attacked model is scored twice more with every metric.",
+    ),
 ) -> None:
     """Faithfulness (P/N AUC) and robustness (NF4 quantisation, relearning) of every metric: OUT/meta_eval.csv."""
     from uds_lens.meta_eval.paper import compare_with_paper
@@ -545,6 +551,7 @@ def meta_eval(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         metrics=metric or None,
+        robustness_models=robustness_model or None,
     )
     typer.echo("this pool next to the paper's Table 3 (Llama-3.2-1B, TOFU forget10):")
     typer.echo(compare_with_paper(table).to_string(float_format=lambda v: f"{v:.3f}"))

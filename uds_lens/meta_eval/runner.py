@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.checkpoints.loader import ModelArg, load_tokenizer
+from uds_lens.config import ConfigError
 from uds_lens.data import read_records
 from uds_lens.files import write_atomic
 from uds_lens.meta_eval.attacks import quantise_nf4, relearn
@@ -183,6 +184,7 @@ def evaluate_zoo(
     progress: bool = True,
     resume: bool = True,
     utility_roles: Sequence[str] | None = None,
+    skip: Collection[str] = (),
 ) -> pd.DataFrame:
     """Every metric for every zoo model: ``OUT/metrics.csv`` (one row per model) and ``OUT/models/NAME/metrics.json``.
 
@@ -198,6 +200,7 @@ def evaluate_zoo(
         resume: reuse per-model caches (a crashed run restarts at the first unfinished model).
         utility_roles: compute model utility (on the whole retain set, most of a model's cost) only for models with
             these roles (default: all); full and retain always get it. The others' utility columns are NaN.
+        skip: models of those roles left out (never full or retain: every score is anchored to them).
 
     Returns:
         The ``metrics.csv`` table (index = model name; ``role``, metrics, ``s_mia_*``, ``privacy``, ``utility_rel``).
@@ -205,7 +208,7 @@ def evaluate_zoo(
     zoo = load_zoo(zoo_dir)
     out = Path(out_dir)
     check_outputs_apart({"out_dir (--out)": out}, {"zoo": zoo.root})  # its files never mix into the zoo's
-    names = zoo.names(roles)
+    names = [name for name in zoo.names(roles) if name not in skip or name in ("full", "retain")]
     for required in ("full", "retain"):
         if required not in zoo.names():
             raise ValueError(
@@ -321,6 +324,7 @@ def run_meta_eval(
     progress: bool = True,
     resume: bool = True,
     metrics: Sequence[str] | None = None,
+    robustness_models: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """The whole meta-evaluation on a zoo: metrics, NF4 and relearning attacks, and ``OUT/meta_eval.csv``.
 
@@ -336,6 +340,9 @@ def run_meta_eval(
     crashed run stopped.
 
     ``metrics`` names the rows (registered metrics, `uds_lens.metrics.registry`; default: the paper's 20).
+    ``robustness_models`` names the unlearned (or sweep) models the attacks are run on (default: all of them): a
+    smaller robustness pool for a CPU, where each attacked model is scored again with every metric; the others are
+    not scored at all (they enter no part of the table).
 
     Returns:
         The meta-evaluation table (``META_EVAL_COLUMNS``).
@@ -343,6 +350,15 @@ def run_meta_eval(
     rows = METRICS if metrics is None else tuple(registry.spec(name) for name in metrics)
     zoo = load_zoo(zoo_dir)
     out = Path(out_dir)
+    unlearned = zoo.names(ROBUSTNESS_ROLES)
+    if robustness_models is not None:
+        unknown = [name for name in robustness_models if name not in unlearned]
+        if unknown or not robustness_models:
+            raise ConfigError(
+                f"robustness models (--robustness-model) {unknown or '(none)'} are not unlearned or sweep models of the zoo at "
+                f"{zoo.root}; choose among {unlearned}"
+            )
+        unlearned = [name for name in unlearned if name in robustness_models]
     metrics_df = evaluate_zoo(
         zoo_dir,
         out,
@@ -354,13 +370,13 @@ def run_meta_eval(
         progress=progress,
         resume=resume,
         utility_roles=UTILITY_ROLES,
+        skip=set(zoo.names(ROBUSTNESS_ROLES)) - set(unlearned),
     )
     tokenizer = load_tokenizer(zoo.path("full"))
     forget = read_records(zoo.forget_path)
     holdout = read_records(zoo.holdout_path)
     fns = _score_fns(uds_fn, white_box_fns)
     retain_aucs = {a: float(metrics_df.at["retain", a]) for a in ATTACKS}
-    unlearned = zoo.names(ROBUSTNESS_ROLES)
     kwargs = dict(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,

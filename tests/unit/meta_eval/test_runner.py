@@ -77,6 +77,15 @@ def test_run_meta_eval_on_a_tiny_zoo_writes_all_twenty_rows_and_resumes(tmp_path
     expected = table.set_index("metric").loc[["uds", "prob"]].reset_index()
     pd.testing.assert_frame_equal(subset, expected)
     assert len(calls) == n_calls
+    # a smaller robustness pool (a CPU's): only the named models are attacked and scored, from the same caches
+    run_meta_eval(zoo, out, robustness_models=["unlearned1"], **kwargs)
+    assert len(calls) == n_calls
+    assert set(pd.read_csv(out / "robustness.csv")["model"]) == {"unlearned1"}
+    assert "unlearned0" not in pd.read_csv(out / "metrics.csv", index_col="model").index
+    assert set(pd.read_csv(out / "metrics_quant.csv", index_col="model").index) == {"unlearned1"}
+    with pytest.raises(ValueError, match="'pos0'.*choose among"):
+        run_meta_eval(zoo, out, robustness_models=["pos0"], **kwargs)
+    run_meta_eval(zoo, out, **kwargs)  # the whole pool again, for what follows
     # the caches are keyed by the checkpoints' contents: rewriting a pool model's weights unchanged (a copy, a
     # touch) rescores nothing; a retrained one (other weights at the same path) is scored again, nothing else is
     weights = load_zoo(zoo).path(load_zoo(zoo).names("pos")[0]) / "model.safetensors"
