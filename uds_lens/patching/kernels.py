@@ -643,32 +643,70 @@ def packed_forward(
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
     keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
     """
+    return packed_forwards(model, [batch], sites, n_blocks, [rows], keep_kv)[0]
+
+
+def packed_forwards(
+    model: TLModel,
+    batches: Sequence[PatchBatch],
+    sites: Sequence[str],
+    n_blocks: int,
+    rows: Sequence[Tensor],
+    keep_kv: bool = False,
+) -> list[tuple[Tensor, dict[str, list[Tensor]], list[Tensor]]]:
+    """`packed_forward` of several batches (``rows[i]``, indices into its rows, for ``batches[i]``), block first: each block's weights are
+    made once (`layer_weights`: joined for this block and let go after it where the model's joins are not held)
+    and every batch goes through the block before the next block is made. A model whose joins are not held is so
+    joined once a block for all the batches, never once a batch, and holds one block's copy at a time; each
+    batch's arithmetic is `packed_forward`'s own, operation for operation: the same numbers."""
     _require_fast(model)
-    packing = WindowPacking.sequences(batch)
     dtype = compute_dtype(model)
-    layout = attention_layout(model, packing, dtype, batch.input_length)
-    first = layer_weights(model, 0)
-    empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
-    captured: dict[str, list[Tensor]] = {name: [] for name in sites}
-    kv: list[Tensor] = []
-
-    def record(name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
-        if name in captured:
-            captured[name].append(value[0, rows])
-
-    resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
+    runs = [_PackedRun.start(model, batch, dtype, sites, at) for batch, at in zip(batches, rows, strict=True)]
     for block_index in range(n_blocks):
         weights = layer_weights(model, block_index)
-        record("resid_pre", resid)
-        attn_out = block_attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
-        record("attn_out", attn_out)
+        for run in runs:
+            run.block(weights, keep_kv)
+    return [(run.resid[0], run.captured, run.kv) for run in runs]
+
+
+@dataclass
+class _PackedRun:
+    """One batch of `packed_forwards` between blocks: its attention layout, its residual at every packed row, the
+    sites' activations captured at ``rows`` so far and, with ``keep_kv``, each block's keys and values."""
+
+    layout: AttentionLayout
+    resid: Float[Tensor, "1 seq_row d_model"]
+    rows: Int[Tensor, " row"]
+    captured: dict[str, list[Tensor]]
+    kv: list[Tensor]
+
+    @classmethod
+    def start(
+        cls, model: TLModel, batch: PatchBatch, dtype: torch.dtype, sites: Sequence[str], rows: Tensor
+    ) -> _PackedRun:
+        packing = WindowPacking.sequences(batch)
+        layout = attention_layout(model, packing, dtype, batch.input_length)
+        resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
+        return cls(layout, resid, rows, {name: [] for name in sites}, [])
+
+    def record(self, name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
+        if name in self.captured:
+            self.captured[name].append(value[0, self.rows])
+
+    def block(self, weights: _BlockWeights, keep_kv: bool) -> None:
+        """The residual through one more block (its ``weights``)."""
+        resid = self.resid
+        empty = resid.new_zeros(self.layout.n_batch, weights.n_kv, 0, weights.d_head)
+        self.record("resid_pre", resid)
+        attn_out = block_attention(weights, resid, self.layout, empty, empty, self.kv if keep_kv else None)
+        self.record("attn_out", attn_out)
         resid = resid + attn_out
-        record("resid_mid", resid)
+        self.record("resid_mid", resid)
         mlp_out = _mlp(weights, resid)
-        record("mlp_out", mlp_out)
+        self.record("mlp_out", mlp_out)
         resid = resid + mlp_out
-        record("resid_post", resid)
-    return resid[0], captured, kv
+        self.record("resid_post", resid)
+        self.resid = resid
 
 
 __all__ = [
@@ -681,5 +719,6 @@ __all__ = [
     "hold_joined_weights",
     "kept_joined_blocks",
     "packed_forward",
+    "packed_forwards",
     "read_scores",
 ]
