@@ -481,8 +481,8 @@ def test_an_fp32_run_measures_the_free_memory_once(tiny, tiny_auditor, monkeypat
     assert auditor.holds_joined == (plan.joined_bytes <= plan.share("held_copies") - kept)
 
 
-def test_the_runs_room_is_one_models_weights_at_most_what_is_free_and_never_small():
-    """What a run holds beyond its two models is planned in a room of one model's weights (`planning.RUN_ROOM`), so
+def test_the_runs_room_is_a_models_weights_at_most_what_is_free_and_never_small():
+    """What a run holds beyond its two models is planned in a room of `planning.RUN_ROOM` of one model's weights, so
     that a run peaks near three models however much is free; never more than is free, never less than
     `planning.MIN_ROOM`; every share is of that room."""
     model = 1 << 30
@@ -506,7 +506,7 @@ def test_the_plan_holds_joined_copies_only_beside_the_clean_runs_and_reads_it_ex
     def plan(clean: int, reads: int = 0) -> planning.MemoryPlan:
         return planning.MemoryPlan("cpu", 64 << 30, joined, model, clean, reads)
 
-    roomy, target_only, short = plan(0), plan(int(held / 2) + 1), plan(int(held / 2), int(held / 2))
+    roomy, target_only, short = plan(0), plan(int(held / 2) + 64), plan(int(held / 2), int(held / 2))
     assert roomy.holds_target_joins and roomy.holds_source_joins
     assert target_only.holds_target_joins and not target_only.holds_source_joins
     assert not short.holds_target_joins and not short.holds_source_joins

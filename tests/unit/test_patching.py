@@ -86,7 +86,9 @@ def test_a_source_read_block_first_over_several_batches_is_read_as_each_batch_al
     if not compat:
         same = window_source_activations_of(setup["full"], batches, spec)
         for batch, acts in zip(batches, same, strict=True):
-            assert torch.equal(acts, engine_for(spec).clean_run(setup["full"], batch).window_acts["resid_post"])
+            assert torch.equal(
+                acts, engine_for(spec).clean_run(setup["full"], batch).window_acts["resid_post"]
+            )
 
 
 def test_naive_hooks_are_removed_after_an_error(setup):

@@ -3,8 +3,8 @@ runner that walks the batches and halves a batch that runs out of memory (``run_
 component patching both run through it).
 
 A run's memory is planned once (`MemoryPlan`): the free memory is measured when the models of Stage 1 are loaded,
-and the run's room beyond its two models is that, but at most one model's weights (`RUN_ROOM`, so that a run peaks
-near three models; never less than `MIN_ROOM`, so a small model's run is never squeezed). `SHARES` says, in one
+and the run's room beyond its two models is that, but at most 0.9 of one model's weights (`RUN_ROOM`, so that a run
+peaks near three models; never less than `MIN_ROOM`, so a small model's run is never squeezed). `SHARES` says, in one
 table, what part of the room each thing the run keeps may take, and what it keeps is granted in order of what it
 saves: the clean runs, a source's activations read ahead, then the joined copies of the patch target (and of a
 source) where what the others are expected to hold leaves room for them. Everything held is a copy or a cache of
@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 Share = Literal["batch", "clean_runs", "source_reads", "held_copies", "fp32_reference"]
 """What a run keeps beyond its models, each with its share of the run's room (`SHARES`)."""
 
-RUN_ROOM = 1.0
-"""What a run may hold beyond its two models, in one model's weights (`MemoryPlan.room`)."""
+RUN_ROOM = 0.9
+"""What a run may hold beyond its two models, in one model's weights (`MemoryPlan.room`): with what the
+allocator keeps of memory freed, a run then peaks at about three models' weights (`experiments/bench_scale.py`)."""
 
 MIN_ROOM = 512 << 20
 """The room of a run of a small model: what `RUN_ROOM` gives is never less than this (nor more than is free)."""
