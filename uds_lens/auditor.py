@@ -116,8 +116,8 @@ class UDSAuditor:
 
     What it holds when: full for its whole life; the retain model through Stage 1 only and each unlearned model
     through its own Stage 2 only, when the auditor loaded them itself (a model passed as an object is the caller's
-    and stays); joined weight copies for full while the auditor lives and for a source through its stage, only
-    where the plan has room for them.
+    and stays); full's joined weight copies where the plan grants them; a source's activations read ahead, block
+    first, for the next batches of its stage.
 
     For hooks of your own (its `workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one
     example's tensors), [`tokens`][uds_lens.workbench.Workbench.tokens],
@@ -286,23 +286,17 @@ class UDSAuditor:
         """
         _ = self.stage1
         self._retain_dropped = True
-        dropped = None if self._retain is None else weakref.ref(self._retain)
-        self._retain = None
-        if dropped is not None:
+        if self._retain is not None:
+            dropped, self._retain = weakref.ref(self._retain), None
             release_dropped(dropped, self.device)
 
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
-        if (
-            self._retain is None
-            or checkpoint is None
-            or checkpoint.model is not None
-            or checkpoint in self.sources
-        ):
+        callers = checkpoint is None or checkpoint.model is not None or checkpoint in self.sources
+        if self._retain is None or callers:
             return  # none, or the caller's (given as an object, or kept by load_source)
-        dropped = weakref.ref(self._retain)
-        self._retain = None
+        dropped, self._retain = weakref.ref(self._retain), None
         release_dropped(dropped, self.device)
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
@@ -523,14 +517,8 @@ class UDSAuditor:
         try:
             # a batch that runs out of memory is halved and retried, the halves kept for later stages and models;
             # the clean runs, keyed by batch number, are dropped then, and less memory is kept for them from then on
-            run_batches(
-                self._batches,
-                run.batch,
-                self.target_device,
-                "S1 (retain -> full)",
-                self.progress,
-                self.runs.forget_clean_runs,
-            )
+            device, split = self.target_device, self.runs.forget_clean_runs
+            run_batches(self._batches, run.batch, device, "S1 (retain -> full)", self.progress, split)
         finally:
             run.close()
         stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
@@ -646,15 +634,10 @@ class UDSAuditor:
         cells = self.stage2_cells()
         started = time.perf_counter()
         run = self.runs.stage_two(source, source_label, stage, cells)
-        try:
-            run_batches(
-                self._batches,
-                run.batch,
-                self.target_device,
-                f"S2 ({checkpoint.name} -> full)",
-                self.progress,
-                self.runs.forget_clean_runs,
-            )
+        try:  # halved and retried as in Stage 1
+            desc = f"S2 ({checkpoint.name} -> full)"
+            device, split = self.target_device, self.runs.forget_clean_runs
+            run_batches(self._batches, run.batch, device, desc, self.progress, split)
         finally:
             run.close()
         # what the stage spent making models (a bf16 run's fp32 copies) is a load, as the model's own: not Stage 2

@@ -74,16 +74,6 @@ def wrapped_model(model: TLModel) -> PreTrainedModel:
     return hf
 
 
-def _hf_decoder(model: TLModel) -> torch.nn.Module:
-    return wrapped_model(model).model
-
-
-def _family(model: TLModel) -> Family:
-    family = family_of(wrapped_model(model).config)
-    assert family is not None  # _require_fast ran first
-    return family
-
-
 @dataclass
 class _BlockWeights:
     """One decoder layer's weights in the layouts its packed runs multiply by, read from the Hugging Face modules,
@@ -102,11 +92,9 @@ class _BlockWeights:
     by it (Gemma's ``1 + w`` in fp32, a new ``d_model`` vector). ``window`` is the layer's sliding window,
     ``layer_type`` the rotary table it reads (Gemma 3), ``softcap`` the attention logit soft-cap (Gemma 2).
 
-    ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
-    tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
-    They are kept only for a model whose joins are held (`hold_joined_weights`: the auditor's patch target, when
-    memory allows); any other model's run joins a block, runs it and lets the copy go (one block's copy at a time,
-    the same values), so a source model holds its own weights and nothing more.
+    ``of`` keeps the joined matrices per block, for a model whose joins are held (`hold_joined_weights`), and
+    rebuilds them when a parameter of the block is another tensor or was written in place (``Tensor._version``);
+    any other model's run joins a block, runs it and lets the copy go (one block's copy at a time, the same values).
     """
 
     pre_attn: Float[Tensor, " d_model"] | None
@@ -508,7 +496,7 @@ def attention_layout(
         allowed=allowed[:, None, None, None],
         slot_position=window_position.flatten(),
         key_position=torch.cat([prefix[None, :].expand(n_batch, -1), window_position], dim=-1),
-        rotary_module=_original(_hf_decoder(model).rotary_emb),
+        rotary_module=_original(wrapped_model(model).model.rotary_emb),
         dtype=dtype,
         tables={},
         masks={},
@@ -654,14 +642,17 @@ def packed_forwards(
     rows: Sequence[Tensor],
     keep_kv: bool = False,
 ) -> list[tuple[Tensor, dict[str, list[Tensor]], list[Tensor]]]:
-    """`packed_forward` of several batches (``rows[i]``, indices into its rows, for ``batches[i]``), block first: each block's weights are
-    made once (`layer_weights`: joined for this block and let go after it where the model's joins are not held)
-    and every batch goes through the block before the next block is made. A model whose joins are not held is so
-    joined once a block for all the batches, never once a batch, and holds one block's copy at a time; each
-    batch's arithmetic is `packed_forward`'s own, operation for operation: the same numbers."""
+    """`packed_forward` of several batches (``rows[i]`` for ``batches[i]``), block first: each block's weights made
+    once (`layer_weights`; where the joins are not held, joined for the block and let go after it) and every batch
+    run through it before the next; each batch's arithmetic is `packed_forward`'s own: the same numbers."""
     _require_fast(model)
     dtype = compute_dtype(model)
-    runs = [_PackedRun.start(model, batch, dtype, sites, at) for batch, at in zip(batches, rows, strict=True)]
+    runs = []
+    for batch, at in zip(batches, rows, strict=True):
+        packing = WindowPacking.sequences(batch)
+        resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
+        layout = attention_layout(model, packing, dtype, batch.input_length)
+        runs.append(_PackedRun(layout, resid, at, {name: [] for name in sites}, []))
     for block_index in range(n_blocks):
         weights = layer_weights(model, block_index)
         for run in runs:
@@ -671,8 +662,7 @@ def packed_forwards(
 
 @dataclass
 class _PackedRun:
-    """One batch of `packed_forwards` between blocks: its attention layout, its residual at every packed row, the
-    sites' activations captured at ``rows`` so far and, with ``keep_kv``, each block's keys and values."""
+    """One batch of `packed_forwards` between blocks: layout, residual, the sites captured so far, keys/values."""
 
     layout: AttentionLayout
     resid: Float[Tensor, "1 seq_row d_model"]
@@ -680,33 +670,18 @@ class _PackedRun:
     captured: dict[str, list[Tensor]]
     kv: list[Tensor]
 
-    @classmethod
-    def start(
-        cls, model: TLModel, batch: PatchBatch, dtype: torch.dtype, sites: Sequence[str], rows: Tensor
-    ) -> _PackedRun:
-        packing = WindowPacking.sequences(batch)
-        layout = attention_layout(model, packing, dtype, batch.input_length)
-        resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
-        return cls(layout, resid, rows, {name: [] for name in sites}, [])
-
-    def record(self, name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
-        if name in self.captured:
-            self.captured[name].append(value[0, self.rows])
-
     def block(self, weights: _BlockWeights, keep_kv: bool) -> None:
-        """The residual through one more block (its ``weights``)."""
+        """The residual through one more block (its ``weights``), the sites asked for captured at ``rows``."""
         resid = self.resid
         empty = resid.new_zeros(self.layout.n_batch, weights.n_kv, 0, weights.d_head)
-        self.record("resid_pre", resid)
-        attn_out = block_attention(weights, resid, self.layout, empty, empty, self.kv if keep_kv else None)
-        self.record("attn_out", attn_out)
-        resid = resid + attn_out
-        self.record("resid_mid", resid)
-        mlp_out = _mlp(weights, resid)
-        self.record("mlp_out", mlp_out)
-        resid = resid + mlp_out
-        self.record("resid_post", resid)
-        self.resid = resid
+        values = {"resid_pre": resid}
+        kv = self.kv if keep_kv else None
+        values["attn_out"] = attn_out = block_attention(weights, resid, self.layout, empty, empty, kv)
+        values["resid_mid"] = resid = resid + attn_out
+        values["mlp_out"] = mlp_out = _mlp(weights, resid)
+        values["resid_post"] = self.resid = resid + mlp_out
+        for name, found in self.captured.items():
+            found.append(values[name][0, self.rows])
 
 
 __all__ = [
