@@ -65,7 +65,7 @@ from uds_lens.config import EngineSpec
 from uds_lens.data import EncodedExample
 from uds_lens.patching.batch import WindowPacking, pad_batch
 from uds_lens.patching.cells import stage2_work
-from uds_lens.patching.engines import FastEngine, engine_for
+from uds_lens.patching.engines import engine_for
 from uds_lens.patching.kernels import packed_forward, read_scores
 from uds_lens.patching.planning import MemoryPlan, plan_batches
 from uds_lens.tl_compat import hf_model_of
@@ -75,7 +75,8 @@ SITE = "resid_post"
 
 def planned_batch_size(full, examples) -> int:
     """The batch size the auditor's memory plan gives the fast engine here (``planning.MemoryPlan``)."""
-    return MemoryPlan.measure(str(full.cfg.device), full, FastEngine).batch_size(
+    engine = engine_for(EngineSpec(SITE, tuple(range(full.cfg.n_layers))), full)
+    return MemoryPlan.measure(str(full.cfg.device), full, engine, examples, "span").batch_size(
         full, examples, "span", "fast"
     )
 

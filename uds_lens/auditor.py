@@ -116,8 +116,8 @@ class UDSAuditor:
 
     What it holds when: full for its whole life; the retain model through Stage 1 only and each unlearned model
     through its own Stage 2 only, when the auditor loaded them itself (a model passed as an object is the caller's
-    and stays); joined weight copies for full while the auditor lives and for a source through its stage, only
-    where the plan has room for them.
+    and stays); full's joined weight copies where the plan grants them; a source's activations read ahead, block
+    first, for the next batches of its stage.
 
     For hooks of your own (its `workbench.Workbench`): [`example`][uds_lens.workbench.Workbench.example] (one
     example's tensors), [`tokens`][uds_lens.workbench.Workbench.tokens],
@@ -220,8 +220,10 @@ class UDSAuditor:
         # chosen once: the engine named, or the naive one (the model's own forward) where it refuses the full model
         self.engine: PatchEngine = engine_for(self.engine_spec, self.full, self.full_name or "full")
         self.config = dataclasses.replace(self.config, engine=self.engine.name)
-        # what the run may hold beyond its models, from one measurement of the memory free now
-        self.plan = MemoryPlan.measure(self.target_device, self.full, self.engine)
+        # what the run may hold beyond its models (its room), from one measurement of the memory free now
+        self.plan = MemoryPlan.measure(
+            self.target_device, self.full, self.engine, self.encoded, self.config.patch_scope
+        )
         hold_joined_weights(self.full, self.plan.holds_target_joins)
         self.cache = (
             None
@@ -234,7 +236,15 @@ class UDSAuditor:
             self.full, self.encoded, self.config.patch_scope, self.engine.name, self.config.batch_size
         )
         # what each stage computes per batch: in bf16/fp16 checked where rounding could decide, in fp32 plain
-        runs = StageRuns(self.engine, self.full, self.plan, self._batch, self._require_finite, self.full_name)
+        runs = StageRuns(
+            self.engine,
+            self.full,
+            self.plan,
+            self._batch,
+            self._require_finite,
+            self.full_name,
+            lambda: self._batches,
+        )
         self.runs = PrecisionCheck.for_run(runs, self.config)
         self._stage1: StageOne | None = None
         self.last_source: ModelLike | None = None
@@ -276,24 +286,18 @@ class UDSAuditor:
         """
         _ = self.stage1
         self._retain_dropped = True
-        dropped = None if self._retain is None else weakref.ref(self._retain)
-        self._retain = None
-        if dropped is not None:
+        if self._retain is not None:
+            dropped, self._retain = weakref.ref(self._retain), None
             release_dropped(dropped, self.device)
 
     def _release_retain(self) -> None:
         """Stage 1 is done: release a retain model this auditor loaded itself (never a model given as an object)."""
         checkpoint = self.inputs.retain
-        if self._retain is None or checkpoint is None or self._callers(checkpoint):
-            return
-        dropped = weakref.ref(self._retain)
-        self._retain = None
+        callers = checkpoint is None or checkpoint.model is not None or checkpoint in self.sources
+        if self._retain is None or callers:
+            return  # none, or the caller's (given as an object, or kept by load_source)
+        dropped, self._retain = weakref.ref(self._retain), None
         release_dropped(dropped, self.device)
-
-    def _callers(self, checkpoint: Checkpoint) -> bool:
-        """Whether ``checkpoint``'s model is the caller's (given as an object, or kept by `load_source`): the
-        auditor never releases it."""
-        return checkpoint.model is not None or checkpoint in self.sources
 
     def load(self, model: object, role: str = "unlearned") -> ModelLike:
         """A model as this auditor runs it: a checkpoint loaded in its dtype and device, a loaded model as is; either
@@ -423,12 +427,6 @@ class UDSAuditor:
 
     # -- batching ----------------------------------------------------------------------------------------------
 
-    def _each_batch(self, desc: str, work: Callable[[int, list[int]], None]) -> None:
-        """``work(number, members)`` for every example batch (``planning.run_batches``): a batch that runs out of
-        memory is halved and retried, the halves kept for later stages and models; the clean runs, keyed by batch
-        number, are dropped then, and less memory is kept for them from then on."""
-        run_batches(self._batches, work, self.target_device, desc, self.progress, self.runs.forget_clean_runs)
-
     def _batch(self, members: list[int]) -> PatchBatch:
         return pad_batch(
             [self.encoded[i] for i in members],
@@ -517,7 +515,10 @@ class UDSAuditor:
         started = time.perf_counter()
         run = self.runs.stage_one(self.retain, self.retain_name, (len(self.encoded), len(self.layers)))
         try:
-            self._each_batch("S1 (retain -> full)", run.batch)
+            # a batch that runs out of memory is halved and retried, the halves kept for later stages and models;
+            # the clean runs, keyed by batch number, are dropped then, and less memory is kept for them from then on
+            device, split = self.target_device, self.runs.forget_clean_runs
+            run_batches(self._batches, run.batch, device, "S1 (retain -> full)", self.progress, split)
         finally:
             run.close()
         stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
@@ -624,7 +625,7 @@ class UDSAuditor:
         identity = checkpoint.loaded_fingerprint(source)  # the bytes this load read, not the files now
         # a model given as an object, or kept by load_source, stays the caller's after scoring; one loaded here is
         # released once its Stage 2 is done (auditor.load_source keeps a model for hooks of one's own)
-        given = self._callers(checkpoint)
+        given = checkpoint.model is not None or checkpoint in self.sources
         if given:
             self.last_source = source
         check_unhooked(self.full, "full")
@@ -633,8 +634,10 @@ class UDSAuditor:
         cells = self.stage2_cells()
         started = time.perf_counter()
         run = self.runs.stage_two(source, source_label, stage, cells)
-        try:
-            self._each_batch(f"S2 ({checkpoint.name} -> full)", run.batch)
+        try:  # halved and retried as in Stage 1
+            desc = f"S2 ({checkpoint.name} -> full)"
+            device, split = self.target_device, self.runs.forget_clean_runs
+            run_batches(self._batches, run.batch, device, desc, self.progress, split)
         finally:
             run.close()
         # what the stage spent making models (a bf16 run's fp32 copies) is a load, as the model's own: not Stage 2

@@ -21,8 +21,7 @@ from uds_lens.config import UDSConfig
 from uds_lens.data import EncodedExample
 from uds_lens.files import json_digest
 from uds_lens.inputs import RunInputs
-from uds_lens.sources import as_source
-from uds_lens.tl_compat import ModelLike
+from uds_lens.tl_compat import ModelLike, is_tl_model
 
 
 def library_versions() -> dict[str, str]:
@@ -62,8 +61,8 @@ def settings_fingerprint(config: UDSConfig, model: ModelLike | None = None) -> d
     settings = config.to_dict()
     for volatile in ("tau", "batch_size", "device", "stage2_cells"):
         settings.pop(volatile)
-    if model is not None:
-        settings["dtype"] = str(as_source(model).dtype)
+    if model is not None:  # the dtype it computes in: a TransformerLens model's config, else its weights'
+        settings["dtype"] = str(model.cfg.dtype if is_tl_model(model) else next(model.parameters()).dtype)
     else:
         settings["dtype"] = str(resolve_dtype(config.dtype, config.device or default_device()))
     if settings["dtype"] not in ("torch.bfloat16", "torch.float16"):  # the precision check acts on these only

@@ -11,8 +11,8 @@ data file or records) or a `RunInputs`, and turns the raw ones into a `RunInputs
 - full, retain and every unlearned model compared once (`compatibility.check_compatible`: one family, one tokenizer,
   one shape), from what each checkpoint read (config, tokenizer, tensor headers), before any model is built.
 
-`RunInputs.input_paths` lists every location the run reads (checkpoint folders and files, weight shards wherever an
-index points, the forget set, the S1 cache), so an output can be checked against them.
+`RunInputs.input_paths` lists every input location the run reads (checkpoint folders and files, weight shards wherever
+an index points, the forget set), so an output can be checked against them (the S1 cache beside them, as a cache).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NotGiven:
 
 NOT_GIVEN = NotGiven()
 
-# How `RunInputs.input_paths` names the S1 cache directory (read and written by the run itself, unlike the others).
+# How the output checks name the S1 cache directory (read and written by the run itself, unlike its inputs).
 S1_CACHE = "S1 cache"
 
 
@@ -167,7 +167,7 @@ class RunInputs:
         check_cache_apart(
             "cache_dir (--cache-dir)",
             s1_cache_dir(cache_dir),
-            [(what, path) for what, path in inputs.input_paths() if what != S1_CACHE],
+            inputs.input_paths(),
             inputs.data_path,
         )
         if inputs.retain is not None:
@@ -258,10 +258,10 @@ class RunInputs:
         return checkpoint
 
     def input_paths(self) -> list[tuple[str, Path]]:
-        """Every location the run reads, each with what it is: each checkpoint's folder or file and its weight
-        files (wherever a shard index points), the forget set's file, and the S1 cache directory (where another
-        run's Stage 1 is read from). Models in memory and hub ids (read through the Hugging Face cache) have none.
-        """
+        """Every input location the run reads, each with what it is: each checkpoint's folder or file and its
+        weight files (wherever a shard index points) and the forget set's file. Models in memory and hub ids (read
+        through the Hugging Face cache) have none. The S1 cache, read and written, is not among them: the checks
+        that keep outputs apart take it as a cache (``outputs.check_outputs_apart``'s ``caches``)."""
         roles = [("full", self.full)]
         roles += [("retain", self.retain)] if self.retain is not None else []
         roles += [(f"unlearned {name}", checkpoint) for name, checkpoint in self.unlearned.items()]
@@ -279,9 +279,6 @@ class RunInputs:
                 ]
         if self.data_path is not None:
             paths.append(("forget set", self.data_path))
-        cache = s1_cache_dir(self.cache_dir)
-        if cache is not None:
-            paths.append((S1_CACHE, cache))
         return paths
 
 

@@ -213,11 +213,14 @@ def weight_bytes_fp32(model: ModelLike) -> int:
     return 4 * sum(int(tensor.numel()) for _, tensor in named_weights(model))
 
 
-def reference_model(model: TLModel, device: str, engine: PatchEngine | None = None) -> Reference:
+def reference_model(
+    model: TLModel, device: str, engine: PatchEngine | None = None, free_bytes: int | None = None
+) -> Reference:
     """An fp32 reference of ``model`` holding the weights the fp32 run would hold (see `ReferenceWeights`): its
     checkpoint read again in fp32 when the checkpoint stores other weights than were loaded (an fp32 checkpoint run
-    in bf16), else its own weights upcast (exact when they are the stored ones): lean where ``engine`` runs it so
-    (`lean_reference`: the model itself, no copy), else a whole fp32 copy.
+    in bf16; its fit checked against ``free_bytes``, the run's figure, where given), else its own weights upcast
+    (exact when they are the stored ones): lean where ``engine`` runs it so (`lean_reference`: the model itself, no
+    copy), else a whole fp32 copy.
 
     Raises:
         ValueError: ``model`` is not a ``TransformerBridge`` (a HookedTransformer has no Hugging Face model to copy).
@@ -236,7 +239,7 @@ def reference_model(model: TLModel, device: str, engine: PatchEngine | None = No
     if engine is not None and lean_reference(model, engine):
         return Reference(model, weights, time.perf_counter() - started, lean=True)
     if checkpoint is not None and stored_float_dtypes(checkpoint) != {loaded}:
-        reference = build_model(checkpoint, dtype=torch.float32, device=device)
+        reference = build_model(checkpoint, dtype=torch.float32, device=device, free_bytes=free_bytes)
         return Reference(cast(TLModel, reference), "stored", time.perf_counter() - started)
     config = copy.deepcopy(hf.config)
     state = {name: tensor.detach().to(torch.float32) for name, tensor in named_weights(model)}
@@ -275,10 +278,13 @@ class PrecisionCheck(StageRuns):
     ignored_settings: tuple[str, ...] = ()
 
     def __init__(self, runs: StageRuns, config: UDSConfig) -> None:
-        super().__init__(runs.engine, runs.full, runs.plan, runs.make_batch, runs.finite, runs.full_label)
+        super().__init__(
+            runs.engine, runs.full, runs.plan, runs.make_batch, runs.finite, runs.full_label, runs.batches
+        )
         self.dtype = next(runs.full.parameters()).dtype
         self.tau = config.tau
         self.enabled = config.precision_check
+        self.reruns_sources = self.enabled  # its fp32 runs of each source, per batch
         self.tolerance = config.precision_tolerance
         self.fp32_clean = CleanRuns(0)
         if self.enabled:  # the clean-run share, half each
@@ -288,6 +294,7 @@ class PrecisionCheck(StageRuns):
         self.weights: dict[str, ReferenceWeights] = {}
         self.unavailable: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
+        self.copied = 0  # bytes of the whole fp32 copies of full and retain made since the plan was measured
         self.stage1_fp32: tuple[Tensor, Tensor] | None = None
 
     @classmethod
@@ -351,9 +358,11 @@ class PrecisionCheck(StageRuns):
             self.unavailable[role] = "it is not a TransformerBridge"
         else:
             needed = 0 if lean_reference(model, self.engine) else weight_bytes_fp32(model)
-            fits, free = self.plan.fp32_copy_fits(needed) if needed else (True, 0)
+            swapped = role == "unlearned"  # full and retain were loaded when the plan was measured
+            fits, free = self.plan.fp32_copy_fits(needed, self.copied, swapped) if needed else (True, 0)
             if fits:
-                made = reference_model(model, self.plan.device, self.engine)  # type: ignore[arg-type]
+                made = reference_model(model, self.plan.device, self.engine, free)  # type: ignore[arg-type]
+                self.copied += 0 if swapped else needed
                 self.references[role] = (weakref.ref(model), made)
                 self.weights[role] = made.weights
                 self.seconds["copies"] = self.seconds.get("copies", 0.0) + made.seconds

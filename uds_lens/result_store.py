@@ -275,6 +275,23 @@ def check_result_target(target: str | os.PathLike, inputs: Iterable[tuple[str, A
     return target
 
 
+def check_result_targets(out_dir: Path, names: Iterable[str]) -> None:
+    """Refuse, before any model is loaded, an ``out_dir/NAME`` that is a file or a folder uds_lens did not write
+    (`check_result_target`), whatever ``force`` says.
+
+    Raises:
+        result_store.ResultTargetError: naming each such path.
+    """
+    refused = []
+    for name in names:
+        try:
+            check_result_target(out_dir / name)
+        except ResultTargetError as error:
+            refused.append(str(error))
+    if refused:
+        raise ResultTargetError(" ".join(refused))
+
+
 def _short(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, default=json_default) if not isinstance(value, str) else value
     return text if len(text) <= 80 else text[:77] + "..."
@@ -437,6 +454,7 @@ __all__ = [
     "atomic_result_dir",
     "check_result_name",
     "check_result_target",
+    "check_result_targets",
     "input_conflicts",
     "is_ours",
     "result_inputs",

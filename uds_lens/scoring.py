@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from uds_lens.fingerprints import (
 )
 from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
-from uds_lens.result_store import ResultTargetError, check_result_target, conflict_error
+from uds_lens.result_store import check_result_targets, conflict_error
 from uds_lens.results import UDSResult, check_saved, load_reusable
 from uds_lens.stage_cache import Indexed, S1Cache, s1_cache_dir, stage_digest
 
@@ -79,23 +79,6 @@ def refuse_other_runs(
         raise conflict_error(conflicts)
 
 
-def check_result_targets(out_dir: Path, names: Iterable[str]) -> None:
-    """Refuse, before any model is loaded, an ``out_dir/NAME`` that is a file or a folder uds_lens did not write
-    (`result_store.check_result_target`), whatever ``force`` says.
-
-    Raises:
-        result_store.ResultTargetError: naming each such path.
-    """
-    refused = []
-    for name in names:
-        try:
-            check_result_target(out_dir / name)
-        except ResultTargetError as error:
-            refused.append(str(error))
-    if refused:
-        raise ResultTargetError(" ".join(refused))
-
-
 def score_models(
     full: ModelArg | RunInputs,
     retain: ModelArg | None | NotGiven = NOT_GIVEN,
@@ -140,7 +123,7 @@ def score_models(
     """
     # The checks of `uds-lens score`'s --out and --cache-dir (written once, here), before anything is read.
     cache = full.cache_dir if isinstance(full, RunInputs) else cache_dir
-    s1_cache_dir(cache)  # a cache_dir of the wrong type is refused before anything is read
+    s1_directory = s1_cache_dir(cache)  # a cache_dir of the wrong type is refused before anything is read
     if out_dir is not None:
         check_output_dir(out_dir)
     if cache is not None and not isinstance(cache, bool):
@@ -150,8 +133,8 @@ def score_models(
         # apart from every input (never --out . among the checkpoints) and writable, before any model loads
         check_outputs_apart(
             {"--out": out_dir},
-            [(what, path) for what, path in inputs.input_paths() if what != S1_CACHE],
-            caches={S1_CACHE: s1_cache_dir(inputs.cache_dir)},
+            inputs.input_paths(),
+            caches={S1_CACHE: s1_directory},
         )
         check_writable_dir(out_dir)
     results: dict[str, UDSResult] = {}

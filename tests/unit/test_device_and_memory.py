@@ -434,22 +434,19 @@ def test_the_planner_counts_the_joined_copies_the_fast_engine_makes(tiny):
     assert made > 0 and planning.joined_copy_bytes(model) == made
 
 
-def test_the_batch_size_leaves_room_for_the_targets_joined_copies(tiny, monkeypatch):
+def test_the_batch_takes_its_share_of_the_runs_room(tiny):
     model = loader.load_model(tiny.full, device="cpu")
     tokenizer = loader.load_tokenizer(tiny.tokenizer)
     encoded, _ = encode(load_examples(tiny.data), tokenizer)
-    joined = planning.joined_copy_bytes(model)
     seq_len = max(example.read_positions.stop for example in encoded)
     window = max(len(example.window("span")) for example in encoded)
     per_example = FastEngine.bytes_per_example(model, seq_len, window)
-    # the joined copies held (the target's) are taken from the free memory first
-    free = joined + 40 * per_example
-    assert (
-        planning.choose_batch_size(model, encoded, "span", "fast", free, joined) == 10
-    )  # a quarter of the rest
-    assert planning.choose_batch_size(model, encoded, "span", "fast", free) == 10 + int(
-        0.25 * joined // per_example
+    room = 20 * per_example
+    assert planning.choose_batch_size(model, encoded, "span", "fast", room) == int(
+        planning.SHARES["batch"] * 20
     )
+    assert planning.choose_batch_size(model, encoded, "span", "fast", 1) == 1  # at least one example
+    assert planning.choose_batch_size(model, encoded, "span", "fast", 1 << 40) == 64  # at most the cap
 
 
 # -- 8. one plan per run -------------------------------------------------------------------------------------------
@@ -478,28 +475,48 @@ def test_an_fp32_run_measures_the_free_memory_once(tiny, tiny_auditor, monkeypat
     assert (
         auditor.clean_cache_bytes
         == plan.share("clean_runs")
-        == int(planning.SHARES["clean_runs"] * plan.free)
+        == int(planning.SHARES["clean_runs"] * plan.room)
     )
-    assert auditor.holds_joined == (plan.joined_bytes <= plan.share("joined_copies"))
+    kept = min(plan.clean_bytes, plan.share("clean_runs")) + min(plan.read_bytes, plan.share("source_reads"))
+    assert auditor.holds_joined == (plan.joined_bytes <= plan.share("held_copies") - kept)
 
 
-def test_the_plan_holds_a_sources_joined_copies_only_where_the_targets_fit_beside_them(tiny):
-    model = loader.load_model(tiny.full, device="cpu")
-    joined = planning.joined_copy_bytes(model)
-    share = planning.SHARES["joined_copies"]
-    roomy = planning.MemoryPlan("cpu", int(2 * joined / share) + 1, joined)
-    target_only = planning.MemoryPlan("cpu", int(joined / share) + 1, joined)
-    short = planning.MemoryPlan("cpu", int(joined / share) - 1, joined)
+def test_the_runs_room_is_a_models_weights_at_most_what_is_free_and_never_small():
+    """What a run holds beyond its two models is planned in a room of `planning.RUN_ROOM` of one model's weights, so
+    that a run peaks near three models however much is free; never more than is free, never less than
+    `planning.MIN_ROOM`; every share is of that room."""
+    model = 1 << 30
+    plentiful = planning.MemoryPlan("cpu", 64 << 30, 0, model)
+    assert plentiful.room == int(planning.RUN_ROOM * model)
+    assert planning.MemoryPlan("cpu", model // 2, 0, model).room == model // 2  # short: what is free
+    assert planning.MemoryPlan("cpu", 64 << 30, 0, 1 << 20).room == planning.MIN_ROOM  # a small model
+    assert planning.MemoryPlan("cpu", 64 << 30).room == 64 << 30  # no model given: what is free
+    assert plentiful.share("clean_runs") == int(planning.SHARES["clean_runs"] * plentiful.room)
+
+
+def test_the_plan_holds_joined_copies_only_beside_the_clean_runs_and_reads_it_expects():
+    """The held copies are granted in order of what they save: the clean runs and a source's reads (each within
+    its share), then the target's joined copies where they fit beside them in the held-copies share, then a
+    source's where both fit; an engine that joins nothing holds none."""
+    model = 1 << 30
+    room = int(planning.RUN_ROOM * model)
+    held = planning.SHARES["held_copies"] * room
+    joined = int(held / 4)
+
+    def plan(clean: int, reads: int = 0) -> planning.MemoryPlan:
+        return planning.MemoryPlan("cpu", 64 << 30, joined, model, clean, reads)
+
+    roomy, target_only, short = plan(0), plan(int(held / 2) + 64), plan(int(held / 2), int(held / 2))
     assert roomy.holds_target_joins and roomy.holds_source_joins
     assert target_only.holds_target_joins and not target_only.holds_source_joins
     assert not short.holds_target_joins and not short.holds_source_joins
-    assert not planning.MemoryPlan("cpu", 1 << 40, 0).holds_target_joins  # an engine that joins nothing
-    # the batch comes out of what the held copies leave
-    encoded, _ = encode(load_examples(tiny.data), loader.load_tokenizer(tiny.tokenizer))
-    free = roomy.free
-    assert roomy.batch_size(model, encoded, "span", "fast") == planning.choose_batch_size(
-        model, encoded, "span", "fast", free, 2 * joined
-    )
+    # what the reads may hold counts within their share only
+    capped = plan(0, 1 << 40)
+    assert capped.source_read_bytes == capped.share("source_reads")
+    assert capped.holds_target_joins == (joined <= held - capped.share("source_reads"))
+    assert not planning.MemoryPlan(
+        "cpu", 1 << 40, 0, model
+    ).holds_target_joins  # an engine that joins nothing
 
 
 def test_a_dropped_model_is_collected_only_where_a_reference_cycle_holds_it(monkeypatch):

@@ -16,8 +16,9 @@ from uds_lens.auditor import UDSAuditor
 from uds_lens.checkpoints import loader
 from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.config import UDSConfig
+from uds_lens.patching import planning
 from uds_lens.patching.kernels import kept_joined_blocks
-from uds_lens.patching.planning import SHARES, joined_copy_bytes
+from uds_lens.patching.planning import joined_copy_bytes
 from uds_lens.stages import StageOneRun, StageTwoRun
 
 
@@ -122,15 +123,30 @@ def test_a_target_whose_joined_copies_do_not_fit_holds_none_and_scores_the_same(
     assert torch.equal(tight.stage1.s1, roomy.stage1.s1)  # type: ignore[arg-type]
 
 
-def test_a_sources_joined_copies_are_held_through_its_stage_where_the_plan_has_room(tiny, monkeypatch):
-    """Retain's copies through Stage 1 and each unlearned model's through its Stage 2 where the plan has room for
-    them beside full's (made once a stage, not once a batch), gone when the stage ends; where it has room for
-    full's only, each batch joins a source's block for its run: the same products, the same numbers."""
+def test_a_stage_reads_its_source_block_first_joining_each_block_once_and_holding_no_copy(tiny, monkeypatch):
+    """A stage on every cell reads its source's activations block first over the batches (`stages.SourceReads`):
+    each block of retain (Stage 1) and of the unlearned model (Stage 2) is joined once for the stage, not once a
+    batch, and no whole joined copy of a source is ever kept; a stage on chosen cells holds the source's copies
+    through the stage where the plan has room. Where the plan's room for the reads is short, they are read a group
+    at a time: the same products, the same numbers."""
+    from uds_lens.patching import kernels
+
     full = loader.load_model(tiny.full, device="cpu")
     retain = loader.load_model(tiny.retain, device="cpu")
     unlearned = loader.load_model(tiny.unlearned, device="cpu")
+    blocks = {"retain": set(map(id, retain.blocks)), "unlearned": set(map(id, unlearned.blocks))}
+    joins = {"retain": 0, "unlearned": 0}
     held: list[tuple[str, int]] = []
-    stage_one_run, stage_two_run = StageOneRun.run, StageTwoRun.run
+    join, stage_one_run, stage_two_run = (
+        kernels._BlockWeights._join.__func__,
+        StageOneRun.run,
+        StageTwoRun.run,
+    )
+
+    def counted(cls: Any, block: Any, *args: Any) -> Any:
+        for role, ids in blocks.items():
+            joins[role] += id(block) in ids
+        return join(cls, block, *args)
 
     def one(self: StageOneRun, *args: Any) -> None:
         stage_one_run(self, *args)
@@ -140,24 +156,29 @@ def test_a_sources_joined_copies_are_held_through_its_stage_where_the_plan_has_r
         stage_two_run(self, *args)
         held.append(("unlearned", kept_joined_blocks(self.source)))
 
+    monkeypatch.setattr(kernels._BlockWeights, "_join", classmethod(counted))
     monkeypatch.setattr(StageOneRun, "run", one)
     monkeypatch.setattr(StageTwoRun, "run", two)
     roomy = _auditor(tiny, full, retain, batch_size=2)
     reference = roomy.score(unlearned)
     n_layers = full.cfg.n_layers
-    assert roomy.plan.holds_source_joins and len(roomy.batches) > 1
-    assert {role for role, _ in held} == {"retain", "unlearned"} and all(n == n_layers for _, n in held)
-    assert kept_joined_blocks(retain) == kept_joined_blocks(unlearned) == 0  # gone with their stage
-    # room for full's copies only
+    assert roomy.plan.holds_source_joins and len(roomy.batches) > 2
+    assert {role for role, _ in held} == {"retain", "unlearned"} and all(n == 0 for _, n in held)
+    assert joins == {"retain": n_layers, "unlearned": n_layers}  # once a block, for every batch of the stage
+    # a stage on chosen cells runs its source per batch: its copies held through the stage
     held.clear()
-    joined = joined_copy_bytes(full)
-    monkeypatch.setattr(
-        memory, "available_memory_bytes", lambda device: int(1.5 * joined / SHARES["joined_copies"])
-    )
+    cells = _auditor(tiny, full, retain, batch_size=2, stage2_cells="ke")
+    cells.use_stage1(roomy.stage1, roomy.batches)
+    cells.score(unlearned)
+    assert held and all(n == n_layers for _, n in held) and kept_joined_blocks(unlearned) == 0
+    # room for a batch's reads at a time: each block joined once a batch, the same numbers
+    held.clear()
+    joins.update(retain=0, unlearned=0)
+    monkeypatch.setattr(planning.MemoryPlan, "source_read_bytes", property(lambda self: 0))
     tight = _auditor(tiny, full, retain, batch_size=2)
-    assert tight.holds_joined and not tight.plan.holds_source_joins
     result = tight.score(unlearned)
-    assert held and all(n == 0 for _, n in held)
-    # each block joined for the run that needs it: the same values, the same products, equal by construction
+    n_batches = len(tight.batches)
+    assert joins == {"retain": n_layers * n_batches, "unlearned": n_layers * n_batches}
+    # the same products in the same order on the same batches: equal by construction
     assert torch.equal(tight.stage1.s1, roomy.stage1.s1)  # type: ignore[arg-type]
     assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()

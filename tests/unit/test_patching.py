@@ -13,6 +13,7 @@ from uds_lens.patching.engines import (
     engine_for,
     source_activations,
     window_source_activations,
+    window_source_activations_of,
 )
 from uds_lens.patching.planning import plan_batches
 
@@ -65,6 +66,29 @@ def test_subset_of_layers_and_padding_invariance(setup):
         alone = pad_batch([example], setup["tok"].pad_token_id)
         single = engine_for(spec).patched_scores(full, alone, source_activations(src, alone.tokens, spec))
         assert torch.allclose(single[0], joint[row], atol=1e-5)
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_a_source_read_block_first_over_several_batches_is_read_as_each_batch_alone(setup, compat):
+    """`window_source_activations_of` runs the source one block at a time over every batch (each block joined once
+    for all of them): each batch's activations are those of its own forward, bit for bit; and a source identical to
+    the target still gives back each batch's clean window activations."""
+    encoded, _ = encode(setup["examples"], setup["tok"], published_compat=compat)
+    spec = EngineSpec("resid_post", tuple(range(setup["full"].cfg.n_layers)), published_compat=compat)
+    batches = [
+        pad_batch([encoded[i] for i in members], setup["tok"].pad_token_id, "span")
+        for members in plan_batches(encoded, "span", 2)
+    ]
+    assert len(batches) > 2
+    together = window_source_activations_of(setup["source"], batches, spec)
+    for batch, acts in zip(batches, together, strict=True):
+        assert torch.equal(acts, window_source_activations(setup["source"], batch, spec))
+    if not compat:
+        same = window_source_activations_of(setup["full"], batches, spec)
+        for batch, acts in zip(batches, same, strict=True):
+            assert torch.equal(
+                acts, engine_for(spec).clean_run(setup["full"], batch).window_acts["resid_post"]
+            )
 
 
 def test_naive_hooks_are_removed_after_an_error(setup):

@@ -298,3 +298,34 @@ def test_fp32_copies_hold_the_weights_the_fp32_run_holds(tiny, tmp_path):
     assert reference_model(loaded_here, "cpu").weights == "stored"
     elsewhere = AutoModelForCausalLM.from_pretrained(tiny.full, dtype=torch.bfloat16)
     assert reference_model(hooked_from_hf(elsewhere), "cpu").weights == "upcast-rounded"
+
+
+def test_a_checked_run_measures_the_free_memory_once_and_once_per_model_swap(
+    models, tiny_auditor, monkeypatch
+):
+    """The naive engine's fp32 references are whole copies: full's and retain's are fitted to the plan's one
+    measurement (less the copies made since), each unlearned model's is measured once, when it is swapped in."""
+    from uds_lens import memory, precision
+
+    bf16 = models["bfloat16"]
+    measured: list[object] = []
+    real = memory.available_memory_bytes
+
+    def counted(device: object) -> int:
+        measured.append(device)
+        return real(device)  # type: ignore[arg-type]
+
+    made: list[str] = []
+    reference = precision.reference_model
+
+    def counted_reference(model, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(str(model))
+        return reference(model, *args, **kwargs)
+
+    monkeypatch.setattr(memory, "available_memory_bytes", counted)
+    monkeypatch.setattr(precision, "reference_model", counted_reference)
+    auditor = tiny_auditor(bf16, UDSConfig(dtype="bfloat16", batch_size=2, engine="naive"))
+    results = [auditor.score(bf16["unlearned"]), auditor.score(bf16["retain"])]
+    swaps = sum("unlearned" in result.precision["weights"] for result in results)
+    assert "full" in results[0].precision["weights"] and len(made) >= 2  # whole copies were made
+    assert len(measured) == 1 + swaps  # the plan's, then one per unlearned model whose copy was made

@@ -255,34 +255,33 @@ def _hf_model(
     loaded: Loaded | None = None
     model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with checkpoint.errors("weights"), _no_loading_bar():
-        if checkpoint.local and quantization is None:
+        # the files its identity covers, listed once: what the load reads (or stamps) and checks unchanged after it
+        root, identifying = checkpoint.identifying() if checkpoint.local else (None, [])
+        if root is not None and quantization is None:
             # one pass: every tensor read, cast and placed as it lands, hashed on the way; the family's own class
             # takes them with the config (the Auto class would look the reference up on disk)
-            loaded = reader.read_checkpoint(
-                *checkpoint.identifying(), _readers(checkpoint, model_class, dtype, device)
-            )
+            readers = _readers(checkpoint, [name for name, _ in identifying], model_class, dtype, device)
+            loaded = reader.read_checkpoint(root, identifying, readers)
             if torch.device(device).type != "cpu":
                 kwargs["device_map"] = {
                     "": str(torch.device(device))
                 }  # the tensors are there already: keep them
             model, info = model_class.from_pretrained(None, config=config, state_dict=loaded.take(), **kwargs)
         else:
-            stamp = None
-            if (
-                checkpoint.local
-            ):  # a quantised load: transformers reads the files, which must not change meanwhile
-                stamp = file_stamp(*checkpoint.identifying())
-                loaded = Loaded(checkpoint.digest)
             first, extra = checkpoint.from_pretrained_args()
             kwargs.update(extra)
             if checkpoint.kind != "gguf":
                 kwargs["config"] = config
             if quantization is not None:
                 kwargs.update(quantization_config=quantization, device_map={"": str(torch.device(device))})
+            # a quantised local load: transformers reads the files, which must not change meanwhile (stamped just
+            # before its read, checked just after)
+            stamp = None if root is None else file_stamp(root, identifying)
             auto: Any = AutoModelForCausalLM
             model, info = auto.from_pretrained(first, **kwargs)
-            if stamp is not None:
-                check_unchanged(stamp, *checkpoint.identifying())
+            if root is not None and stamp is not None:
+                check_unchanged(stamp, root, identifying)
+                loaded = Loaded(checkpoint.digest)
     check_loading_info(checkpoint.location, info)
     if loaded is not None:
         mark_loaded(model, loaded)
@@ -297,9 +296,10 @@ def _hf_model(
 
 
 def _readers(
-    checkpoint: Checkpoint, model_class: Any, dtype: torch.dtype, device: str
+    checkpoint: Checkpoint, identifying: list[str], model_class: Any, dtype: torch.dtype, device: str
 ) -> dict[str, TensorReader]:
-    """The reader of each weight file of a local checkpoint, by its name in the identity."""
+    """The reader of each weight file of a local checkpoint, by its name in the identity (``identifying``: the
+    names of the files it covers)."""
     target = torch.device(device)
     if checkpoint.kind == "gguf":
         with torch.device("meta"):  # the parameter names only: nothing is allocated
@@ -307,7 +307,7 @@ def _readers(
         names = tuple(skeleton.state_dict())
         del skeleton
         gguf_reader: TensorReader = GgufReader(dtype, target, checkpoint.config, names)
-        return {name: gguf_reader for name, _ in checkpoint.identifying()[1]}
+        return {name: gguf_reader for name in identifying}
     files = checkpoint.files
     per_file = (
         SafetensorsReader(dtype, target) if files.format == "safetensors" else PickleReader(dtype, target)

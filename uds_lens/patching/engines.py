@@ -44,7 +44,7 @@ from uds_lens.patching.axes import (
     hooked_token_logprobs,
 )
 from uds_lens.patching.batch import CleanRun, PatchBatch, WindowPacking, window_sites
-from uds_lens.patching.kernels import fast_engine_refusal, packed_forward, read_scores
+from uds_lens.patching.kernels import fast_engine_refusal, packed_forward, packed_forwards, read_scores
 from uds_lens.patching.resumed import CellRuns, LayerRuns, resumed_scores
 from uds_lens.readout import segment_mean
 from uds_lens.sources import as_source, hook_name
@@ -149,17 +149,22 @@ class PatchEngine(ABC):
 
     # -- shared ---------------------------------------------------------------------------------------------------
 
+    def source_activations_of(self, source: ModelLike, batches: Sequence[PatchBatch]) -> list[Tensor]:
+        """`source_activations` of each of ``batches`` (the fast engine reads them block first,
+        ``window_source_activations_of``)."""
+        return [self.source_activations(source, batch) for batch in batches]
+
     def timed_source_activations(
-        self, source: ModelLike, batch: PatchBatch, timings: dict[str, float] | None = None
-    ) -> Tensor:
-        """``source_activations``; with ``timings``, the forward's seconds are added to
+        self, source: ModelLike, batches: Sequence[PatchBatch], timings: dict[str, float] | None = None
+    ) -> list[Tensor]:
+        """`source_activations_of`; with ``timings``, the forward's seconds are added to
         ``timings["source_forward_seconds"]`` (on a GPU after a synchronisation, so the figure is the forward's,
         not its launch's)."""
         started = time.perf_counter()
-        acts = self.source_activations(source, batch)
+        acts = self.source_activations_of(source, batches)
         if timings is not None:
-            if acts.is_cuda:
-                torch.cuda.synchronize(acts.device)
+            if acts and acts[0].is_cuda:
+                torch.cuda.synchronize(acts[0].device)
             timings["source_forward_seconds"] = timings.get("source_forward_seconds", 0.0) + (
                 time.perf_counter() - started
             )
@@ -175,7 +180,7 @@ class PatchEngine(ABC):
     ) -> Float[Tensor, "batch layer"]:
         """One source forward and the patched scores of every layer: what a stage costs per batch (``timings`` as
         for `timed_source_activations`)."""
-        acts = self.timed_source_activations(source, batch, timings)
+        (acts,) = self.timed_source_activations(source, [batch], timings)
         return self.patched_scores(full, batch, acts.to(full.cfg.device), clean)
 
     def cell_scores(
@@ -200,7 +205,8 @@ class PatchEngine(ABC):
         narrowed = self.with_layers([self.spec.layers[j] for j in used])
         cells_used = cells[:, used]
         sources = batch if len(rows) == batch.size else batch.select(rows)
-        acts = narrowed.timed_source_activations(source, sources, timings).to(full.cfg.device)
+        (acts,) = narrowed.timed_source_activations(source, [sources], timings)
+        acts = acts.to(full.cfg.device)
         scores = narrowed.scores_of_cells(full, batch, clean, acts, rows, cells_used)
         full_index = torch.tensor(used)[cells_used.nonzero()[:, 1]]
         result[cells_used.nonzero()[:, 0], full_index] = scores.float().cpu()
@@ -465,31 +471,45 @@ def window_source_activations(
     source: ModelLike, batch: PatchBatch, spec: EngineSpec
 ) -> Float[Tensor, "layer row d_model"]:
     """Activations of ``source`` at ``blocks.{l}.hook_{spec.site}`` at the window rows of ``batch``
-    (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from.
+    (``WindowPacking.of`` order), for every ``l`` in ``spec.layers``: what the fast engine patches from
+    (`window_source_activations_of` one batch)."""
+    return window_source_activations_of(source, [batch], spec)[0]
 
-    A TransformerLens model (a bridge) runs packed (``packed_forward``, no padding), with the same arithmetic as the
-    target's clean run, so a source identical to the target gives back its clean activations bit for bit (deltas of
-    exactly 0); a source's joined weights are made a block at a time and let go (``kernels.layer_weights``).
-    Other sources run ``source_activations`` on the batch, gathered at the window rows.
+
+def window_source_activations_of(
+    source: ModelLike, batches: Sequence[PatchBatch], spec: EngineSpec
+) -> list[Tensor]:
+    """`window_source_activations` of each of ``batches`` (``[layer, row, d_model]`` each), read block first.
+
+    A TransformerLens model (a bridge) runs packed (``packed_forwards``, no padding), with the same arithmetic as
+    the target's clean run, so a source identical to the target gives back its clean activations bit for bit
+    (deltas of exactly 0); its blocks run one at a time over every batch, each block's joined weights made once
+    for all of them (``kernels.packed_forwards``). Other sources run ``source_activations`` on each batch,
+    gathered at the window rows.
     """
     site, layers = spec.site, list(spec.layers)
-    window = WindowPacking.of(batch)
     wrapped = as_source(source)
     if fast_engine_refusal(wrapped.model) is not None:
-        acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=spec.published_compat)
-        return acts[:, window.example.to(acts.device), window.position.to(acts.device)]
-    model = wrapped.model
-    on_source = batch.to(wrapped.device)
-    rows = WindowPacking.of(on_source).rows_in(WindowPacking.sequences(on_source))
+        out = []
+        for batch in batches:
+            window = WindowPacking.of(batch)
+            acts = wrapped.activations(batch.tokens, site, layers, final_norm_last=spec.published_compat)
+            out.append(acts[:, window.example.to(acts.device), window.position.to(acts.device)])
+        return out
+    on_source = [batch.to(wrapped.device) for batch in batches]
+    rows = [WindowPacking.of(b).rows_in(WindowPacking.sequences(b)) for b in on_source]
     with torch.no_grad():
-        _, captured, _ = packed_forward(model, on_source, (site,), max(layers) + 1, rows)
-        per_layer = [captured[site][layer] for layer in layers]
-        if spec.published_compat:
-            per_layer = [
-                wrapped.published_compat_activation(hook_name(site, layer), acts)
-                for layer, acts in zip(layers, per_layer, strict=True)
-            ]
-    return torch.stack(per_layer)
+        runs = packed_forwards(wrapped.model, on_source, (site,), max(layers) + 1, rows)
+        out = []
+        for _, captured, _ in runs:
+            per_layer = [captured[site][layer] for layer in layers]
+            if spec.published_compat:
+                per_layer = [
+                    wrapped.published_compat_activation(hook_name(site, layer), acts)
+                    for layer, acts in zip(layers, per_layer, strict=True)
+                ]
+            out.append(torch.stack(per_layer))
+    return out
 
 
 def fast_patched_scores(
@@ -538,9 +558,9 @@ class FastEngine(PatchEngine):
         kv = 2 * layers * seq_len * n_kv * cfg.d_head * itemsize
         sources = 2 * layers * seq_len * cfg.d_model * itemsize
         runs = layers * window * (4 * cfg.d_model + 3 * d_mlp + cfg.n_heads * (seq_len + window)) * itemsize
-        # an upper bound: read_scores holds a slice of the vocabulary (or, published-compat, of the runs) at a time
-        logits = layers * window * cfg.d_vocab * 4 * 2
-        return int(kv + sources + 2 * runs + logits)
+        # no logits: read_scores holds a slice of the vocabulary (or, published-compat, of the runs) at a time, a few
+        # MiB whatever the batch, which the runs' bound (twice over) covers
+        return int(kv + sources + 2 * runs)
 
     def clean_run(self, full: TLModel, batch: PatchBatch) -> CleanRun:
         """``packed_forward`` (no padding), whose arithmetic the patched runs share, with logits at the read
@@ -571,6 +591,9 @@ class FastEngine(PatchEngine):
 
     def source_activations(self, source: ModelLike, batch: PatchBatch) -> Tensor:
         return window_source_activations(source, batch, self.spec)
+
+    def source_activations_of(self, source: ModelLike, batches: Sequence[PatchBatch]) -> list[Tensor]:
+        return window_source_activations_of(source, batches, self.spec)
 
     def patched_scores(
         self, full: TLModel, batch: PatchBatch, acts: Tensor, clean: CleanRun | None = None
@@ -626,4 +649,5 @@ __all__ = [
     "residual_patch_hooks",
     "source_activations",
     "window_source_activations",
+    "window_source_activations_of",
 ]

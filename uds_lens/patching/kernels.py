@@ -74,16 +74,6 @@ def wrapped_model(model: TLModel) -> PreTrainedModel:
     return hf
 
 
-def _hf_decoder(model: TLModel) -> torch.nn.Module:
-    return wrapped_model(model).model
-
-
-def _family(model: TLModel) -> Family:
-    family = family_of(wrapped_model(model).config)
-    assert family is not None  # _require_fast ran first
-    return family
-
-
 @dataclass
 class _BlockWeights:
     """One decoder layer's weights in the layouts its packed runs multiply by, read from the Hugging Face modules,
@@ -102,11 +92,9 @@ class _BlockWeights:
     by it (Gemma's ``1 + w`` in fp32, a new ``d_model`` vector). ``window`` is the layer's sliding window,
     ``layer_type`` the rotary table it reads (Gemma 3), ``softcap`` the attention logit soft-cap (Gemma 2).
 
-    ``of`` keeps the joined matrices per block and rebuilds them when any of the block's parameters is another
-    tensor or was written in place since (``Tensor._version``), so an edited model is never run on stale weights.
-    They are kept only for a model whose joins are held (`hold_joined_weights`: the auditor's patch target, when
-    memory allows); any other model's run joins a block, runs it and lets the copy go (one block's copy at a time,
-    the same values), so a source model holds its own weights and nothing more.
+    ``of`` keeps the joined matrices per block, for a model whose joins are held (`hold_joined_weights`), and
+    rebuilds them when a parameter of the block is another tensor or was written in place (``Tensor._version``);
+    any other model's run joins a block, runs it and lets the copy go (one block's copy at a time, the same values).
     """
 
     pre_attn: Float[Tensor, " d_model"] | None
@@ -508,7 +496,7 @@ def attention_layout(
         allowed=allowed[:, None, None, None],
         slot_position=window_position.flatten(),
         key_position=torch.cat([prefix[None, :].expand(n_batch, -1), window_position], dim=-1),
-        rotary_module=_original(_hf_decoder(model).rotary_emb),
+        rotary_module=_original(wrapped_model(model).model.rotary_emb),
         dtype=dtype,
         tables={},
         masks={},
@@ -643,32 +631,57 @@ def packed_forward(
     site's activation per block at ``rows`` (indices into those rows), and with ``keep_kv`` each block's rotated
     keys and values in the attention layout ``[batch, kv_head, pos, d_head]`` (keys, values alternating).
     """
+    return packed_forwards(model, [batch], sites, n_blocks, [rows], keep_kv)[0]
+
+
+def packed_forwards(
+    model: TLModel,
+    batches: Sequence[PatchBatch],
+    sites: Sequence[str],
+    n_blocks: int,
+    rows: Sequence[Tensor],
+    keep_kv: bool = False,
+) -> list[tuple[Tensor, dict[str, list[Tensor]], list[Tensor]]]:
+    """`packed_forward` of several batches (``rows[i]`` for ``batches[i]``), block first: each block's weights made
+    once (`layer_weights`; where the joins are not held, joined for the block and let go after it) and every batch
+    run through it before the next; each batch's arithmetic is `packed_forward`'s own: the same numbers."""
     _require_fast(model)
-    packing = WindowPacking.sequences(batch)
     dtype = compute_dtype(model)
-    layout = attention_layout(model, packing, dtype, batch.input_length)
-    first = layer_weights(model, 0)
-    empty = torch.zeros(layout.n_batch, first.n_kv, 0, first.d_head, dtype=dtype, device=batch.tokens.device)
-    captured: dict[str, list[Tensor]] = {name: [] for name in sites}
-    kv: list[Tensor] = []
-
-    def record(name: str, value: Float[Tensor, "1 seq_row d_model"]) -> None:
-        if name in captured:
-            captured[name].append(value[0, rows])
-
-    resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
+    runs = []
+    for batch, at in zip(batches, rows, strict=True):
+        packing = WindowPacking.sequences(batch)
+        resid = model.embed(batch.tokens[packing.example, packing.position][None]).to(dtype)
+        layout = attention_layout(model, packing, dtype, batch.input_length)
+        runs.append(_PackedRun(layout, resid, at, {name: [] for name in sites}, []))
     for block_index in range(n_blocks):
         weights = layer_weights(model, block_index)
-        record("resid_pre", resid)
-        attn_out = block_attention(weights, resid, layout, empty, empty, kv if keep_kv else None)
-        record("attn_out", attn_out)
-        resid = resid + attn_out
-        record("resid_mid", resid)
-        mlp_out = _mlp(weights, resid)
-        record("mlp_out", mlp_out)
-        resid = resid + mlp_out
-        record("resid_post", resid)
-    return resid[0], captured, kv
+        for run in runs:
+            run.block(weights, keep_kv)
+    return [(run.resid[0], run.captured, run.kv) for run in runs]
+
+
+@dataclass
+class _PackedRun:
+    """One batch of `packed_forwards` between blocks: layout, residual, the sites captured so far, keys/values."""
+
+    layout: AttentionLayout
+    resid: Float[Tensor, "1 seq_row d_model"]
+    rows: Int[Tensor, " row"]
+    captured: dict[str, list[Tensor]]
+    kv: list[Tensor]
+
+    def block(self, weights: _BlockWeights, keep_kv: bool) -> None:
+        """The residual through one more block (its ``weights``), the sites asked for captured at ``rows``."""
+        resid = self.resid
+        empty = resid.new_zeros(self.layout.n_batch, weights.n_kv, 0, weights.d_head)
+        values = {"resid_pre": resid}
+        kv = self.kv if keep_kv else None
+        values["attn_out"] = attn_out = block_attention(weights, resid, self.layout, empty, empty, kv)
+        values["resid_mid"] = resid = resid + attn_out
+        values["mlp_out"] = mlp_out = _mlp(weights, resid)
+        values["resid_post"] = self.resid = resid + mlp_out
+        for name, found in self.captured.items():
+            found.append(values[name][0, self.rows])
 
 
 __all__ = [
@@ -681,5 +694,6 @@ __all__ = [
     "hold_joined_weights",
     "kept_joined_blocks",
     "packed_forward",
+    "packed_forwards",
     "read_scores",
 ]

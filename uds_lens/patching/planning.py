@@ -3,9 +3,13 @@ runner that walks the batches and halves a batch that runs out of memory (``run_
 component patching both run through it).
 
 A run's memory is planned once (`MemoryPlan`): the free memory is measured when the models of Stage 1 are loaded,
-and `SHARES` says, in one table, what part of it each thing the run keeps beyond its models may take. Everything
-held is a copy or a cache of something that can be computed again, so a share that is short costs time, never a
-number: a batch smaller, clean runs computed again, joined weights made a block at a time.
+and the run's room beyond its two models is that, but at most 0.9 of one model's weights (`RUN_ROOM`, so that a run
+peaks near three models; never less than `MIN_ROOM`, so a small model's run is never squeezed). `SHARES` says, in one
+table, what part of the room each thing the run keeps may take, and what it keeps is granted in order of what it
+saves: the clean runs, a source's activations read ahead, then the joined copies of the patch target (and of a
+source) where what the others are expected to hold leaves room for them. Everything held is a copy or a cache of
+something that can be computed again, so a share that is short costs time, never a number: a batch smaller, clean
+runs computed again, joined weights made a block at a time.
 """
 
 from __future__ import annotations
@@ -22,28 +26,39 @@ from tqdm.auto import tqdm
 from uds_lens import memory
 from uds_lens.config import Engine, Scope
 from uds_lens.data import EncodedExample
-from uds_lens.patching.batch import CleanRun
+from uds_lens.patching.batch import CleanRun, window_sites
 from uds_lens.patching.engines import PatchEngine, engine_class
 from uds_lens.tl_compat import TLModel
 
 logger = logging.getLogger(__name__)
 
-Share = Literal["batch", "clean_runs", "joined_copies", "fp32_reference"]
-"""What a run keeps beyond its models, each with its share of the free memory (`SHARES`)."""
+Share = Literal["batch", "clean_runs", "source_reads", "held_copies", "fp32_reference"]
+"""What a run keeps beyond its models, each with its share of the run's room (`SHARES`)."""
+
+RUN_ROOM = 0.9
+"""What a run may hold beyond its two models, in one model's weights (`MemoryPlan.room`): with what the
+allocator keeps of memory freed, a run then peaks at about three models' weights (`experiments/bench_scale.py`)."""
+
+MIN_ROOM = 512 << 20
+"""The room of a run of a small model: what `RUN_ROOM` gives is never less than this (nor more than is free)."""
 
 SHARES: dict[Share, float] = {
-    # one batch's activations at their peak (`choose_batch_size`), of what the held joined copies leave
-    "batch": 0.25,
+    # one batch's activations at their peak as the engine estimates it (`choose_batch_size`: an upper bound, about
+    # three times what a batch holds on a CPU)
+    "batch": 0.50,
     # the clean runs kept for the next stage (`CleanRuns`); with the precision check on, half of it is its fp32
     # ones (`precision.PrecisionCheck`)
-    "clean_runs": 0.10,
-    # joined Q/K/V and gate/up copies held between runs (`kernels.hold_joined_weights`): the patch target's for the
-    # run, and where both fit a source's for its stage (retain through Stage 1, an unlearned model through its Stage 2)
-    "joined_copies": 0.25,
+    "clean_runs": 0.50,
+    # a source's activations read ahead, block first, for the next batches (`stages.SourceReads`)
+    "source_reads": 0.25,
+    # what is held between batches: the clean runs and the reads as expected for the run's examples, then the patch
+    # target's joined Q/K/V and gate/up copies (`kernels.hold_joined_weights`) where they fit beside them, and a
+    # source's for a stage that runs it per batch where both fit
+    "held_copies": 0.75,
     # a whole fp32 copy of a model for the precision check, of the memory free when it is about to be made
     "fp32_reference": 0.90,
 }
-"""The shares of the free memory a run hands out, in one place (`MemoryPlan`)."""
+"""The shares of the run's room it hands out, in one place (`MemoryPlan`)."""
 
 
 def clean_run_bytes(run: CleanRun) -> int:
@@ -123,70 +138,129 @@ def choose_batch_size(
     examples: Sequence[EncodedExample],
     scope: Scope,
     engine: Engine,
-    free: int,
-    held: int = 0,
+    room: int,
     cap: int = 64,
 ) -> int:
-    """Largest batch whose estimated peak fits in the ``batch`` share (`SHARES`) of ``free`` bytes less the ``held``
-    ones (at least 1): the engine's ``bytes_per_example`` at the longest sequence and window.
-
-    ``held``: what is made after the batch size is chosen and kept while it runs, the fast engine's joined matrices
-    (`joined_copy_bytes`) of the models whose joins `MemoryPlan` holds.
-    """
+    """Largest batch whose estimated peak fits in the ``batch`` share (`SHARES`) of ``room`` bytes (at least 1): the
+    engine's ``bytes_per_example`` at the longest sequence and window."""
     if not examples:
         return 1
     seq_len = max(ex.read_positions.stop for ex in examples)
     window = max(len(ex.window(scope)) for ex in examples)
     per_example = max(1, engine_class(engine).bytes_per_example(model, seq_len, window))
-    left = max(0, free - held)
-    return int(max(1, min(cap, math.floor(left * SHARES["batch"] / per_example))))
+    return int(max(1, min(cap, math.floor(room * SHARES["batch"] / per_example))))
+
+
+def expected_clean_bytes(model: TLModel, examples: Sequence[EncodedExample], scope: Scope, site: str) -> int:
+    """What the fast engine's clean runs of ``examples`` hold when all are kept (`clean_run_bytes`): each block's
+    keys and values before each example's window, and the window activations of its sites (`batch.window_sites`)."""
+    cfg = model.cfg
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    n_kv = cfg.n_key_value_heads or cfg.n_heads
+    prefix = sum(ex.window(scope).start for ex in examples)
+    window = sum(len(ex.window(scope)) for ex in examples)
+    sites = len(window_sites(site))  # type: ignore[arg-type]
+    per_layer = 2 * prefix * n_kv * cfg.d_head + sites * window * cfg.d_model
+    return int(cfg.n_layers * per_layer * itemsize)
+
+
+def expected_read_bytes(
+    model: TLModel, examples: Sequence[EncodedExample], scope: Scope, n_layers: int
+) -> int:
+    """What a source's activations of ``examples`` at their window rows take (`stages.SourceReads`), ``n_layers``
+    layers patched."""
+    itemsize = torch.empty((), dtype=model.cfg.dtype).element_size()
+    window = sum(len(ex.window(scope)) for ex in examples)
+    return int(n_layers * window * model.cfg.d_model * itemsize)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What one run may hold beyond its models, decided from one measurement of the free memory (`SHARES`).
+    """What one run may hold beyond its models, decided from one measurement of the free memory (`SHARES` of its
+    `room`).
 
     Measured once, when the models of Stage 1 are loaded (`measure`): Stage 2 holds full and one unlearned model
     where Stage 1 held full and retain, so the same figure serves both stages. Only a precision check that makes a
-    whole fp32 copy of a model measures again, when it is about to make it (`fp32_copy_fits`): once per model.
+    whole fp32 copy of an unlearned model measures again, when it is about to make it (`fp32_copy_fits`): once per
+    model swap.
 
     Attributes:
         device: where the run computes.
         free: the bytes free when measured.
         joined_bytes: one model's joined copies (`joined_copy_bytes`; 0 for an engine that joins nothing).
+        model_bytes: one model's weights (0: the room is what is free).
+        clean_bytes: what the run's clean runs take when all are kept (`expected_clean_bytes`).
+        read_bytes: what a source's activations of the run's examples take (`expected_read_bytes`).
     """
 
     device: str
     free: int
     joined_bytes: int = 0
+    model_bytes: int = 0
+    clean_bytes: int = 0
+    read_bytes: int = 0
 
     @classmethod
-    def measure(cls, device: str, full: TLModel, engine: type[PatchEngine] | PatchEngine) -> MemoryPlan:
-        """The plan of a run on ``device`` whose patch target is ``full`` on ``engine``, from the memory free
-        now."""
-        joined = joined_copy_bytes(full) if engine.joins_weights else 0
-        return cls(str(device), memory.available_memory_bytes(device), joined)
+    def measure(
+        cls,
+        device: str,
+        full: TLModel,
+        engine: PatchEngine,
+        examples: Sequence[EncodedExample] = (),
+        scope: Scope = "span",
+    ) -> MemoryPlan:
+        """The plan of a run on ``device`` whose patch target is ``full`` on ``engine``, over ``examples``, from the
+        memory free now."""
+        joins = engine.joins_weights
+        weights = {p.untyped_storage().data_ptr(): p for p in full.parameters()}.values()
+        return cls(
+            str(device),
+            memory.available_memory_bytes(device),
+            joined_copy_bytes(full) if joins else 0,
+            sum(p.untyped_storage().nbytes() for p in weights),
+            expected_clean_bytes(full, examples, scope, engine.spec.site) if joins else 0,
+            expected_read_bytes(full, examples, scope, len(engine.spec.layers)) if joins else 0,
+        )
+
+    @property
+    def room(self) -> int:
+        """What the run may hold beyond its models: `RUN_ROOM` models' weights (at least `MIN_ROOM`), at most what
+        is free."""
+        if not self.model_bytes:
+            return self.free
+        return min(self.free, max(int(RUN_ROOM * self.model_bytes), MIN_ROOM))
 
     def share(self, what: Share) -> int:
-        """Bytes of ``what``'s share of the free memory."""
-        return int(SHARES[what] * self.free)
+        """Bytes of ``what``'s share of the run's room."""
+        return int(SHARES[what] * self.room)
+
+    def _kept(self) -> int:
+        """What the clean runs and the reads are expected to hold, each within its share."""
+        return min(self.clean_bytes, self.share("clean_runs")) + min(
+            self.read_bytes, self.share("source_reads")
+        )
 
     @property
     def holds_target_joins(self) -> bool:
-        """Whether the patch target's joined copies are held for the run (else made a block at a time)."""
-        return 0 < self.joined_bytes <= self.share("joined_copies")
+        """Whether the patch target's joined copies are held for the run (else made a block at a time): where they
+        fit beside the clean runs and the reads in the held-copies share."""
+        return 0 < self.joined_bytes <= self.share("held_copies") - self._kept()
 
     @property
     def holds_source_joins(self) -> bool:
-        """Whether a source's joined copies are held for its stage too (both the target's and a source's fit)."""
-        return 0 < 2 * self.joined_bytes <= self.share("joined_copies")
+        """Whether a source's joined copies are held through a stage that runs it per batch too (both fit)."""
+        return 0 < 2 * self.joined_bytes <= self.share("held_copies") - self._kept()
+
+    @property
+    def source_read_bytes(self) -> int:
+        """What a stage's source activations read ahead may hold (`stages.SourceReads`)."""
+        return self.share("source_reads")
 
     def batch_size(
         self, model: TLModel, examples: Sequence[EncodedExample], scope: Scope, engine: Engine
     ) -> int:
-        """`choose_batch_size` in what the held joined copies leave of the free memory."""
-        held = self.joined_bytes * (int(self.holds_target_joins) + int(self.holds_source_joins))
-        return choose_batch_size(model, examples, scope, engine, self.free, held)
+        """`choose_batch_size` in the run's room."""
+        return choose_batch_size(model, examples, scope, engine, self.room)
 
     def batches(
         self,
@@ -202,10 +276,11 @@ class MemoryPlan:
         size = batch_size or self.batch_size(model, examples, scope, engine)
         return plan_batches(examples, scope, size, engine=engine)
 
-    def fp32_copy_fits(self, needed: int) -> tuple[bool, int]:
-        """Whether a whole fp32 copy of ``needed`` bytes fits its share of the memory free now (measured again: a
-        model was swapped in since the run was planned), and that free figure."""
-        free = memory.available_memory_bytes(self.device)
+    def fp32_copy_fits(self, needed: int, made: int = 0, swapped: bool = False) -> tuple[bool, int]:
+        """Whether a whole fp32 copy of ``needed`` bytes fits its share of the free memory, and that free figure:
+        for a model the plan was measured with (full, retain) the plan's figure less the ``made`` bytes of copies
+        made since; for a model swapped in since (an unlearned one) measured again, once per swap."""
+        free = memory.available_memory_bytes(self.device) if swapped else max(0, self.free - made)
         return needed <= SHARES["fp32_reference"] * free, free
 
 
@@ -296,6 +371,8 @@ def run_batches(
 
 
 __all__ = [
+    "MIN_ROOM",
+    "RUN_ROOM",
     "SHARES",
     "CleanRuns",
     "MemoryPlan",
@@ -303,6 +380,8 @@ __all__ = [
     "choose_batch_size",
     "clean_run_bytes",
     "consecutive_batches",
+    "expected_clean_bytes",
+    "expected_read_bytes",
     "joined_copy_bytes",
     "plan_batches",
     "run_batches",

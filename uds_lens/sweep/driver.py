@@ -23,8 +23,8 @@ from uds_lens.data import DataArg
 from uds_lens.files import write_atomic
 from uds_lens.inputs import NOT_GIVEN, S1_CACHE, NotGiven, RunInputs
 from uds_lens.outputs import check_outputs_apart, check_writable_dir
-from uds_lens.result_store import OutputConflictError
-from uds_lens.scoring import check_output_dir, check_result_targets, refuse_other_runs
+from uds_lens.result_store import OutputConflictError, check_result_targets
+from uds_lens.scoring import check_output_dir, refuse_other_runs
 from uds_lens.stage_cache import s1_cache_dir
 from uds_lens.sweep.ledger import Ledger
 from uds_lens.sweep.lists import SCATTER_HTML, SWEEP_TABLE, SweepError, SweepModel, resolve_models
@@ -173,7 +173,7 @@ def sweep(
         check_outputs_apart(
             {"--out": out_dir},
             [
-                *[(what, path) for what, path in inputs.input_paths() if what != S1_CACHE],
+                *inputs.input_paths(),
                 ("unlearned checkpoint", [entry.source for entry in entries]),  # the unreadable ones too
                 ("model list", models_to_score if isinstance(models_to_score, (str, os.PathLike)) else None),
                 ("registry", registry),
