@@ -28,7 +28,7 @@ from torch import Tensor
 from uds_lens.patching.batch import CleanRun, PatchBatch
 from uds_lens.patching.engines import PatchEngine
 from uds_lens.patching.kernels import fast_engine_refusal, hold_joined_weights
-from uds_lens.patching.planning import CleanRuns, MemoryPlan
+from uds_lens.patching.planning import CleanRuns, MemoryPlan, read_bytes
 from uds_lens.sources import as_source
 from uds_lens.stage_cache import StageOne
 from uds_lens.tl_compat import ModelLike, TLModel
@@ -160,9 +160,7 @@ class SourceReads:
 
     def bytes_of(self, batch: PatchBatch) -> int:
         """Bytes of a batch's source activations: every layer patched at each window row."""
-        cfg = self.runs.full.cfg
-        itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-        return len(self.runs.engine.spec.layers) * int(batch.window_len.sum()) * cfg.d_model * itemsize
+        return read_bytes(self.runs.full, int(batch.window_len.sum()), len(self.runs.engine.spec.layers))
 
 
 class StageOneRun:

@@ -164,14 +164,19 @@ def expected_clean_bytes(model: TLModel, examples: Sequence[EncodedExample], sco
     return int(cfg.n_layers * per_layer * itemsize)
 
 
+def read_bytes(model: TLModel, window_rows: int, n_layers: int) -> int:
+    """What a source's activations at ``window_rows`` window rows take, ``n_layers`` layers patched: what
+    `stages.SourceReads` holds of a batch, and (`expected_read_bytes`) what the plan expects for a run."""
+    itemsize = torch.empty((), dtype=model.cfg.dtype).element_size()
+    return int(n_layers * window_rows * model.cfg.d_model * itemsize)
+
+
 def expected_read_bytes(
     model: TLModel, examples: Sequence[EncodedExample], scope: Scope, n_layers: int
 ) -> int:
     """What a source's activations of ``examples`` at their window rows take (`stages.SourceReads`), ``n_layers``
     layers patched."""
-    itemsize = torch.empty((), dtype=model.cfg.dtype).element_size()
-    window = sum(len(ex.window(scope)) for ex in examples)
-    return int(n_layers * window * model.cfg.d_model * itemsize)
+    return read_bytes(model, sum(len(ex.window(scope)) for ex in examples), n_layers)
 
 
 @dataclass(frozen=True)
@@ -384,5 +389,6 @@ __all__ = [
     "expected_read_bytes",
     "joined_copy_bytes",
     "plan_batches",
+    "read_bytes",
     "run_batches",
 ]
