@@ -350,15 +350,16 @@ def run_meta_eval(
     rows = METRICS if metrics is None else tuple(registry.spec(name) for name in metrics)
     zoo = load_zoo(zoo_dir)
     out = Path(out_dir)
-    unlearned = zoo.names(ROBUSTNESS_ROLES)
+    every = zoo.names(ROBUSTNESS_ROLES)
+    unlearned = every
     if robustness_models is not None:
-        unknown = [name for name in robustness_models if name not in unlearned]
+        unknown = [name for name in robustness_models if name not in every]
         if unknown or not robustness_models:
             raise ConfigError(
                 f"robustness models (--robustness-model) {unknown or '(none)'} are not unlearned or sweep models of the zoo at "
-                f"{zoo.root}; choose among {unlearned}"
+                f"{zoo.root}; choose among {every}"
             )
-        unlearned = [name for name in unlearned if name in robustness_models]
+        unlearned = [name for name in every if name in robustness_models]
     metrics_df = evaluate_zoo(
         zoo_dir,
         out,
@@ -370,7 +371,7 @@ def run_meta_eval(
         progress=progress,
         resume=resume,
         utility_roles=UTILITY_ROLES,
-        skip=set(zoo.names(ROBUSTNESS_ROLES)) - set(unlearned),
+        skip=set(every) - set(unlearned),
     )
     tokenizer = load_tokenizer(zoo.path("full"))
     forget = read_records(zoo.forget_path)
