@@ -18,7 +18,7 @@ import uds_lens.auditor as auditor_module
 import uds_lens.checkpoints.loader as loader
 import uds_lens.inputs as inputs_module
 import uds_lens.memory as memory
-from uds_lens.checkpoints import digests, reader
+from uds_lens.checkpoints import digests, folder, reader
 
 
 class Counts:
@@ -27,10 +27,11 @@ class Counts:
 
     def __init__(self) -> None:
         self.built: list[Path] = []
+        self.headers: list[Path] = []  # weight files opened for their header
         self.nbytes = self.hashed = self.measured = 0
 
     def reset(self) -> None:
-        self.built, self.nbytes, self.hashed, self.measured = [], 0, 0, 0
+        self.built, self.headers, self.nbytes, self.hashed, self.measured = [], [], 0, 0, 0
 
 
 @pytest.fixture
@@ -53,6 +54,13 @@ def counts(tmp_path, monkeypatch) -> Counts:
         counted.hashed += 1
         return digest(examples)
 
+    header = folder._header
+
+    def counting_header(file, *args, **kwargs):
+        counted.headers.append(Path(file))
+        return header(file, *args, **kwargs)
+
+    monkeypatch.setattr(folder, "_header", counting_header)
     free = memory.available_memory_bytes
 
     def counting_free(device):
@@ -86,8 +94,10 @@ def test_a_rerun_whose_results_are_all_reusable_builds_and_reads_nothing(tiny, t
     assert counts.hashed == 1
     assert counts.measured == 2  # once before the models, once for the plan; no load measures again
     counts.reset()
+    digests.forget_digests()  # what the first run remembered is read back from the cache on disk, as a new process does
     again = score_tiny(tiny, out, cache, unlearned=models)
     assert counts.built == [] and counts.nbytes == 0
+    assert counts.headers == []  # no weight file opened: their headers are remembered by their stamp
     assert counts.hashed == 1  # the forget set, once per run
     assert all(again[name].meta.get("reused") == "identical inputs" for name in models)
     assert {name: r.uds for name, r in again.items()} == {name: r.uds for name, r in fresh.items()}

@@ -40,7 +40,6 @@ from uds_lens.checkpoints.folder import (
     explain_load_error,
     read_folder,
     refuse_code,
-    tensor_headers,
 )
 from uds_lens.checkpoints.hub import hub_error, hub_or_cache, hub_revision
 from uds_lens.data import looks_like_local_path
@@ -234,8 +233,13 @@ class Checkpoint:
     def tensor_headers(self) -> dict[str, tuple[tuple[int, ...], str]] | None:
         """``{name: (shape, safetensors dtype)}`` of the tensors its weight files hold, from the headers alone (read
         once); None where they cannot be read without loading (pickled weights, ``.gguf``, a hub id, a model in
-        memory)."""
-        return tensor_headers(self.files) if self.kind == "directory" else None
+        memory). Remembered by the weight files' stamp, as a digest is (`digests.remembered_headers`): a rerun on
+        unchanged files opens none of them."""
+        if self.kind != "directory":
+            return None
+        from uds_lens.checkpoints.digests import remembered_headers
+
+        return remembered_headers(self.files)
 
     @property
     def tensor_shapes(self) -> dict[str, tuple[int, ...]] | None:

@@ -49,7 +49,7 @@ import torch
 import xxhash
 from torch import Tensor, nn
 
-from uds_lens.checkpoints.folder import ModelLoadError
+from uds_lens.checkpoints.folder import CheckpointFiles, ModelLoadError, tensor_headers
 from uds_lens.files import cache_root, write_atomic
 from uds_lens.tl_compat import ModelLike, hf_model_of, is_hooked_transformer, is_tl_model
 
@@ -67,8 +67,10 @@ RACY_NS = 3_000_000_000
 RACY_FINE_NS = 100_000_000
 # Read size: large enough that per-call overhead vanishes, small enough that hashing stays cache-warm.
 CHUNK_BYTES = 1 << 23
-# Where remembered digests are kept, under the cache root.
+# Where remembered digests (and weight files' headers) are kept, under the cache root.
 DIGEST_DIR = "digests"
+# What a weight file's remembered headers are filed under (bump when `folder.tensor_headers` changes).
+HEADERS = "safetensors-headers/v1"
 
 StampEntry = tuple[str, int, int, int, int, int]
 """One file of a stamp: its name in the identity, size, modification time (ns), status-change time (ns), inode and
@@ -111,7 +113,9 @@ class FileStamp:
         return [self.root, [list(entry) for entry in self.entries]]
 
 
-_DIGESTS: dict[tuple[str, tuple[StampEntry, ...]], tuple[str, int]] = {}
+# What the stamps of checkpoint files proved, by what it is (`DIGEST_SCHEME`, `HEADERS`), root and entries: the value
+# and the moment it was remembered.
+_DIGESTS: dict[tuple[str, str, tuple[StampEntry, ...]], tuple[Any, int]] = {}
 _DIGESTS_LOCK = threading.Lock()
 _UNWRITABLE_WARNED: set[str] = set()
 
@@ -141,8 +145,8 @@ def file_stamp(root: Path, files: Sequence[tuple[str, Path]]) -> FileStamp:
     return FileStamp(str(Path(root).resolve()), tuple(entries), taken)
 
 
-def _disk_path(stamp: FileStamp) -> tuple[Path, str]:
-    text = json.dumps([DIGEST_SCHEME, STAMP_VERSION, stamp.key()])
+def _disk_path(stamp: FileStamp, kind: str) -> tuple[Path, str]:
+    text = json.dumps([kind, STAMP_VERSION, stamp.key()])
     return cache_root() / DIGEST_DIR / f"{xxhash.xxh3_128(text.encode()).hexdigest()}.json", text
 
 
@@ -150,20 +154,50 @@ def known_digest(stamp: FileStamp) -> str | None:
     """The digest remembered for files of exactly this stamp (in memory, else on disk), when the stamp proves them
     unchanged since (it was not racy when the digest was remembered); else None. Nothing is read but the small
     cache file."""
+    known = _known(stamp, DIGEST_SCHEME)
+    return known if isinstance(known, str) else None
+
+
+def remember_digest(stamp: FileStamp, digest: str) -> str:
+    """Keep ``digest`` for files of this stamp, taken at ``stamp.taken_ns`` before the bytes were read, in memory and
+    (when the cache can be written) on disk. A racy stamp is remembered too: it is not trusted while racy, and the
+    next read remembers the same files under a later moment."""
+    return str(_remember(stamp, DIGEST_SCHEME, digest))
+
+
+def remembered_headers(files: CheckpointFiles) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """`folder.tensor_headers` of a checkpoint's weight files, remembered by their stamp as a digest is: a rerun on
+    unchanged files compares shapes without opening a weight file (a header read is a few KiB, but the file it is
+    read from is the model's). Files whose stamp proves nothing are read, and remembered under the stamp taken before."""
+    if files.format != "safetensors":
+        return None
+    stamp = file_stamp(files.root, [(str(path), path) for path in files.weights])
+    known = _known(stamp, HEADERS)
+    if isinstance(known, dict):
+        return {name: (tuple(shape), str(dtype)) for name, (shape, dtype) in known.items()}
+    headers = tensor_headers(files)
+    if headers is not None:
+        _remember(stamp, HEADERS, {name: [list(shape), dtype] for name, (shape, dtype) in headers.items()})
+    return headers
+
+
+def _known(stamp: FileStamp, kind: str) -> Any:
+    """What was remembered of ``kind`` for files of exactly this stamp (in memory, else on disk), where the stamp
+    was not racy when it was remembered; else None."""
     with _DIGESTS_LOCK:
-        known = _DIGESTS.get((stamp.root, stamp.entries))
+        known = _DIGESTS.get((kind, stamp.root, stamp.entries))
     if known is None:
-        known = _read_remembered(stamp)
+        known = _read_remembered(stamp, kind)
     if known is None:
         return None
-    digest, remembered_ns = known
+    value, remembered_ns = known
     if FileStamp(stamp.root, stamp.entries, remembered_ns).racy:
         return None  # remembered for files that were changing then: read again
-    return digest
+    return value
 
 
-def _read_remembered(stamp: FileStamp) -> tuple[str, int] | None:
-    path, text = _disk_path(stamp)
+def _read_remembered(stamp: FileStamp, kind: str) -> tuple[Any, int] | None:
+    path, text = _disk_path(stamp, kind)
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -171,26 +205,23 @@ def _read_remembered(stamp: FileStamp) -> tuple[str, int] | None:
     if (
         not isinstance(saved, dict)
         or saved.get("stamp") != text
-        or not isinstance(saved.get("digest"), str)
+        or not isinstance(saved.get("digest"), (str, dict))
         or not isinstance(saved.get("taken_ns"), int)
     ):
         return None
-    found = (str(saved["digest"]), int(saved["taken_ns"]))
+    found = (saved["digest"], int(saved["taken_ns"]))
     with _DIGESTS_LOCK:
-        _DIGESTS[(stamp.root, stamp.entries)] = found
+        _DIGESTS[(kind, stamp.root, stamp.entries)] = found
     return found
 
 
-def remember_digest(stamp: FileStamp, digest: str) -> str:
-    """Keep ``digest`` for files of this stamp, taken at ``stamp.taken_ns`` before the bytes were read, in memory and
-    (when the cache can be written) on disk. A racy stamp is remembered too: it is not trusted while racy, and the
-    next read remembers the same files under a later moment."""
+def _remember(stamp: FileStamp, kind: str, value: Any) -> Any:
     with _DIGESTS_LOCK:
-        _DIGESTS[(stamp.root, stamp.entries)] = (digest, stamp.taken_ns)
-    path, text = _disk_path(stamp)
+        _DIGESTS[(kind, stamp.root, stamp.entries)] = (value, stamp.taken_ns)
+    path, text = _disk_path(stamp, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"stamp": text, "digest": digest, "taken_ns": stamp.taken_ns}))
+        write_atomic(path, json.dumps({"stamp": text, "digest": value, "taken_ns": stamp.taken_ns}))
     except OSError as error:
         folder = str(path.parent)
         if folder not in _UNWRITABLE_WARNED:
@@ -198,7 +229,7 @@ def remember_digest(stamp: FileStamp, digest: str) -> str:
             logger.warning(
                 "Checkpoint digests are not remembered in %s (%s): each run reads them again.", folder, error
             )
-    return digest
+    return value
 
 
 def forget_digests() -> None:

@@ -187,3 +187,23 @@ def test_the_digest_is_the_contents_and_a_hub_id_stands_for_itself(tmp_path):
     _checkpoint(root, scale=3.0)
     assert _digest(root) != stamp
     assert Checkpoint.resolve("owner/model").digest == "owner/model"
+
+
+def test_tensor_headers_are_remembered_by_the_weight_files_stamp_and_follow_a_rewrite(tmp_path, monkeypatch):
+    """A later run (the memory cleared) compares shapes without opening the weight file; a weight file rewritten
+    in place with its old modification time (its status-change time moves) is opened again and gives its new shapes."""
+    from uds_lens.checkpoints import folder
+
+    root = _checkpoint(tmp_path / "ckpt")
+    _settle()
+    assert Checkpoint.resolve(root).tensor_shapes == {"a": (2, 3), "b": (4,)}
+    monkeypatch.setattr(digests, "_DIGESTS", {})
+    opened: list[Path] = []
+    header = folder._header
+    monkeypatch.setattr(folder, "_header", lambda file: opened.append(file) or header(file))
+    assert Checkpoint.resolve(root).tensor_shapes == {"a": (2, 3), "b": (4,)} and opened == []
+    weights = root / "model.safetensors"
+    before = weights.stat()
+    weights.write_bytes(safetensors_bytes({"a": torch.zeros(3, 2), "b": torch.ones(4)}))  # same size
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert Checkpoint.resolve(root).tensor_shapes == {"a": (3, 2), "b": (4,)} and opened == [weights]
