@@ -212,3 +212,28 @@ def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_pat
     # (to 1e-6: sweep.csv recomputes a reused UDS from the rounded examples.csv, issue 27)
     assert again["uds"].tolist() == pytest.approx(first["uds"].tolist(), abs=1e-6)
     assert (again["hash_seconds"] > 0).all() and not math.isnan(again.loc[0, "seconds"])
+
+
+def test_each_model_after_the_first_is_read_into_the_bridge_of_the_one_scored_before(
+    tiny, tmp_path, sweep_models, monkeypatch
+):
+    """A bridge is built once for the unlearned models (TransformerLens's build costs several times the read); the
+    others are read into it (`loader.refill_model`), and every number equals that of a sweep that builds each model."""
+    import uds_lens.sweep.staging as staging
+
+    models_ = {name: sweep_models[name] for name in ("unl", "ret", "unl2")}
+    built, refilled = [], []
+    build, refill = loader.build_model, loader.refill_model  # what staging calls
+    monkeypatch.setattr(
+        staging, "build_model", lambda ckpt, *a, **k: built.append(ckpt.name) or build(ckpt, *a, **k)
+    )
+    monkeypatch.setattr(
+        staging, "refill_model", lambda model, ckpt, *a: refilled.append(ckpt.name) or refill(model, ckpt, *a)
+    )
+    table = _sweep(tiny, tmp_path / "refilled", models_, prefetch=False).set_index("name")
+    assert built == ["unlearned"] and refilled == ["retain", "unl2"]  # checkpoint names: their folders
+    monkeypatch.setattr(staging, "refill_model", lambda *a: None)
+    each_built = _sweep(tiny, tmp_path / "built", models_, prefetch=False).set_index("name")
+    assert (table["status"] == "scored").all()
+    for column in ("uds", "fp_unlearned", "n_scored"):
+        pd.testing.assert_series_equal(table[column], each_built[column])

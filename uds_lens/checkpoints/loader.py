@@ -200,6 +200,66 @@ def build_model(
     return model
 
 
+# Config entries that name where a checkpoint came from or how it was saved, not the model it builds.
+_PROVENANCE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
+def refill_model(model: ModelLike, checkpoint: Checkpoint, dtype: torch.dtype) -> ModelLike | None:
+    """The model of ``checkpoint`` made by reading its weights into ``model``, a bridge `build_model` made of
+    another checkpoint that nothing uses any longer (a sweep's model scored already): its tensors are overwritten in
+    place, in the one pass that hashes the bytes (`reader.read_checkpoint`), and the bridge, whose building costs
+    several times the read (TransformerLens scans and wraps every module), is kept. None, with ``model`` untouched,
+    where the two do not build the same model (then `build_model`): not a safetensors directory, another config
+    (but for where it came from and its saved dtype), other tokenizer files, other tensor names or shapes, or tied
+    tensors both in the files.
+
+    What it returns is what `build_model` would have built from ``checkpoint``: the same config, tokenizer and
+    tensors (each tensor's version advanced, so a memo of the old weights, `digests.model_fingerprint` and the
+    fast engine's joined weights, is made again), and the record of this load (its digest, `digests.mark_loaded`).
+    An error while reading leaves ``model`` part overwritten: the caller drops it.
+    """
+    hf = hf_model_of(model) if is_tl_model(model) else None
+    before = None if hf is None else hf.__dict__.get("uds_checkpoint")
+    if (
+        hf is None
+        or not isinstance(before, Checkpoint)
+        or checkpoint.kind != "directory"
+        or before.kind != "directory"
+        or checkpoint.files.format != "safetensors"
+        or checkpoint.tokenizer_files != before.tokenizer_files
+    ):
+        return None
+    own = {key: value for key, value in checkpoint.config.to_dict().items() if key not in _PROVENANCE}
+    old = {key: value for key, value in before.config.to_dict().items() if key not in _PROVENANCE}
+    shapes, old_shapes = checkpoint.tensor_shapes, before.tensor_shapes
+    if own != old or shapes is None or shapes != old_shapes:
+        return None
+    # under its Hugging Face names: the bridge wraps each module in one holding it as ``_original_component``
+    held = {
+        key.replace("._original_component", ""): value for key, value in hf.state_dict(keep_vars=True).items()
+    }
+    targets = {name: held[name].detach() for name in shapes if name in held}
+    storages = {tensor.data_ptr() for tensor in targets.values()}
+    if len(targets) != len(shapes) or len(storages) != len(targets):
+        return None  # a tensor the model does not hold by that name, or two names of one (tied) tensor
+    if any(tensor.is_floating_point() and tensor.dtype != dtype for tensor in targets.values()):
+        return None  # built in another dtype
+    device = next(iter(targets.values())).device
+    with checkpoint.errors("weights"):
+        root, identifying = checkpoint.identifying()
+        per_file = SafetensorsReader(dtype, device)
+        loaded = reader.read_checkpoint(
+            root, identifying, dict.fromkeys(checkpoint.files.weight_names, per_file), into=targets
+        )
+    loaded.take()  # the model holds them
+    for tensor in targets.values():
+        torch.autograd.graph.increment_version(tensor)
+    mark_loaded(hf, loaded)
+    object.__setattr__(hf, "uds_checkpoint", checkpoint)
+    setattr(model, "uds_source", checkpoint.path_or_id)  # noqa: B010 - as build_model names it
+    return model
+
+
 def load_model(
     checkpoint: CheckpointRef, dtype: str | torch.dtype | None = None, device: str | None = None
 ) -> TransformerBridge:

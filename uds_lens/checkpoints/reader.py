@@ -140,11 +140,31 @@ class Source:
             raise grew(self.file)
 
     def fill(
-        self, shape: Sequence[int], stored: torch.dtype, dtype: torch.dtype, device: torch.device
+        self,
+        shape: Sequence[int],
+        stored: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device,
+        into: Tensor | None = None,
     ) -> Tensor:
         """The next ``prod(shape)`` elements of the file (stored as ``stored``) as a new tensor of ``dtype`` on
-        ``device``: read straight into it where nothing changes on the way, else through the bounce buffer."""
-        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        ``device``, or written into ``into`` (a model's own tensor, refilled: `loader.refill_model`), which must be
+        of that shape, dtype and device, and contiguous: read straight into it where nothing changes on the way,
+        else through the bounce buffer."""
+        if into is None:
+            tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        elif (
+            tuple(into.shape) != tuple(shape)
+            or into.dtype != dtype
+            or into.device != device
+            or not into.is_contiguous()
+        ):
+            raise CheckpointReadError(
+                f"{self.file}: a tensor of shape {tuple(shape)} ({dtype}) cannot be read into the model's "
+                f"{tuple(into.shape)} ({into.dtype}, {into.device})."
+            )
+        else:
+            tensor = into
         size = stored.itemsize
         count = tensor.numel()
         if count == 0:
@@ -194,7 +214,9 @@ class SafetensorsReader:
         base = 8 + header_len
         for name, (begin, _end, shape, stored) in _layout(header, base, source.size, label):
             source.skip_to(begin)
-            out[name] = source.fill(shape, stored, target_dtype(stored, self.dtype), self.device)
+            # a tensor already in ``out`` is a model's own, refilled in place (`loader.refill_model`)
+            dtype = target_dtype(stored, self.dtype)
+            out[name] = source.fill(shape, stored, dtype, self.device, into=out.get(name))
         source.finish()
 
 
@@ -254,7 +276,10 @@ class PickleReader:
 
 
 def read_checkpoint(
-    root: Path, identifying: Sequence[tuple[str, Path]], readers: Mapping[str, TensorReader]
+    root: Path,
+    identifying: Sequence[tuple[str, Path]],
+    readers: Mapping[str, TensorReader],
+    into: Mapping[str, Tensor] | None = None,
 ) -> Loaded:
     """Read a checkpoint's identifying files once, in order: the weight files (those ``readers`` names) into their
     tensors, the others (config, tokenizer) only hashed; every byte hashed unless the stamp proves the remembered
@@ -264,12 +289,14 @@ def read_checkpoint(
         root: the checkpoint's folder (or ``.gguf`` file).
         identifying: ``(name in the identity, path)`` of every file its identity covers, in the identity's order.
         readers: the reader of each weight file, by its name in the identity.
+        into: tensors to read the weights of those names into, in place (a safetensors reader only): a model's
+            own, refilled with another checkpoint's bytes (`loader.refill_model`).
 
     Raises:
         CheckpointReadError: a file gone, truncated, grown, not of its format, or changed while it was read.
     """
     with _one_thread():
-        return _read_checkpoint(root, identifying, readers)
+        return _read_checkpoint(root, identifying, readers, dict(into or {}))
 
 
 @contextmanager
@@ -286,14 +313,16 @@ def _one_thread() -> Iterator[None]:
 
 
 def _read_checkpoint(
-    root: Path, identifying: Sequence[tuple[str, Path]], readers: Mapping[str, TensorReader]
+    root: Path,
+    identifying: Sequence[tuple[str, Path]],
+    readers: Mapping[str, TensorReader],
+    tensors: dict[str, Tensor],
 ) -> Loaded:
     started = time.perf_counter()
     stamp = digests.file_stamp(root, identifying)
     known = digests.known_digest(stamp)
     hasher = digests.new_hasher() if known is None else None
     bounce = Bounce()
-    tensors: dict[str, Tensor] = {}
     nbytes = 0
     for (name, path), size in zip(identifying, stamp.sizes, strict=True):
         reader = readers.get(name)

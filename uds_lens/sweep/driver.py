@@ -283,6 +283,7 @@ def _sweep_in_process(
             started = time.perf_counter()
             bar.update()
             bar.set_postfix(Counter(row["status"] for row in ledger.rows.values()))
+    worker.drop_spare()
     table = ledger.table()
     table.attrs["peak_staged"] = pipeline.peak  # models in memory at once, the computing one included
     return table

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 PHASES = ("resolve", "hash", "load", "to_device", "source_forward", "s2", "write")
 PHASE_COLUMNS = [f"{phase}_seconds" for phase in PHASES]
 # sweep.csv, one row per model: status is scored | reused | failed | pending; uds, ci_low/ci_high (bootstrap 95%),
-# uds_clipped (the part of UDS from clipped KE cells, d2 > d1), excess_disruption (how far past retain the model
+# uds_unclipped and uds_clipped (UDS's two parts: from the KE cells whose ratio is measured, d2 <= d1, and from the
+# clipped ones, d2 > d1, each read as fully erased), excess_disruption (how far past retain the model
 # disrupts: UDSResult.split) and the example counts come from the model's summary; the phase columns (PHASES) time
 # the model's work, wherever it ran
 # (in-process, resolve/hash/load run on the staging thread while the previous model computes); wait_seconds is how
@@ -48,6 +49,7 @@ COLUMNS = [
     "uds",
     "ci_low",
     "ci_high",
+    "uds_unclipped",
     "uds_clipped",
     "excess_disruption",
     "n_scored",
@@ -230,6 +232,7 @@ class Ledger:
             uds=summary["uds"],
             ci_low=summary["ci95"][0],
             ci_high=summary["ci95"][1],
+            uds_unclipped=summary["uds_unclipped"],
             uds_clipped=summary["uds_clipped"],
             excess_disruption=summary["excess_disruption"],
             n_scored=summary["n_scored"],

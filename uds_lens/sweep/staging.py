@@ -23,7 +23,7 @@ import torch
 
 from uds_lens.checkpoints.digests import loaded_record
 from uds_lens.checkpoints.folder import ModelLoadError
-from uds_lens.checkpoints.loader import build_model, release_model, resolve_dtype
+from uds_lens.checkpoints.loader import build_model, refill_model, release_model, resolve_dtype
 from uds_lens.config import DtypeName
 from uds_lens.memory import retry_out_of_memory
 from uds_lens.results import UDSResult
@@ -73,6 +73,7 @@ def prepare_model(
     dtype: DtypeName | torch.dtype | None,
     device: str,
     reuse: Callable[[Prepared], None] | None = None,
+    spare: Any = None,
 ) -> Prepared:
     """Decide a model's reuse and, unless it is reused, read it once and build it on the CPU; never raises.
 
@@ -89,6 +90,9 @@ def prepare_model(
         reuse: called with the `Prepared` once its ``identity`` is set (before the load where the stamp proves it,
             and again after the load when the bytes loaded are not those); it may set ``reused`` (then the model is
             not loaded, or dropped) and ``reason``.
+        spare: a model scored already, on the CPU, that nothing uses any longer: the model is read into it where
+            it builds the same model (`loader.refill_model`: the bridge kept, its tensors overwritten), else it is
+            dropped before the model is built. Taken either way.
 
     Returns:
         The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is kept in
@@ -123,7 +127,14 @@ def prepare_model(
             return prepared
         phase = "load"
         # built on the CPU in the dtype the auditor's device gets (bf16 by default on a GPU), then moved as is
-        prepared.model = build_model(checkpoint, dtype=resolve_dtype(dtype, device), device="cpu", ahead=True)
+        torch_dtype = resolve_dtype(dtype, device)
+        if spare is not None:
+            refilled, spare = refill_model(spare, checkpoint, torch_dtype), None
+            if refilled is None:
+                gc.collect()  # the spare (another model's shape) leaves before this one is built
+            prepared.model = refilled
+        if prepared.model is None:
+            prepared.model = build_model(checkpoint, dtype=torch_dtype, device="cpu", ahead=True)
         record = loaded_record(prepared.model)
         prepared.bytes_read = record.nbytes if record is not None else 0
         loaded = checkpoint.loaded_fingerprint(prepared.model)

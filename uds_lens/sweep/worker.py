@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,12 +127,15 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
+def finish_model(
+    auditor: UDSAuditor, prepared: Prepared, keep: Callable[[Any], None] | None = None
+) -> ModelOutcome:
     """Move a prepared model to the auditor's device and score it (Stage 2); never raises.
 
     The model reaches the auditor through ``auditor.sources`` under its `Checkpoint`, so ``auditor.score`` neither
     reads nor hashes it again (its fingerprint is the digest its one read computed), and it is dropped from there
-    once scored: the worker keeps no model but the one it scores and the one being staged.
+    once scored: the worker keeps no model but the one it scores and the one being staged. ``keep``, where given,
+    takes the model scored instead of its release (`SweepWorker`: the next model is read into it).
     """
     entry = prepared.entry
     phases = dict(prepared.phases)
@@ -171,7 +175,9 @@ def finish_model(auditor: UDSAuditor, prepared: Prepared) -> ModelOutcome:
     finally:
         scored = auditor.sources.pop(entry.checkpoint, None) if entry.checkpoint is not None else None
         auditor.last_source = None
-        if scored is not None:  # its memory goes with the last reference, before the next model moves in
+        if scored is not None and keep is not None:
+            keep(scored)
+        elif scored is not None:  # its memory goes with the last reference, before the next model moves in
             release_model(scored)
     timings = result.meta["timings"]
     phases["s2"] = timings["s2_seconds"]
@@ -228,6 +234,10 @@ class SweepWorker:
             inputs, progress=False, retain_name=retain.label if retain is not None else None
         )
         self.shipped: ShippedStage | None = None
+        # a model scored already, on the CPU, that the next one is read into (`loader.refill_model`): the bridge
+        # TransformerLens builds costs several times the read of a SmolLM2-size model
+        self._spare: Any = None
+        self._spare_lock = threading.Lock()
         if compute_stage:
             self.shipped = ShippedStage.of(self.auditor)
             self.auditor.drop_retain()  # Stage 1 is all a sweep needs the retain model for
@@ -259,17 +269,39 @@ class SweepWorker:
         return _worker_label()
 
     def prepare(self, model: SweepModel, reuse: Callable[[Prepared], None] | None = None) -> Prepared:
-        """Stage one model for this worker (`prepare_model`); safe to run on another thread while it scores."""
-        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse)
+        """Stage one model for this worker (`prepare_model`, into the spare model where there is one); safe to run
+        on another thread while it scores."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse, spare)
 
     def finish(self, prepared: Prepared) -> ModelOutcome:
-        """Score a prepared model (`finish_model`)."""
+        """Score a prepared model (`finish_model`); the model scored becomes the spare the next one is read into,
+        where it stays on the CPU (on a GPU it is released, as the device holds one unlearned model at a time)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
-        return finish_model(self.auditor, prepared)
+        return finish_model(self.auditor, prepared, keep=self._keep)
+
+    def _keep(self, model: Any) -> None:
+        if next(model.parameters()).device.type != "cpu":
+            release_model(model)
+            return
+        with self._spare_lock:
+            self._spare = model
+
+    def drop_spare(self) -> None:
+        """Release the spare model (the sweep is over)."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            release_model(spare)
 
     def score(self, model: SweepModel) -> ModelOutcome:
-        """Score one unlearned model (see `score_one`)."""
+        """Score one unlearned model (as `score_one` does, read into the spare model where there is one)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
-        return score_one(self.auditor, model)
+        prepared = self.prepare(model)
+        try:
+            return self.finish(prepared)
+        finally:
+            prepared.release()
