@@ -515,10 +515,10 @@ class UDSAuditor:
         started = time.perf_counter()
         run = self.runs.stage_one(self.retain, self.retain_name, (len(self.encoded), len(self.layers)))
         try:
-            # a batch that runs out of memory is halved and retried, the halves kept for later stages and models;
-            # the clean runs, keyed by batch number, are dropped then, and less memory is kept for them from then on
+            # out of memory, a batch is halved and retried (halves kept); its clean runs go, fewer are kept after
             device, split = self.target_device, self.runs.forget_clean_runs
-            run_batches(self._batches, run.batch, device, "S1 (retain -> full)", self.progress, split)
+            desc = "S1 (retain -> full)" if self.retain is not None else "S0 (full; retain-free)"
+            run_batches(self._batches, run.batch, device, desc, self.progress, split)
         finally:
             run.close()
         stage = run.finish([e.idx for e in self.encoded], self.batches, time.perf_counter() - started)
