@@ -237,3 +237,29 @@ def test_each_model_after_the_first_is_read_into_the_bridge_of_the_one_scored_be
     assert (table["status"] == "scored").all()
     for column in ("uds", "fp_unlearned", "n_scored"):
         pd.testing.assert_series_equal(table[column], each_built[column])
+
+
+def test_a_model_whose_scoring_failed_is_not_read_into(tiny, tmp_path, sweep_models, monkeypatch):
+    """Its bridge may hold what the failure left (hooks, a half move): the next model is built afresh."""
+    import uds_lens.sweep.staging as staging
+    from uds_lens.auditor import UDSAuditor
+
+    models_ = {name: sweep_models[name] for name in ("unl", "ret", "unl2")}
+    built, refilled = [], []
+    build, refill, score = loader.build_model, loader.refill_model, UDSAuditor.score
+    monkeypatch.setattr(
+        staging, "build_model", lambda ckpt, *a, **k: built.append(ckpt.name) or build(ckpt, *a, **k)
+    )
+    monkeypatch.setattr(
+        staging, "refill_model", lambda model, ckpt, *a: refilled.append(ckpt.name) or refill(model, ckpt, *a)
+    )
+
+    def failing(self, unlearned, name=None):
+        if name == "ret":
+            raise RuntimeError("scoring went wrong")
+        return score(self, unlearned, name=name)
+
+    monkeypatch.setattr(UDSAuditor, "score", failing)
+    table = _sweep(tiny, tmp_path / "failed", models_, prefetch=False).set_index("name")
+    assert table["status"].to_dict() == {"unl": "scored", "ret": "failed", "unl2": "scored"}
+    assert built == ["unlearned", "unl2"] and refilled == ["retain"]

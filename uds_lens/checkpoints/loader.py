@@ -244,7 +244,10 @@ def refill_model(model: ModelLike, checkpoint: Checkpoint, dtype: torch.dtype) -
         return None  # a tensor the model does not hold by that name, or two names of one (tied) tensor
     if any(tensor.is_floating_point() and tensor.dtype != dtype for tensor in targets.values()):
         return None  # built in another dtype
-    device = next(iter(targets.values())).device
+    devices = {tensor.device for tensor in targets.values()}
+    if len(devices) != 1:
+        return None  # part moved (a move that failed half way)
+    device = devices.pop()
     with checkpoint.errors("weights"):
         root, identifying = checkpoint.identifying()
         per_file = SafetensorsReader(dtype, device)

@@ -154,6 +154,7 @@ def finish_model(
             entry.name, "failed", None, load_seconds, error=prepared.error, phases=phases, **common
         )
     started = time.perf_counter()
+    result: UDSResult | None = None
     try:
         move_to_device(prepared.model, auditor.device)
         phases["to_device"] = time.perf_counter() - started
@@ -175,10 +176,11 @@ def finish_model(
     finally:
         scored = auditor.sources.pop(entry.checkpoint, None) if entry.checkpoint is not None else None
         auditor.last_source = None
-        if scored is not None and keep is not None:
+        if scored is not None and keep is not None and result is not None:  # a model that failed is not kept
             keep(scored)
         elif scored is not None:  # its memory goes with the last reference, before the next model moves in
             release_model(scored)
+    assert result is not None  # a failure returned above
     timings = result.meta["timings"]
     phases["s2"] = timings["s2_seconds"]
     phases["source_forward"] = timings.get("s2_source_forward_seconds", math.nan)
@@ -283,7 +285,7 @@ class SweepWorker:
         return finish_model(self.auditor, prepared, keep=self._keep)
 
     def _keep(self, model: Any) -> None:
-        if next(model.parameters()).device.type != "cpu":
+        if any(param.device.type != "cpu" for param in model.parameters()):
             release_model(model)
             return
         with self._spare_lock:
