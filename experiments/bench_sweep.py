@@ -163,9 +163,12 @@ def pacing(argv: list[str]) -> None:
     run("warmup", True, work / "warmup")
     rows: list[dict[str, float]] = []
     modes = [("staged", True), ("sequential", False)]
+    totals: dict[str, list[float]] = {}  # every model's wall, the first included, per sweep
     for repeat in range(args.repeats):
         for label, prefetch in modes if repeat % 2 == 0 else modes[::-1]:
-            rows += run(label, prefetch, work / f"{label}{repeat}")
+            got = run(label, prefetch, work / f"{label}{repeat}")
+            rows += got
+            totals.setdefault(label, []).append(sum(row["wall"] for row in got))
     load_after = os.getloadavg()
     shutil.rmtree(work, ignore_errors=True)
 
@@ -201,6 +204,19 @@ def pacing(argv: list[str]) -> None:
             f"{medians['vs_read_s2']:.2f}; phases "
             + ", ".join(f"{phase} {medians[phase]:.3f}" for phase in (*PHASES, "wait"))
             + f"; models in memory at once: {steady[0]['peak_staged']}"
+        )
+        first = [row["ratio"] for row in rows if row["mode"] == label and row["first"]]
+        summary[label] = {
+            **medians,
+            "peak_staged": steady[0]["peak_staged"],
+            "total_wall": totals[label],
+            "first_ratio": first,
+        }
+        print(
+            f"{label}: the sweep's {args.models} models took "
+            + ", ".join(f"{total:.2f}" for total in totals[label])
+            + " s (the first included); the first model's wall/max(S2, read) "
+            + ", ".join(f"{ratio:.2f}" for ratio in first)
         )
     staged, sequential = summary["staged"], summary["sequential"]
     assert isinstance(staged, dict) and isinstance(sequential, dict)
