@@ -250,10 +250,8 @@ def refill_model(model: ModelLike, checkpoint: Checkpoint, dtype: torch.dtype) -
     device = devices.pop()
     with checkpoint.errors("weights"):
         root, identifying = checkpoint.identifying()
-        per_file = SafetensorsReader(dtype, device)
-        loaded = reader.read_checkpoint(
-            root, identifying, dict.fromkeys(checkpoint.files.weight_names, per_file), into=targets
-        )
+        readers = _readers(checkpoint, [name for name, _ in identifying], type(hf), dtype, str(device))
+        loaded = reader.read_checkpoint(root, identifying, readers, into=targets)
     loaded.take()  # the model holds them
     for tensor in targets.values():
         torch.autograd.graph.increment_version(tensor)

@@ -93,16 +93,19 @@ def _worker_label() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def score_one(auditor: UDSAuditor, model: SweepModel) -> ModelOutcome:
+def score_one(
+    auditor: UDSAuditor, model: SweepModel, spare: Any = None, keep: Callable[[Any], None] | None = None
+) -> ModelOutcome:
     """Score one unlearned model with ``auditor`` (its result records the inputs' fingerprint).
 
     Any error (a path that does not load, a model of another architecture, non-finite scores) becomes a ``failed``
     outcome naming it: one bad checkpoint must not end a sweep of a hundred. The checkpoint is read once: its bytes
-    are hashed as they are read and the model is built from them (see `Prepared`).
+    are hashed as they are read and the model is built from them (see `Prepared`), or read into ``spare`` (see
+    `prepare_model`); ``keep`` takes the model once scored (see `finish_model`).
     """
-    prepared = prepare_model(model, auditor.config.dtype, auditor.device)
+    prepared = prepare_model(model, auditor.config.dtype, auditor.device, spare=spare)
     try:
-        return finish_model(auditor, prepared)
+        return finish_model(auditor, prepared, keep)
     finally:
         prepared.release()
 
@@ -273,9 +276,7 @@ class SweepWorker:
     def prepare(self, model: SweepModel, reuse: Callable[[Prepared], None] | None = None) -> Prepared:
         """Stage one model for this worker (`prepare_model`, into the spare model where there is one); safe to run
         on another thread while it scores."""
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse, spare)
+        return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse, self._take_spare())
 
     def finish(self, prepared: Prepared) -> ModelOutcome:
         """Score a prepared model (`finish_model`); the model scored becomes the spare the next one is read into,
@@ -291,19 +292,19 @@ class SweepWorker:
         with self._spare_lock:
             self._spare = model
 
-    def drop_spare(self) -> None:
-        """Release the spare model (the sweep is over)."""
+    def _take_spare(self) -> Any:
         with self._spare_lock:
             spare, self._spare = self._spare, None
+        return spare
+
+    def drop_spare(self) -> None:
+        """Release the spare model (the sweep is over)."""
+        spare = self._take_spare()
         if spare is not None:
             release_model(spare)
 
     def score(self, model: SweepModel) -> ModelOutcome:
-        """Score one unlearned model (as `score_one` does, read into the spare model where there is one)."""
+        """Score one unlearned model (`score_one`, read into the spare model where there is one)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
-        prepared = self.prepare(model)
-        try:
-            return self.finish(prepared)
-        finally:
-            prepared.release()
+        return score_one(self.auditor, model, self._take_spare(), self._keep)
