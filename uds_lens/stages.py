@@ -80,6 +80,24 @@ class StageRuns:
         """The full model's clean run of batch ``number`` (kept within the budget, `planning.CleanRuns`)."""
         return self.clean.get(number, lambda: self.engine.clean_run(self.full, batch))
 
+    def make_clean_runs(self) -> int:
+        """Make the full model's clean runs of the first batches ahead of the stage that reads them, as many as the
+        clean-run share keeps (a sweep's worker whose Stage 1 came from the cache, while its first model loads);
+        stops before a batch that would not be kept, judged by the bytes per token of those kept. The same runs the
+        stage would make: no number changes. Returns how many are kept."""
+        tokens = 0
+        for number, members in enumerate(self.batches() if self.clean.budget > 0 else []):
+            batch = self.make_batch(list(members))
+            held = self.clean.held()
+            if number not in self.clean.runs:
+                if tokens and held + held * batch.tokens.numel() // tokens > self.clean.budget:
+                    break
+                self.clean_run(number, batch)
+                if number not in self.clean.runs:
+                    break
+            tokens += batch.tokens.numel()
+        return len(self.clean.runs)
+
     def forget_clean_runs(self, short_of_memory: bool = True) -> None:
         """The batches changed (a batch that ran out of memory was split, or another plan was adopted): the kept
         clean runs go, and where memory was short less is kept from now on."""

@@ -296,6 +296,34 @@ def test_clean_runs_are_kept_only_within_their_budget(tiny, tiny_auditor):
         assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()
 
 
+def test_clean_runs_made_ahead_are_those_the_stage_keeps_and_change_no_number(
+    tiny, tiny_auditor, monkeypatch
+):
+    """`StageRuns.make_clean_runs` (a sweep's worker whose Stage 1 came from elsewhere, before its first model) makes
+    the runs the budget keeps and no other: each batch's clean run is made once in all, ahead or in the stage."""
+    loaded = {name: loader.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
+    config = UDSConfig(batch_size=2)
+    source = tiny_auditor(loaded, config)
+    reference = source.score(tiny.unlearned)
+    kept = [clean_run_bytes(run) for run in source.runs.clean.runs.values()]
+    assert len(kept) == len(source.batches) > 1
+    for budget, ahead in ((0, 0), (kept[0], 1), (source.clean_cache_bytes, len(kept))):
+        auditor = tiny_auditor(loaded, config)
+        auditor.use_stage1(source.stage1, source.batches)  # as a sweep's worker adopts it: no clean run kept
+        auditor.clean_cache_bytes = budget
+        made: list[int] = []
+
+        def counted(*args, made=made, run=auditor.runs.engine.clean_run):
+            made.append(1)
+            return run(*args)
+
+        monkeypatch.setattr(auditor.runs.engine, "clean_run", counted)
+        assert auditor.runs.make_clean_runs() == ahead == len(made) == len(auditor.runs.clean.runs)
+        result = auditor.score(tiny.unlearned)
+        assert len(made) == len(kept)  # the stage made only those not kept
+        assert result.layers["s2_score"].tolist() == reference.layers["s2_score"].tolist()
+
+
 def test_the_auditor_drops_the_last_model_before_loading_the_next(tiny, tiny_auditor, monkeypatch):
     loaded = {name: loader.load_model(getattr(tiny, name), device="cpu") for name in ("full", "retain")}
     auditor = tiny_auditor(loaded)

@@ -14,6 +14,8 @@ import torch
 from helpers.reads import ReadCounter
 
 from uds_lens.checkpoints import loader
+from uds_lens.stages import StageRuns
+from uds_lens.sweep import worker as worker_module
 from uds_lens.sweep.driver import sweep
 from uds_lens.sweep.ledger import PHASE_COLUMNS
 from uds_lens.sweep.staging import StagingPipeline
@@ -75,6 +77,33 @@ def test_without_prefetch_one_model_at_a_time():
     assert handed == list(range(5)) and pipeline.peak == 1
     for k in range(4):
         assert clock.index("compute", k, "end") < clock.index("prepare", k + 1, "start")
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_worker_prepares_itself_while_the_first_model_is_staged(ahead):
+    clock = _Clock()
+    consumer = threading.get_ident()
+
+    def prepare(k: int) -> int:
+        clock.log("prepare", k, "start")
+        time.sleep(0.05)
+        clock.log("prepare", k, "end")
+        return k
+
+    def meanwhile() -> None:
+        assert threading.get_ident() == consumer  # the worker's own thread
+        clock.log("meanwhile", "start")
+        time.sleep(0.05)
+        clock.log("meanwhile", "end")
+
+    pipeline = StagingPipeline(prepare, range(3), release=lambda k: None, ahead=ahead, meanwhile=meanwhile)
+    handed = [k for k, _prepared, _waited in pipeline]
+    assert handed == [0, 1, 2] and sum(e[0] == "meanwhile" for e in clock.events) == 2  # once
+    if ahead:  # beside the first model's staging
+        assert clock.index("prepare", 0, "start") < clock.index("meanwhile", "end")
+        assert clock.index("meanwhile", "start") < clock.index("prepare", 0, "end")
+    else:  # one thing at a time
+        assert clock.index("meanwhile", "end") < clock.index("prepare", 0, "start")
 
 
 def test_a_failing_stage_is_handed_out_in_its_place_and_the_rest_goes_on():
@@ -202,7 +231,17 @@ def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_pat
     loads = []
     real = loader._hf_model  # noqa: SLF001 - the builder every load goes through (the worker's and the staging's)
     monkeypatch.setattr(loader, "_hf_model", lambda *a, **kw: loads.append(a) or real(*a, **kw))
+    made = {"vacant": 0, "clean runs": 0}
+    real_copy, real_warm = loader.vacant_copy, StageRuns.make_clean_runs
+    monkeypatch.setattr(worker_module, "vacant_copy", lambda m: made.update(vacant=1) or real_copy(m))
+    monkeypatch.setattr(
+        StageRuns, "make_clean_runs", lambda runs: made.update({"clean runs": 1}) or real_warm(runs)
+    )
     again = _sweep(tiny, tmp_path / "out", models_)
+    # a rerun where every model has a result may reuse them all: no spare bridge made, no clean run ahead
+    assert made == {"vacant": 0, "clean runs": 0}
+    _sweep(tiny, tmp_path / "fresh", models_)  # ... where a model has none, both
+    assert made == {"vacant": 1, "clean runs": 1}
     # the worker loads full and retain as ever; no unlearned model is loaded
     loaded = {checkpoint.location for checkpoint, *_ in loads}
     assert loaded == {str(tiny.full), str(tiny.retain)}
@@ -214,11 +253,12 @@ def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_pat
     assert (again["hash_seconds"] > 0).all() and not math.isnan(again.loc[0, "seconds"])
 
 
-def test_each_model_after_the_first_is_read_into_the_bridge_of_the_one_scored_before(
+def test_every_model_is_read_into_a_spare_bridge_a_vacant_copy_of_full_then_the_one_scored_before(
     tiny, tmp_path, sweep_models, monkeypatch
 ):
-    """A bridge is built once for the unlearned models (TransformerLens's build costs several times the read); the
-    others are read into it (`loader.refill_model`), and every number equals that of a sweep that builds each model."""
+    """No bridge is built for the unlearned models (TransformerLens's build costs several times the read): the first
+    is read into a vacant copy of full (`loader.vacant_copy`), the others into the one scored before
+    (`loader.refill_model`), and every number equals that of a sweep that builds each model."""
     import uds_lens.sweep.staging as staging
 
     models_ = {name: sweep_models[name] for name in ("unl", "ret", "unl2")}
@@ -231,7 +271,7 @@ def test_each_model_after_the_first_is_read_into_the_bridge_of_the_one_scored_be
         staging, "refill_model", lambda model, ckpt, *a: refilled.append(ckpt.name) or refill(model, ckpt, *a)
     )
     table = _sweep(tiny, tmp_path / "refilled", models_, prefetch=False).set_index("name")
-    assert built == ["unlearned"] and refilled == ["retain", "unl2"]  # checkpoint names: their folders
+    assert built == [] and refilled == ["unlearned", "retain", "unl2"]  # checkpoint names: their folders
     monkeypatch.setattr(staging, "refill_model", lambda *a: None)
     each_built = _sweep(tiny, tmp_path / "built", models_, prefetch=False).set_index("name")
     assert (table["status"] == "scored").all()
@@ -262,4 +302,5 @@ def test_a_model_whose_scoring_failed_is_not_read_into(tiny, tmp_path, sweep_mod
     monkeypatch.setattr(UDSAuditor, "score", failing)
     table = _sweep(tiny, tmp_path / "failed", models_, prefetch=False).set_index("name")
     assert table["status"].to_dict() == {"unl": "scored", "ret": "failed", "unl2": "scored"}
-    assert built == ["unlearned", "unl2"] and refilled == ["retain"]
+    # the first read into a vacant copy of full, the second into the first; the failed one's bridge was dropped
+    assert built == ["unl2"] and refilled == ["unlearned", "retain"]

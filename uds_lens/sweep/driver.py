@@ -260,18 +260,25 @@ def _sweep_in_process(
     read or loaded becomes its ``failed`` row and the sweep goes on. ``seconds`` of a model is the worker's wall time
     for it, from asking for it to its row written.
     """
-    worker = SweepWorker(plan, compute_stage=True)
+    # a spare bridge per model in memory at once (`SweepWorker`): the one computing, the one staged
+    worker = SweepWorker(plan, compute_stage=True, spares=2 if prefetch else 1)
     ledger = Ledger(out_dir, entries, worker.stage(), plan.inputs.config.tau, force)
     ledger.write()
+    scoring = ledger.will_score(force)
+    if scoring:  # a rerun that may reuse every model makes neither the spares nor full's clean runs
+        worker.stock()
     pipeline = StagingPipeline(
         lambda entry: worker.prepare(entry, lambda prepared: ledger.check_staged(prepared, force)),
         entries,
         release=Prepared.release,
         ahead=prefetch,
+        meanwhile=worker.warm if scoring else None,  # full's clean runs, while the first model is staged
     )
     with tqdm(total=len(entries), desc="sweep (in-process)", unit="model", disable=not progress) as bar:
-        started = time.perf_counter()
+        started: float | None = None  # the first model is asked for once the worker is warm
         for entry, prepared, waited in pipeline:
+            if started is None:
+                started = time.perf_counter() - waited
             if isinstance(
                 prepared, Exception
             ):  # prepare never raises; kept so a bug still yields a failed row

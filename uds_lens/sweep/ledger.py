@@ -130,6 +130,13 @@ class Ledger:
             return SavedCheck(None, "forced" if force else entry.error), fingerprint
         return check_saved(self.out / entry.name, fingerprint), fingerprint
 
+    def will_score(self, force: bool) -> bool:
+        """Whether some model will be scored whatever the reuse decisions: ``force``, or a model that names a
+        checkpoint and has no directory of its result here (a rerun where every model has one may reuse them all)."""
+        return force or any(
+            entry.checkpoint is not None and not (self.out / entry.name).exists() for entry in self.entries
+        )
+
     def reuse(self, force: bool) -> list[SweepModel]:
         """Record every model whose saved result is current as ``reused``; returns the models left to score.
 

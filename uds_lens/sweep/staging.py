@@ -187,6 +187,9 @@ class StagingPipeline:
     model is in memory besides the one computing (``peak`` counts them: 2 with ``ahead``, 1 without). ``prepare``
     should not raise (a model's error belongs in its result); if it does, the error is handed out in its place.
 
+    ``meanwhile``, where given, runs on the consumer's thread while the first model is staged (the worker's own
+    preparation, `SweepWorker.warm`), before the first is handed out.
+
     Examples:
         >>> for entry, prepared, waited in StagingPipeline(worker.prepare, entries, release=Prepared.release):
         ...     outcome = worker.finish(prepared)
@@ -198,8 +201,10 @@ class StagingPipeline:
         items: Sequence[Any],
         release: Callable[[Any], None],
         ahead: bool = True,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         self.prepare, self.items, self.release, self.ahead = prepare, list(items), release, ahead
+        self.meanwhile = meanwhile
         self.live = 0
         self.peak = 0
         self._lock = threading.Lock()
@@ -227,6 +232,8 @@ class StagingPipeline:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uds-sweep-stage")
         try:
             pending: Future | None = pool.submit(self._prepare, self.items[0]) if self.ahead else None
+            if self.meanwhile is not None:
+                self.meanwhile()
             for number, item in enumerate(self.items):
                 started = time.perf_counter()
                 prepared = pending.result() if pending is not None else self._prepare(item)

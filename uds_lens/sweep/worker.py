@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from uds_lens.auditor import UDSAuditor
-from uds_lens.checkpoints.loader import release_model
+from uds_lens.checkpoints.loader import release_model, vacant_copy
 from uds_lens.config import UDSConfig
 from uds_lens.data import Example
 from uds_lens.inputs import RunInputs
@@ -223,9 +223,12 @@ class SweepWorker:
     tokenizer version would give silently different numbers). Every worker's auditor is built naming the plan's
     retain model and data (``UDSAuditor(..., retain_name=, data_name=)``), so its results name them although only
     the first worker loads retain, and it releases retain itself (``drop_retain``) once Stage 1 is computed.
+
+    ``spares`` is how many unlearned models it may hold at once (2 where one is staged while another computes): on
+    the CPU each model is read into a spare bridge (`stock`, `prepare`), never built.
     """
 
-    def __init__(self, plan: WorkerPlan, compute_stage: bool = True) -> None:
+    def __init__(self, plan: WorkerPlan, compute_stage: bool = True, spares: int = 1) -> None:
         if plan.threads:
             torch.set_num_threads(plan.threads)
         # A restarted first worker does not recompute Stage 1: the driver hands it the shipped one again.
@@ -239,9 +242,11 @@ class SweepWorker:
             inputs, progress=False, retain_name=retain.label if retain is not None else None
         )
         self.shipped: ShippedStage | None = None
-        # a model scored already, on the CPU, that the next one is read into (`loader.refill_model`): the bridge
-        # TransformerLens builds costs several times the read of a SmolLM2-size model
-        self._spare: Any = None
+        # bridges on the CPU that nothing uses, which the next models are read into (`loader.refill_model`): the
+        # bridge TransformerLens builds costs several times the read of a SmolLM2-size model. Vacant copies of full
+        # (`stock`), then each model once scored; at most ``spares``, one per model in memory at once.
+        self._spares: list[Any] = []
+        self._spare_room = spares
         self._spare_lock = threading.Lock()
         if compute_stage:
             self.shipped = ShippedStage.of(self.auditor)
@@ -279,32 +284,53 @@ class SweepWorker:
         return prepare_model(model, self.auditor.config.dtype, self.auditor.device, reuse, self._take_spare())
 
     def finish(self, prepared: Prepared) -> ModelOutcome:
-        """Score a prepared model (`finish_model`); the model scored becomes the spare the next one is read into,
+        """Score a prepared model (`finish_model`); the model scored becomes a spare a later one is read into,
         where it stays on the CPU (on a GPU it is released, as the device holds one unlearned model at a time)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
         return finish_model(self.auditor, prepared, keep=self._keep)
 
     def _keep(self, model: Any) -> None:
-        if any(param.device.type != "cpu" for param in model.parameters()):
-            release_model(model)
-            return
         with self._spare_lock:
-            self._spare = model
+            if len(self._spares) < self._spare_room and all(
+                p.device.type == "cpu" for p in model.parameters()
+            ):
+                self._spares.append(model)
+                return
+        release_model(model)
 
     def _take_spare(self) -> Any:
         with self._spare_lock:
-            spare, self._spare = self._spare, None
-        return spare
+            return self._spares.pop() if self._spares else None
+
+    def stock(self) -> None:
+        """Fill the spares with vacant copies of full (`loader.vacant_copy`: its modules copied, not its weights),
+        for the models to be read into instead of each building a bridge. Only on the CPU (on a GPU each model is
+        built, see `_keep`) and only while nothing runs full (the copy takes its modules as they are)."""
+        if torch.device(self.auditor.device).type != "cpu":
+            return
+        while len(self._spares) < self._spare_room:
+            vacant = vacant_copy(self.auditor.full)
+            if vacant is None:  # not a bridge of a safetensors directory: each model is built
+                return
+            with self._spare_lock:
+                self._spares.append(vacant)
 
     def drop_spare(self) -> None:
-        """Release the spare model (the sweep is over)."""
-        spare = self._take_spare()
-        if spare is not None:
+        """Release the spare models (the sweep is over)."""
+        while (spare := self._take_spare()) is not None:
             release_model(spare)
 
+    def warm(self) -> None:
+        """Make full's clean runs of the batches, as many as the plan keeps (`StageRuns.make_clean_runs`), which
+        the first model's Stage 2 would make otherwise (a Stage 1 read from the cache made none): the in-process
+        sweep calls it while its first model is staged. The same runs: no number changes."""
+        self.auditor.runs.make_clean_runs()
+
     def score(self, model: SweepModel) -> ModelOutcome:
-        """Score one unlearned model (`score_one`, read into the spare model where there is one)."""
+        """Score one unlearned model (`score_one`, read into a spare model: the one scored before, else a vacant
+        copy of full)."""
         if self.shipped is None:
             raise SweepError("This sweep worker has no Stage 1 yet: the driver must call adopt() first.")
+        self.stock()  # nothing runs full between two models
         return score_one(self.auditor, model, self._take_spare(), self._keep)
