@@ -15,8 +15,9 @@ did not hide). Also the machine's load average before and after, and the process
 model of each sweep is staged while the worker makes full's clean runs (its setup, which Stage 1 from the cache
 leaves undone), nothing computing beside it; the ratios are the medians of the others, and the first model's are
 printed apart, with each sweep's total: its models' walls and the whole ``sweep`` call (the setup included: full
-loaded, Stage 1 read, the spare bridges copied, full's clean runs). Every sweep starts with an empty digest cache
-(``UDS_LENS_CACHE`` of its own), so each model's bytes are hashed in the pass that reads them, as on a first run.
+loaded, Stage 1 read, the spare bridges copied, full's clean runs). Every sweep starts with a digest cache
+(``UDS_LENS_CACHE``) of its own that remembers full and retain only (as the run that computed the warm Stage 1
+would have), so each unlearned model's bytes are hashed in the pass that reads them, as on a first run.
 
     python experiments/bench_sweep.py --models 4 --limit 7          # pacing (issue 47's figures)
     python experiments/bench_sweep.py ray --copies 6                 # models/min in-process vs Ray workers
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from uds_lens.checkpoints import digests
+from uds_lens.checkpoints.checkpoint import Checkpoint
 from uds_lens.sweep.driver import sweep
 from uds_lens.sweep.ledger import PHASES
 from uds_lens.zoo.build import build_zoo
@@ -124,6 +126,8 @@ def pacing(argv: list[str]) -> None:
         # a digest cache of this sweep's own: every checkpoint is hashed in the one pass that reads it
         os.environ["UDS_LENS_CACHE"] = str(out.with_name(out.name + "_cache"))
         digests.forget_digests()
+        for kept in (full, retain):  # remembered, as by the run that computed the warm Stage 1
+            _ = Checkpoint.resolve(kept).digest
         began = time.perf_counter()
         table = sweep(
             str(full),

@@ -261,7 +261,7 @@ def _sweep_in_process(
     for it, from asking for it to its row written.
     """
     # a spare bridge per model in memory at once (`SweepWorker`): the one computing, the one staged
-    worker = SweepWorker(plan, compute_stage=True, spares=2 if prefetch else 1)
+    worker = SweepWorker(plan, compute_stage=True, spares=min(len(entries), 2 if prefetch else 1))
     ledger = Ledger(out_dir, entries, worker.stage(), plan.inputs.config.tau, force)
     ledger.write()
     scoring = ledger.will_score(force)

@@ -22,6 +22,7 @@ from uds_lens.config import UDSConfig
 from uds_lens.data import Example
 from uds_lens.inputs import RunInputs
 from uds_lens.results import UDSResult
+from uds_lens.scoring import LazyRun
 from uds_lens.stage_cache import StageOne
 from uds_lens.sweep.lists import SweepError, SweepModel
 from uds_lens.sweep.staging import Prepared, move_to_device, prepare_model
@@ -235,12 +236,16 @@ class SweepWorker:
         compute_stage = compute_stage and not _restarted_actor()
         inputs = plan.inputs
         retain = inputs.retain
-        if not compute_stage:  # Stage 1 arrives from the first worker: no retain to load, no cache to read
+        if compute_stage:
+            # full only where the S1 cache's index holds these inputs' Stage 1 (`scoring.LazyRun`), else full and
+            # retain, Stage 1 from the cache or computed
+            self.auditor = LazyRun(inputs, progress=False).auditor()
+        else:  # Stage 1 arrives from the first worker: no retain to load, no cache to read
             inputs = dataclasses.replace(inputs, retain=None, cache_dir=False)
-        # every worker's results name the plan's retain model and data file, whether it loaded retain or not
-        self.auditor = UDSAuditor.from_inputs(
-            inputs, progress=False, retain_name=retain.label if retain is not None else None
-        )
+            # every worker's results name the plan's retain model and data file, whether it loaded retain or not
+            self.auditor = UDSAuditor.from_inputs(
+                inputs, progress=False, retain_name=retain.label if retain is not None else None
+            )
         self.shipped: ShippedStage | None = None
         # bridges on the CPU that nothing uses, which the next models are read into (`loader.refill_model`): the
         # bridge TransformerLens builds costs several times the read of a SmolLM2-size model. Vacant copies of full
