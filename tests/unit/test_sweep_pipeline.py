@@ -247,7 +247,9 @@ def test_a_rerun_reuses_from_the_remembered_digest_without_reading(tiny, tmp_pat
     assert (again["status"] == "reused").all()
     # nor read: its digest is remembered by file identity
     assert (again["bytes_read"] == 0).all()
-    _sweep(tiny, tmp_path / "fresh", models_)  # where a model has no result: the spare and the clean runs made
+    _sweep(
+        tiny, tmp_path / "fresh", models_
+    )  # where a model has no result: the spare and the clean runs made
     assert made == {"vacant": 1, "clean runs": 1}
     # (to 1e-6: sweep.csv recomputes a reused UDS from the rounded examples.csv, issue 27)
     assert again["uds"].tolist() == pytest.approx(first["uds"].tolist(), abs=1e-6)
