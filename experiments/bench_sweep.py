@@ -198,7 +198,7 @@ def pacing(argv: list[str]) -> None:
         print(
             f"{row['mode']:<11} {row['name']:<6} "
             + " ".join(f"{row[c]:8.3f}" for c in columns)
-            + ("  (first: nothing staged ahead)" if row["first"] else "")
+            + ("  (first)" if row["first"] else "")
         )
     summary: dict[str, object] = {
         "cpus": os.cpu_count(),
