@@ -211,6 +211,14 @@ def build_model(
 _PROVENANCE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
 
+def _held_tensors(hf: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """A wrapped Hugging Face model's parameters and buffers (the tensors themselves) under their Hugging Face names:
+    the bridge wraps each module in one holding it as ``_original_component``, a segment dropped here."""
+    return {
+        key.replace("._original_component", ""): value for key, value in hf.state_dict(keep_vars=True).items()
+    }
+
+
 def refill_model(model: ModelLike, checkpoint: Checkpoint, dtype: torch.dtype) -> ModelLike | None:
     """The model of ``checkpoint`` made by reading its weights into ``model``, a bridge `build_model` made of
     another checkpoint that nothing uses any longer (a sweep's model scored already): its tensors are overwritten in
@@ -241,10 +249,7 @@ def refill_model(model: ModelLike, checkpoint: Checkpoint, dtype: torch.dtype) -
     shapes, old_shapes = checkpoint.tensor_shapes, before.tensor_shapes
     if own != old or shapes is None or shapes != old_shapes:
         return None
-    # under its Hugging Face names: the bridge wraps each module in one holding it as ``_original_component``
-    held = {
-        key.replace("._original_component", ""): value for key, value in hf.state_dict(keep_vars=True).items()
-    }
+    held = _held_tensors(hf)
     targets = {name: held[name].detach() for name in shapes if name in held}
     storages = {tensor.data_ptr() for tensor in targets.values()}
     if len(targets) != len(shapes) or len(storages) != len(targets):
@@ -287,9 +292,7 @@ def vacant_copy(model: ModelLike) -> ModelLike | None:
     if attached_hooks(model):  # a hook of the model's would be the copy's too
         return None
     shapes = checkpoint.tensor_shapes
-    held = {
-        key.replace("._original_component", ""): value for key, value in hf.state_dict(keep_vars=True).items()
-    }
+    held = _held_tensors(hf)
     if shapes is None or any(name not in held for name in shapes):
         return None
     memo: dict[int, Any] = {id(checkpoint): checkpoint}

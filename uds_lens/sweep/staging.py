@@ -90,9 +90,10 @@ def prepare_model(
         reuse: called with the `Prepared` once its ``identity`` is set (before the load where the stamp proves it,
             and again after the load when the bytes loaded are not those); it may set ``reused`` (then the model is
             not loaded, or dropped) and ``reason``.
-        spare: a model scored already, on the CPU, that nothing uses any longer: the model is read into it where
-            it builds the same model (`loader.refill_model`: the bridge kept, its tensors overwritten), else it is
-            dropped before the model is built. Taken either way.
+        spare: a bridge on the CPU that nothing uses any longer (a model scored already, or a vacant copy of full,
+            `loader.vacant_copy`): the model is read into it where it builds the same model (`loader.refill_model`:
+            the bridge kept, its tensors overwritten), else it is dropped before the model is built. Taken either
+            way.
 
     Returns:
         The `Prepared` model; an error (a missing path, a truncated file, a model that does not load) is kept in
